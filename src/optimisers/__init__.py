@@ -1,0 +1,33 @@
+"""optimisers: composable optimisation rules for whole models, with tied weights handled for you.
+
+    state = optimisers.setup(optimisers.Adam(1e-3), model)
+    state, model = optimisers.update(state, model, grads)    # pure
+    state, model = optimisers.update_(state, model, grads)   # in place
+"""
+
+from ._destructure import destructure, trainables
+from ._interface import adjust, adjust_, freeze_, setup, thaw_, update, update_
+from ._rule import Rule
+from ._rules import Adam, Descent
+from ._state import Leaf, State
+from ._tree import register
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Adam",
+    "Descent",
+    "Leaf",
+    "Rule",
+    "State",
+    "adjust",
+    "adjust_",
+    "destructure",
+    "freeze_",
+    "register",
+    "setup",
+    "thaw_",
+    "trainables",
+    "update",
+    "update_",
+]

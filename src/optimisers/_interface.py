@@ -1,0 +1,400 @@
+"""setup / update / update_ / adjust / freeze: the tree-shaped side of the library.
+
+An update runs in three phases so that a failed call changes nothing:
+1. gather: walk model, state and gradients together, check every gradient against its parameter,
+   and collect each Leaf's gradient contributions (a tied Leaf gets one per place);
+2. compute: run each Leaf's rule once on the sum of its contributions (rules are pure);
+3. commit: write parameters (in place for `update_`) and rebuild the model and state trees, giving
+   every place of a Leaf the same new array and rebuilding each shared container once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from . import _ops
+from ._rule import NewValue, Rule
+from ._state import Leaf, State, leaf_paths, map_leaves
+from ._tree import format_path, is_param, kind_of, trainable_children
+
+# --- setup -------------------------------------------------------------------------------------
+
+
+def _rule_chooser(rule):
+    if isinstance(rule, Rule):
+        return lambda path, x: rule
+    if isinstance(rule, type) and issubclass(rule, Rule):
+        raise TypeError(f"setup expects a rule instance, e.g. {rule.__name__}(), not the class")
+    if callable(rule):
+
+        def choose(path, x):
+            chosen = rule(path, x)
+            if not isinstance(chosen, Rule):
+                raise TypeError(
+                    f"the rule function returned {chosen!r} for {format_path(path)}; "
+                    "expected an optimisers.Rule"
+                )
+            return chosen
+
+        return choose
+    raise TypeError(
+        f"setup expects an optimisers.Rule (e.g. Adam()) or a function (path, x) -> Rule, got {rule!r}"
+    )
+
+
+def setup(rule, model) -> State:
+    """Initialise the optimiser state of `model`: one `Leaf(rule, rule.init(x))` per distinct
+    trainable array, shared by every place that array appears (tied weights).
+
+    `rule` may be a function `(path, x) -> Rule` that chooses a rule per parameter; a tied array
+    gets the rule chosen at its first path. Raises ValueError when two distinct writable arrays
+    overlap in memory (e.g. `W` and `W.T`), naming both paths.
+    """
+    choose = _rule_chooser(rule)
+    built: dict[int, Any] = {}  # id(model node) -> its state sub-tree (None: nothing trainable)
+    arrays: list[tuple[tuple, Any]] = []
+
+    def build(node, path):
+        key = id(node)
+        if key in built:
+            return built[key]
+        if is_param(node):
+            r = choose(path, node)
+            result = Leaf(r, r.init(node))
+            arrays.append((path, node))
+        else:
+            kind = kind_of(node)
+            result = None
+            if kind is not None:
+                sub = {}
+                for k, child in trainable_children(node, kind):
+                    s = build(child, path + (k,))
+                    if s is not None:
+                        sub[k] = s
+                result = sub or None
+        built[key] = result
+        return result
+
+    tree = build(model, ())
+    _check_overlaps(arrays)
+    return State(tree)
+
+
+def _check_overlaps(arrays):
+    """Distinct writable arrays sharing memory would be written twice by an in-place update."""
+    spans = []
+    for path, x in arrays:
+        b = _ops.backend(x)
+        if b.writable(x):
+            start, stop = b.memory_span(x)
+            if stop > start:
+                spans.append((start, stop, path, x))
+    spans.sort(key=lambda s: s[0])
+    open_spans: list = []
+    for start, stop, path, x in spans:
+        open_spans = [s for s in open_spans if s[1] > start]
+        for _, _, other_path, other in open_spans:
+            if _ops.backend(x).shares_memory(x, other):
+                raise ValueError(
+                    f"parameters at {format_path(other_path)} and {format_path(path)} are distinct "
+                    "arrays over the same memory (a view such as W.T?); an in-place update would "
+                    "write it twice. Use one array at both places to tie them, or copy one."
+                )
+        open_spans.append((start, stop, path, x))
+
+
+# --- reading gradients -------------------------------------------------------------------------
+
+
+def _grad_children(node, kind, children: dict, grad, path) -> dict:
+    """The gradient of each child of `node`, as a dict (missing key = no gradient)."""
+    if grad is None:
+        return {}
+    if kind.grad_children is not None:
+        found = kind.grad_children(node, grad, path)
+        if found is not None:
+            return found
+    if isinstance(grad, Mapping):
+        unknown = [k for k in grad if k not in children]
+        if unknown:
+            have = ", ".join(repr(k) for k in children)
+            raise ValueError(
+                f"gradient at {format_path(path)} has key {unknown[0]!r}, which the model does not "
+                f"have there (model keys: {have})"
+            )
+        return dict(grad)
+    if type(grad) is type(node):
+        return dict(kind.children(grad))
+    if isinstance(grad, Sequence) and not isinstance(grad, str) and kind.name in (
+        "list",
+        "tuple",
+        "namedtuple",
+    ):
+        if len(grad) != len(children):
+            raise ValueError(
+                f"gradient at {format_path(path)} is a sequence of length {len(grad)}, but the "
+                f"model has {len(children)} entries there"
+            )
+        return dict(zip(children, grad))
+    raise TypeError(
+        f"gradient at {format_path(path)} is a {type(grad).__name__}, but the model has a "
+        f"{type(node).__name__} there; expected a gradient of the same structure (or a mapping of "
+        "its keys, or None)"
+    )
+
+
+def _check_grad(grad, x, path):
+    shape = getattr(grad, "shape", None)
+    if shape is None or kind_of(grad) is not None:
+        raise TypeError(
+            f"gradient at {format_path(path)} is a {type(grad).__name__}; expected an array of "
+            f"shape {tuple(x.shape)} (or None)"
+        )
+    if tuple(shape) != tuple(x.shape):
+        raise ValueError(
+            f"gradient at {format_path(path)} has shape {tuple(shape)}, but the parameter has "
+            f"shape {tuple(x.shape)}"
+        )
+
+
+class _Contribution:
+    __slots__ = ("leaf", "x", "grads")
+
+    def __init__(self, leaf, x):
+        self.leaf = leaf
+        self.x = x
+        self.grads: list = []
+
+
+def _gather(tree, model, grads) -> dict[int, _Contribution]:
+    found: dict[int, _Contribution] = {}
+
+    def visit(snode, node, grad, path):
+        if isinstance(snode, Leaf):
+            if not is_param(node):
+                raise TypeError(
+                    f"the state has a parameter at {format_path(path)}, but the model has a "
+                    f"{type(node).__name__} there; was the state set up for another model?"
+                )
+            entry = found.get(id(snode))
+            if entry is None:
+                entry = found[id(snode)] = _Contribution(snode, node)
+            if grad is not None:
+                _check_grad(grad, node, path)
+                entry.grads.append(grad)
+            return
+        kind = kind_of(node)
+        if kind is None:
+            raise TypeError(
+                f"the state expects a container at {format_path(path)}, but the model has a "
+                f"{type(node).__name__} there; was the state set up for another model?"
+            )
+        children = dict(kind.children(node))
+        grad_of = _grad_children(node, kind, children, grad, path)
+        for k, sub in snode.items():
+            if k not in children:
+                raise KeyError(
+                    f"the state has key {k!r} at {format_path(path)}, which the model lacks; "
+                    "was the state set up for another model?"
+                )
+            visit(sub, children[k], grad_of.get(k), path + (k,))
+
+    visit(tree, model, grads, ())
+    return found
+
+
+# --- update ------------------------------------------------------------------------------------
+
+
+def _compute(found: dict[int, _Contribution]) -> dict[int, tuple]:
+    """Run each Leaf's rule once: `{id(leaf): (new_state, step)}` for Leafs that move."""
+    results = {}
+    for key, c in found.items():
+        if c.leaf.frozen or not c.grads:
+            continue
+        dx = c.grads[0]
+        for g in c.grads[1:]:
+            dx = dx + g
+        dx = _ops.astype(dx, c.x)
+        results[key] = c.leaf.rule.apply(c.leaf.state, c.x, dx)
+    return results
+
+
+def _check_args(state, grads, name):
+    if not isinstance(state, State):
+        hint = " (arguments are (state, model, grads))" if not isinstance(state, Leaf) else ""
+        raise TypeError(f"{name} expects the State returned by setup, got {type(state).__name__}{hint}")
+    if len(grads) != 1:
+        raise TypeError(
+            f"{name}(state, model, grads) takes one gradient tree; got {len(grads)}"
+            + (" (no gradients were given)" if not grads else "")
+        )
+
+
+def update(state: State, model, *grads):
+    """One optimisation step, pure: returns `(new_state, new_model)` and leaves the caller's state,
+    model and gradients exactly as they were. Every trainable array of the result is new."""
+    _check_args(state, grads, "update")
+    found = _gather(state.tree, model, grads[0])
+    results = _compute(found)
+    new_leaf: dict[int, Leaf] = {}
+
+    def leaf_of(leaf):
+        moved = results.get(id(leaf))
+        new_leaf[id(leaf)] = Leaf(leaf.rule, moved[0] if moved else leaf.state, leaf.frozen)
+        return new_leaf[id(leaf)]
+
+    new_tree = map_leaves(leaf_of, state.tree)
+    values: dict[int, Any] = {}
+
+    def place(leaf, x):
+        key = id(leaf)
+        if key not in values:
+            moved = results.get(key)
+            step = moved[1] if moved else None
+            if step is None:
+                values[key] = _ops.copy(x)
+            elif isinstance(step, NewValue):
+                values[key] = _ops.cast(step.value, x.dtype)
+            else:
+                values[key] = _ops.backend(x).subtract(x, step)
+        return values[key]
+
+    return State(new_tree), _rebuild(state.tree, model, place)
+
+
+def update_(state: State, model, *grads):
+    """One optimisation step in place: mutates the state's Leafs and writes every writable
+    parameter in place. Returns `(state, model)`; use the returned model, since immutable arrays
+    (JAX) are replaced by new ones. Gives the same numbers as `update`, bit for bit."""
+    _check_args(state, grads, "update_")
+    found = _gather(state.tree, model, grads[0])
+    results = _compute(found)
+    for key, (new_state, _) in results.items():
+        found[key].leaf.state = new_state
+    written: dict[int, Any] = {}  # id(leaf) -> the first updated array, which holds the new value
+
+    def place(leaf, x):
+        moved = results.get(id(leaf))
+        if moved is None or moved[1] is None:
+            return x
+        step = moved[1]
+        b = _ops.backend(x)
+        first = written.get(id(leaf))
+        if first is not None:
+            if first is x:
+                return x
+            if b.writable(x):
+                return b.assign_(x, first)
+            return _ops.cast(first, x.dtype)
+        if isinstance(step, NewValue):
+            new = b.assign_(x, step.value) if b.writable(x) else _ops.cast(step.value, x.dtype)
+        else:
+            new = b.subtract_(x, step) if b.writable(x) else b.subtract(x, step)
+        written[id(leaf)] = new
+        return new
+
+    return state, _rebuild(state.tree, model, place)
+
+
+def _rebuild(tree, model, place):
+    """The model with each parameter replaced by `place(leaf, x)`, each shared container rebuilt
+    once, and everything the state does not cover returned as the same object."""
+    done: dict[int, Any] = {}
+
+    def visit(snode, node):
+        if isinstance(snode, Leaf):
+            return place(snode, node)
+        key = id(node)
+        if key in done:
+            return done[key]
+        kind = kind_of(node)
+        children = dict(kind.children(node))
+        changes = {}
+        for k, sub in snode.items():
+            new = visit(sub, children[k])
+            if new is not children[k]:
+                changes[k] = new
+        result = kind.rebuild(node, changes) if changes else node
+        done[key] = result
+        return result
+
+    return visit(tree, model)
+
+
+# --- adjust, freeze ----------------------------------------------------------------------------
+
+
+def _leaves_of(tree, name):
+    if isinstance(tree, Leaf):
+        return [tree]
+    if isinstance(tree, State):
+        return [leaf for _, leaf in leaf_paths(tree.tree)]
+    raise TypeError(
+        f"{name} expects optimiser state (a State from setup, a part of one such as "
+        f"state['encoder'], or a Leaf), got a {type(tree).__name__}; did you pass the model?"
+    )
+
+
+def _adjusted_rules(leaves, eta, hyper, name) -> dict[int, Rule]:
+    if eta is not None:
+        hyper = {"eta": eta, **hyper}
+    if not hyper:
+        raise TypeError(f"{name} needs something to change: a learning rate or hyperparameter=value")
+    rules = {}
+    used: set[str] = set()
+    for leaf in leaves:
+        if id(leaf.rule) not in rules:
+            rules[id(leaf.rule)] = leaf.rule.adjust(**hyper)
+            used.update(k for k in hyper if k in _all_names(leaf.rule))
+    unknown = [k for k in hyper if k not in used]
+    if unknown:
+        valid = sorted({n for leaf in leaves for n in _all_names(leaf.rule)})
+        raise ValueError(
+            f"{name}: no rule in this state has a hyperparameter {unknown[0]!r}; "
+            f"valid names here: {', '.join(valid) or 'none'}"
+        )
+    return rules
+
+
+def _all_names(rule) -> tuple[str, ...]:
+    return rule.hyperparameters()
+
+
+def adjust(tree, eta=None, **hyper):
+    """A copy of the state (or part of it, or a Leaf) with hyperparameters changed and optimiser
+    state kept: `adjust(state, 0.01)` sets the learning rate, `adjust(state, beta=(0.8, 0.99))`
+    any named hyperparameter. A name that no rule in the tree has is an error."""
+    leaves = _leaves_of(tree, "adjust")
+    rules = _adjusted_rules(leaves, eta, hyper, "adjust")
+
+    def fresh(leaf):
+        return Leaf(rules[id(leaf.rule)], leaf.state, leaf.frozen)
+
+    if isinstance(tree, Leaf):
+        return fresh(tree)
+    return State(map_leaves(fresh, tree.tree))
+
+
+def adjust_(tree, eta=None, **hyper):
+    """Like `adjust`, but changes the Leafs in place; returns `tree`."""
+    leaves = _leaves_of(tree, "adjust_")
+    rules = _adjusted_rules(leaves, eta, hyper, "adjust_")
+    for leaf in leaves:
+        leaf.rule = rules[id(leaf.rule)]
+    return tree
+
+
+def freeze_(tree):
+    """Mark every Leaf of a state (or part of one) frozen: updates skip it, its state is kept."""
+    for leaf in _leaves_of(tree, "freeze_"):
+        leaf.frozen = True
+    return tree
+
+
+def thaw_(tree):
+    """Undo `freeze_`: the Leafs are updated again, from the state they had when frozen."""
+    for leaf in _leaves_of(tree, "thaw_"):
+        leaf.frozen = False
+    return tree

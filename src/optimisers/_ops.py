@@ -1,0 +1,122 @@
+"""Backend-neutral array operations.
+
+Rules write their maths once with Python operators and the functions below; each function finds the
+backend (NumPy, PyTorch, JAX or plain Python scalars) from the type of its first argument, so the same
+rule serves every backend. Backend modules are imported lazily: `import optimisers` imports neither
+torch nor jax.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_SCALARS = (bool, int, float, complex)
+_BACKEND_BY_TYPE: dict[type, Any] = {}
+
+
+def backend(x: Any):
+    """The backend module that handles values of `type(x)`."""
+    t = type(x)
+    found = _BACKEND_BY_TYPE.get(t)
+    if found is None:
+        root = t.__module__.partition(".")[0]
+        if root == "torch":
+            name = "_torch"
+        elif root in ("jax", "jaxlib"):
+            name = "_jax"
+        elif issubclass(t, _SCALARS):
+            name = "_scalar"
+        else:
+            name = "_numpy"
+        found = importlib.import_module(f"optimisers.backends.{name}")
+        _BACKEND_BY_TYPE[t] = found
+    return found
+
+
+# --- values a rule needs -----------------------------------------------------------------------
+
+
+def scalar(value, like):
+    """`value` as a scalar of `like`'s dtype (a hyperparameter cast at apply time)."""
+    return backend(like).scalar(value, like)
+
+
+def epsilon(value, like):
+    """`value` as a scalar of `like`'s real dtype; float16 gets a floor of 1e-7 unless `value == 0`,
+    since 1e-8 rounds to zero there and Adam-like rules would divide by zero."""
+    return backend(like).epsilon(value, like)
+
+
+def zeros_like(x):
+    return backend(x).zeros_like(x)
+
+
+def full_like(x, value):
+    return backend(x).full_like(x, value)
+
+
+# --- elementwise maths -------------------------------------------------------------------------
+
+
+def sqrt(x):
+    return backend(x).sqrt(x)
+
+
+def abs(x):  # noqa: A001 - mirrors the array-API name
+    return backend(x).abs(x)
+
+
+def abs2(x):
+    """|x|², real even for complex `x`."""
+    return backend(x).abs2(x)
+
+
+def sign(x):
+    return backend(x).sign(x)
+
+
+def maximum(x, y):
+    return backend(x).maximum(x, y)
+
+
+def minimum(x, y):
+    return backend(x).minimum(x, y)
+
+
+def clip(x, low, high):
+    return backend(x).clip(x, low, high)
+
+
+def where(condition, x, y):
+    return backend(x).where(condition, x, y)
+
+
+def norm(x, p):
+    """The vector p-norm of all entries of `x` (p = 2, 1, inf, -inf, 0 or any other real)."""
+    return backend(x).norm(x, p)
+
+
+def isfinite(x):
+    """Python bool for a concrete scalar; None when the value is traced and cannot be inspected."""
+    return backend(x).isfinite(x)
+
+
+def cond(predicate, if_true, if_false):
+    """`if_true()` or `if_false()` by a scalar predicate; traced predicates use the backend's own
+    conditional so both branches stay inside one compiled program."""
+    return backend(predicate).cond(predicate, if_true, if_false)
+
+
+def astype(x, like):
+    """`x` converted to `like`'s backend, dtype and device (no copy when it already matches)."""
+    return backend(like).astype(x, like)
+
+
+def cast(x, dtype):
+    """A copy of `x` with the given dtype (a NumPy dtype, or the backend's own)."""
+    return backend(x).cast(x, dtype)
+
+
+def copy(x):
+    return backend(x).copy(x)

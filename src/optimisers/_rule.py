@@ -1,0 +1,126 @@
+"""The rule contract: `Rule`, the base class of every optimisation rule.
+
+A rule holds hyperparameters only (a frozen dataclass, equal by value). `init(x)` makes the state for
+one parameter array, `apply(state, x, dx)` returns `(new_state, step)` and the interface subtracts the
+step: `x_new = x - step`. Rules never write to their inputs, so the same maths serves the pure and the
+in-place update and every backend. `step` may also be `None` (do not move the parameter this time) or
+`NewValue(v)` (set the parameter to `v`, used by `MixedPrecision` so its master copy is exact).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+from typing import Any, NamedTuple
+
+
+class NewValue(NamedTuple):
+    """A step that sets the parameter to `value` instead of subtracting from it."""
+
+    value: Any
+
+
+def _concrete(value):
+    """A float for a concrete number, None for a traced or otherwise opaque value."""
+    try:
+        return float(value)
+    except Exception:
+        return None
+
+
+def _is_number(value) -> bool:
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, numbers.Number):
+        return True
+    # 0-d arrays of any backend (and JAX tracers) stand for numbers
+    return getattr(value, "shape", None) == ()
+
+
+def _check_field(rule: str, name: str, value, default):
+    """Check `value` against the type of the field's default, converting ints to floats."""
+    if isinstance(default, bool):
+        if not isinstance(value, bool):
+            raise TypeError(f"{rule}: {name} must be True or False, got {value!r}")
+        return value
+    if isinstance(default, float):
+        if isinstance(value, complex) or not _is_number(value):
+            raise TypeError(f"{rule}: {name} must be a real number, got {value!r}")
+        return float(value) if isinstance(value, numbers.Integral) else value
+    if isinstance(default, int):
+        if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+            raise TypeError(f"{rule}: {name} must be an integer, got {value!r}")
+        return value
+    if isinstance(default, tuple):
+        if not isinstance(value, (tuple, list)) or len(value) != len(default):
+            raise TypeError(
+                f"{rule}: {name} must be a tuple of {len(default)} numbers, got {value!r}"
+            )
+        return tuple(_check_field(rule, f"{name}[{i}]", v, d) for i, (v, d) in enumerate(zip(value, default)))
+    return value
+
+
+class Rule:
+    """Base class of optimisation rules.
+
+    Subclasses are frozen dataclasses whose fields are hyperparameters. Fields are checked against
+    the type of their default (a float field takes any real number, ints become floats; a tuple
+    field takes a tuple of the same length; a bool field takes a bool), `eta` may not be negative,
+    and `validate()` adds rule-specific checks. Override `init` and `apply`:
+
+        @dataclasses.dataclass(frozen=True)
+        class SignDescent(Rule):
+            eta: float = 0.01
+
+            def apply(self, state, x, dx):
+                return state, ops.scalar(self.eta, x) * ops.sign(dx)
+    """
+
+    def __post_init__(self):
+        name = type(self).__name__
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            default = f.default if f.default is not dataclasses.MISSING else None
+            checked = _check_field(name, f.name, value, default)
+            if checked is not value:
+                object.__setattr__(self, f.name, checked)
+        eta = _concrete(getattr(self, "eta", 0.0))
+        if eta is not None and eta < 0:
+            raise ValueError(f"{name}: the learning rate eta cannot be negative, got {eta}")
+        self.validate()
+
+    def validate(self) -> None:
+        """Rule-specific checks of the hyperparameters; raise ValueError or TypeError."""
+
+    def init(self, x):
+        """The initial state for parameter array `x`."""
+        return None
+
+    def apply(self, state, x, dx):
+        """`(new_state, step)` for parameter `x` with gradient `dx`; `x_new = x - step`."""
+        raise NotImplementedError(f"{type(self).__name__} must define apply(state, x, dx)")
+
+    def hyperparameters(self) -> tuple[str, ...]:
+        """The names `adjust` accepts for this rule."""
+        return tuple(f.name for f in dataclasses.fields(self))
+
+    def adjust(self, **hyper) -> Rule:
+        """A copy with the named hyperparameters replaced; names this rule lacks are ignored
+        (the tree-level `adjust` reports names that no rule in the tree has)."""
+        own = {k: v for k, v in hyper.items() if k in self.hyperparameters()}
+        return dataclasses.replace(self, **own) if own else self
+
+
+def check_range(rule: Rule, name: str, low: float, high: float, *, high_open: bool = False):
+    """Raise ValueError unless `low <= rule.name <= high` (or `< high`); traced values pass."""
+    values = getattr(rule, name)
+    for i, value in enumerate(values if isinstance(values, tuple) else (values,)):
+        v = _concrete(value)
+        if v is None:
+            continue
+        label = f"{name}[{i}]" if isinstance(values, tuple) else name
+        if not (low <= v and (v < high if high_open else v <= high)):
+            bracket = ")" if high_open else "]"
+            raise ValueError(
+                f"{type(rule).__name__}: {label} must be in [{low}, {high}{bracket}, got {v}"
+            )

@@ -1,0 +1,149 @@
+"""The optimiser state tree: `Leaf` holds one parameter's rule and state, `State` wraps the tree.
+
+A state tree mirrors the model: a dict from child key to sub-tree for each container that holds
+parameters, and a `Leaf` at each parameter. Tied parameters share one `Leaf` object; identity of
+Leafs, not of arrays, is what `update` uses to decide what is tied.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ._tree import format_path
+
+
+class Leaf:
+    """One trainable array's optimiser: its `rule`, the rule's `state`, and whether it is `frozen`.
+
+    Place the same Leaf at several positions of a state tree to tie those parameters.
+    """
+
+    __slots__ = ("rule", "state", "frozen")
+
+    def __init__(self, rule, state, frozen: bool = False):
+        self.rule = rule
+        self.state = state
+        self.frozen = frozen
+
+    def __repr__(self) -> str:
+        frozen = ", frozen=True" if self.frozen else ""
+        return f"Leaf({self.rule!r}, {describe(self.state)}{frozen})"
+
+
+def describe(value) -> str:
+    """A compact view of a state value: arrays as dtype[shape], containers recursively."""
+    shape = getattr(value, "shape", None)
+    if shape is not None and hasattr(value, "dtype"):
+        dtype = str(value.dtype).replace("torch.", "")
+        return f"{dtype}{list(shape)}"
+    if isinstance(value, tuple):
+        inner = ", ".join(describe(v) for v in value)
+        return f"({inner},)" if len(value) == 1 else f"({inner})"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k!r}: {describe(v)}" for k, v in value.items()) + "}"
+    return repr(value)
+
+
+class State:
+    """The optimiser state of a whole model, as returned by `setup` and `update`.
+
+    Index it like the model to reach a part: `state["encoder"]`, `state[0]`. Indexing gives a
+    `State` for a container and the `Leaf` itself for a parameter; assigning a `Leaf` (or `State`)
+    places it, so `state["b"] = state["a"]` ties `b` to `a`.
+    """
+
+    __slots__ = ("tree",)
+
+    def __init__(self, tree: Any = None):
+        self.tree = {} if tree is None else tree
+
+    def __getitem__(self, key):
+        if isinstance(self.tree, Leaf):
+            raise TypeError("this State is a single Leaf; it has no children")
+        try:
+            child = self.tree[key]
+        except KeyError:
+            keys = ", ".join(repr(k) for k in self.tree) or "none"
+            raise KeyError(
+                f"no trainable parameters under key {key!r} in this state; its keys: {keys}"
+            ) from None
+        return child if isinstance(child, Leaf) else State(child)
+
+    def __setitem__(self, key, value):
+        if isinstance(value, State):
+            value = value.tree
+        if not isinstance(value, (Leaf, dict)):
+            raise TypeError(f"a State holds Leafs and States, got {type(value).__name__}")
+        self.tree[key] = value
+
+    def __contains__(self, key) -> bool:
+        return not isinstance(self.tree, Leaf) and key in self.tree
+
+    def keys(self):
+        return [] if isinstance(self.tree, Leaf) else list(self.tree)
+
+    def leaves(self) -> list[Leaf]:
+        """The distinct Leafs, depth first."""
+        return [leaf for _, leaf in leaf_paths(self.tree)]
+
+    def __repr__(self) -> str:
+        lines = ["State("]
+        _render(self.tree, (), lines, {}, 1)
+        lines.append(")")
+        return "\n".join(lines)
+
+
+def leaf_paths(tree) -> list[tuple[tuple, Leaf]]:
+    """`(first path, Leaf)` for each distinct Leaf of a state tree, depth first."""
+    seen: set[int] = set()
+    out: list = []
+
+    def visit(node, path):
+        if id(node) in seen:
+            return
+        seen.add(id(node))
+        if isinstance(node, Leaf):
+            out.append((path, node))
+        else:
+            for k, child in node.items():
+                visit(child, path + (k,))
+
+    visit(tree, ())
+    return out
+
+
+def _render(node, path, lines, first_seen, depth):
+    pad = "  " * depth
+    if isinstance(node, Leaf):
+        if id(node) in first_seen:
+            lines.append(f"{pad}(tied to {format_path(first_seen[id(node)])})")
+        else:
+            first_seen[id(node)] = path
+            lines.append(f"{pad}{node!r}")
+        return
+    for key, child in node.items():
+        label = f"{pad}{key!r}:"
+        if isinstance(child, Leaf):
+            sub: list[str] = []
+            _render(child, path + (key,), sub, first_seen, 0)
+            lines.append(f"{label} {sub[0].strip()}")
+        else:
+            lines.append(label)
+            _render(child, path + (key,), lines, first_seen, depth + 1)
+
+
+def map_leaves(fn, tree):
+    """Rebuild a state tree with each distinct Leaf replaced by `fn(leaf)` (once per Leaf), keeping
+    shared Leafs and shared sub-trees shared."""
+    done: dict[int, Any] = {}
+
+    def visit(node):
+        key = id(node)
+        if key not in done:
+            if isinstance(node, Leaf):
+                done[key] = fn(node)
+            else:
+                done[key] = {k: visit(child) for k, child in node.items()}
+        return done[key]
+
+    return visit(tree)

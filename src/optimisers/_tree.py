@@ -1,0 +1,226 @@
+"""Seeing a model as a tree: which objects are containers, what their children are, how to rebuild
+one with some children replaced, and which leaves are parameters.
+
+Everything here is about structure; nothing here knows about rules or optimiser state.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import sys
+from collections.abc import Callable, Mapping, MutableMapping
+from typing import Any, NamedTuple
+
+from . import _ops
+
+Path = tuple
+
+
+class NodeKind(NamedTuple):
+    """How to take a container apart and put it back together.
+
+    `children(node)` lists `(key, child)` pairs; `rebuild(node, changes)` returns a node equal to `node`
+    except that each key of `changes` holds its new child. `grad_children(node, grad, path)`, when
+    given, reads a gradient for `node` in a form other than the generic ones (mapping, sequence, same
+    type), returning a dict from key to gradient or `None` when it does not recognise `grad`.
+    """
+
+    name: str
+    children: Callable[[Any], list]
+    rebuild: Callable[[Any, dict], Any]
+    grad_children: Callable | None = None
+
+
+# --- the built-in kinds ------------------------------------------------------------------------
+
+
+def _mapping_rebuild(node, changes):
+    if type(node) is dict:
+        return {k: changes.get(k, v) if k in changes else v for k, v in node.items()}
+    if isinstance(node, MutableMapping):
+        new = copy.copy(node)
+        new.update(changes)
+        return new
+    return type(node)({k: changes[k] if k in changes else v for k, v in node.items()})
+
+
+def _list_rebuild(node, changes):
+    new = list(node) if type(node) is list else copy.copy(node)
+    for k, v in changes.items():
+        new[k] = v
+    return new
+
+
+def _tuple_rebuild(node, changes):
+    values = [changes[i] if i in changes else v for i, v in enumerate(node)]
+    return tuple(values) if type(node) is tuple else type(node)(values)
+
+
+def _attrs_rebuild(node, changes):
+    # copy + setattr keeps fields that __init__ does not take, and works for frozen dataclasses
+    new = copy.copy(node)
+    for k, v in changes.items():
+        object.__setattr__(new, k, v)
+    return new
+
+
+MAPPING = NodeKind("mapping", lambda n: list(n.items()), _mapping_rebuild)
+LIST = NodeKind("list", lambda n: list(enumerate(n)), _list_rebuild)
+TUPLE = NodeKind("tuple", lambda n: list(enumerate(n)), _tuple_rebuild)
+NAMEDTUPLE = NodeKind(
+    "namedtuple", lambda n: list(zip(n._fields, n)), lambda n, c: n._replace(**c) if c else n
+)
+DATACLASS = NodeKind(
+    "dataclass",
+    lambda n: [(f.name, getattr(n, f.name)) for f in dataclasses.fields(n)],
+    _attrs_rebuild,
+)
+
+_REGISTRY: dict[type, NodeKind] = {}
+_KIND_CACHE: dict[type, NodeKind | None] = {}
+
+
+def register(cls: type, fields=None, *, children=None, rebuild=None) -> type:
+    """Let the library see inside instances of `cls`.
+
+    Either name the attributes that hold children, `register(Linear, ("weight", "bias"))`, or give
+    `children(obj) -> [(key, child), ...]` and `rebuild(obj, {key: new_child}) -> new_obj`. Returns
+    `cls`, so it also works as a class decorator when used as `register(cls, fields)`.
+    """
+    if not isinstance(cls, type):
+        raise TypeError(f"register expects a class, got {cls!r}")
+    if fields is not None:
+        if children is not None or rebuild is not None:
+            raise TypeError("register takes either `fields` or `children` and `rebuild`, not both")
+        names = (fields,) if isinstance(fields, str) else tuple(fields)
+        kind = NodeKind(cls.__name__, lambda n: [(k, getattr(n, k)) for k in names], _attrs_rebuild)
+    elif children is not None and rebuild is not None:
+        kind = NodeKind(cls.__name__, children, rebuild)
+    else:
+        raise TypeError("register needs `fields`, or both `children` and `rebuild`")
+    _REGISTRY[cls] = kind
+    _KIND_CACHE.clear()
+    return cls
+
+
+def _find_kind(obj) -> NodeKind | None:
+    t = type(obj)
+    for base in t.__mro__:
+        if base in _REGISTRY:
+            return _REGISTRY[base]
+    if isinstance(obj, Mapping):
+        return MAPPING
+    if isinstance(obj, tuple):
+        return NAMEDTUPLE if hasattr(t, "_fields") else TUPLE
+    if isinstance(obj, list):
+        return LIST
+    if dataclasses.is_dataclass(obj):
+        return DATACLASS
+    # Framework containers, consulted only when the framework is already imported by the user.
+    if "torch" in sys.modules:
+        from .backends import _torch
+
+        kind = _torch.node_kind(obj)
+        if kind is not None:
+            return kind
+    if "jax" in sys.modules:
+        from .backends import _jax
+
+        kind = _jax.node_kind(obj)
+        if kind is not None:
+            return kind
+    return None
+
+
+def kind_of(obj) -> NodeKind | None:
+    """The container kind of `obj`, or None for a leaf (arrays, numbers, strings, anything else)."""
+    t = type(obj)
+    try:
+        return _KIND_CACHE[t]
+    except KeyError:
+        pass
+    kind = None if _is_array(obj) else _find_kind(obj)
+    _KIND_CACHE[t] = kind
+    return kind
+
+
+def _is_array(x) -> bool:
+    # Only array libraries' own types can be arrays; this keeps containers away from their backends.
+    root = type(x).__module__.partition(".")[0]
+    return root in ("numpy", "torch", "jax", "jaxlib") and _ops.backend(x).is_array(x)
+
+
+def is_param(x) -> bool:
+    """Is `x` a trainable array (floating or complex dtype)?"""
+    root = type(x).__module__.partition(".")[0]
+    return root in ("numpy", "torch", "jax", "jaxlib") and _ops.backend(x).is_param(x)
+
+
+def trainable_children(node, kind: NodeKind) -> list:
+    """The `(key, child)` pairs the library trains; `__trainable__` on the class restricts them."""
+    pairs = kind.children(node)
+    names = getattr(type(node), "__trainable__", None)
+    if names is None:
+        return pairs
+    return [(k, c) for k, c in pairs if k in names]
+
+
+# --- paths -------------------------------------------------------------------------------------
+
+
+def format_path(path: Path) -> str:
+    """`("decoder", "layers", 0, "w")` -> `decoder.layers.0.w`; the root is `<model>`."""
+    return ".".join(str(k) for k in path) if path else "<model>"
+
+
+# --- maps over the distinct parameters -----------------------------------------------------------
+
+
+def params(model, with_paths: bool = False) -> list:
+    """The distinct trainable arrays of `model`, depth first, each once (at its first path)."""
+    seen: set[int] = set()
+    out: list = []
+
+    def visit(node, path):
+        if is_param(node):
+            if id(node) not in seen:
+                seen.add(id(node))
+                out.append((path, node) if with_paths else node)
+            return
+        kind = kind_of(node)
+        if kind is None or id(node) in seen:
+            return
+        seen.add(id(node))
+        for k, child in trainable_children(node, kind):
+            visit(child, path + (k,))
+
+    visit(model, ())
+    return out
+
+
+def map_params(fn, model):
+    """Rebuild `model` with each distinct parameter `x` replaced by `fn(x)` (called once per array),
+    keeping shared containers shared and everything else the same object."""
+    done: dict[int, Any] = {}
+
+    def visit(node):
+        key = id(node)
+        if key in done:
+            return done[key]
+        if is_param(node):
+            new = fn(node)
+        else:
+            kind = kind_of(node)
+            if kind is None:
+                return node
+            changes = {}
+            for k, child in trainable_children(node, kind):
+                new_child = visit(child)
+                if new_child is not child:
+                    changes[k] = new_child
+            new = kind.rebuild(node, changes) if changes else node
+        done[key] = new
+        return new
+
+    return visit(model)

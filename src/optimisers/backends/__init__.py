@@ -1,0 +1,1 @@
+"""One module per array library; `optimisers._ops.backend` picks one from an array's type."""

@@ -1,0 +1,154 @@
+"""NumPy arrays (and NumPy scalars, which appear as cast hyperparameters)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+try:  # NumPy >= 2
+    from numpy.lib.array_utils import byte_bounds as _byte_bounds
+except ImportError:  # pragma: no cover - NumPy 1.x
+    _byte_bounds = np.byte_bounds
+
+_FLOAT16 = np.dtype(np.float16)
+
+
+def _is_inexact(dtype) -> bool:
+    # ml_dtypes' bfloat16 and float8 types are kind "V", so ask their names too
+    return dtype.kind in "fc" or dtype.name.startswith(("bfloat", "float"))
+
+
+# --- what the tree layer asks -----------------------------------------------------------------
+
+
+def is_param(x) -> bool:
+    return isinstance(x, np.ndarray) and _is_inexact(x.dtype)
+
+
+def is_array(x) -> bool:
+    return isinstance(x, (np.ndarray, np.generic))
+
+
+def shape(x):
+    return tuple(np.shape(x))
+
+
+def writable(x) -> bool:
+    return bool(x.flags.writeable)
+
+
+def memory_span(x):
+    """(start, stop) byte addresses of the memory `x` may touch."""
+    return _byte_bounds(x)
+
+
+def shares_memory(x, y) -> bool:
+    return bool(np.shares_memory(x, y))
+
+
+def subtract_(x, step):
+    np.subtract(x, step, out=x, casting="unsafe")
+    return x
+
+
+def assign_(x, value):
+    np.copyto(x, value, casting="unsafe")
+    return x
+
+
+def subtract(x, step):
+    out = x - step
+    return out if out.dtype == x.dtype else out.astype(x.dtype)
+
+
+# --- what the rules ask -----------------------------------------------------------------------
+
+
+def _real_dtype(dtype):
+    return np.finfo(dtype).dtype if dtype.kind == "c" else dtype
+
+
+def scalar(value, like):
+    return np.dtype(like.dtype).type(value)
+
+
+def epsilon(value, like):
+    real = _real_dtype(np.dtype(like.dtype))
+    if real == _FLOAT16 and value != 0:
+        value = max(float(value), float(np.float16(1e-7)))
+    return real.type(value)
+
+
+def zeros_like(x):
+    return np.zeros_like(x)
+
+
+def full_like(x, value):
+    return np.full_like(x, value)
+
+
+sqrt = np.sqrt
+abs = np.abs  # noqa: A001
+sign = np.sign
+maximum = np.maximum
+minimum = np.minimum
+clip = np.clip
+where = np.where
+
+
+def abs2(x):
+    if np.iscomplexobj(x):
+        return np.square(x.real) + np.square(x.imag)
+    return np.square(x)
+
+
+def norm(x, p):
+    a = np.abs(np.ravel(x))
+    if a.size == 0:
+        return a.dtype.type(0) if p != -np.inf else a.dtype.type(np.inf)
+    if p == 2:
+        return np.sqrt(np.sum(np.square(a)))
+    if p == 1:
+        return np.sum(a)
+    if p == np.inf:
+        return np.max(a)
+    if p == -np.inf:
+        return np.min(a)
+    if p == 0:
+        return a.dtype.type(np.count_nonzero(a))
+    with np.errstate(divide="ignore"):  # negative p on a zero entry is a legitimate infinity
+        return np.sum(a ** a.dtype.type(p)) ** a.dtype.type(1 / p)
+
+
+def isfinite(x):
+    return bool(np.all(np.isfinite(x)))
+
+
+def cond(predicate, if_true, if_false):
+    return if_true() if predicate else if_false()
+
+
+def astype(x, like):
+    return np.asarray(x, dtype=like.dtype)
+
+
+def cast(x, dtype):
+    return np.array(x, dtype=dtype, copy=True)
+
+
+def copy(x):
+    return np.array(x, copy=True)
+
+
+# --- what destructure asks --------------------------------------------------------------------
+
+
+def flatten(arrays):
+    if not arrays:
+        return np.zeros(0, np.float32)
+    dtype = np.result_type(*arrays)
+    return np.concatenate([np.ravel(a).astype(dtype, copy=False) for a in arrays])
+
+
+def unflatten_one(flat, start, like):
+    size = like.size
+    return flat[start : start + size].reshape(like.shape).astype(like.dtype, copy=True)
