@@ -107,6 +107,9 @@ def _check_overlaps(arrays):
 # --- reading gradients -------------------------------------------------------------------------
 
 
+_SEQUENCES = ("list", "tuple", "namedtuple")
+
+
 def _grad_children(node, kind, children: dict, grad, path) -> dict:
     """The gradient of each child of `node`, as a dict (missing key = no gradient)."""
     if grad is None:
@@ -124,19 +127,15 @@ def _grad_children(node, kind, children: dict, grad, path) -> dict:
                 f"have there (model keys: {have})"
             )
         return dict(grad)
-    if type(grad) is type(node):
-        return dict(kind.children(grad))
-    if isinstance(grad, Sequence) and not isinstance(grad, str) and kind.name in (
-        "list",
-        "tuple",
-        "namedtuple",
-    ):
+    if kind.name in _SEQUENCES and isinstance(grad, Sequence) and not isinstance(grad, str):
         if len(grad) != len(children):
             raise ValueError(
                 f"gradient at {format_path(path)} is a sequence of length {len(grad)}, but the "
                 f"model has {len(children)} entries there"
             )
         return dict(zip(children, grad))
+    if type(grad) is type(node):
+        return dict(kind.children(grad))
     raise TypeError(
         f"gradient at {format_path(path)} is a {type(grad).__name__}, but the model has a "
         f"{type(node).__name__} there; expected a gradient of the same structure (or a mapping of "
