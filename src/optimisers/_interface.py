@@ -183,6 +183,8 @@ def _gather(tree, model, grads) -> dict[int, _Contribution]:
                 _check_grad(grad, node, path)
                 entry.grads.append(grad)
             return
+        if not snode:  # nothing trainable here
+            return
         kind = kind_of(node)
         if kind is None:
             raise TypeError(
@@ -308,6 +310,8 @@ def _rebuild(tree, model, place):
         key = id(node)
         if key in done:
             return done[key]
+        if not snode:
+            return node
         kind = kind_of(node)
         children = dict(kind.children(node))
         changes = {}

@@ -25,7 +25,7 @@ def backend(x: Any):
             name = "_torch"
         elif root in ("jax", "jaxlib"):
             name = "_jax"
-        elif issubclass(t, _SCALARS):
+        elif root != "numpy" and issubclass(t, _SCALARS):  # np.float64 subclasses float
             name = "_scalar"
         else:
             name = "_numpy"

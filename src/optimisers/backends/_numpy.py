@@ -56,8 +56,9 @@ def assign_(x, value):
 
 
 def subtract(x, step):
-    out = x - step
-    return out if out.dtype == x.dtype else out.astype(x.dtype)
+    # same ufunc call as subtract_, so pure and in-place updates agree bit for bit (and 0-d
+    # parameters stay arrays instead of decaying to NumPy scalars)
+    return np.subtract(x, step, out=np.empty_like(x), casting="unsafe")
 
 
 # --- what the rules ask -----------------------------------------------------------------------
