@@ -10,10 +10,11 @@ An update runs in three phases so that a failed call changes nothing:
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from . import _ops
+from . import _engine, _ops
 from ._rule import NewValue, Rule
 from ._state import Leaf, State, leaf_paths, map_leaves
 from ._tree import format_path, is_param, kind_of, trainable_children
@@ -51,6 +52,8 @@ def setup(rule, model) -> State:
     gets the rule chosen at its first path. Raises ValueError when two distinct writable arrays
     overlap in memory (e.g. `W` and `W.T`), naming both paths.
     """
+    if "jax" in sys.modules:  # registers State/Leaf as JAX pytrees before any jit sees them
+        from .backends import _jax  # noqa: F401
     choose = _rule_chooser(rule)
     built: dict[int, Any] = {}  # id(model node) -> its state sub-tree (None: nothing trainable)
     arrays: list[tuple[tuple, Any]] = []
@@ -150,7 +153,7 @@ def _check_grad(grad, x, path):
             f"gradient at {format_path(path)} is a {type(grad).__name__}; expected an array of "
             f"shape {tuple(x.shape)} (or None)"
         )
-    if tuple(shape) != tuple(x.shape):
+    if shape != x.shape and tuple(shape) != tuple(x.shape):
         raise ValueError(
             f"gradient at {format_path(path)} has shape {tuple(shape)}, but the parameter has "
             f"shape {tuple(x.shape)}"
@@ -158,12 +161,23 @@ def _check_grad(grad, x, path):
 
 
 class _Contribution:
-    __slots__ = ("leaf", "x", "grads")
+    """What one update gathered for a Leaf: the parameter at its first place, each place's
+    gradient, and whether other places hold a different array object (equal copies)."""
+
+    __slots__ = ("leaf", "x", "grads", "copies")
 
     def __init__(self, leaf, x):
         self.leaf = leaf
         self.x = x
         self.grads: list = []
+        self.copies = False
+
+    def dx(self):
+        """The summed gradient, in the parameter's dtype (gradient arrays are never written)."""
+        dx = self.grads[0]
+        for g in self.grads[1:]:
+            dx = dx + g
+        return _ops.astype(dx, self.x)
 
 
 def _gather(tree, model, grads) -> dict[int, _Contribution]:
@@ -179,6 +193,8 @@ def _gather(tree, model, grads) -> dict[int, _Contribution]:
             entry = found.get(id(snode))
             if entry is None:
                 entry = found[id(snode)] = _Contribution(snode, node)
+            elif node is not entry.x:
+                entry.copies = True
             if grad is not None:
                 _check_grad(grad, node, path)
                 entry.grads.append(grad)
@@ -208,17 +224,13 @@ def _gather(tree, model, grads) -> dict[int, _Contribution]:
 # --- update ------------------------------------------------------------------------------------
 
 
-def _compute(found: dict[int, _Contribution]) -> dict[int, tuple]:
+def _compute(found: dict[int, _Contribution], skip=frozenset()) -> dict[int, tuple]:
     """Run each Leaf's rule once: `{id(leaf): (new_state, step)}` for Leafs that move."""
     results = {}
     for key, c in found.items():
-        if c.leaf.frozen or not c.grads:
+        if c.leaf.frozen or not c.grads or key in skip:
             continue
-        dx = c.grads[0]
-        for g in c.grads[1:]:
-            dx = dx + g
-        dx = _ops.astype(dx, c.x)
-        results[key] = c.leaf.rule.apply(c.leaf.state, c.x, dx)
+        results[key] = c.leaf.rule.apply(c.leaf.state, c.x, c.dx())
     return results
 
 
@@ -271,12 +283,17 @@ def update_(state: State, model, *grads):
     (JAX) are replaced by new ones. Gives the same numbers as `update`, bit for bit."""
     _check_args(state, grads, "update_")
     found = _gather(state.tree, model, grads[0])
-    results = _compute(found)
+    work = _engine.select(state, found)
+    in_engine = {id(leaf) for group, _ in work for leaf in group.leaves}
+    results = _compute(found, skip=in_engine)  # may raise: nothing has been written yet
+    _engine.execute(work)
     for key, (new_state, _) in results.items():
         found[key].leaf.state = new_state
     written: dict[int, Any] = {}  # id(leaf) -> the first updated array, which holds the new value
 
     def place(leaf, x):
+        if id(leaf) in in_engine:
+            return x  # already stepped in place
         moved = results.get(id(leaf))
         if moved is None or moved[1] is None:
             return x

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 
 class NewValue(NamedTuple):
@@ -75,6 +75,11 @@ class Rule:
             def apply(self, state, x, dx):
                 return state, ops.scalar(self.eta, x) * ops.sign(dx)
     """
+
+    #: True when `apply` treats every element independently, given scalar state shared by all
+    #: elements (step counters). Such rules may be run on chunks of parameters packed together,
+    #: which is how `update_` reaches memory bandwidth; leave False when in doubt.
+    elementwise: ClassVar[bool] = False
 
     def __post_init__(self):
         name = type(self).__name__

@@ -18,12 +18,24 @@ class Leaf:
     Place the same Leaf at several positions of a state tree to tie those parameters.
     """
 
-    __slots__ = ("rule", "state", "frozen")
+    __slots__ = ("rule", "_state", "frozen", "_group")
 
     def __init__(self, rule, state, frozen: bool = False):
         self.rule = rule
-        self.state = state
+        self._state = state
         self.frozen = frozen
+        self._group = None  # set while the update engine keeps this state in flat group buffers
+
+    @property
+    def state(self):
+        """The rule's state for this parameter."""
+        group = self._group
+        return self._state if group is None else group.state_of(self)
+
+    @state.setter
+    def state(self, value):
+        self._group = None  # a replaced state leaves the engine's buffers; the engine re-plans
+        self._state = value
 
     def __repr__(self) -> str:
         frozen = ", frozen=True" if self.frozen else ""
@@ -52,10 +64,11 @@ class State:
     places it, so `state["b"] = state["a"]` ties `b` to `a`.
     """
 
-    __slots__ = ("tree",)
+    __slots__ = ("tree", "_plan")
 
     def __init__(self, tree: Any = None):
         self.tree = {} if tree is None else tree
+        self._plan = None  # the update engine's groups, made by the first update_
 
     def __getitem__(self, key):
         if isinstance(self.tree, Leaf):
@@ -75,6 +88,7 @@ class State:
         if not isinstance(value, (Leaf, dict)):
             raise TypeError(f"a State holds Leafs and States, got {type(value).__name__}")
         self.tree[key] = value
+        self._plan = None
 
     def __contains__(self, key) -> bool:
         return not isinstance(self.tree, Leaf) and key in self.tree

@@ -151,10 +151,19 @@ def _is_array(x) -> bool:
     return root in ("numpy", "torch", "jax", "jaxlib") and _ops.backend(x).is_array(x)
 
 
+_PARAM_CHECK: dict[type, Callable | None] = {}
+
+
 def is_param(x) -> bool:
     """Is `x` a trainable array (floating or complex dtype)?"""
-    root = type(x).__module__.partition(".")[0]
-    return root in ("numpy", "torch", "jax", "jaxlib") and _ops.backend(x).is_param(x)
+    t = type(x)
+    try:
+        check = _PARAM_CHECK[t]
+    except KeyError:
+        root = t.__module__.partition(".")[0]
+        check = _ops.backend(x).is_param if root in ("numpy", "torch", "jax", "jaxlib") else None
+        _PARAM_CHECK[t] = check
+    return check is not None and check(x)
 
 
 def trainable_children(node, kind: NodeKind) -> list:

@@ -21,7 +21,7 @@ def _is_inexact(dtype) -> bool:
 
 
 def is_param(x) -> bool:
-    return isinstance(x, np.ndarray) and _is_inexact(x.dtype)
+    return isinstance(x, np.ndarray) and (x.dtype.kind in "fc" or _is_inexact(x.dtype))
 
 
 def is_array(x) -> bool:
