@@ -228,7 +228,7 @@ def select(state, found):
     ready = {key: c for key, c in found.items() if c.grads and not c.copies and eligible(c.leaf, c.x)}
     if not ready:
         return []
-    plan = state._plan
+    plan = getattr(state, "_plan", None)  # a State rebuilt by JAX's unflatten has none yet
     if plan is None or not plan.intact() or not plan.considered.issuperset(ready):
         plan = state._plan = Plan([(c.leaf, c.x) for c in ready.values()])
     work = []
