@@ -5,6 +5,7 @@
     state, model = optimisers.update_(state, model, grads)   # in place
 """
 
+from ._buffers import distinct_buffers
 from ._destructure import destructure, trainables
 from ._interface import adjust, adjust_, freeze_, setup, thaw_, update, update_
 from ._rule import Rule
@@ -23,6 +24,7 @@ __all__ = [
     "adjust",
     "adjust_",
     "destructure",
+    "distinct_buffers",
     "freeze_",
     "register",
     "setup",
@@ -31,3 +33,9 @@ __all__ = [
     "update",
     "update_",
 ]
+
+import sys as _sys  # noqa: E402
+
+if "jax" in _sys.modules:  # jax imported first: register State/Leaf as pytrees now
+    from .backends import _jax as _jax_backend  # noqa: E402, F401
+del _sys

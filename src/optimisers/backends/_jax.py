@@ -1,0 +1,482 @@
+"""JAX arrays, including tracers under `jax.jit` / `jax.grad`, and JAX pytrees.
+
+Importing this module registers `State` and `Leaf` as JAX pytrees (DESIGN 4.7):
+
+* Flattening a `State` stores each distinct `Leaf` once, and each distinct rule object once; the
+  tree skeleton (which places share which Leaf), every rule's class and non-numeric fields, and each
+  Leaf's `frozen` flag are static aux data. Unflattening rebuilds the sharing, so ties survive
+  `jax.jit` even though array identity does not.
+* A rule's numeric hyperparameters (floats, tuples of floats, 0-d arrays) are pytree leaves, traced
+  under `jit`, so `adjust` between jitted calls does not recompile. Bools, ints (`AccumGrad.n`),
+  dtypes and other objects are static; nested rules (`OptimiserChain`, `MixedPrecision`) are
+  handled recursively. A dataclass field with `metadata={"static": True}` is static whatever its
+  value (use it for a float that decides the shape of the computation, such as a norm's `p`).
+* Python numbers in rule state (step counters) are leaves like everything else in the state.
+
+Rules are rebuilt on unflatten without running their validation, since JAX unflattens with tracers
+and with placeholder objects.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .._rule import Rule
+from .._state import Leaf, State
+from .._tree import NodeKind, format_path
+
+_Tracer = jax.core.Tracer
+_FLOAT16 = np.dtype(np.float16)
+_FLOAT16_EPS_FLOOR = float(np.float16(1e-7))
+
+
+def _is_traced(x) -> bool:
+    return isinstance(x, _Tracer)
+
+
+# --- what the tree layer asks -----------------------------------------------------------------
+
+
+def is_param(x) -> bool:
+    return isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jnp.inexact)
+
+
+def is_array(x) -> bool:
+    return isinstance(x, jax.Array)
+
+
+def shape(x):
+    return tuple(x.shape)
+
+
+def writable(x) -> bool:
+    """JAX arrays are immutable: `update_` replaces them and returns the new ones."""
+    return False
+
+
+def memory_span(x):
+    return (0, 0)
+
+
+def shares_memory(x, y) -> bool:
+    return x is y
+
+
+def subtract(x, step):
+    out = x - step
+    return out if out.dtype == x.dtype else out.astype(x.dtype)
+
+
+def subtract_(x, step):
+    return subtract(x, step)
+
+
+def assign_(x, value):
+    return astype(value, x)
+
+
+# --- what the rules ask -----------------------------------------------------------------------
+
+
+def _real_dtype(dtype):
+    dtype = np.dtype(dtype)
+    return np.finfo(dtype).dtype if dtype.kind == "c" else dtype
+
+
+def scalar(value, like):
+    # works for Python numbers, concrete 0-d arrays and traced hyperparameters alike
+    return jnp.asarray(value, dtype=like.dtype)
+
+
+def epsilon(value, like):
+    real = _real_dtype(like.dtype)
+    if real == _FLOAT16:
+        if _is_traced(value):
+            v = jnp.asarray(value, dtype=jnp.float32)
+            floored = jnp.where(v == 0, v, jnp.maximum(v, _FLOAT16_EPS_FLOOR))
+            return floored.astype(real)
+        value = float(value)
+        if value != 0:
+            value = max(value, _FLOAT16_EPS_FLOOR)
+    return jnp.asarray(value, dtype=real)
+
+
+def zeros_like(x):
+    return jnp.zeros_like(x)
+
+
+def full_like(x, value):
+    return jnp.full_like(x, value)
+
+
+sqrt = jnp.sqrt
+abs = jnp.abs  # noqa: A001
+sign = jnp.sign
+maximum = jnp.maximum
+minimum = jnp.minimum
+where = jnp.where
+
+
+def clip(x, low, high):
+    return jnp.clip(x, low, high)
+
+
+def abs2(x):
+    if jnp.iscomplexobj(x):
+        return jnp.square(x.real) + jnp.square(x.imag)
+    return jnp.square(x)
+
+
+def _norm_fixed(a, p):
+    if p == 2:
+        return jnp.sqrt(jnp.sum(jnp.square(a)))
+    if p == 1:
+        return jnp.sum(a)
+    if p == np.inf:
+        return jnp.max(a)
+    if p == -np.inf:
+        return jnp.min(a)
+    if p == 0:
+        return jnp.count_nonzero(a).astype(a.dtype)
+    return jnp.sum(a ** jnp.asarray(p, a.dtype)) ** jnp.asarray(1 / p, a.dtype)
+
+
+def norm(x, p):
+    a = jnp.abs(jnp.ravel(x))
+    if a.size == 0:
+        if _is_traced(p):
+            return jnp.where(p == -jnp.inf, jnp.inf, 0).astype(a.dtype)
+        return jnp.asarray(np.inf if p == -np.inf else 0, a.dtype)
+    if not _is_traced(p):
+        return _norm_fixed(a, float(p))
+    # A traced p cannot choose a branch in Python; pick among the special cases in the program.
+    p = jnp.asarray(p, a.dtype)
+    safe_p = jnp.where((p == 0) | jnp.isinf(p), 2, p)
+    general = jnp.sum(a**safe_p) ** (1 / safe_p)
+    return jnp.select(
+        [p == 2, p == 1, p == jnp.inf, p == -jnp.inf, p == 0],
+        [_norm_fixed(a, 2), _norm_fixed(a, 1), jnp.max(a), jnp.min(a), _norm_fixed(a, 0)],
+        general,
+    )
+
+
+def isfinite(x):
+    try:
+        return bool(jnp.all(jnp.isfinite(x)))
+    except jax.errors.ConcretizationTypeError:
+        return None
+
+
+def cond(predicate, if_true, if_false):
+    if _is_traced(predicate):
+        return jax.lax.cond(predicate, if_true, if_false)
+    return if_true() if predicate else if_false()
+
+
+def astype(x, like):
+    if isinstance(x, jax.Array):
+        return x if x.dtype == like.dtype else x.astype(like.dtype)
+    if not _is_traced(like) and isinstance(like, jax.Array):
+        # put host data where the parameter lives, so sharded parameters get sharded gradients
+        return jax.device_put(np.asarray(x, dtype=like.dtype), like.sharding)
+    return jnp.asarray(x, dtype=like.dtype)
+
+
+def cast(x, dtype):
+    # JAX arrays are immutable, so an unchanged dtype needs no copy, and returning `x` itself lets
+    # every place of a tied parameter receive the identical new array from `update_`
+    x = jnp.asarray(x)
+    return x if x.dtype == np.dtype(dtype) else x.astype(dtype)
+
+
+def copy(x):
+    return jnp.array(x, copy=True)
+
+
+# --- what destructure asks --------------------------------------------------------------------
+
+
+def flatten(arrays):
+    dtype = jnp.result_type(*arrays)
+    return jnp.concatenate([jnp.ravel(a).astype(dtype) for a in arrays])
+
+
+def unflatten_one(flat, start, like):
+    size = int(np.prod(like.shape, dtype=np.int64))
+    return flat[start : start + size].reshape(like.shape).astype(like.dtype)
+
+
+# --- JAX pytree nodes as model containers ------------------------------------------------------
+
+
+def _key_of(entry):
+    tu = jax.tree_util
+    if isinstance(entry, tu.GetAttrKey):
+        return entry.name
+    if isinstance(entry, tu.DictKey):
+        return entry.key
+    if isinstance(entry, tu.SequenceKey):
+        return entry.idx
+    if isinstance(entry, tu.FlattenedIndexKey):
+        return entry.key
+    return entry
+
+
+def _one_level(node):
+    return jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda x: x is not node)
+
+
+def _pytree_children(node):
+    flat, _ = _one_level(node)
+    return [(_key_of(path[0]), child) for path, child in flat]
+
+
+def _pytree_rebuild(node, changes):
+    if not changes:
+        return node
+    flat, treedef = _one_level(node)
+    values = []
+    for path, child in flat:
+        key = _key_of(path[0])
+        values.append(changes[key] if key in changes else child)
+    return jax.tree_util.tree_unflatten(treedef, values)
+
+
+def node_kind(obj) -> NodeKind | None:
+    """A container kind for objects that JAX treats as pytree nodes (classes registered with
+    `jax.tree_util.register_pytree_node`, `register_pytree_with_keys`, Flax structs, ...), with
+    children keyed by their JAX key paths: attribute names, dict keys, sequence positions."""
+    if obj is None or isinstance(obj, (str, bytes, numbers.Number, np.ndarray, np.generic)):
+        return None
+    flat, _ = _one_level(obj)
+    if len(flat) == 1 and flat[0][0] == ():
+        return None  # JAX sees a leaf
+    return NodeKind(type(obj).__name__, _pytree_children, _pytree_rebuild)
+
+
+# --- State and Leaf as pytrees -----------------------------------------------------------------
+
+
+class _Static:
+    """A static value in aux data: compared by type and value when hashable, by identity if not."""
+
+    __slots__ = ("value", "_key")
+
+    def __init__(self, value):
+        self.value = value
+        try:
+            hash(value)
+            self._key = (type(value), value)
+        except TypeError:
+            self._key = (type(value), id(value))
+
+    def __eq__(self, other):
+        if not isinstance(other, _Static):
+            return NotImplemented
+        try:
+            return bool(self._key == other._key)
+        except Exception:
+            return self.value is other.value
+
+    def __hash__(self):
+        try:
+            return hash(self._key)
+        except TypeError:
+            return id(self.value)
+
+    def __repr__(self):
+        return f"static({self.value!r})"
+
+
+_NUM = "num"
+
+
+def _is_numeric(value) -> bool:
+    if isinstance(value, (bool, np.bool_)):
+        return False
+    if isinstance(value, numbers.Integral):
+        return False  # integer hyperparameters (AccumGrad.n) decide the program's shape
+    if isinstance(value, numbers.Number):
+        return True
+    return isinstance(value, (jax.Array, np.ndarray, np.generic))
+
+
+# A rule rebuilt by unflatten remembers its description: JAX unflattens with placeholders (bools,
+# None, object()) in the numeric slots, and flattening such a rule again must give the same aux data.
+_DESC_ATTR = "_optimisers_pytree_desc"
+
+
+def _values_by(desc, value, values: list):
+    """Append the values in `value`'s numeric slots, laid out as `desc` says."""
+    if desc == _NUM:
+        values.append(value)
+    elif desc[0] == "seq":
+        for d, v in zip(desc[2], value):
+            _values_by(d, v, values)
+    elif desc[0] == "rule":
+        for name, d in desc[2]:
+            _values_by(d, getattr(value, name), values)
+
+
+def _encode(value, values: list, static: bool = False):
+    """A hashable description of `value`, appending its numeric leaves to `values`."""
+    if isinstance(value, Rule) and dataclasses.is_dataclass(value):
+        desc = getattr(value, _DESC_ATTR, None)
+        if desc is not None:
+            _values_by(desc, value, values)
+            return desc
+        fields = []
+        for f in dataclasses.fields(value):
+            v = getattr(value, f.name)
+            fields.append((f.name, _encode(v, values, static=f.metadata.get("static", False))))
+        return ("rule", type(value), tuple(fields))
+    if type(value) in (tuple, list) or (isinstance(value, tuple) and hasattr(value, "_fields")):
+        return ("seq", type(value), tuple(_encode(v, values, static) for v in value))
+    if not static and _is_numeric(value):
+        values.append(value)
+        return _NUM
+    return ("static", _Static(value))
+
+
+def _decode(desc, values):
+    if desc is _NUM or desc == _NUM:
+        return next(values)
+    tag = desc[0]
+    if tag == "static":
+        return desc[1].value
+    if tag == "seq":
+        items = [_decode(d, values) for d in desc[2]]
+        cls = desc[1]
+        if cls is tuple or cls is list:
+            return cls(items)
+        return cls(*items)
+    # A rule, rebuilt without validation: JAX unflattens with tracers and placeholder objects.
+    cls = desc[1]
+    rule = object.__new__(cls)
+    for name, sub in desc[2]:
+        object.__setattr__(rule, name, _decode(sub, values))
+    try:
+        object.__setattr__(rule, _DESC_ATTR, desc)
+    except (AttributeError, TypeError):  # a rule class with __slots__: described by value again
+        pass
+    return rule
+
+
+def _rule_parts(rule):
+    values: list = []
+    desc = _encode(rule, values)
+    return desc, tuple(values)
+
+
+def _rule_from(desc, values):
+    return _decode(desc, iter(values))
+
+
+def _state_parts(state: State):
+    """`(keyed children, aux)`: each distinct rule's numeric values and each distinct Leaf's state
+    once; aux holds the skeleton (Leaf numbers, repeated sub-trees by number), rule descriptions
+    and per-Leaf (rule number, frozen)."""
+    rule_num: dict[int, int] = {}
+    rule_descs: list = []
+    leaf_num: dict[int, int] = {}
+    leaf_meta: list = []
+    dict_num: dict[int, int] = {}
+    children: list = []
+    leaf_children: list = []
+
+    def skeleton(node, path):
+        if isinstance(node, Leaf):
+            j = leaf_num.get(id(node))
+            if j is None:
+                r = rule_num.get(id(node.rule))
+                if r is None:
+                    r = rule_num[id(node.rule)] = len(rule_descs)
+                    desc, values = _rule_parts(node.rule)
+                    rule_descs.append(desc)
+                    children.append((jax.tree_util.GetAttrKey(f"rule{r}"), values))
+                j = leaf_num[id(node)] = len(leaf_meta)
+                leaf_meta.append((r, bool(node.frozen)))
+                leaf_children.append((jax.tree_util.DictKey(format_path(path)), node.state))
+            return j
+        d = dict_num.get(id(node))
+        if d is not None:
+            return ("ref", d)
+        dict_num[id(node)] = len(dict_num)
+        return ("dict", tuple((k, skeleton(v, path + (k,))) for k, v in node.items()))
+
+    skel = skeleton(state.tree, ())
+    aux = (skel, tuple(rule_descs), tuple(leaf_meta))
+    return children + leaf_children, aux
+
+
+def _state_flatten_with_keys(state):
+    return _state_parts(state)
+
+
+def _state_flatten(state):
+    keyed, aux = _state_parts(state)
+    return [c for _, c in keyed], aux
+
+
+def _state_unflatten(aux, children):
+    skel, rule_descs, leaf_meta = aux
+    children = list(children)
+    n_rules = len(rule_descs)
+    rules = [_rule_from(d, v) for d, v in zip(rule_descs, children[:n_rules])]
+    leaves = [
+        Leaf(rules[r], st, frozen) for (r, frozen), st in zip(leaf_meta, children[n_rules:])
+    ]
+    dicts: list = []
+
+    def build(node):
+        if isinstance(node, int):
+            return leaves[node]
+        if node[0] == "ref":
+            return dicts[node[1]]
+        out: dict = {}
+        dicts.append(out)
+        for k, sub in node[1]:
+            out[k] = build(sub)
+        return out
+
+    return State(build(skel))
+
+
+def _leaf_flatten_with_keys(leaf):
+    desc, values = _rule_parts(leaf.rule)
+    tu = jax.tree_util
+    return [(tu.GetAttrKey("rule"), values), (tu.GetAttrKey("state"), leaf.state)], (
+        desc,
+        bool(leaf.frozen),
+    )
+
+
+def _leaf_flatten(leaf):
+    keyed, aux = _leaf_flatten_with_keys(leaf)
+    return [c for _, c in keyed], aux
+
+
+def _leaf_unflatten(aux, children):
+    desc, frozen = aux
+    values, st = children
+    return Leaf(_rule_from(desc, values), st, frozen)
+
+
+def _register():
+    tu = jax.tree_util
+    for cls, fk, unf, fl in (
+        (State, _state_flatten_with_keys, _state_unflatten, _state_flatten),
+        (Leaf, _leaf_flatten_with_keys, _leaf_unflatten, _leaf_flatten),
+    ):
+        try:
+            tu.register_pytree_with_keys(cls, fk, unf, fl)
+        except ValueError:  # already registered (module reloaded)
+            pass
+
+
+_register()

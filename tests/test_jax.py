@@ -1,0 +1,563 @@
+"""JAX: pytrees, ties under jit, traced hyperparameters, donation, grad equivalence, dtypes.
+
+DESIGN 4.6-4.7 and issue 3 (JAX half). Numbers compare eager with jitted calls and with optax;
+identity (`is`) is checked where Python identity exists (eager), and the State carries the ties
+where it does not (jit).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import subprocess
+import sys
+import textwrap
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import optimisers as opt
+from optimisers import Leaf, State
+
+
+def rand(*shape, seed=0, dtype=jnp.float32):
+    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), dtype=dtype)
+
+
+def close(a, b, rtol=1e-6, atol=1e-7):
+    np.testing.assert_allclose(np.asarray(a, np.float64), np.asarray(b, np.float64), rtol, atol)
+
+
+# A loss that uses the tied array at two places in two different ways, so each place gets its
+# own gradient contribution from jax.grad.
+X = rand(5, seed=100)
+
+
+def tied_loss(model):
+    h = jnp.tanh(model["embed"] @ X)
+    h2 = jnp.tanh(model["mlp"][0] @ h)
+    return jnp.sum(jnp.sin(model["unembed"].T @ h2)) + 0.5 * jnp.sum(h**2)
+
+
+def tied_model(seed=0):
+    W = rand(4, 5, seed=seed)
+    return {"embed": W, "mlp": [rand(4, 4, seed=seed + 1)], "unembed": W}
+
+
+def untied_loss(params):
+    """The same loss written with one W used twice: what jax.grad users would write."""
+    return tied_loss({"embed": params["W"], "mlp": params["mlp"], "unembed": params["W"]})
+
+
+# --- import hygiene and registration -----------------------------------------------------------
+
+
+def _run(code: str, env_extra=None):
+    import os
+
+    env = dict(os.environ, **(env_extra or {}))
+    proc = subprocess.run(
+        [sys.executable, "-W", "error", "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
+
+
+def test_import_does_not_import_jax_and_state_registers_on_setup():
+    _run(
+        """
+        import sys
+        import numpy as np
+        import optimisers as opt
+        assert "jax" not in sys.modules
+        import jax, jax.numpy as jnp
+        # a NumPy model: nothing dispatches to the JAX backend, the setup hook registers State
+        model = {"a": np.ones(3, np.float32)}
+        state = opt.setup(opt.Descent(0.5), model)
+        s, m = jax.jit(opt.update)(state, model, {"a": np.ones(3, np.float32)})
+        assert isinstance(s, opt.State)
+        assert float(m["a"][0]) == 0.5
+        """
+    )
+
+
+def test_state_is_a_pytree_when_jax_was_imported_first():
+    _run(
+        """
+        import jax
+        import optimisers as opt
+        assert jax.tree_util.tree_leaves(opt.State()) == []
+        assert jax.tree_util.tree_structure(opt.State()).num_nodes == 1
+        """
+    )
+
+
+# --- State as a pytree -------------------------------------------------------------------------
+
+
+def test_flatten_stores_each_shared_leaf_and_rule_once_and_restores_sharing():
+    model = tied_model()
+    state = opt.setup(opt.Adam(0.01), model)
+    leaves, treedef = jax.tree_util.tree_flatten(state)
+    # one rule (eta, beta1, beta2, epsilon) + two Leafs' (m, v, t), not three
+    assert len(leaves) == 4 + 2 * 3
+    back = jax.tree_util.tree_unflatten(treedef, leaves)
+    assert isinstance(back, State)
+    assert back["embed"] is back["unembed"]
+    assert back["embed"] is not back["mlp"][0]
+    assert back["embed"].rule is back["mlp"][0].rule  # one rule object, as setup made it
+    assert back["embed"].rule == opt.Adam(0.01)
+    # tree_map keeps the structure, including ties, and the treedef compares equal
+    doubled = jax.tree_util.tree_map(lambda x: x, state)
+    assert doubled["embed"] is doubled["unembed"]
+    assert jax.tree_util.tree_structure(doubled) == treedef
+    assert jax.tree_util.tree_structure(opt.setup(opt.Adam(0.01), tied_model(3))) == treedef
+
+
+def test_flatten_with_paths_names_rules_and_parameters():
+    state = opt.setup(opt.Descent(0.1), tied_model())
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
+    assert paths == [".rule0[0]"]  # Descent has no state; its eta is the only leaf
+    state = opt.setup(opt.Adam(), {"w": jnp.ones(2)})
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
+    assert paths[-3:] == ["['w'][0]", "['w'][1]", "['w'][2]"]
+
+
+def test_structure_survives_placeholder_leaves():
+    # JAX (and Equinox's filters) unflatten with bools or None in every leaf and flatten again;
+    # the aux data must not change when a hyperparameter slot holds a non-number.
+    state = opt.setup(opt.Adam(0.01), tied_model())
+    treedef = jax.tree_util.tree_structure(state)
+    mask = jax.tree_util.tree_map(lambda x: False, state)
+    assert jax.tree_util.tree_structure(mask) == treedef
+    nones = jax.tree_util.tree_unflatten(treedef, [object()] * treedef.num_leaves)
+    assert jax.tree_util.tree_structure(nones) == treedef
+
+
+def test_leaf_alone_is_a_pytree():
+    leaf = opt.setup(opt.Adam(0.1), jnp.ones(3)).tree
+    assert isinstance(leaf, Leaf)
+    leaves, treedef = jax.tree_util.tree_flatten(leaf)
+    back = jax.tree_util.tree_unflatten(treedef, leaves)
+    assert isinstance(back, Leaf) and back.rule == leaf.rule and not back.frozen
+
+
+def test_frozen_is_static_and_respected_under_jit():
+    model = {"a": rand(3), "b": rand(3, seed=1)}
+    state = opt.setup(opt.Descent(0.1), model)
+    opt.freeze_(state["a"])
+    grads = {"a": jnp.ones(3), "b": jnp.ones(3)}
+    s, m = jax.jit(opt.update)(state, model, grads)
+    assert s["a"].frozen and not s["b"].frozen
+    close(m["a"], model["a"], 0, 0)
+    close(m["b"], model["b"] - 0.1, 1e-6)
+
+
+# --- jit: ties, numbers, recompilation ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("make", [lambda: opt.Descent(0.1), lambda: opt.Adam(0.01)])
+def test_jit_equals_eager_and_keeps_ties(make):
+    model_e = model_j = tied_model()
+    state_e = state_j = opt.setup(make(), model_e)
+    step = jax.jit(opt.update)
+    for _ in range(5):
+        state_e, model_e = opt.update(state_e, model_e, jax.grad(tied_loss)(model_e))
+        state_j, model_j = step(state_j, model_j, jax.grad(tied_loss)(model_j))
+        assert model_e["embed"] is model_e["unembed"]
+        assert state_j["embed"] is state_j["unembed"]
+        np.testing.assert_array_equal(model_j["embed"], model_j["unembed"])
+    for k in ("embed", "unembed"):
+        close(model_j[k], model_e[k])
+    close(model_j["mlp"][0], model_e["mlp"][0])
+
+
+def test_whole_training_step_jitted_with_ties():
+    model = tied_model()
+    state = opt.setup(opt.Adam(0.01), model)
+
+    @jax.jit
+    def train_step(state, model):
+        return opt.update(state, model, jax.grad(tied_loss)(model))
+
+    ref_params = {"W": model["embed"], "mlp": model["mlp"]}
+    tx = optax.adam(0.01)
+    ref_state = tx.init(ref_params)
+    for _ in range(10):
+        state, model = train_step(state, model)
+        g = jax.grad(untied_loss)(ref_params)
+        upd, ref_state = tx.update(g, ref_state)
+        ref_params = optax.apply_updates(ref_params, upd)
+    np.testing.assert_array_equal(model["embed"], model["unembed"])
+    close(model["embed"], ref_params["W"], 2e-5, 1e-6)
+    close(model["mlp"][0], ref_params["mlp"][0], 2e-5, 1e-6)
+
+
+def test_adjust_between_jitted_calls_does_not_recompile():
+    traces = []
+
+    @jax.jit
+    def step(state, model, grads):
+        traces.append(1)  # runs only while tracing
+        return opt.update(state, model, grads)
+
+    model = tied_model()
+    grads = jax.grad(tied_loss)(model)
+    state = opt.setup(opt.Adam(0.01), model)
+    state, model = step(state, model, grads)
+    state, model = step(state, model, grads)
+    assert len(traces) == 1
+    adjusted = opt.adjust(state, 0.5)
+    s_adj, m_adj = step(adjusted, model, grads)
+    s_adj, m_adj = step(opt.adjust(s_adj, beta=(0.5, 0.9), epsilon=1e-3), m_adj, grads)
+    opt.adjust_(s_adj, 0.25)
+    step(s_adj, m_adj, grads)
+    assert len(traces) == 1
+    # the new values were used: same as the eager call with the adjusted state
+    s_e, m_e = opt.update(adjusted, model, grads)
+    s_j, m_j = step(adjusted, model, grads)
+    # steps of size ~eta agree to float32 rounding of Adam's bias correction 1 - beta2**t, which
+    # eager JAX and XLA compute differently and which 1/(1 - beta2**t) amplifies at small t
+    close(model["embed"] - m_j["embed"], model["embed"] - m_e["embed"], 1e-4, 1e-7)
+    assert abs(float(s_j["embed"].rule.eta) - 0.5) < 1e-7
+
+
+def test_hyperparameter_schedule_inside_jit():
+    # adjust works on traced values, so a learning-rate schedule can live inside the program
+    model = {"w": rand(3)}
+    grads = {"w": jnp.ones(3)}
+    state = opt.setup(opt.Descent(0.1), model)
+    traces = []
+
+    @jax.jit
+    def step(state, model, lr):
+        traces.append(1)
+        return opt.update(opt.adjust(state, lr), model, grads)
+
+    s, m = step(state, model, 0.5)
+    s, m = step(s, m, 0.25)
+    close(m["w"], model["w"] - 0.75, 1e-6)
+    assert len(traces) == 1
+
+
+def test_update_in_place_under_jit():
+    model = tied_model()
+    grads = jax.grad(tied_loss)(model)
+    state = opt.setup(opt.Adam(0.01), model)
+    s_p, m_p = opt.update(state, model, grads)
+    s_i, m_i = jax.jit(opt.update_)(state, model, grads)
+    close(m_i["embed"], m_p["embed"])
+    close(s_i["embed"].state[0], s_p["embed"].state[0])
+
+
+# --- ties: the reason the library exists ------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "ours, theirs",
+    [
+        (lambda: opt.Descent(0.05), lambda: optax.sgd(0.05)),
+        (lambda: opt.Adam(0.01), lambda: optax.adam(0.01)),
+    ],
+    ids=["Descent", "Adam"],
+)
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_tied_tree_equals_optax_on_one_array_fed_the_summed_gradient(ours, theirs, jit):
+    W, V = rand(4, 5), rand(5, seed=1)
+    model = {"a": W, "b": W, "c": V}
+    state = opt.setup(ours(), model)
+    tx = theirs()
+    single = {"w": W, "c": V}
+    tx_state = tx.init(single)
+    update = jax.jit(opt.update) if jit else opt.update
+    tx_update = jax.jit(tx.update) if jit else tx.update
+    for t in range(20):
+        ga, gb, gc = rand(4, 5, seed=10 + t), rand(4, 5, seed=50 + t), rand(5, seed=90 + t)
+        state, model = update(state, model, {"a": ga, "b": gb, "c": gc})
+        upd, tx_state = tx_update({"w": ga + gb, "c": gc}, tx_state)
+        single = optax.apply_updates(single, upd)
+        if not jit:
+            assert model["a"] is model["b"]
+    np.testing.assert_array_equal(model["a"], model["b"])
+    close(model["a"], single["w"], 1e-5, 1e-6)
+    close(model["c"], single["c"], 1e-5, 1e-6)
+
+
+def test_optax_alone_trains_tied_copies_apart():
+    W = rand(4, 5)
+    tied = {"a": W, "b": W}
+    tx = optax.adam(0.01)
+    tx_state = tx.init(tied)
+    ga, gb = rand(4, 5, seed=1), rand(4, 5, seed=2)
+    upd, tx_state = tx.update({"a": ga, "b": gb}, tx_state)
+    after = optax.apply_updates(tied, upd)
+    # two optimiser states, two different moves: the tie is gone after one step
+    assert np.max(np.abs(after["a"] - after["b"])) > 1e-3
+    # while optimisers keeps one state and one move by the summed gradient
+    state = opt.setup(opt.Adam(0.01), tied)
+    _, ours = opt.update(state, tied, {"a": ga, "b": gb})
+    assert ours["a"] is ours["b"]
+    tx1 = optax.adam(0.01)
+    upd1, _ = tx1.update({"w": ga + gb}, tx1.init({"w": W}))
+    close(ours["a"], optax.apply_updates({"w": W}, upd1)["w"])
+
+
+def test_tied_update_equals_grad_of_a_function_reusing_one_array():
+    model = tied_model()
+    params = {"W": model["embed"], "mlp": model["mlp"]}
+    state_t = opt.setup(opt.Adam(0.01), model)
+    state_u = opt.setup(opt.Adam(0.01), params)
+    for _ in range(5):
+        state_t, model = opt.update(state_t, model, jax.grad(tied_loss)(model))
+        state_u, params = opt.update(state_u, params, jax.grad(untied_loss)(params))
+    assert model["embed"] is model["unembed"]
+    close(model["embed"], params["W"], 1e-6, 1e-7)
+    close(model["mlp"][0], params["mlp"][0], 1e-6, 1e-7)
+
+
+# --- donation ----------------------------------------------------------------------------------
+
+
+def test_donation_needs_distinct_buffers_and_then_works():
+    def train_step(state, model):
+        return opt.update(state, model, jax.grad(tied_loss)(model))
+
+    step = jax.jit(train_step, donate_argnums=(0, 1))
+    plain = jax.jit(train_step)
+
+    model = tied_model()
+    state = opt.setup(opt.Adam(0.01), model)
+    with pytest.raises(Exception, match="donate the same buffer twice"):
+        step(state, model)
+
+    model, ref_model = tied_model(), tied_model()
+    state, ref_state = opt.setup(opt.Adam(0.01), model), opt.setup(opt.Adam(0.01), ref_model)
+    donated = opt.distinct_buffers(model)
+    assert donated["embed"] is model["embed"] and donated["unembed"] is not model["unembed"]
+    assert donated["mlp"] is model["mlp"]
+    np.testing.assert_array_equal(donated["embed"], donated["unembed"])
+    first_m = state["embed"].state[0]
+    for _ in range(4):
+        state, donated = step(state, donated)
+        ref_state, ref_model = plain(ref_state, ref_model)
+    assert first_m.is_deleted()  # the state's buffers were really donated
+    np.testing.assert_array_equal(donated["embed"], donated["unembed"])
+    close(donated["embed"], ref_model["embed"])
+    close(donated["mlp"][0], ref_model["mlp"][0])
+
+
+def test_distinct_buffers_copies_repeated_containers_and_leaves_the_rest():
+    W = rand(2, 2)
+    block = {"w": W, "b": rand(2, seed=1), "n": 3}
+    model = {"enc": block, "dec": block, "head": W, "tag": "x"}
+    out = opt.distinct_buffers(model)
+    assert out["enc"] is block
+    assert out["dec"] is not block and out["dec"]["n"] == 3
+    assert out["dec"]["w"] is not W and out["head"] is not W
+    ids = [id(x) for x in jax.tree_util.tree_leaves(out) if isinstance(x, jax.Array)]
+    assert len(ids) == len(set(ids))
+    untied = {"a": rand(2), "b": rand(2)}
+    assert opt.distinct_buffers(untied) is untied
+
+
+# --- any pytree --------------------------------------------------------------------------------
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["w", "b"], meta_fields=["act"])
+@dataclasses.dataclass
+class Dense:
+    w: jax.Array
+    b: jax.Array
+    act: str = "tanh"
+
+
+class Pair:
+    """A plain class registered with register_pytree_node (children keyed by position)."""
+
+    def __init__(self, first, second):
+        self.first, self.second = first, second
+
+
+jax.tree_util.register_pytree_node(
+    Pair, lambda p: ((p.first, p.second), None), lambda _, ch: Pair(*ch)
+)
+
+
+class Box:
+    """Registered with keys: children named by GetAttrKey."""
+
+    def __init__(self, inner, scale):
+        self.inner, self.scale = inner, scale
+
+
+jax.tree_util.register_pytree_with_keys(
+    Box,
+    lambda b: (((jax.tree_util.GetAttrKey("inner"), b.inner),), b.scale),
+    lambda scale, ch: Box(ch[0], scale),
+)
+
+
+class Out(NamedTuple):
+    dense: Dense
+    extra: tuple
+
+
+def pytree_model():
+    W = rand(3, 3)
+    return Out(
+        dense=Dense(W, rand(3, seed=1)),
+        extra=(Pair(W, rand(3, seed=2)), Box({"v": rand(3, seed=3)}, 2.0)),
+    )
+
+
+def pytree_loss(m):
+    h = jnp.tanh(m.dense.w @ X[:3] + m.dense.b)
+    p, box = m.extra
+    return jnp.sum((p.first @ h + p.second) ** 2) * box.scale + jnp.sum(box.inner["v"] * h)
+
+
+def test_registered_pytree_nodes_are_containers():
+    model = pytree_model()
+    state = opt.setup(opt.Adam(0.01), model)
+    assert state["dense"]["w"] is state["extra"][0][0]  # tie across a dataclass and a Pair
+    assert "act" not in state["dense"]
+    assert set(state["extra"][1]["inner"].keys()) == {"v"}
+    paths = [p for p, _ in opt.trainables(model, path=True)]
+    assert paths == [("dense", "w"), ("dense", "b"), ("extra", 0, 1), ("extra", 1, "inner", "v")]
+
+    grads = jax.grad(pytree_loss)(model)
+    assert type(grads.extra[0]) is Pair
+    s_e, m_e = opt.update(state, model, grads)
+    assert type(m_e.extra[0]) is Pair and type(m_e.extra[1]) is Box and m_e.extra[1].scale == 2.0
+    assert m_e.dense.w is m_e.extra[0].first
+    assert m_e.dense.act == "tanh"
+    s_j, m_j = jax.jit(opt.update)(state, model, grads)
+    close(m_j.dense.w, m_e.dense.w)
+    close(m_j.extra[0].first, m_e.dense.w)
+    close(m_j.extra[1].inner["v"], m_e.extra[1].inner["v"])
+    # the tie moved by the summed gradient of both places
+    summed = grads.dense.w + grads.extra[0].first
+    ref = opt.update(opt.setup(opt.Adam(0.01), {"w": model.dense.w}), {"w": model.dense.w},
+                     {"w": summed})[1]["w"]
+    close(m_e.dense.w, ref)
+
+
+# --- destructure ------------------------------------------------------------------------------
+
+
+def test_destructure_is_differentiable_and_sums_tied_contributions():
+    model = tied_model()
+    flat, rebuild = opt.destructure(model)
+    assert isinstance(flat, jax.Array) and flat.shape == (20 + 16,)
+    rebuilt = rebuild(flat)
+    assert rebuilt["embed"] is rebuilt["unembed"]
+    g_flat = jax.grad(lambda f: tied_loss(rebuild(f)))(flat)
+    g = jax.grad(tied_loss)(model)
+    expected = jnp.concatenate([(g["embed"] + g["unembed"]).ravel(), g["mlp"][0].ravel()])
+    close(g_flat, expected, 1e-6, 1e-7)
+    g_jit = jax.jit(jax.grad(lambda f: tied_loss(rebuild(f))))(flat)
+    close(g_jit, expected, 1e-6, 1e-7)
+
+
+# --- dtypes, purity ---------------------------------------------------------------------------
+
+
+# Adam casts beta2 = 0.999 to the parameter's dtype; in bfloat16 that is 1.0, so 1 - beta2**t is 0
+# and the step is 0/0 (NumPy and PyTorch bfloat16 alike). strict: this flips when the rule is fixed.
+_BF16_ADAM = pytest.mark.xfail(
+    strict=True, reason="Adam's beta2 rounds to 1 in bfloat16 (rules issue, reported)"
+)
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    [jnp.float32, jnp.float16, jnp.bfloat16],
+    ids=["float32", "float16", "bfloat16"],
+)
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: opt.Descent(0.1),
+        lambda: opt.Adam(0.01),
+        lambda: opt.MixedPrecision(opt.Adam(0.01)),
+    ],
+    ids=["Descent", "Adam", "MixedPrecision(Adam)"],
+)
+def test_dtype_is_kept_eager_and_jitted(dtype, make, request):
+    if dtype == jnp.bfloat16 and request.node.callspec.id.startswith("Adam"):
+        request.applymarker(_BF16_ADAM)
+    model = {"a": rand(4, 5, dtype=dtype), "c": rand(5, seed=1, dtype=dtype)}
+    model["b"] = model["a"]
+    grads = {k: rand(*v.shape, seed=7, dtype=dtype) for k, v in model.items()}
+    grads["c"] = grads["c"].astype(jnp.float32)  # a wider gradient must not widen the parameter
+    state = opt.setup(make(), model)
+    s_e, m_e = opt.update(state, model, grads)
+    s_j, m_j = jax.jit(opt.update)(state, model, grads)
+    for m in (m_e, m_j):
+        assert all(v.dtype == dtype for v in m.values())
+        assert all(bool(jnp.all(jnp.isfinite(v))) for v in m.values())
+    for s in (s_e, s_j):
+        for leaf in s.leaves():
+            for x in jax.tree_util.tree_leaves(leaf.state):
+                if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jnp.floating):
+                    mixed = isinstance(leaf.rule, opt.MixedPrecision)  # float32 master copy
+                    assert x.dtype == (jnp.float32 if mixed else dtype)
+    tol = 1e-6 if dtype == jnp.float32 else 1e-2
+    for k in model:
+        close(m_j[k], m_e[k], tol, tol)
+
+
+def test_float16_epsilon_floor_under_jit():
+    # Adam on float16 with a zero second moment: 1e-8 rounds to 0 in float16, so without the floor
+    # the step would be 0/0; traced epsilon must be floored like the eager one.
+    model = {"w": jnp.ones(3, jnp.float16)}
+    grads = {"w": jnp.array([0.0, 1e-4, 1.0], jnp.float16)}
+    state = opt.setup(opt.Adam(0.1), model)
+    s_e, m_e = opt.update(state, model, grads)
+    s_j, m_j = jax.jit(opt.update)(state, model, grads)
+    assert bool(jnp.all(jnp.isfinite(m_j["w"])))
+    np.testing.assert_array_equal(m_j["w"], m_e["w"])
+
+
+def test_update_returns_new_arrays_and_update_in_place_returns_the_new_model():
+    model = tied_model()
+    before = jax.tree_util.tree_map(np.array, model)
+    grads = jax.grad(tied_loss)(model)
+    state = opt.setup(opt.Adam(0.01), model)
+    leaf = state["embed"]
+    s, m = opt.update(state, model, grads)
+    assert m["embed"] is not model["embed"] and m["embed"] is m["unembed"]
+    assert s is not state and state["embed"] is leaf and leaf.state[2] == 0
+    s2, m2 = opt.update_(state, model, grads)
+    assert s2 is state and leaf.state[2] == 1  # the Leafs moved, in place
+    assert m2["embed"] is m2["unembed"] and m2["embed"] is not model["embed"]
+    np.testing.assert_array_equal(m2["embed"], m["embed"])
+    for k in ("embed", "unembed"):
+        np.testing.assert_array_equal(model[k], before[k])  # JAX arrays never change
+
+
+# --- backend ops on traced values -------------------------------------------------------------
+
+
+def test_norm_and_cond_accept_traced_values():
+    from optimisers import _ops
+
+    x = jnp.array([3.0, -4.0, 0.0])
+    for p in (2.0, 1.0, np.inf, -np.inf, 0.0, 3.0):
+        eager = _ops.norm(x, p)
+        traced = jax.jit(lambda x, p: _ops.norm(x, p))(x, p)
+        close(traced, eager, 1e-6)
+    assert _ops.isfinite(x) is True
+    assert jax.jit(lambda x: jnp.float32(_ops.isfinite(x) is None))(x) == 1
+    pick = jax.jit(lambda c: _ops.cond(c > 0, lambda: x * 2, lambda: x * 3))
+    close(pick(1.0), x * 2)
+    close(pick(-1.0), x * 3)
+    assert _ops.cond(jnp.asarray(True), lambda: 1, lambda: 2) == 1
