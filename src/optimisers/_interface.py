@@ -10,6 +10,7 @@ An update runs in three phases so that a failed call changes nothing:
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -230,8 +231,17 @@ def _compute(found: dict[int, _Contribution], skip=frozenset()) -> dict[int, tup
     for key, c in found.items():
         if c.leaf.frozen or not c.grads or key in skip:
             continue
-        results[key] = c.leaf.rule.apply(c.leaf.state, c.x, c.dx())
+        with _grad_off(c.x):
+            results[key] = c.leaf.rule.apply(c.leaf.state, c.x, c.dx())
     return results
+
+
+def _grad_off(x):
+    """Rules compute data, not graphs: a backend with autograd (PyTorch) provides `no_grad`, so
+    that a step using the parameter (WeightDecay, AdamW) does not leave optimiser state holding
+    an autograd graph that grows every step."""
+    off = getattr(_ops.backend(x), "no_grad", None)
+    return off() if off is not None else contextlib.nullcontext()
 
 
 def _check_args(state, grads, name):
