@@ -19,6 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import optimisers as opt
 from optimisers import Leaf, State
@@ -561,3 +563,102 @@ def test_norm_and_cond_accept_traced_values():
     close(pick(1.0), x * 2)
     close(pick(-1.0), x * 3)
     assert _ops.cond(jnp.asarray(True), lambda: 1, lambda: 2) == 1
+
+
+# --- property: random trees with random ties, jitted == eager == untied reference ----------------
+
+_POOL_SHAPES = [(2,), (3,), (2, 2)]
+# an int picks one of the pool's arrays (same int, same object: a tie); None is a non-trainable
+# leaf that jit passes through
+_slots = st.recursive(
+    st.integers(0, len(_POOL_SHAPES) - 1) | st.none(),
+    lambda ch: st.lists(ch, min_size=1, max_size=3)
+    | st.dictionaries(st.sampled_from("abc"), ch, min_size=1, max_size=3),
+    max_leaves=8,
+)
+
+
+def _build(tree, pool, memo):
+    if tree is None or isinstance(tree, int):
+        return None if tree is None else pool[tree]
+    if id(tree) not in memo:  # a sub-tree reached twice becomes one shared container
+        if isinstance(tree, dict):
+            memo[id(tree)] = {k: _build(v, pool, memo) for k, v in tree.items()}
+        else:
+            memo[id(tree)] = [_build(v, pool, memo) for v in tree]
+    return memo[id(tree)]
+
+
+def _grads_for(tree, keep, counter):
+    if tree is None:
+        return None
+    if isinstance(tree, int):
+        counter[0] += 1
+        if not keep[counter[0] % len(keep)]:
+            return None
+        return rand(*_POOL_SHAPES[tree], seed=1000 + counter[0])
+    if isinstance(tree, dict):
+        return {k: _grads_for(v, keep, counter) for k, v in tree.items()}
+    return [_grads_for(v, keep, counter) for v in tree]
+
+
+def _contributions(tree, grads, out):
+    if isinstance(tree, int):
+        if grads is not None:
+            out.setdefault(tree, []).append(grads)
+    elif isinstance(tree, dict):
+        for k, v in tree.items():
+            _contributions(v, grads[k], out)
+    elif isinstance(tree, list):
+        for v, g in zip(tree, grads):
+            _contributions(v, g, out)
+    return out
+
+
+def _leaves_by_index(tree, model, out):
+    if isinstance(tree, int):
+        out.setdefault(tree, []).append(model)
+    elif isinstance(tree, dict):
+        for k, v in tree.items():
+            _leaves_by_index(v, model[k], out)
+    elif isinstance(tree, list):
+        for v, m in zip(tree, model):
+            _leaves_by_index(v, m, out)
+    return out
+
+
+@settings(
+    max_examples=15,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+@given(tree=_slots, share=st.booleans(), keep=st.lists(st.booleans(), min_size=1, max_size=4))
+def test_random_tied_trees_jitted_equal_eager_and_untied_reference(tree, share, keep):
+    if share:
+        tree = {"x": tree, "y": tree}
+    pool = [rand(*s, seed=i) for i, s in enumerate(_POOL_SHAPES)]
+    model = _build(tree, pool, {})
+    grads = _grads_for(tree, keep, [0])
+    rule = opt.Adam(0.05)
+    state = opt.setup(rule, model)
+    s_e, m_e = opt.update(state, model, grads)
+    s_j, m_j = jax.jit(opt.update)(state, model, grads)
+    summed = _contributions(tree, grads, {})
+    got_e = _leaves_by_index(tree, m_e, {})
+    got_j = _leaves_by_index(tree, m_j, {})
+    for i, places_e in got_e.items():
+        assert all(x is places_e[0] for x in places_e)  # eager: one object at every place
+        if i in summed:
+            g = functools.reduce(lambda a, b: a + b, summed[i])
+            ref = opt.update(opt.setup(rule, pool[i]), pool[i], g)[1]
+        else:
+            ref = pool[i]  # no gradient anywhere: not moved
+        close(places_e[0], ref)
+        for x in got_j[i]:
+            close(x, ref)
+    # the jitted State still knows the ties: a second jitted step on its output keeps them
+    s_j2, m_j2 = jax.jit(opt.update)(s_j, m_j, grads)
+    for places_j in _leaves_by_index(tree, m_j2, {}).values():
+        for x in places_j:
+            np.testing.assert_array_equal(x, places_j[0])

@@ -253,7 +253,10 @@ def node_kind(obj) -> NodeKind | None:
     children keyed by their JAX key paths: attribute names, dict keys, sequence positions."""
     if obj is None or isinstance(obj, (str, bytes, numbers.Number, np.ndarray, np.generic)):
         return None
-    flat, _ = _one_level(obj)
+    try:
+        flat, _ = _one_level(obj)
+    except Exception:  # a registered flatten that fails on this object: treat it as a leaf
+        return None
     if len(flat) == 1 and flat[0][0] == ():
         return None  # JAX sees a leaf
     return NodeKind(type(obj).__name__, _pytree_children, _pytree_rebuild)
