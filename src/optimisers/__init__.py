@@ -11,6 +11,7 @@ from ._interface import adjust, adjust_, freeze_, setup, thaw_, update, update_
 from ._rule import Rule
 from ._rules import Adam, Descent
 from ._state import Leaf, State
+from ._torch_grads import grads
 from ._tree import register
 
 __version__ = "0.1.0"
@@ -26,6 +27,7 @@ __all__ = [
     "destructure",
     "distinct_buffers",
     "freeze_",
+    "grads",
     "register",
     "setup",
     "thaw_",

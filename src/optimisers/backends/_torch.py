@@ -1,0 +1,360 @@
+"""PyTorch tensors and `torch.nn.Module`s.
+
+Imported only when the user's model holds torch objects (`optimisers._ops.backend` looks it up from
+a tensor's type, `optimisers._tree` only when torch is already in `sys.modules`).
+
+Conventions that differ from NumPy:
+- hyperparameters are Python floats (complex for complex tensors): torch kernels keep the tensor's
+  dtype for a Python scalar, whereas a 0-d tensor of another dtype could promote it;
+- in-place writes run under `torch.no_grad()`, so parameters stay leaves with `requires_grad` and
+  their `.grad` is untouched, exactly as with `torch.optim`;
+- pure results of a parameter are new leaves with the same `requires_grad` (an `nn.Parameter` for
+  an `nn.Parameter`), so the next forward/backward works on them directly;
+- `flatten` / `unflatten_one` stay on the autograd graph, so `destructure` is differentiable.
+"""
+
+from __future__ import annotations
+
+import copy as _copy
+import functools
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+from torch import nn
+
+from .._tree import NodeKind, format_path
+
+# float16's smallest useful epsilon (Optimisers.jl's floor): Float16(1e-7) == 2**-23
+_FLOAT16_EPS = float(np.float16(1e-7))
+
+
+# --- what the tree layer asks -----------------------------------------------------------------
+
+
+def is_param(x) -> bool:
+    if not isinstance(x, torch.Tensor) or x.layout is not torch.strided:
+        return False
+    if not (x.is_floating_point() or x.is_complex()):
+        return False
+    # a frozen nn.Parameter is carried, not trained; plain tensors in a tree are always trainable
+    return x.requires_grad if isinstance(x, nn.Parameter) else True
+
+
+def is_array(x) -> bool:
+    return isinstance(x, torch.Tensor)
+
+
+def shape(x):
+    return tuple(x.shape)
+
+
+def writable(x) -> bool:
+    # inference tensors refuse in-place writes outside inference mode
+    return not x.is_inference()
+
+
+def memory_span(x):
+    """(start, stop) byte addresses of the elements `x` may touch."""
+    if x.numel() == 0:
+        start = x.data_ptr()
+        return start, start
+    item = x.element_size()
+    start = x.data_ptr()
+    # torch strides are never negative, so the last element is at sum((size - 1) * stride)
+    last = sum((n - 1) * s for n, s in zip(x.shape, x.stride()))
+    return start, start + (last + 1) * item
+
+
+def _storage_ptr(x) -> int:
+    return x.untyped_storage().data_ptr()
+
+
+def shares_memory(x, y) -> bool:
+    """Same storage and overlapping element ranges (conservative for interleaved strided views)."""
+    if x.device != y.device or _storage_ptr(x) != _storage_ptr(y):
+        return False
+    (a0, a1), (b0, b1) = memory_span(x), memory_span(y)
+    return a0 < b1 and b0 < a1
+
+
+# `optimisers._interface` runs every rule's `apply` inside this: the maths of a step is data, and
+# optimiser state must never hold an autograd graph (it would grow with every step)
+no_grad = torch.no_grad
+
+
+def subtract_(x, step):
+    with torch.no_grad():
+        x.sub_(step)
+    return x
+
+
+def assign_(x, value):
+    with torch.no_grad():
+        x.copy_(value)
+    return x
+
+
+def _fresh_like(value, like):
+    """`value` (a new tensor made under no_grad) as a leaf standing in for parameter `like`."""
+    if isinstance(like, nn.Parameter):
+        return nn.Parameter(value, requires_grad=like.requires_grad)
+    if like.requires_grad:
+        value.requires_grad_(True)
+    return value
+
+
+def subtract(x, step):
+    with torch.no_grad():
+        out = x - step
+        if out.dtype != x.dtype:
+            out = out.to(x.dtype)
+    return _fresh_like(out, x)
+
+
+# --- what the rules ask -----------------------------------------------------------------------
+
+
+def _real_dtype(dtype):
+    return dtype.to_real() if dtype.is_complex else dtype
+
+
+def scalar(value, like):
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype=like.dtype, device=like.device)
+    return complex(value) if like.is_complex() else float(value)
+
+
+def epsilon(value, like):
+    real = _real_dtype(like.dtype)
+    if isinstance(value, torch.Tensor):
+        value = value.to(dtype=real, device=like.device)
+        if real == torch.float16:
+            value = torch.where(value == 0, value, torch.clamp(value, min=_FLOAT16_EPS))
+        return value
+    value = float(value)
+    # 1e-8 rounds to zero in float16; bfloat16 has float32's exponent range and keeps 1e-8
+    if real == torch.float16 and value != 0:
+        value = max(value, _FLOAT16_EPS)
+    return value
+
+
+def zeros_like(x):
+    return torch.zeros_like(x, requires_grad=False)
+
+
+def full_like(x, value):
+    if isinstance(value, torch.Tensor):
+        return torch.zeros_like(x, requires_grad=False).copy_(value)
+    return torch.full_like(x, value, requires_grad=False)
+
+
+sqrt = torch.sqrt
+abs = torch.abs  # noqa: A001
+
+
+def sign(x):
+    return torch.sgn(x) if x.is_complex() else torch.sign(x)
+
+
+def maximum(x, y):
+    if isinstance(y, torch.Tensor):
+        return torch.maximum(x, y)
+    return torch.clamp(x, min=y)
+
+
+def minimum(x, y):
+    if isinstance(y, torch.Tensor):
+        return torch.minimum(x, y)
+    return torch.clamp(x, max=y)
+
+
+def clip(x, low, high):
+    if isinstance(low, torch.Tensor) != isinstance(high, torch.Tensor):
+        return torch.clamp(torch.clamp(x, min=low), max=high)
+    return torch.clamp(x, low, high)
+
+
+def where(condition, x, y):
+    if not isinstance(condition, torch.Tensor):
+        return x if condition else y
+    return torch.where(condition, x, y)
+
+
+def abs2(x):
+    if x.is_complex():
+        return torch.square(x.real) + torch.square(x.imag)
+    return torch.square(x)
+
+
+def norm(x, p):
+    if x.numel() == 0:
+        fill = float("inf") if p == -float("inf") else 0.0
+        return torch.full((), fill, dtype=_real_dtype(x.dtype), device=x.device)
+    return torch.linalg.vector_norm(x, ord=p)
+
+
+def isfinite(x):
+    if isinstance(x, torch.Tensor):
+        return bool(torch.isfinite(x).all())
+    return bool(np.isfinite(x))
+
+
+def cond(predicate, if_true, if_false):
+    return if_true() if predicate else if_false()
+
+
+def astype(x, like):
+    """`x` on `like`'s dtype and device, off the autograd graph (no copy when it already matches).
+
+    Gradients are data to the optimiser: a gradient made with `create_graph=True` must not drag
+    its graph into the optimiser state."""
+    if isinstance(x, torch.Tensor):
+        return x.detach().to(dtype=like.dtype, device=like.device)
+    return torch.as_tensor(x, dtype=like.dtype, device=like.device)
+
+
+def _torch_dtype(dtype):
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    found = getattr(torch, np.dtype(dtype).name, None)  # float32, bfloat16 (ml_dtypes), ...
+    if not isinstance(found, torch.dtype):
+        raise TypeError(f"no torch dtype corresponds to {dtype!r}")
+    return found
+
+
+def cast(x, dtype):
+    # `Tensor.to` returns `self` when nothing changes; a cast here is always a new tensor
+    return x.detach().to(dtype=_torch_dtype(dtype), copy=True)
+
+
+def copy(x):
+    return _fresh_like(x.detach().clone(), x)
+
+
+# --- what destructure asks --------------------------------------------------------------------
+
+
+def flatten(arrays):
+    dtype = functools.reduce(torch.promote_types, (a.dtype for a in arrays))
+    return torch.cat([a.reshape(-1).to(dtype) for a in arrays])
+
+
+def unflatten_one(flat, start, like):
+    n = like.numel()
+    # clone: the rebuilt model owns its memory (as with NumPy) and stays on the autograd graph
+    out = flat[start : start + n].reshape(like.shape).to(like.dtype).clone()
+    if isinstance(like, nn.Parameter) and not out.requires_grad:
+        return nn.Parameter(out, requires_grad=like.requires_grad)
+    return out
+
+
+# --- nn.Module as a tree node -----------------------------------------------------------------
+
+
+def _module_children(m):
+    out = [(k, p) for k, p in m._parameters.items() if p is not None and p.requires_grad]
+    out.extend((k, sub) for k, sub in m._modules.items() if sub is not None)
+    return out
+
+
+def _as_parameter(new, old):
+    """What to store in a parameter slot whose old value was `old`: a Parameter stays a Parameter,
+    except for a value on the autograd graph (a differentiable `destructure` rebuild).
+
+    A plain tensor placed at several tied slots must become one Parameter shared by all of them,
+    so the wrapper is remembered on the tensor itself (it lives exactly as long as the tensor)."""
+    if isinstance(new, nn.Parameter) or not isinstance(old, nn.Parameter) or new.requires_grad:
+        return new
+    wrapped = getattr(new, "_optimisers_parameter", None)
+    if wrapped is None:
+        wrapped = nn.Parameter(new, requires_grad=old.requires_grad)
+        new._optimisers_parameter = wrapped
+    return wrapped
+
+
+def _module_rebuild(m, changes):
+    """A new module object, sharing everything with `m` but its parameter and submodule slots.
+
+    The dicts that registration writes to are copied, so registering on one of the two modules
+    does not change the other; buffers and all other attributes are the same objects."""
+    new = _copy.copy(m)
+    d = new.__dict__
+    d["_parameters"] = params = dict(m._parameters)
+    d["_modules"] = modules = dict(m._modules)
+    d["_buffers"] = dict(m._buffers)
+    if "_non_persistent_buffers_set" in d:
+        d["_non_persistent_buffers_set"] = set(m._non_persistent_buffers_set)
+    for k, v in changes.items():
+        if k in params:
+            params[k] = _as_parameter(v, params[k])
+        elif k in modules:
+            modules[k] = v
+        else:  # pragma: no cover - the tree layer only passes keys from `_module_children`
+            raise KeyError(f"{type(m).__name__} has no parameter or submodule {k!r}")
+    return new
+
+
+def _carried_name(m, key) -> bool:
+    """A frozen parameter or a buffer: gradients for it are accepted and ignored."""
+    return key in m._parameters or key in m._buffers
+
+
+def _module_grad_children(m, grad, path):
+    """Gradient of a module: a mapping of its children's names (nested, mirroring the module) or
+    of dotted names (`dict(module.named_parameters(remove_duplicate=False))`, as `torch.func.grad`
+    returns), or a mix; a tied parameter may appear under each of its names, one contribution per
+    name. Names of frozen parameters and buffers are ignored."""
+    if isinstance(grad, nn.Module):
+        raise TypeError(
+            f"gradient at {format_path(path)} is a module ({type(grad).__name__}); pass "
+            "optimisers.grads(module) to read the .grad fields that backward() filled"
+        )
+    if not isinstance(grad, Mapping):
+        return None
+    children = dict(_module_children(m))
+    out: dict = {}
+    dotted: dict = {}
+    for key, g in grad.items():
+        if not isinstance(key, str):
+            raise TypeError(
+                f"gradient at {format_path(path)} has key {key!r}; a module's gradient is keyed "
+                "by parameter and submodule names (str)"
+            )
+        if key in children:
+            if key in dotted:
+                raise ValueError(_both(path, key))
+            out[key] = g
+            continue
+        head, dot, rest = key.partition(".")
+        if dot and isinstance(m._modules.get(head), nn.Module):
+            if head in out:
+                raise ValueError(_both(path, head))
+            dotted.setdefault(head, {})[rest] = g
+            continue
+        if _carried_name(m, key):
+            continue
+        have = ", ".join(repr(k) for k in children) or "none"
+        raise ValueError(
+            f"gradient at {format_path(path)} has key {key!r}, which the "
+            f"{type(m).__name__} there does not have (trainable children: {have})"
+        )
+    out.update(dotted)
+    return out
+
+
+def _both(path, key) -> str:
+    return (
+        f"gradient at {format_path(path)} gives {key!r} both as a nested entry and through "
+        "dotted names; use one form"
+    )
+
+
+MODULE = NodeKind("module", _module_children, _module_rebuild, _module_grad_children)
+
+
+def node_kind(obj):
+    """The tree kind of a torch container (`nn.Module`), or None."""
+    if isinstance(obj, nn.Module):
+        return MODULE
+    return None
