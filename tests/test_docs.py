@@ -1,0 +1,142 @@
+"""Every ```python block of README.md and docs/*.md runs, and every docstring example passes.
+
+The blocks of one page run in order in one namespace, as a reader would type them. A block may be
+skipped only when a `<!-- skip-test -->` comment stands right before it, for code that cannot run
+in one CPU process (e.g. a multi-process launch); `test_skips_are_rare` keeps an eye on them.
+"""
+
+from __future__ import annotations
+
+import doctest
+import importlib
+import os
+import pkgutil
+import re
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+import optimisers
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+PAGES = [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]
+SKIP = "<!-- skip-test -->"
+ALLOWED_SKIPS = 3
+
+_FENCE = re.compile(
+    r"^(?P<indent>[ \t]*)```(?P<lang>[\w+-]*)[^\n]*\n(?P<body>.*?)^(?P=indent)```", re.DOTALL | re.MULTILINE
+)
+
+
+def code_blocks(page: Path) -> list[tuple[int, str, bool]]:
+    """`(line, code, skipped)` for each ```python block of `page`."""
+    text = page.read_text(encoding="utf-8")
+    blocks = []
+    for m in _FENCE.finditer(text):
+        if m.group("lang") not in ("python", "py"):
+            continue
+        before = text[: m.start()].rstrip().splitlines()
+        skipped = bool(before) and before[-1].strip() == SKIP
+        indent = m.group("indent")
+        body = "\n".join(
+            line[len(indent) :] if line.startswith(indent) else line for line in m.group("body").splitlines()
+        )
+        line = text.count("\n", 0, m.start()) + 2
+        blocks.append((line, body, skipped))
+    return blocks
+
+
+def _page_id(page: Path) -> str:
+    return str(page.relative_to(ROOT))
+
+
+@pytest.mark.parametrize("page", [p for p in PAGES if code_blocks(p)], ids=_page_id)
+def test_page_code_runs(page, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # pages may write files (checkpoints, plots)
+    # a real module, so that classes defined on the page work with dataclasses, pickle, ...
+    module = types.ModuleType(f"docs_{page.stem.replace('-', '_')}")
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    for line, code, skipped in code_blocks(page):
+        if skipped:
+            continue
+        try:
+            code = compile(code, f"{_page_id(page)}:{line}", "exec", dont_inherit=True)
+            exec(code, module.__dict__)
+        except Exception as e:
+            raise AssertionError(f"the code block at {_page_id(page)}:{line} failed: {e!r}") from e
+
+
+def test_skips_are_rare():
+    skipped = [f"{_page_id(p)}:{line}" for p in PAGES for line, _, s in code_blocks(p) if s]
+    assert len(skipped) <= ALLOWED_SKIPS, skipped
+
+
+def test_every_page_has_tested_code_or_is_reference():
+    prose_only = {"index.md", "api.md", "comparison.md"}
+    for page in DOCS.glob("*.md"):
+        if page.name not in prose_only:
+            assert code_blocks(page), f"{page.name} has no python code block"
+
+
+def _modules():
+    names = ["optimisers"]
+    for info in pkgutil.walk_packages(optimisers.__path__, "optimisers."):
+        if not info.name.endswith("__main__"):  # importing it runs the command line
+            names.append(info.name)
+    return names
+
+
+@pytest.mark.parametrize("name", _modules())
+def test_docstring_examples(name):
+    """Docstrings with `>>>` examples run as doctests (backend modules need their framework)."""
+    module = importlib.import_module(name)
+    finder = doctest.DocTestFinder(exclude_empty=True)
+    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    for test in finder.find(module, name):
+        runner.run(test)
+    result = runner.summarize(verbose=False)
+    assert result.failed == 0, f"{result.failed} docstring example(s) failed in {name}"
+
+
+def test_api_page_lists_every_public_name():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("docs_hooks", DOCS / "_hooks.py")
+    hooks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hooks)
+    assert hooks.undocumented((DOCS / "api.md").read_text(encoding="utf-8")) == []
+
+
+def test_nav_lists_every_page():
+    config = (ROOT / "mkdocs.yml").read_text(encoding="utf-8")
+    for page in DOCS.glob("*.md"):
+        assert f" {page.name}" in config, f"{page.name} is not in mkdocs.yml's nav"
+
+
+def test_readme_links_exist():
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text):
+        if "://" not in target:
+            assert (ROOT / target).exists(), f"README links to missing {target}"
+
+
+def test_readme_quick_start_commands():
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert "pip install -e . && optimisers demo" in text
+    assert 'pip install -e ".[test]" && python -m pytest' in text
+    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    assert "python3 -m pytest" in ci and "mkdocs build --strict" in ci
+
+
+def test_import_is_light():
+    """The docs promise that `import optimisers` pulls in neither torch nor jax."""
+    import subprocess
+    import sys
+
+    code = "import sys, optimisers; print('torch' in sys.modules, 'jax' in sys.modules)"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONSTARTUP"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    assert out.stdout.split() == ["False", "False"], out.stderr
