@@ -315,7 +315,7 @@ def update_(state: State, model, *grads):
                 return x
             if b.writable(x):
                 return b.assign_(x, first)
-            return _ops.cast(first, x.dtype)
+            return first if first.dtype == x.dtype else _ops.cast(first, x.dtype)
         if isinstance(step, NewValue):
             new = b.assign_(x, step.value) if b.writable(x) else _ops.cast(step.value, x.dtype)
         else:
