@@ -188,10 +188,9 @@ def astype(x, like):
 
 
 def cast(x, dtype):
-    # JAX arrays are immutable, so an unchanged dtype needs no copy, and returning `x` itself lets
-    # every place of a tied parameter receive the identical new array from `update_`
-    x = jnp.asarray(x)
-    return x if x.dtype == np.dtype(dtype) else x.astype(dtype)
+    # a real copy even for an unchanged dtype: a MixedPrecision master copy must not share a
+    # buffer with its parameter, or donating both would donate one buffer twice
+    return jnp.array(x, dtype=dtype, copy=True)
 
 
 def copy(x):
