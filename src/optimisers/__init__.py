@@ -5,7 +5,9 @@
     state, model = optimisers.update_(state, model, grads)   # in place
 """
 
+from . import schedules
 from ._buffers import distinct_buffers
+from ._checkpoint import CheckpointError, load, load_state_dict, save, state_dict
 from ._destructure import destructure, trainables
 from ._interface import adjust, adjust_, freeze_, setup, thaw_, update, update_
 from ._rule import Rule
@@ -17,6 +19,12 @@ from ._tree import register
 __version__ = "0.1.0"
 
 __all__ = [
+    "CheckpointError",
+    "load",
+    "load_state_dict",
+    "save",
+    "schedules",
+    "state_dict",
     "Adam",
     "Descent",
     "Leaf",

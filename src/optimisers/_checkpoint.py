@@ -1,0 +1,860 @@
+"""Checkpoints of optimiser state: `state_dict` / `load_state_dict` and the single-file `save` / `load`.
+
+The state dict is a flat `dict` from strings to plain values (arrays, text, bools, numbers), so
+any checkpointer of such dicts can hold it (`torch.save`, `np.savez(**d)`, ...). With `P` the
+dotted path of a parameter (`format_path`: `"decoder.layers.0.w"`, `"<model>"` when the model is
+one array), it holds:
+
+    "__format__"         "optimisers.state_dict.v1"
+    "P/rule"             the rule and its hyperparameters as text, e.g. "Adam(eta=0.001,
+                         beta=(0.9, 0.999), epsilon=1e-08)"; nested rules nest
+    "P/frozen"           True or False
+    "P/state/0", ...     the rule's state: one entry per array or number of the state's tuples
+                         (nested tuples give "P/state/1/0"; a bare array gives "P/state"; `None`
+                         gives no entry). Arrays stay arrays of their backend (not copies);
+                         step counters stay Python ints
+    "Q/tied_to"          "P": the parameter at Q is tied to the one at P (stored once, under P)
+
+Each tied Leaf is stored once, under its first path (depth first, as `setup` finds it); every
+other place that holds it has a `tied_to` entry. `load_state_dict` checks everything (paths, ties,
+rules, state entries, shapes, dtypes) before it builds anything and reports every difference at
+once; it returns a new `State` and leaves its arguments untouched (no trailing underscore: pure).
+
+`save(path, state)` writes the same entries to one file: `.npz` (or `.safetensors` when that
+package is installed and the path ends so), the arrays as arrays (moved to the host), everything
+else as one JSON text entry `__optimisers__`. The file is written to a temporary file in the same
+folder, flushed to disk and renamed over `path`, so a crash never leaves a truncated checkpoint.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import sys
+import tempfile
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from ._rule import Rule
+from ._state import Leaf, State, describe, map_leaves
+from ._tree import format_path
+
+FORMAT = "optimisers.state_dict.v1"
+FORMAT_KEY = "__format__"
+META_KEY = "__optimisers__"  # the JSON entry of a file
+_HYPER_MODES = ("checkpoint", "state", "check")
+_MAX_PROBLEMS = 25
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded into the given state; the message lists every difference."""
+
+
+# --- walking the state tree ----------------------------------------------------------------------
+
+
+def _tree_of(state, name):
+    if isinstance(state, State):
+        return state.tree
+    if isinstance(state, Leaf):
+        return state
+    raise TypeError(
+        f"{name} expects the State returned by optimisers.setup (or a part of one), got a "
+        f"{type(state).__name__}; did you pass the model?"
+    )
+
+
+def _places(tree) -> list[tuple[str, Leaf]]:
+    """`(dotted path, Leaf)` for every place of every Leaf, depth first, repeats included."""
+    out: list[tuple[str, Leaf]] = []
+    owner: dict[str, tuple] = {}
+
+    def visit(node, path):
+        if isinstance(node, Leaf):
+            name = format_path(path)
+            if name in owner and owner[name] != path:
+                raise ValueError(
+                    f"the parameter paths {owner[name]!r} and {path!r} both read {name!r}; a "
+                    "state dict needs distinct names (rename one of the keys)"
+                )
+            owner[name] = path
+            out.append((name, node))
+            return
+        for k, child in node.items():
+            visit(child, path + (k,))
+
+    visit(tree, ())
+    return out
+
+
+def _is_array(x) -> bool:
+    root = type(x).__module__.partition(".")[0]
+    return root in ("numpy", "torch", "jax", "jaxlib") and hasattr(x, "shape") and hasattr(x, "dtype")
+
+
+def _state_items(value, key: str, out: list) -> list:
+    """`(key, element)` for the arrays and numbers of one Leaf's state, in order."""
+    if value is None:
+        return out
+    if _is_array(value) or isinstance(value, (bool, int, float, complex)):
+        out.append((key, value))
+    elif isinstance(value, (tuple, list)):
+        for i, v in enumerate(value):
+            _state_items(v, f"{key}/{i}", out)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _state_items(v, f"{key}/{k}", out)
+    else:
+        raise TypeError(
+            f"{key}: cannot store a {type(value).__name__} in a state dict; a rule's state must be "
+            "arrays, numbers, None, and tuples/lists/dicts of them"
+        )
+    return out
+
+
+def _rebuild_state(value, key: str, new: dict):
+    """The state `value` with each element replaced by `new[key]`, containers rebuilt alike."""
+    if value is None:
+        return None
+    if _is_array(value) or isinstance(value, (bool, int, float, complex)):
+        return new[key]
+    if isinstance(value, (tuple, list)):
+        items = [_rebuild_state(v, f"{key}/{i}", new) for i, v in enumerate(value)]
+        if isinstance(value, list):
+            return type(value)(items) if type(value) is not list else items
+        if hasattr(type(value), "_fields"):
+            return type(value)(*items)
+        return tuple(items) if type(value) is tuple else type(value)(items)
+    return type(value)((k, _rebuild_state(v, f"{key}/{k}", new)) for k, v in value.items())
+
+
+def _check_concrete(value, key):
+    if "jax" in sys.modules:
+        import jax
+
+        if isinstance(value, jax.core.Tracer):
+            raise TypeError(f"{key}: state_dict needs concrete arrays; call it outside jax.jit")
+
+
+# --- rules as text -------------------------------------------------------------------------------
+
+
+class _Spec(NamedTuple):
+    """A rule read back from its text: class name and field values (numbers, text, `_Spec`s...)."""
+
+    name: str
+    fields: dict
+
+
+def _rule_fields(rule) -> list[str]:
+    if dataclasses.is_dataclass(rule):
+        return [f.name for f in dataclasses.fields(rule) if f.init]
+    return []
+
+
+def _dtype_name(x) -> str | None:
+    """The name of a dtype-like object (NumPy dtype or scalar type, torch dtype), else None."""
+    if isinstance(x, np.dtype):
+        return x.name
+    if isinstance(x, type) and issubclass(x, np.generic):
+        return np.dtype(x).name
+    if type(x).__module__ == "torch" and type(x).__name__ == "dtype":
+        return str(x).removeprefix("torch.")
+    return None
+
+
+def _number(x):
+    """A Python number for a number or a concrete 0-d array; None for anything else."""
+    if isinstance(x, (bool, int, float)):
+        return x
+    if isinstance(x, np.generic) or (_is_array(x) and tuple(x.shape) == ()):
+        if "jax" in sys.modules:
+            import jax
+
+            if isinstance(x, jax.core.Tracer):
+                return None
+        v = x.item()
+        return v if isinstance(v, (bool, int, float)) else None
+    return None
+
+
+def _encode(x) -> str:
+    """Text for a rule or hyperparameter that `_parse` reads back; floats are exact (repr)."""
+    if isinstance(x, _Spec):
+        inner = ", ".join(f"{k}={_encode(v)}" for k, v in x.fields.items())
+        return f"{x.name}({inner})"
+    if isinstance(x, Rule):
+        inner = ", ".join(f"{k}={_encode(getattr(x, k))}" for k in _rule_fields(x))
+        return f"{type(x).__name__}({inner})"
+    if isinstance(x, (tuple, list)):
+        inner = ", ".join(_encode(v) for v in x)
+        return f"({inner},)" if len(x) == 1 else f"({inner})"
+    if x is None or isinstance(x, str):
+        return repr(x)
+    n = _number(x)
+    if n is not None:
+        return repr(n)
+    name = _dtype_name(x)
+    if name is not None:
+        return repr(name)
+    return repr(repr(x))  # compared as text, never restored
+
+
+def _parse(text: str):
+    node = ast.parse(text, mode="eval").body
+    return _parse_node(node)
+
+
+def _parse_node(node):
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and not node.args:
+        return _Spec(node.func.id, {kw.arg: _parse_node(kw.value) for kw in node.keywords})
+    if isinstance(node, ast.Constant) and isinstance(node.value, (bool, int, float, str, type(None))):
+        return node.value
+    if isinstance(node, ast.Tuple):
+        return tuple(_parse_node(e) for e in node.elts)
+    if isinstance(node, ast.Name) and node.id in ("inf", "nan"):
+        return float(node.id)
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+        v = _parse_node(node.operand)
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            return -v
+    raise ValueError(f"unexpected {ast.dump(node)}")
+
+
+def _same_number(a, b) -> bool:
+    if isinstance(a, bool) or isinstance(b, bool):
+        return a is b
+    return a == b or (isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b))
+
+
+def _same_in_float32(a, b) -> bool:
+    if isinstance(a, bool) or isinstance(b, bool) or not isinstance(a, float | int):
+        return False
+    fa, fb = np.float32(a), np.float32(b)
+    return bool(fa == fb) and (float(fa) == a or float(fb) == b)
+
+
+def _compare_rule(spec, rule, label, kind_problems, hyper_diffs):
+    """Walk the checkpoint's rule `spec` beside the state's `rule`: a different class, field set or
+    non-numeric field is a different kind of rule; numbers that differ are hyperparameter changes."""
+    if isinstance(rule, Rule):
+        fields = _rule_fields(rule)
+        if not isinstance(spec, _Spec) or spec.name != type(rule).__name__ or set(spec.fields) != set(fields):
+            kind_problems.append(label)
+            return
+        for k in fields:
+            _compare_rule(spec.fields[k], getattr(rule, k), f"{label}.{k}", kind_problems, hyper_diffs)
+        return
+    if isinstance(rule, (tuple, list)):
+        if not isinstance(spec, tuple) or len(spec) != len(rule):
+            kind_problems.append(label)
+            return
+        for i, (s, r) in enumerate(zip(spec, rule)):
+            _compare_rule(s, r, f"{label}[{i}]", kind_problems, hyper_diffs)
+        return
+    n = _number(rule)
+    if n is not None:
+        if isinstance(spec, bool) != isinstance(n, bool) or not isinstance(spec, (int, float)):
+            kind_problems.append(label)
+        elif not _same_number(spec, n):
+            hyper_diffs.append((label, spec, n))
+        return
+    if _encode(spec) != _encode(rule):
+        kind_problems.append(label)
+
+
+def _restore_rule(spec, rule):
+    """`rule` with the numbers of `spec` (already checked to be the same kind of rule)."""
+    if isinstance(rule, Rule):
+        changes = {}
+        for k in _rule_fields(rule):
+            old = getattr(rule, k)
+            new = _restore_rule(spec.fields[k], old)
+            if new is not old:
+                changes[k] = new
+        if not changes:
+            return rule
+        try:
+            return dataclasses.replace(rule, **changes)
+        except TypeError:  # a rule with its own __init__: set the fields as they were saved
+            new_rule = object.__new__(type(rule))
+            for f in dataclasses.fields(rule):
+                object.__setattr__(new_rule, f.name, changes.get(f.name, getattr(rule, f.name)))
+            return new_rule
+    if isinstance(rule, (tuple, list)):
+        items = [_restore_rule(s, r) for s, r in zip(spec, rule)]
+        if all(a is b for a, b in zip(items, rule)):
+            return rule
+        return type(rule)(items)
+    n = _number(rule)
+    if n is not None and not _same_number(spec, n):
+        return spec
+    return rule
+
+
+# --- values --------------------------------------------------------------------------------------
+
+
+class _RawBits(NamedTuple):
+    """An array read from a file whose dtype NumPy lacks (bfloat16, float8...): its bits, viewed
+    as unsigned integers of the same size, and the real dtype's name."""
+
+    bits: np.ndarray
+    dtype: str
+
+    @property
+    def shape(self):
+        return self.bits.shape
+
+
+def _value_dtype(v) -> str:
+    if isinstance(v, _RawBits):
+        return v.dtype
+    return str(v.dtype).removeprefix("torch.")
+
+
+def _kind(v) -> str | None:
+    """'bool', 'int', 'float' or 'complex' for a number or an array's dtype; None otherwise."""
+    if isinstance(v, bool):
+        return "bool"
+    if isinstance(v, int):
+        return "int"
+    if isinstance(v, float):
+        return "float"
+    if isinstance(v, complex):
+        return "complex"
+    if isinstance(v, _RawBits) or _is_array(v):
+        name = _value_dtype(v)
+        if name == "bool":
+            return "bool"
+        if name.startswith(("int", "uint")):
+            return "int"
+        if name.startswith("complex"):
+            return "complex"
+        return "float"
+    return None
+
+
+def _incompatible(value, like) -> str | None:
+    """Why checkpoint entry `value` cannot replace state element `like`, or None. Arrays must
+    agree in shape and dtype; a number or 0-d array need only hold the same kind of number, so
+    a step counter saved as a Python int loads where a jitted run left a 0-d int32 array."""
+    value_is_array = _is_array(value) or isinstance(value, _RawBits)
+    if not value_is_array and not isinstance(value, (bool, int, float, complex)):
+        return f"the checkpoint holds a {type(value).__name__}, this state an array or number"
+    like_shape = tuple(like.shape) if _is_array(like) else ()
+    shape = tuple(value.shape) if value_is_array else ()
+    if shape != like_shape:
+        return f"shape {shape} in the checkpoint, {like_shape} in this state"
+    if like_shape:
+        if isinstance(getattr(value, "dtype", None), np.dtype) and isinstance(like.dtype, np.dtype):
+            if value.dtype == like.dtype:  # the common case, without building names
+                return None
+        if _value_dtype(value) != _value_dtype(like):
+            return f"dtype {_value_dtype(value)} in the checkpoint, {_value_dtype(like)} in this state"
+        return None
+    if _kind(value) != _kind(like):
+        what = {"bool": "a bool", "int": "an integer", "float": "a real number"}
+        return (
+            f"{what.get(_kind(value), 'a complex number')} in the checkpoint, "
+            f"{what.get(_kind(like), 'a complex number')} in this state"
+        )
+    return None
+
+
+def _to_numpy(value, dtype: str | None = None) -> np.ndarray:
+    """A host NumPy array (a copy) of any backend's array; `dtype` names the dtype wanted when
+    the array's own has no NumPy equivalent."""
+    if isinstance(value, _RawBits):
+        import ml_dtypes
+
+        return value.bits.view(getattr(ml_dtypes, value.dtype)).copy()
+    root = type(value).__module__.partition(".")[0]
+    if root == "torch":
+        t = value.detach().cpu()
+        try:
+            return t.numpy().copy()
+        except TypeError:  # bfloat16, float8: exact through float32
+            import ml_dtypes
+            import torch
+
+            target = getattr(ml_dtypes, dtype or str(t.dtype).removeprefix("torch."))
+            return t.to(torch.float32).numpy().astype(target)
+    return np.array(value, copy=True)
+
+
+def _convert(value, like):
+    """`value` as a fresh element of `like`'s kind: a Python number, or an array of `like`'s
+    backend, dtype, device (and JAX sharding and weak type)."""
+    if isinstance(like, (bool, int, float, complex)):
+        if isinstance(value, _RawBits):
+            value = _to_numpy(value)
+        return type(like)(value.item() if hasattr(value, "item") else value)
+    root = type(like).__module__.partition(".")[0]
+    if isinstance(like, np.generic):
+        return like.dtype.type(_to_numpy(value, _value_dtype(like))[()])
+    if root == "numpy":
+        out = np.empty_like(like)
+        np.copyto(out, _to_numpy(value, _value_dtype(like)), casting="unsafe")
+        return out
+    if root == "torch":
+        import torch
+
+        if isinstance(value, torch.Tensor):
+            source = value.detach()
+        elif isinstance(value, _RawBits):
+            bits = value.bits.view(f"i{value.bits.dtype.itemsize}").copy()
+            source = torch.from_numpy(bits).view(getattr(torch, value.dtype))
+        elif _is_array(value):
+            source = torch.from_numpy(_to_numpy(value))
+        else:
+            source = torch.tensor(value)
+        with torch.no_grad():
+            out = torch.empty_like(like, requires_grad=False)
+            out.copy_(source)
+        return out
+    import jax
+
+    if getattr(like, "weak_type", False) and tuple(like.shape) == ():
+        n = _to_numpy(value, _value_dtype(like)) if not isinstance(value, (int, float, bool)) else value
+        n = n.item() if hasattr(n, "item") else n
+        out = jax.device_put(n, like.sharding)
+        return out if out.dtype == like.dtype else out.astype(like.dtype)
+    host = (
+        np.asarray(value)
+        if isinstance(value, (bool, int, float, complex))
+        else _to_numpy(value, _value_dtype(like))
+    )
+    host = host.astype(like.dtype, copy=False)
+    return jax.device_put(host, like.sharding)
+
+
+def _text(value, key):
+    """A text entry: a str, or a 0-d text array as `np.savez` gives back."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, np.ndarray) and value.shape == () and value.dtype.kind in "US":
+        v = value.item()
+        return v.decode() if isinstance(v, bytes) else v
+    raise CheckpointError(f"{key}: expected text, the checkpoint holds {describe(value)}")
+
+
+def _flag(value):
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    if _is_array(value) and tuple(value.shape) == () and _kind(value) == "bool":
+        return bool(value.item())
+    return None
+
+
+# --- state_dict ----------------------------------------------------------------------------------
+
+
+def state_dict(state) -> dict:
+    """The optimiser state as a flat dict of plain values, keyed by parameter path.
+
+    Keys (with `P` a dotted parameter path such as `"decoder.layers.0.w"`): `"P/rule"` (text such
+    as `"Adam(eta=0.001, beta=(0.9, 0.999), epsilon=1e-08)"`), `"P/frozen"` (bool), `"P/state/0"`,
+    `"P/state/1"`, ... (the rule's state arrays and step counters; nested tuples give
+    `"P/state/1/0"`), `"Q/tied_to": "P"` for each further place `Q` of a tied parameter, and
+    `"__format__"`. A tied Leaf is stored once, under its first path.
+
+    The arrays are the state's own, in their backend (not copies): save them, or copy them,
+    before a later `update_` or a donated jitted step overwrites them. `load_state_dict` reads the
+    dict back, and so does it after `torch.save`/`torch.load`, `np.savez(f, **d)`/`np.load`, or
+    any checkpointer that keeps arrays, numbers and text.
+    """
+    tree = _tree_of(state, "state_dict")
+    d: dict[str, Any] = {FORMAT_KEY: FORMAT}
+    first: dict[int, str] = {}
+    for name, leaf in _places(tree):
+        if id(leaf) in first:
+            d[f"{name}/tied_to"] = first[id(leaf)]
+            continue
+        first[id(leaf)] = name
+        d[f"{name}/rule"] = _encode(leaf.rule)
+        d[f"{name}/frozen"] = bool(leaf.frozen)
+        for key, value in _state_items(leaf.state, f"{name}/state", []):
+            _check_concrete(value, key)
+            if key in d:
+                raise ValueError(f"two state entries are both named {key!r}; rename a model key")
+            d[key] = value
+    return d
+
+
+# --- load_state_dict -----------------------------------------------------------------------------
+
+
+def _listing(names, limit=8) -> str:
+    names = list(names)
+    shown = ", ".join(names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def _state_keys_by_owner(d: Mapping, stored: set) -> dict[str, list]:
+    """The state entries (`P/state`, `P/state/...`) of each stored parameter `P`, in one pass."""
+    out: dict[str, list] = {}
+    for key in d:
+        if not isinstance(key, str):
+            continue
+        start = key.find("/state")
+        while start >= 0:  # a path may itself hold "/state": try each place it occurs
+            end = start + len("/state")
+            if (end == len(key) or key[end] == "/") and key[:start] in stored:
+                out.setdefault(key[:start], []).append(key)
+                break
+            start = key.find("/state", start + 1)
+    return out
+
+
+def load_state_dict(state, d: Mapping, *, hyperparameters: str = "checkpoint") -> State:
+    """Restore optimiser state saved by `state_dict` into `state`, typically a fresh `setup` of the
+    same model. Returns a new `State`; `state` and `d` are left as they were.
+
+    Everything is checked before anything is built: the parameter paths, which places are tied,
+    the kind of rule at each parameter, the state entries, their shapes and dtypes. When anything
+    differs, a `CheckpointError` lists every difference. Arrays are converted to the backend,
+    dtype and device (JAX: sharding) of `state`'s arrays, so a checkpoint written from NumPy
+    arrays loads into PyTorch or JAX state and back; step counters take the type `state` has.
+    Frozen flags come from the checkpoint.
+
+    `hyperparameters` says where learning rates and other numbers of the rules come from:
+    `"checkpoint"` (default; like `torch.optim`, so a run adjusted by a schedule resumes exactly),
+    `"state"` (keep those of `state`, to resume with new values), or `"check"` (raise when they
+    differ). The kind of rule (its class, nested rules, and non-numeric settings) must match in
+    every case.
+    """
+    if hyperparameters not in _HYPER_MODES:
+        raise ValueError(
+            f"hyperparameters must be one of {', '.join(map(repr, _HYPER_MODES))}, got {hyperparameters!r}"
+        )
+    tree = _tree_of(state, "load_state_dict")
+    if not isinstance(d, Mapping):
+        raise TypeError(f"load_state_dict expects the dict from state_dict, got {type(d).__name__}")
+    if FORMAT_KEY not in d:
+        some = _listing(sorted(map(str, d)), 5) or "none"
+        raise CheckpointError(
+            f"this is not an optimisers state dict: it has no {FORMAT_KEY!r} entry (its keys: "
+            f"{some}); was it a model's state dict?"
+        )
+    fmt = _text(d[FORMAT_KEY], FORMAT_KEY)
+    if fmt != FORMAT:
+        raise CheckpointError(f"unknown checkpoint format {fmt!r}; this version reads {FORMAT!r}")
+
+    problems: list[str] = []
+    places = _places(tree)
+    # where each place's state lives, in this state and in the checkpoint
+    ours: dict[str, str] = {}
+    first: dict[int, str] = {}
+    leaf_at: dict[str, Leaf] = {}
+    for name, leaf in places:
+        ours[name] = first.setdefault(id(leaf), name)
+        leaf_at.setdefault(ours[name], leaf)
+    theirs: dict[str, str] = {}
+    stored = {k[: -len("/rule")] for k in d if isinstance(k, str) and k.endswith("/rule")}
+    for key in d:  # in the checkpoint's order, so that messages list paths depth first
+        if not isinstance(key, str):
+            continue
+        if key.endswith("/rule"):
+            theirs[key[: -len("/rule")]] = key[: -len("/rule")]
+        elif key.endswith("/tied_to"):
+            name = key[: -len("/tied_to")]
+            target = _text(d[key], key)
+            if name in stored:
+                problems.append(f"{name}: the checkpoint both stores it and ties it to {target}")
+                continue
+            if target not in stored:
+                problems.append(f"{name}: the checkpoint ties it to {target}, which it does not store")
+            theirs[name] = target
+
+    missing = [n for n in ours if n not in theirs]
+    extra = [n for n in theirs if n not in ours]
+    if missing:
+        problems.append(f"in this state but not in the checkpoint: {_listing(missing)}")
+    if extra:
+        problems.append(f"in the checkpoint but not in this state: {_listing(extra)}")
+    for name, owner in ours.items():
+        if name not in theirs or theirs[name] == owner:
+            continue
+        if owner == name:
+            problems.append(f"{name}: the checkpoint ties it to {theirs[name]}, this state keeps it separate")
+        elif theirs[name] == name:
+            problems.append(
+                f"{name}: this state ties it to {owner}, the checkpoint stores it separately "
+                "(a tie split in two?)"
+            )
+        else:
+            problems.append(f"{name}: this state ties it to {owner}, the checkpoint to {theirs[name]}")
+
+    explained = {FORMAT_KEY}
+    explained.update(f"{n}/tied_to" for n, t in theirs.items() if t != n)
+    explained.update(f"{n}/{what}" for n in stored for what in ("rule", "frozen"))
+    state_keys = _state_keys_by_owner(d, stored)
+    for keys in state_keys.values():
+        explained.update(keys)
+    plans: dict[str, tuple] = {}  # name -> (spec, frozen, {key: value})
+    hyper_problems: list[str] = []
+    parsed: dict[str, Any] = {}  # rule text -> spec (most parameters share a rule)
+    compared: dict[tuple, tuple] = {}  # (rule text, id(rule)) -> (kinds, diffs)
+    for name, leaf in leaf_at.items():
+        if theirs.get(name) != name:
+            continue
+        rule_key = f"{name}/rule"
+        try:
+            text = _text(d[rule_key], rule_key)
+            if text not in parsed:
+                parsed[text] = _parse(text)
+            spec = parsed[text]
+        except (CheckpointError, SyntaxError, ValueError) as e:
+            problems.append(f"{rule_key}: cannot read the rule ({e})")
+            continue
+        if (text, id(leaf.rule)) not in compared:
+            kinds: list[str] = []
+            diffs: list = []
+            _compare_rule(spec, leaf.rule, type(leaf.rule).__name__, kinds, diffs)
+            compared[text, id(leaf.rule)] = (kinds, diffs)
+        kinds, diffs = compared[text, id(leaf.rule)]
+        if kinds:
+            top = type(leaf.rule).__name__
+            where = [k for k in kinds if k != top]
+            problems.append(
+                f"{name}: the checkpoint has rule {_encode(spec)}, this state has "
+                f"{_encode(leaf.rule)}" + (f" (they differ at {', '.join(where[:3])})" if where else "")
+            )
+            continue
+        if diffs and hyperparameters == "check":
+            for label, theirs_v, ours_v in diffs:
+                if _same_in_float32(theirs_v, ours_v):
+                    continue  # a value that went through a jitted step comes back as float32
+                hyper_problems.append(
+                    f"{name}: {label} is {theirs_v!r} in the checkpoint, {ours_v!r} in this state"
+                )
+        frozen_key = f"{name}/frozen"
+        frozen = _flag(d[frozen_key]) if frozen_key in d else None
+        if frozen is None:
+            problems.append(
+                f"{frozen_key}: " + ("missing" if frozen_key not in d else "expected True or False")
+            )
+        values = {}
+        expected = _state_items(leaf.state, f"{name}/state", [])
+        expected_keys = {k for k, _ in expected}
+        for key, like in expected:
+            if key not in d:
+                problems.append(f"{key}: missing from the checkpoint (this state has {describe(like)})")
+                continue
+            why = _incompatible(d[key], like)
+            if why:
+                problems.append(f"{key}: {why}")
+            values[key] = d[key]
+        for key in state_keys.get(name, ()):
+            if key not in expected_keys:
+                problems.append(
+                    f"{key}: in the checkpoint, but the state of {type(leaf.rule).__name__} "
+                    f"here has no such entry ({describe(leaf.state)})"
+                )
+        plans[name] = (spec, frozen, values)
+    unknown = [str(k) for k in d if k not in explained]
+    if unknown:
+        problems.append(f"entries this format does not have: {_listing(unknown)}")
+    problems.extend(hyper_problems)
+    if problems:
+        shown = problems[:_MAX_PROBLEMS]
+        more = len(problems) - len(shown)
+        raise CheckpointError(
+            "the checkpoint does not match this optimiser state; nothing was loaded:\n  - "
+            + "\n  - ".join(shown)
+            + (f"\n  ... and {more} more" if more > 0 else "")
+        )
+
+    # build: every check passed, so this only converts
+    rules: dict[tuple, Any] = {}
+    new_leaf: dict[int, Leaf] = {}
+    for name, leaf in leaf_at.items():
+        spec, frozen, values = plans[name]
+        rule = leaf.rule
+        if hyperparameters == "checkpoint":
+            memo = (id(leaf.rule), id(spec))  # specs are shared per rule text (`parsed`)
+            if memo not in rules:
+                rules[memo] = _restore_rule(spec, leaf.rule)
+            rule = rules[memo]
+        converted = {
+            key: _convert(values[key], like) for key, like in _state_items(leaf.state, f"{name}/state", [])
+        }
+        new_state = _rebuild_state(leaf.state, f"{name}/state", converted)
+        new_leaf[id(leaf)] = Leaf(rule, new_state, frozen)
+    return State(map_leaves(lambda leaf: new_leaf[id(leaf)], tree))
+
+
+# --- files ---------------------------------------------------------------------------------------
+
+
+def _split(d: dict) -> tuple[dict, dict]:
+    """The state dict as `({key: host array}, JSON-able metadata)`."""
+    arrays: dict[str, np.ndarray] = {}
+    entries: dict[str, Any] = {}
+    dtypes: dict[str, str] = {}
+    for key, value in d.items():
+        if isinstance(value, (str, bool, int, float)) and not (
+            isinstance(value, float) and not math.isfinite(value)
+        ):
+            entries[key] = value
+            continue
+        host, dtype = _host_bits(value)
+        if dtype is not None:
+            dtypes[key] = dtype
+        arrays[key] = host
+    return arrays, {"format": FORMAT, "entries": entries, "dtypes": dtypes}
+
+
+def _host_bits(value) -> tuple[np.ndarray, str | None]:
+    """A contiguous host array for the file, and the real dtype's name when the array holds the
+    bits of a dtype NumPy lacks (bfloat16, float8...) as unsigned integers."""
+    if type(value).__module__.partition(".")[0] == "torch":
+        t = value.detach().cpu().contiguous()
+        try:
+            return t.numpy().copy(), None
+        except TypeError:
+            import torch
+
+            ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+            host = t.view(ints[t.element_size()]).numpy()
+            name = str(t.dtype).removeprefix("torch.")
+            return host.view(f"u{host.dtype.itemsize}").copy(), name
+    host = _to_numpy(value) if _is_array(value) else np.asarray(value)
+    if not host.flags.c_contiguous:  # (np.ascontiguousarray would make 0-d arrays 1-d)
+        host = host.copy(order="C")
+    if host.dtype.kind == "V" or host.dtype.type.__module__ != "numpy":  # ml_dtypes
+        return host.view(f"u{host.dtype.itemsize}"), host.dtype.name
+    return host, None
+
+
+def _join(arrays: Mapping, meta: dict, where: str) -> dict:
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"{where}: unknown checkpoint format {meta.get('format')!r}")
+    d: dict[str, Any] = {}
+    dtypes = meta.get("dtypes", {})
+    for key, value in arrays.items():
+        d[key] = _RawBits(value, dtypes[key]) if key in dtypes else value
+    d.update(meta.get("entries", {}))
+    return d
+
+
+def _atomic_write(path: str, write) -> None:
+    """Write through `write(file)` to a temporary file beside `path`, flush it to disk, then rename
+    it over `path`; a crash at any point leaves either the old file or the new one."""
+    directory = os.path.dirname(os.path.abspath(path))
+    try:
+        mode = os.stat(path).st_mode & 0o777
+    except FileNotFoundError:
+        mode = 0o644
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    if hasattr(os, "O_DIRECTORY"):  # make the rename itself durable
+        dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+
+
+def _is_safetensors(path: str) -> bool:
+    return path.endswith(".safetensors")
+
+
+def save(path, state) -> None:
+    """Write the optimiser state to one file at `path`, atomically.
+
+    `.safetensors` paths use safetensors (which must be installed); any other path gets a NumPy
+    `.npz` archive, written to exactly that name. Arrays are stored as arrays (moved to the host;
+    dtypes NumPy lacks, such as bfloat16, as their bits), everything else (rules, ties, frozen
+    flags, step counters) as the JSON text entry `__optimisers__`. The keys are those of
+    `state_dict`. The file appears complete or not at all: it is written beside `path`, flushed to
+    disk and renamed over it.
+    """
+    path = os.fspath(path)
+    arrays, meta = _split(state_dict(state))
+    text = json.dumps(meta)
+    if _is_safetensors(path):
+        try:
+            from safetensors.numpy import save as st_save
+        except ImportError:
+            raise ImportError(
+                "saving to a .safetensors path needs the safetensors package "
+                "(pip install safetensors); or use a .npz path"
+            ) from None
+        blob = st_save(arrays, metadata={META_KEY: text})
+        _atomic_write(path, lambda f: f.write(blob))
+    else:
+        if META_KEY in arrays:
+            raise ValueError(f"a state entry is named {META_KEY!r}, which the file format reserves")
+        payload = {**arrays, META_KEY: np.array(text)}
+        _atomic_write(path, lambda f: np.savez(f, **payload))
+
+
+def _read(path: str) -> dict:
+    try:
+        if _is_safetensors(path):
+            from safetensors.numpy import load as st_load
+
+            with open(path, "rb") as f:
+                blob = f.read()
+            arrays = st_load(blob)
+            header_len = int.from_bytes(blob[:8], "little")
+            header = json.loads(blob[8 : 8 + header_len])
+            text = header.get("__metadata__", {}).get(META_KEY)
+        else:
+            # our own handle: np.load leaks the one it opens when the file is not a zip
+            with open(path, "rb") as f, np.load(f, allow_pickle=False) as z:
+                arrays = {k: z[k] for k in z.files}
+            text = arrays.pop(META_KEY, None)
+            text = text.item() if text is not None else None
+    except OSError:  # a missing file, a folder, no permission: not the checkpoint's fault
+        raise
+    except ImportError:
+        raise ImportError(f"reading {path} needs the safetensors package (pip install safetensors)") from None
+    except Exception as e:  # zip, npy and safetensors readers each have their own errors
+        raise CheckpointError(
+            f"cannot read the checkpoint {path}: {type(e).__name__}: {e} (a truncated or damaged "
+            "file, or not a checkpoint?)"
+        ) from e
+    if text is None:
+        raise CheckpointError(
+            f"{path} is not an optimisers checkpoint: it has no {META_KEY!r} entry (its arrays: "
+            f"{_listing(sorted(arrays), 5) or 'none'})"
+        )
+    try:
+        meta = json.loads(text)
+    except ValueError as e:
+        raise CheckpointError(f"{path}: the {META_KEY!r} entry is not valid JSON ({e})") from e
+    return _join(arrays, meta, path)
+
+
+def load(path, state, *, hyperparameters: str = "checkpoint") -> State:
+    """Read a file written by `save` into `state` (a fresh `setup` of the same model), checking it
+    against the state first; returns a new `State` and leaves `state` as it was. See
+    `load_state_dict` for the checks and for `hyperparameters`."""
+    path = os.fspath(path)
+    d = _read(path)
+    try:
+        return load_state_dict(state, d, hyperparameters=hyperparameters)
+    except CheckpointError as e:
+        raise CheckpointError(f"{path}: {e}") from None
+
+
+__all__ = ["CheckpointError", "load", "load_state_dict", "save", "state_dict"]

@@ -1,0 +1,470 @@
+"""Learning-rate schedules: small callables `step -> value` to use with `adjust_` every step.
+
+    sched = schedules.Cosine(1e-3, 10_000, warmup=500)
+    for step in range(10_000):
+        opt.adjust_(state, eta=sched(step))
+        state, model = opt.update_(state, model, grads)
+
+Each schedule is a frozen dataclass (readable repr, equal by value). Steps count from 0, as in
+optax (the value at step 0 is the one used for the first update) and in `torch.optim.lr_scheduler`
+(the learning rate before the first `scheduler.step()`); negative steps count as 0.
+
+The step may be a Python int (the value is a Python float), a NumPy integer (a NumPy float64), a
+PyTorch tensor (a float64 tensor), or a JAX integer, traced or not (a JAX float scalar of the
+default float dtype). The maths never branches in Python on the step's value, so
+`jax.jit(lambda state, step: ...adjust(state, eta=sched(step))...)` compiles once for all steps.
+`import optimisers.schedules` imports neither jax nor torch.
+
+Equivalents, with `b` the base learning rate of a PyTorch optimiser:
+
+- `Constant(v)`: optax `constant_schedule(v)`.
+- `Linear(s, e, n, begin=k)`: optax `linear_schedule(s, e, n, k)`; PyTorch `LinearLR(s/b, e/b, n)`
+  when k = 0.
+- `Cosine(p, n, final=f)`: optax `cosine_decay_schedule(p, n, alpha=f/p)`; PyTorch
+  `CosineAnnealingLR(n, eta_min=f)` up to step n.
+- `Cosine(p, n, f, warmup=w, start=s)`: optax `warmup_cosine_decay_schedule(s, p, w, n, f)`;
+  PyTorch `LambdaLR` with the same formula.
+- `StepDecay(v, n, gamma)`: PyTorch `StepLR(n, gamma)`; optax `exponential_decay(v, n, gamma,
+  staircase=True)`.
+- `Exponential(v, r, steps=n, begin=k, end=e)`: optax `exponential_decay(v, n, r, k,
+  end_value=e)`; PyTorch `ExponentialLR(r)` when n = 1, k = 0 and no end.
+- `PiecewiseConstant((a, b, c), (i, j))`: optax `piecewise_constant_schedule(a, {i: b/a, j: c/b})`;
+  PyTorch `MultiStepLR([i, j], gamma)` when b = a·gamma and c = b·gamma.
+- `Join((s1, s2), (k,))`: optax `join_schedules([s1, s2], [k])`; PyTorch `SequentialLR`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from typing import Any
+
+__all__ = [
+    "Constant",
+    "Cosine",
+    "Exponential",
+    "Join",
+    "Linear",
+    "PiecewiseConstant",
+    "Schedule",
+    "StepDecay",
+]
+
+
+# --- arithmetic that works on Python ints, NumPy, PyTorch and (traced) JAX scalars -------------
+
+
+def _integer_step(step, ok: bool):
+    if not ok:
+        raise TypeError(f"a schedule takes an integer step, got {step!r}")
+
+
+class _Python:
+    @staticmethod
+    def step(t):
+        return max(int(t), 0)
+
+    @staticmethod
+    def real(t):
+        return float(t)
+
+    @staticmethod
+    def const(value, like):
+        return float(value)
+
+    cos = staticmethod(math.cos)
+
+    @staticmethod
+    def where(cond, a, b):
+        return a if cond else b
+
+    @staticmethod
+    def minimum(a, b):
+        return min(a, b)
+
+    @staticmethod
+    def maximum(a, b):
+        return max(a, b)
+
+
+class _Numpy:
+    def __init__(self):
+        import numpy as np
+
+        self.np = np
+
+    def step(self, t):
+        _integer_step(t, self.np.issubdtype(self.np.asarray(t).dtype, self.np.integer))
+        return self.np.maximum(self.np.int64(t), 0)
+
+    def real(self, t):
+        return self.np.float64(t)
+
+    def const(self, value, like):
+        return self.np.float64(value)
+
+    def cos(self, x):
+        return self.np.cos(x)
+
+    def where(self, cond, a, b):
+        return self.np.float64(self.np.where(cond, a, b))
+
+    def minimum(self, a, b):
+        return self.np.minimum(a, b)
+
+    def maximum(self, a, b):
+        return self.np.maximum(a, b)
+
+
+class _Torch:
+    def __init__(self):
+        import torch
+
+        self.torch = torch
+
+    def step(self, t):
+        _integer_step(t, not (t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == self.torch.bool))
+        return self.torch.clamp(t.to(self.torch.int64), min=0)
+
+    def real(self, t):
+        return t.to(self.torch.float64)
+
+    def const(self, value, like):
+        return self.torch.full((), float(value), dtype=self.torch.float64, device=like.device)
+
+    def cos(self, x):
+        return self.torch.cos(x)
+
+    def where(self, cond, a, b):
+        t = self.torch
+        ref = cond
+        a = a if isinstance(a, t.Tensor) else t.tensor(a, dtype=t.float64, device=ref.device)
+        b = b if isinstance(b, t.Tensor) else t.tensor(b, dtype=t.float64, device=ref.device)
+        return t.where(cond, a, b)
+
+    def minimum(self, a, b):
+        return self.torch.clamp(a, max=b)
+
+    def maximum(self, a, b):
+        return self.torch.clamp(a, min=b)
+
+
+class _Jax:
+    def __init__(self):
+        import jax.numpy as jnp
+
+        self.jnp = jnp
+        self.float = jnp.result_type(float)  # float32 unless jax_enable_x64
+
+    def step(self, t):
+        t = self.jnp.asarray(t)
+        _integer_step(t, self.jnp.issubdtype(t.dtype, self.jnp.integer))
+        return self.jnp.maximum(t, 0)
+
+    def real(self, t):
+        return self.jnp.asarray(t, dtype=self.float)
+
+    def const(self, value, like):
+        return self.jnp.full((), value, dtype=self.float)
+
+    def cos(self, x):
+        return self.jnp.cos(x)
+
+    def where(self, cond, a, b):
+        return self.jnp.where(cond, a, b).astype(self.float)
+
+    def minimum(self, a, b):
+        return self.jnp.minimum(a, b)
+
+    def maximum(self, a, b):
+        return self.jnp.maximum(a, b)
+
+
+_OPS: dict[str, Any] = {}
+
+
+def _ops(step):
+    """The arithmetic for this kind of step, chosen by its type (backends imported lazily)."""
+    root = type(step).__module__.partition(".")[0]
+    if root in ("jax", "jaxlib"):
+        key, make = "jax", _Jax
+    elif root == "torch":
+        key, make = "torch", _Torch
+    elif root == "numpy":
+        key, make = "numpy", _Numpy
+    elif isinstance(step, numbers.Integral) and not isinstance(step, bool):
+        return _Python
+    else:
+        raise TypeError(
+            f"a schedule takes an integer step (int, or a NumPy/PyTorch/JAX integer), got {step!r}"
+        )
+    if key not in _OPS:
+        _OPS[key] = make()
+    return _OPS[key]
+
+
+# --- checks --------------------------------------------------------------------------------------
+
+
+def _real(owner, name, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{owner}: {name} must be a real number, got {value!r}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{owner}: {name} must be finite, got {value!r}")
+    return value
+
+
+def _count(owner, name, value, *, positive: bool) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{owner}: {name} must be an integer number of steps, got {value!r}")
+    if value < (1 if positive else 0):
+        need = "positive" if positive else "non-negative"
+        raise ValueError(f"{owner}: {name} must be {need}, got {value!r}")
+    return int(value)
+
+
+def _set(obj, name, value):
+    object.__setattr__(obj, name, value)
+
+
+class Schedule:
+    """Base class of schedules: a callable `step -> value`. Subclass it (as a frozen dataclass) and
+    define `__call__` with the arithmetic of `_ops(step)` to get every backend and `jax.jit`."""
+
+    def __call__(self, step):  # pragma: no cover - the subclasses define it
+        raise NotImplementedError
+
+
+# --- the schedules -------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Constant(Schedule):
+    """`value` at every step. optax: `constant_schedule(value)`."""
+
+    value: float
+
+    def __post_init__(self):
+        _set(self, "value", _real("Constant", "value", self.value))
+
+    def __call__(self, step):
+        o = _ops(step)
+        return o.const(self.value, step)
+
+
+@dataclasses.dataclass(frozen=True)
+class Linear(Schedule):
+    """From `start` to `end` in a straight line over `steps` steps beginning at step `begin`;
+    `start` before, `end` after. A linear warm-up is `Linear(0.0, peak, warmup_steps)`.
+
+    `value(t) = (start − end)·(1 − c/steps) + end` with `c = clip(t − begin, 0, steps)`, exactly
+    optax's `linear_schedule(start, end, steps, begin)`. PyTorch: `LinearLR(start/base,
+    end/base, steps)` on base learning rate `base`.
+    """
+
+    start: float
+    end: float
+    steps: int
+    begin: int = 0
+
+    def __post_init__(self):
+        _set(self, "start", _real("Linear", "start", self.start))
+        _set(self, "end", _real("Linear", "end", self.end))
+        _count("Linear", "steps", self.steps, positive=True)
+        _count("Linear", "begin", self.begin, positive=False)
+
+    def __call__(self, step):
+        o = _ops(step)
+        c = o.minimum(o.maximum(o.step(step) - self.begin, 0), self.steps)
+        value = (self.start - self.end) * (1 - o.real(c) / self.steps) + self.end
+        # exactly `end` once there (XLA divides by multiplying with a rounded reciprocal)
+        return o.where(c >= self.steps, self.end, value)
+
+
+@dataclasses.dataclass(frozen=True)
+class Cosine(Schedule):
+    """Half a cosine from `peak` down to `final`, ending at step `steps`, after an optional linear
+    warm-up from `start` to `peak` over the first `warmup` steps; `final` from step `steps` on.
+
+    With `w = warmup`: `value(t) = start + (peak − start)·t/w` for `t < w`, then
+    `final + (peak − final)·(1 + cos(π·(t − w)/(steps − w)))/2`, and `final` for `t >= steps`.
+    optax: `warmup_cosine_decay_schedule(start, peak, warmup, steps, final)` (with `warmup=0`:
+    `cosine_decay_schedule(peak, steps, alpha=final/peak)`). PyTorch: `CosineAnnealingLR(steps,
+    eta_min=final)` up to step `steps` (PyTorch's rises again after it; this one stays at `final`).
+    """
+
+    peak: float
+    steps: int
+    final: float = 0.0
+    warmup: int = 0
+    start: float = 0.0
+
+    def __post_init__(self):
+        for name in ("peak", "final", "start"):
+            _set(self, name, _real("Cosine", name, getattr(self, name)))
+        _count("Cosine", "steps", self.steps, positive=True)
+        _count("Cosine", "warmup", self.warmup, positive=False)
+        if self.warmup >= self.steps:
+            raise ValueError(
+                f"Cosine: warmup ({self.warmup}) must be shorter than steps ({self.steps}), which "
+                "counts the warm-up too"
+            )
+
+    def __call__(self, step):
+        o = _ops(step)
+        s = o.step(step)
+        length = self.steps - self.warmup
+        c = o.minimum(o.maximum(s - self.warmup, 0), length)
+        value = self.final + (self.peak - self.final) * 0.5 * (1 + o.cos(math.pi * o.real(c) / length))
+        value = o.where(c >= length, self.final, value)  # exactly `final` from then on
+        if self.warmup:
+            w = o.real(o.minimum(s, self.warmup))
+            rising = self.start + (self.peak - self.start) * (w / self.warmup)
+            value = o.where(s < self.warmup, rising, value)
+        return value
+
+
+@dataclasses.dataclass(frozen=True)
+class StepDecay(Schedule):
+    """`init`, multiplied by `gamma` every `step_size` steps: `init·gamma^⌊t/step_size⌋`.
+
+    PyTorch: `StepLR(step_size, gamma)`; optax: `exponential_decay(init, step_size, gamma,
+    staircase=True)`.
+    """
+
+    init: float
+    step_size: int
+    gamma: float = 0.1
+
+    def __post_init__(self):
+        _set(self, "init", _real("StepDecay", "init", self.init))
+        _set(self, "gamma", _real("StepDecay", "gamma", self.gamma))
+        _count("StepDecay", "step_size", self.step_size, positive=True)
+
+    def __call__(self, step):
+        o = _ops(step)
+        k = o.real(o.step(step) // self.step_size)
+        return self.init * self.gamma**k
+
+
+@dataclasses.dataclass(frozen=True)
+class Exponential(Schedule):
+    """`init·rate^(c/steps)` with `c = max(t − begin, 0)`; when `end` is given, the value stops
+    there (a floor when `rate < 1`, a ceiling when `rate > 1`).
+
+    PyTorch: `ExponentialLR(rate)` (with `steps=1, begin=0`); optax: `exponential_decay(init,
+    steps, rate, begin, end_value=end)`.
+    """
+
+    init: float
+    rate: float
+    steps: int = 1
+    begin: int = 0
+    end: float | None = None
+
+    def __post_init__(self):
+        _set(self, "init", _real("Exponential", "init", self.init))
+        _set(self, "rate", _real("Exponential", "rate", self.rate))
+        if self.rate <= 0:
+            raise ValueError(f"Exponential: rate must be positive, got {self.rate!r}")
+        _count("Exponential", "steps", self.steps, positive=True)
+        _count("Exponential", "begin", self.begin, positive=False)
+        if self.end is not None:
+            _set(self, "end", _real("Exponential", "end", self.end))
+
+    def __call__(self, step):
+        o = _ops(step)
+        c = o.real(o.maximum(o.step(step) - self.begin, 0))
+        value = self.init * self.rate ** (c / self.steps)
+        if self.end is not None:
+            value = o.maximum(value, self.end) if self.rate < 1 else o.minimum(value, self.end)
+        return value
+
+
+@dataclasses.dataclass(frozen=True)
+class PiecewiseConstant(Schedule):
+    """`values[0]` before `boundaries[0]`, `values[i]` from step `boundaries[i-1]` on.
+
+    PyTorch: `MultiStepLR(boundaries, gamma)` when each value is `gamma` times the previous;
+    optax: `piecewise_constant_schedule(values[0], {b: values[i+1]/values[i]})` (optax multiplies
+    scales, so its values equal these up to rounding).
+    """
+
+    values: tuple
+    boundaries: tuple
+
+    def __post_init__(self):
+        name = "PiecewiseConstant"
+        if not isinstance(self.values, (tuple, list)) or not isinstance(self.boundaries, (tuple, list)):
+            raise TypeError(f"{name}: values and boundaries must be tuples")
+        values = tuple(_real(name, f"values[{i}]", v) for i, v in enumerate(self.values))
+        bounds = tuple(
+            _count(name, f"boundaries[{i}]", b, positive=False) for i, b in enumerate(self.boundaries)
+        )
+        if len(values) != len(bounds) + 1:
+            raise ValueError(
+                f"{name}: needs one more value than boundaries, got {len(values)} values and "
+                f"{len(bounds)} boundaries"
+            )
+        if any(b >= c for b, c in zip(bounds, bounds[1:])):
+            raise ValueError(f"{name}: boundaries must increase, got {bounds}")
+        _set(self, "values", values)
+        _set(self, "boundaries", bounds)
+
+    def __call__(self, step):
+        o = _ops(step)
+        s = o.step(step)
+        value = o.const(self.values[0], step)
+        for b, v in zip(self.boundaries, self.values[1:]):
+            value = o.where(s >= b, v, value)
+        return value
+
+
+@dataclasses.dataclass(frozen=True)
+class Join(Schedule):
+    """Schedules one after another: `schedules[0]` until step `boundaries[0]`, then
+    `schedules[i]` from step `boundaries[i-1]`, each restarted at its own step 0 there.
+
+    `Join((Linear(0.0, 1e-3, 100), Cosine(1e-3, 900)), (100,))` is a warm-up then a decay.
+    optax: `join_schedules(schedules, boundaries)`; PyTorch: `SequentialLR(opt, schedulers,
+    milestones)`.
+    """
+
+    schedules: tuple
+    boundaries: tuple
+
+    def __post_init__(self):
+        if not isinstance(self.schedules, (tuple, list)) or not isinstance(self.boundaries, (tuple, list)):
+            raise TypeError("Join: schedules and boundaries must be tuples")
+        for i, s in enumerate(self.schedules):
+            if not callable(s):
+                raise TypeError(f"Join: schedules[{i}] is not callable: {s!r}")
+        bounds = tuple(
+            _count("Join", f"boundaries[{i}]", b, positive=False) for i, b in enumerate(self.boundaries)
+        )
+        if len(self.schedules) != len(bounds) + 1:
+            raise ValueError(
+                f"Join: needs one more schedule than boundaries, got {len(self.schedules)} "
+                f"schedules and {len(bounds)} boundaries"
+            )
+        if any(b >= c for b, c in zip(bounds, bounds[1:])):
+            raise ValueError(f"Join: boundaries must increase, got {bounds}")
+        _set(self, "schedules", tuple(self.schedules))
+        _set(self, "boundaries", bounds)
+
+    def __call__(self, step):
+        o = _ops(step)
+        if o is _Python:  # only the schedule in force is evaluated
+            s = o.step(step)
+            start, current = 0, self.schedules[0]
+            for b, sched in zip(self.boundaries, self.schedules[1:]):
+                if s >= b:
+                    start, current = b, sched
+            return float(current(s - start))
+        s = o.step(step)
+        value = self.schedules[0](s)
+        for b, sched in zip(self.boundaries, self.schedules[1:]):
+            value = o.where(s >= b, sched(o.maximum(s - b, 0)), value)
+        return value
