@@ -11,6 +11,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+import numpy as np
+
 _SCALARS = (bool, int, float, complex)
 _BACKEND_BY_TYPE: dict[type, Any] = {}
 
@@ -50,6 +52,20 @@ def epsilon(value, like):
 
 def zeros_like(x):
     return backend(x).zeros_like(x)
+
+
+def is_complex(x) -> bool:
+    """Whether `x` (an array of any backend, or a Python number) has a complex dtype. Generic:
+    reads the dtype (`torch.dtype.is_complex`, else NumPy's dtype kind), so backends need nothing."""
+    if isinstance(x, complex):
+        return True
+    dtype = getattr(x, "dtype", None)
+    if dtype is None:
+        return False
+    flag = getattr(dtype, "is_complex", None)  # torch.dtype
+    if isinstance(flag, bool):
+        return flag
+    return np.dtype(dtype).kind == "c"
 
 
 def full_like(x, value):
