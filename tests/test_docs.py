@@ -54,8 +54,14 @@ def _page_id(page: Path) -> str:
 
 
 @pytest.mark.parametrize("page", [p for p in PAGES if code_blocks(p)], ids=_page_id)
-def test_page_code_runs(page, tmp_path, monkeypatch):
+def test_page_code_runs(page, tmp_path, monkeypatch, request):
     monkeypatch.chdir(tmp_path)  # pages may write files (checkpoints, plots)
+    # the examples' models are tiny: PyTorch's thread pool only adds contention on a busy machine
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    request.addfinalizer(lambda: torch.set_num_threads(threads))
     # a real module, so that classes defined on the page work with dataclasses, pickle, ...
     module = types.ModuleType(f"docs_{page.stem.replace('-', '_')}")
     monkeypatch.setitem(sys.modules, module.__name__, module)

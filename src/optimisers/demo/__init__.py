@@ -10,6 +10,7 @@ naive run's two copies drifted apart, and the optimiser-state memory of both, an
 from __future__ import annotations
 
 import ast
+import contextlib
 import dataclasses
 import os
 import sys
@@ -144,6 +145,7 @@ class Progress:
         self.start = time.perf_counter()
         self.last = 0.0
         self.quarter = 0
+        self.drawn = 0
 
     def line(self, done: int, message: str) -> str:
         filled = int(self.width * done / max(self.total, 1))
@@ -156,7 +158,9 @@ class Progress:
         if self.tty:
             if done == self.total or now - self.last >= 0.1:
                 self.last = now
-                self.stream.write("\r" + self.line(done, message))
+                text = self.line(done, message)
+                self.stream.write("\r" + text.ljust(self.drawn))  # cover a longer previous line
+                self.drawn = len(text)
                 if done == self.total:
                     self.stream.write("\n")
                 self.stream.flush()
@@ -179,6 +183,51 @@ def _trainer(config: Config, init, tied: bool, rule):
             f"--backend {config.backend} needs {config.backend}: pip install 'optimisers[{config.backend}]'"
         ) from None
     return _models.TRAINERS[config.backend](init, tied, rule)
+
+
+def _openblas_threads():
+    """`(get, set)` for the number of threads of the OpenBLAS that NumPy's wheels bundle, or None
+    when NumPy uses another BLAS (best effort: only the names OpenBLAS builds export are tried)."""
+    import ctypes
+    import glob
+
+    base = os.path.dirname(np.__file__)
+    for path in glob.glob(base + ".libs/*openblas*") + glob.glob(os.path.join(base, ".dylibs", "*openblas*")):
+        try:
+            lib = ctypes.CDLL(path)  # the library NumPy already loaded: same file, same handle
+        except OSError:
+            continue
+        for prefix in ("scipy_openblas", "openblas"):
+            for suffix in ("64_", "_64_", ""):
+                get = getattr(lib, f"{prefix}_get_num_threads{suffix}", None)
+                put = getattr(lib, f"{prefix}_set_num_threads{suffix}", None)
+                if get is not None and put is not None:
+                    return get, put
+    return None
+
+
+@contextlib.contextmanager
+def _single_threaded(backend: str):
+    """Run the BLAS and PyTorch on one thread while the demo computes. For matrices this small,
+    thread pools cost more than they give, and on a busy machine their spinning threads make the
+    demo many times slower. The settings are restored afterwards."""
+    restore = []
+    try:
+        blas = _openblas_threads()
+        if blas is not None:
+            before = blas[0]()
+            blas[1](1)
+            restore.append(lambda: blas[1](before))
+        if backend == "torch":
+            import torch
+
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1)
+            restore.append(lambda: torch.set_num_threads(threads))
+        yield
+    finally:
+        for undo in reversed(restore):
+            undo()
 
 
 def _windows(data: np.ndarray, starts: np.ndarray, context: int):
@@ -251,26 +300,27 @@ def run(config: Config, stdout=None, stderr=None) -> Result:
     progress = Progress(config.steps, stderr)
     tied_loss, naive_loss, drift = [], [], []
     running = None
-    for step in range(1, config.steps + 1):
-        ctx, targets = _windows(
-            train, rng.integers(0, len(train) - config.context, config.batch), config.context
-        )
-        tied_loss.append(tied.step(ctx, targets))
-        naive_loss.append(naive.step(ctx, targets))
-        e_in, e_out = naive.embeddings()
-        drift.append(float(np.abs(e_in - e_out).max()))
-        running = tied_loss[-1] if running is None else 0.98 * running + 0.02 * tied_loss[-1]
-        progress.update(step, f"loss {running:.3f}")
+    with _single_threaded(config.backend):
+        for step in range(1, config.steps + 1):
+            ctx, targets = _windows(
+                train, rng.integers(0, len(train) - config.context, config.batch), config.context
+            )
+            tied_loss.append(tied.step(ctx, targets))
+            naive_loss.append(naive.step(ctx, targets))
+            e_in, e_out = naive.embeddings()
+            drift.append(float(np.abs(e_in - e_out).max()))
+            running = tied_loss[-1] if running is None else 0.98 * running + 0.02 * tied_loss[-1]
+            progress.update(step, f"loss {running:.3f}")
 
-    val_rng = np.random.default_rng(12345)
-    vctx, vtargets = _windows(val, val_rng.integers(0, len(val) - config.context, 8192), config.context)
-    pt, pn = tied.params(), naive.params()
-    tied_val = _models.cross_entropy(_models.logits_numpy(pt, vctx), vtargets)
-    naive_val = _models.cross_entropy(_models.logits_numpy(pn, vctx), vtargets)
-    tied_drift, naive_drift = _drift(pt), _drift(pn)
-    sample = _sample(
-        pt, chars, "Return the ", config.sample_chars, config.context, np.random.default_rng(config.seed)
-    )
+        val_rng = np.random.default_rng(12345)
+        vctx, vtargets = _windows(val, val_rng.integers(0, len(val) - config.context, 8192), config.context)
+        pt, pn = tied.params(), naive.params()
+        tied_val = _models.cross_entropy(_models.logits_numpy(pt, vctx), vtargets)
+        naive_val = _models.cross_entropy(_models.logits_numpy(pn, vctx), vtargets)
+        tied_drift, naive_drift = _drift(pt), _drift(pn)
+        sample = _sample(
+            pt, chars, "Return the ", config.sample_chars, config.context, np.random.default_rng(config.seed)
+        )
 
     plot = os.path.join(config.out, f"demo-{config.backend}.png")
     _plot.training_plot(

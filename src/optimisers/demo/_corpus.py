@@ -8,6 +8,7 @@ only prose paragraphs are kept: doctest sessions and indented code are dropped.
 from __future__ import annotations
 
 import ast
+import functools
 import importlib.util
 import re
 
@@ -142,6 +143,7 @@ def _source(name: str) -> str | None:
         return None
 
 
+@functools.lru_cache(maxsize=4)
 def standard_library_text(limit: int = 400_000) -> str:
     """About `limit` characters of English from the standard library's docstrings, one paragraph a
     line, printable ASCII only. Raises RuntimeError when the sources are missing."""
