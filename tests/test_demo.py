@@ -120,6 +120,7 @@ def test_numpy_trainer_keeps_identity():
         (["demo", "--steps", "abc"], "--steps: expected a whole number"),
         (["demo", "--steps", "0"], "--steps: expected at least 1"),
         (["demo", "--lr", "-1"], "--lr: expected a positive number"),
+        (["demo", "--seed", "-1"], "--seed: expected 0 or more"),
         (["demo", "--lr", "nan"], "--lr: expected a positive number"),
         (["demo", "--backend", "tensorflow"], "invalid choice"),
         (["demo", "--bogus"], "unrecognized arguments"),
@@ -153,6 +154,16 @@ def test_bad_demo_options_one_line(argv, message, tmp_path, capsys):
     assert captured.err.count("\n") == 1, captured.err
     assert captured.err.startswith("optimisers demo: error: ") and message in captured.err
     assert captured.out == ""
+
+
+def test_diverging_run_is_reported_not_raised(tmp_path, capsys):
+    """Too large a learning rate gives nan losses: the demo says so and still draws its plot."""
+    argv = ["demo", "--rule", "Descent(1000.0)", "--steps", "20", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "training diverged" in out and "nan" in table_row(out, "held-out loss")
+    assert "same memory" in out  # Descent keeps no state, so neither run does
+    assert read_png(tmp_path / "demo-numpy.png").shape == (420, 1000, 3)
 
 
 def test_out_must_be_a_folder(tmp_path, capsys):

@@ -39,11 +39,14 @@ def _positive_float(text: str) -> float:
     return value
 
 
-def _int(text: str) -> int:
+def _seed(text: str) -> int:
     try:
-        return int(text)
+        value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected 0 or more, got {value}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -90,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument(
         "--seed",
-        type=_int,
+        type=_seed,
         default=defaults.seed,
         help="seed of the initial weights, the batches and the sample (default 0)",
     )

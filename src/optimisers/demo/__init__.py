@@ -242,6 +242,8 @@ def _sample(params, chars, prompt: str, n: int, context: int, rng, temperature: 
     out = []
     for _ in range(n):
         logits = _models.logits_numpy(params, np.array([ids[-context:]]))[0] / temperature
+        if not np.isfinite(logits).all():
+            return prompt + "... (no sample: the training diverged; try a smaller --lr)"
         p = np.exp(logits - logits.max())
         nxt = int(rng.choice(len(p), p=p / p.sum()))
         ids.append(nxt)
@@ -298,17 +300,19 @@ def run(config: Config, stdout=None, stderr=None) -> Result:
 
     rng = np.random.default_rng(config.seed)
     progress = Progress(config.steps, stderr)
-    tied_loss, naive_loss, drift = [], [], []
+    tied_loss, naive_loss, drift, tied_drift_curve = [], [], [], []
     running = None
-    with _single_threaded(config.backend):
+    # a diverging run (too large a --lr) shows up as nan in the report, not as a flood of warnings
+    with _single_threaded(config.backend), np.errstate(over="ignore", invalid="ignore", divide="ignore"):
         for step in range(1, config.steps + 1):
             ctx, targets = _windows(
                 train, rng.integers(0, len(train) - config.context, config.batch), config.context
             )
             tied_loss.append(tied.step(ctx, targets))
             naive_loss.append(naive.step(ctx, targets))
-            e_in, e_out = naive.embeddings()
-            drift.append(float(np.abs(e_in - e_out).max()))
+            for trainer, curve in ((tied, tied_drift_curve), (naive, drift)):
+                e_in, e_out = trainer.embeddings()
+                curve.append(float(np.abs(e_in - e_out).max()))
             running = tied_loss[-1] if running is None else 0.98 * running + 0.02 * tied_loss[-1]
             progress.update(step, f"loss {running:.3f}")
 
@@ -323,13 +327,17 @@ def run(config: Config, stdout=None, stderr=None) -> Result:
         )
 
     plot = os.path.join(config.out, f"demo-{config.backend}.png")
-    _plot.training_plot(
-        plot,
-        tied_loss,
-        naive_loss,
-        drift,
-        f"optimisers demo ({config.backend}, {type(rule).__name__}, {config.steps} steps)",
-    )
+    try:
+        _plot.training_plot(
+            plot,
+            tied_loss,
+            naive_loss,
+            tied_drift_curve,
+            drift,
+            f"optimisers demo ({config.backend}, {type(rule).__name__}, {config.steps} steps)",
+        )
+    except OSError as e:
+        raise DemoError(f"cannot write the plot to {plot!r}: {e.strerror or e}") from None
     result = Result(
         tied_loss,
         naive_loss,
@@ -376,10 +384,15 @@ def report(r: Result, stream) -> None:
         if i == 0:
             print("  " + "-" * (sum(widths) + 4), file=stream)
     extra = r.naive_bytes - r.tied_bytes
+    memory = (
+        f" and keep {extra:,} more bytes of optimiser state."
+        if extra > 0
+        else "; this rule keeps no state per parameter, so both use the same memory."
+    )
     print(
         "\nTied: one array at both places, one optimiser state, moved once by the sum of both "
         "gradients.\nNaive: the output layer's copy is trained on its own, so the two places drift "
-        f"apart\n(the model is no longer tied) and keep {extra:,} more bytes of optimiser state.",
+        f"apart\n(the model is no longer tied){memory}",
         file=stream,
     )
     print(f"plot of both loss curves and the drift: {r.plot}  ({r.seconds:.0f} s)", file=stream)

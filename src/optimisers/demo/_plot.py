@@ -100,6 +100,8 @@ class Canvas:
         if len(xs) == 1:
             xs, ys = np.repeat(xs, 2), np.repeat(ys, 2)
         for (xa, ya), (xb, yb) in zip(zip(xs[:-1], ys[:-1]), zip(xs[1:], ys[1:])):
+            if not np.isfinite((xa, ya, xb, yb)).all():  # a gap, e.g. where training diverged
+                continue
             n = int(max(abs(xb - xa), abs(yb - ya))) + 2
             px = np.rint(np.linspace(xa, xb, n)).astype(int)
             py = np.rint(np.linspace(ya, yb, n)).astype(int)
@@ -220,8 +222,9 @@ def smooth(values, window: int) -> np.ndarray:
     return (c[idx] - c[start]) / (idx - start)
 
 
-def training_plot(path, tied_loss, naive_loss, drift, title: str) -> None:
-    """Two panels: both runs' smoothed training loss, and how far the naive run's copies drifted."""
+def training_plot(path, tied_loss, naive_loss, tied_drift, naive_drift, title: str) -> None:
+    """Two panels: both runs' smoothed training loss, and how far each run's two places (embedding
+    and output layer) are apart after every step."""
     canvas = Canvas(1000, 420)
     canvas.text(500, 10, title, scale=2, anchor="center")
     window = max(1, len(tied_loss) // 40)
@@ -237,7 +240,7 @@ def training_plot(path, tied_loss, naive_loss, drift, title: str) -> None:
         canvas,
         (500, 36, 1000, 380),
         "max |embed - unembed|",
-        [(drift, ORANGE), (np.zeros(len(drift)), BLUE)],
+        [(naive_drift, ORANGE), (tied_drift, BLUE)],
         steps,
         ymin=0.0,
     )
