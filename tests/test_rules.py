@@ -777,3 +777,12 @@ def test_mixed_precision_with_a_skipped_step_and_a_float64_master():
     assert model["w"].dtype == np.float32
     np.testing.assert_allclose(state["w"].state[0], [0.8, 0.8], rtol=1e-15)
     np.testing.assert_array_equal(model["w"], np.float32(0.8))
+
+
+def test_clipnorm_float16_gradient_with_a_large_norm_is_clipped_not_rejected():
+    # 1000 entries of 10: norm 316, representable in float16, but a float16 sum of squares overflows
+    x = np.zeros(1000, np.float16)
+    state = opt.setup(opt.ClipNorm(1.0), {"x": x})
+    _, new = opt.update(state, {"x": x}, {"x": np.full(1000, 10, np.float16)})
+    assert new["x"].dtype == np.float16
+    np.testing.assert_allclose(np.linalg.norm(new["x"].astype(np.float64)), 1.0, rtol=1e-3)

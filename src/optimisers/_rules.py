@@ -793,8 +793,9 @@ class ClipNorm(Rule):
                 "use ClipNorm(..., throw=False) to continue anyway"
             )
         omega = ops.scalar(self.omega, n)
-        # min(ω/n, 1) written as ω/max(n, ω): n = 0 needs no division by zero, NaN propagates
-        return state, (omega / ops.maximum(n, omega)) * dx
+        # min(ω/n, 1) written as ω/max(n, ω): n = 0 needs no division by zero, NaN propagates;
+        # the norm may be wider than dx (float16 sums in float32), so cast the factor back
+        return state, ops.scalar(omega / ops.maximum(n, omega), dx) * dx
 
 
 # --- composite rules -----------------------------------------------------------------------------

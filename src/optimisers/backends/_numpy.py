@@ -104,6 +104,8 @@ def abs2(x):
 
 def norm(x, p):
     a = np.abs(np.ravel(x))
+    if a.dtype.itemsize < 4:  # float16/bfloat16 sums overflow (a norm over 256 of entries of 10)
+        a = a.astype(np.float32)
     if a.size == 0:
         return a.dtype.type(0) if p != -np.inf else a.dtype.type(np.inf)
     if p == 2:
