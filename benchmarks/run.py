@@ -1,0 +1,17 @@
+"""Run the side-by-side benchmark of issue 4: `python benchmarks/run.py [--quick] [--json PATH] ...`.
+
+A thin wrapper around `optimisers.bench.main` (also `python -m optimisers.bench`); see README.md here
+for what each column means.
+"""
+
+import pathlib
+import sys
+
+try:
+    from optimisers.bench import main
+except ImportError:  # run from a checkout that is not installed
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "src"))
+    from optimisers.bench import main
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

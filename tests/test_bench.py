@@ -1,0 +1,29 @@
+"""Smoke test of the benchmark (benchmarks/ itself is not collected): the smallest run prints the
+table and writes JSON whose rows agree with the float64 reference."""
+
+import json
+
+from optimisers import bench
+
+
+def test_bench_smallest_run_prints_table_and_writes_json(tmp_path, capsys):
+    path = tmp_path / "bench.json"
+    argv = ["--quick", "--shapes", "S3", "--backends", "numpy", "--rules", "adam", "--repeats", "1",
+            "--bandwidth-mb", "4", "--json", str(path)]
+    assert bench.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "Bandwidth" in out and "median" in out and "Targets" in out
+    assert "naive NumPy loop" in out and "optimisers update_" in out
+
+    doc = json.loads(path.read_text())
+    assert doc["bandwidth"]["floor_gbs"] > 0
+    assert doc["shapes"]["S3"]["tensors"] == 250
+    rows = doc["rows"]
+    assert {(r["backend"], r["impl"]) for r in rows} == {
+        ("numpy", "optimisers update_"),
+        ("numpy", "naive NumPy loop"),
+    }
+    naive = next(r for r in rows if r["impl"] == "naive NumPy loop")
+    assert naive["agree"] and naive["median_ms"] > 0 and naive["x_floor"] > 0
+    for r in rows:  # a row may be n/a (error), but a row that ran must agree
+        assert "error" in r or r["agree"], r
