@@ -120,6 +120,11 @@ def test_memory_span_and_shares_memory():
     assert tb.memory_span(w.T) == tb.memory_span(w)
     e = torch.zeros(0)
     assert tb.memory_span(e)[0] == tb.memory_span(e)[1]
+    # a model built on the meta device has no memory to overlap
+    with torch.device("meta"):
+        meta = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3))
+    state = opt.setup(opt.Adam(), meta)
+    assert state["0"]["weight"].state[0].is_meta
 
 
 def test_is_param():
@@ -536,6 +541,22 @@ def test_bad_module_gradients_name_the_place():
         opt.update(state, model, {"embed.weight": torch.zeros(2, 2)})
     with pytest.raises(TypeError, match="key 0"):
         opt.update(state, model, {0: None})
+
+
+def test_dot_grad_of_a_tie_given_at_both_places_is_refused():
+    model = make_gpt()
+    state = opt.setup(opt.Descent(), model)
+    gpt_step_grads(model, *batch())
+    twice = {n: p.grad for n, p in model.named_parameters(remove_duplicate=False)}
+    with pytest.raises(ValueError, match=r"'embed\.weight' and 'head\.weight'.*twice"):
+        opt.update(state, model, twice)
+    once = {n: p.grad for n, p in model.named_parameters()}  # deduplicated: the tie once
+    _, a = opt.update(state, model, once)
+    _, b = opt.update(state, model, opt.grads(model))
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    # one gradient tensor reused for distinct, untied parameters is fine
+    z = torch.zeros(8)
+    opt.update(state, model, {"norm1.bias": z, "norm2.bias": z})
 
 
 def test_grads_reads_dot_grad_once_per_tensor():

@@ -56,9 +56,8 @@ def writable(x) -> bool:
 
 def memory_span(x):
     """(start, stop) byte addresses of the elements `x` may touch."""
-    if x.numel() == 0:
-        start = x.data_ptr()
-        return start, start
+    if x.numel() == 0 or x.is_meta:  # meta tensors (shape-only models) have no memory at all
+        return 0, 0
     item = x.element_size()
     start = x.data_ptr()
     # torch strides are never negative, so the last element is at sum((size - 1) * stride)
@@ -340,7 +339,40 @@ def _module_grad_children(m, grad, path):
             f"{type(m).__name__} there does not have (trainable children: {have})"
         )
     out.update(dotted)
+    _check_not_counted_twice(m, grad, path)
     return out
+
+
+def _named(m, dotted: str):
+    """The parameter or submodule that a dotted name names below `m` (None if none)."""
+    node = m
+    for part in dotted.split("."):
+        sub = getattr(node, "_modules", {}).get(part)
+        node = sub if sub is not None else getattr(node, "_parameters", {}).get(part)
+        if node is None:
+            return None
+    return node
+
+
+def _check_not_counted_twice(m, grad, path):
+    """`{n: p.grad for n, p in named_parameters(remove_duplicate=False)}` gives a tied parameter's
+    `.grad`, which autograd already summed over its places, once per place: it would count twice."""
+    first: dict[int, str] = {}
+    for key, g in grad.items():
+        if not isinstance(g, torch.Tensor):
+            continue
+        other = first.setdefault(id(g), key)
+        if other is key:
+            continue
+        target = _named(m, other)
+        if target is not None and target is _named(m, key):
+            where = "" if not path else f" (at {format_path(path)})"
+            raise ValueError(
+                f"the gradient gives one tensor object for both {other!r} and {key!r}{where}, "
+                "which are the same tied parameter. PyTorch's .grad already sums every place's "
+                "contribution, so this would count it twice; pass optimisers.grads(model), or "
+                "dict(model.named_parameters()) without remove_duplicate=False"
+            )
 
 
 def _both(path, key) -> str:
