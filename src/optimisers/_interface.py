@@ -279,7 +279,7 @@ def update(state: State, model, *grads):
             if step is None:
                 values[key] = _ops.copy(x)
             elif isinstance(step, NewValue):
-                values[key] = _ops.cast(step.value, x.dtype)
+                values[key] = _ops.backend(x).replaced(x, step.value)
             else:
                 values[key] = _ops.backend(x).subtract(x, step)
         return values[key]
@@ -315,9 +315,9 @@ def update_(state: State, model, *grads):
                 return x
             if b.writable(x):
                 return b.assign_(x, first)
-            return first if first.dtype == x.dtype else _ops.cast(first, x.dtype)
+            return first if first.dtype == x.dtype else b.replaced(x, first)
         if isinstance(step, NewValue):
-            new = b.assign_(x, step.value) if b.writable(x) else _ops.cast(step.value, x.dtype)
+            new = b.assign_(x, step.value) if b.writable(x) else b.replaced(x, step.value)
         else:
             new = b.subtract_(x, step) if b.writable(x) else b.subtract(x, step)
         written[id(leaf)] = new

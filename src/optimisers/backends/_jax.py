@@ -67,6 +67,11 @@ def shares_memory(x, y) -> bool:
     return x is y
 
 
+def replaced(x, value):
+    """A new parameter like `x` holding `value`."""
+    return jnp.asarray(value, dtype=x.dtype)
+
+
 def subtract(x, step):
     out = x - step
     return out if out.dtype == x.dtype else out.astype(x.dtype)

@@ -55,6 +55,11 @@ def assign_(x, value):
     return x
 
 
+def replaced(x, value):
+    """A new parameter like `x` holding `value`."""
+    return np.array(value, dtype=x.dtype, copy=True)
+
+
 def subtract(x, step):
     # same ufunc call as subtract_, so pure and in-place updates agree bit for bit (and 0-d
     # parameters stay arrays instead of decaying to NumPy scalars)

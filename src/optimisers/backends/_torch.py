@@ -103,6 +103,13 @@ def _fresh_like(value, like):
     return value
 
 
+def replaced(x, value):
+    """A new parameter like `x` (an nn.Parameter for one, same requires_grad) holding `value`."""
+    with torch.no_grad():
+        out = value.to(dtype=x.dtype, device=x.device, copy=True)
+    return _fresh_like(out, x)
+
+
 def subtract(x, step):
     with torch.no_grad():
         out = x - step
