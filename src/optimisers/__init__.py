@@ -5,7 +5,7 @@
     state, model = optimisers.update_(state, model, grads)   # in place
 """
 
-from . import schedules
+from . import ops, schedules
 from ._buffers import distinct_buffers
 from ._checkpoint import CheckpointError, load, load_state_dict, save, state_dict
 from ._destructure import destructure, trainables
@@ -74,6 +74,7 @@ __all__ = [
     "WeightDecay",
     "Leaf",
     "Rule",
+    "ops",
     "State",
     "adjust",
     "adjust_",
