@@ -17,7 +17,7 @@ def test_bench_smallest_run_prints_table_and_writes_json(tmp_path, capsys):
 
     doc = json.loads(path.read_text())
     assert doc["bandwidth"]["floor_gbs"] > 0
-    assert doc["shapes"]["S3"]["tensors"] == 250
+    assert doc["shapes"]["S3"]["tensors"] == 100
     rows = doc["rows"]
     assert {(r["backend"], r["impl"]) for r in rows} == {
         ("numpy", "optimisers update_"),
