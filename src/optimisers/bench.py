@@ -910,6 +910,13 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _loadavg() -> tuple:
+    try:
+        return os.getloadavg()
+    except (AttributeError, OSError):  # not available on this platform
+        return (float("nan"),) * 3
+
+
 def _warm_up_imports(backends) -> None:
     """Pay one-off start-up costs (imports, JAX's first compile, torch.optim's lazy imports) before
     anything is timed, then freeze the objects alive so far out of the garbage collector: every
@@ -970,7 +977,7 @@ def _run(opts) -> int:
                 versions[mod] = f"not importable ({e})"
     _warm_up_imports(opts.backends)
 
-    load_start = os.getloadavg()
+    load_start = _loadavg()
     progress("measuring memory bandwidth")
     bw = measure_bandwidth(opts.bandwidth_mb, threads, 3 if opts.quick else 5)
     floor = bw["floor_gbs"]
@@ -1069,7 +1076,7 @@ def _run(opts) -> int:
         print(f"\ncProfile, 3 steps, {r['backend']} {r['impl']} {r['shape']} {r['rule']} (by tottime):")
         print(r["profile"].rstrip())
     elapsed = time.perf_counter() - started
-    load_end = os.getloadavg()
+    load_end = _loadavg()
     busy = max(load_start[0], load_end[0]) > threads + 0.5
     print(
         f"\ntotal time {elapsed:.0f} s; 1-minute load average {load_start[0]:.1f} at the start, "
