@@ -98,10 +98,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="seed of the initial weights, the batches and the sample (default 0)",
     )
     demo.add_argument("--out", default=defaults.out, help="folder for the plot (default ./%(default)s)")
+    sub.add_parser(
+        "bench",
+        add_help=False,  # its own parser (optimisers.bench) reads the rest of the command line
+        help="time one optimiser step against torch.optim and optax; see `optimisers bench --help`",
+    )
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:
+        from .bench import main as bench_main
+
+        return bench_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "demo":
