@@ -12,14 +12,15 @@ from optimisers import _engine
 ELEMENTWISE = [
     opt.Descent(0.1),
     opt.Adam(0.01),
+    opt.OptimiserChain(opt.AccumGrad(2), opt.WeightDecay(0.01), opt.AdamW(0.01, lambd=0.1)),
+    opt.MixedPrecision(opt.Lion(0.01)),
 ]
 
 
 @pytest.fixture(autouse=True)
 def tiny_chunks(monkeypatch):
     # small chunks so that a test-sized model exercises packed runs, split arrays and threads
-    monkeypatch.setattr(_engine, "CHUNK", 64)
-    monkeypatch.setattr(_engine, "SMALL", 16)
+    monkeypatch.setattr(_engine, "CHUNK_SCALE", 1024)
 
 
 def make_model(seed=0):
@@ -36,9 +37,30 @@ def make_model(seed=0):
     }
 
 
+def to_backend(model, backend):
+    """The model on `backend`, ties kept (one tensor per distinct array)."""
+    if backend == "numpy":
+        return model
+    import torch
+
+    made = {}
+
+    def conv(x):
+        if id(x) not in made:
+            made[id(x)] = torch.from_numpy(x.copy() if x.flags.c_contiguous else x)
+        return made[id(x)]
+
+    return {k: ([conv(a) for a in v] if isinstance(v, list) else conv(v)) for k, v in model.items()}
+
+
+def as_numpy(x):
+    return x.detach().numpy() if hasattr(x, "detach") else x
+
+
 def random_grads(model, rng, drop=()):
     def g(x):
-        return rng.standard_normal(x.shape).astype(x.dtype)
+        out = rng.standard_normal(tuple(x.shape)).astype(as_numpy(x).dtype)
+        return out if isinstance(x, np.ndarray) else __import__("torch").from_numpy(out)
 
     grads = {k: (g(v) if not isinstance(v, list) else [g(a) for a in v]) for k, v in model.items()}
     for k in drop:
@@ -48,21 +70,21 @@ def random_grads(model, rng, drop=()):
 
 def assert_same(m1, m2, s1, s2):
     for a, b in zip(opt.trainables(m1), opt.trainables(m2)):
-        np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(as_numpy(a), as_numpy(b))
     for l1, l2 in zip(s1.leaves(), s2.leaves()):
         p1, p2 = [], []
         _engine.flatten_state(l1.state, p1)
         _engine.flatten_state(l2.state, p2)
         for a, b in zip(p1, p2):
-            np.testing.assert_array_equal(a, b)
+            np.testing.assert_array_equal(as_numpy(a), as_numpy(b))
 
 
+@pytest.mark.parametrize("backend", ["numpy", "torch"])
 @pytest.mark.parametrize("rule", ELEMENTWISE, ids=lambda r: type(r).__name__)
-def test_engine_matches_plain_path_through_events(rule):
+def test_engine_matches_plain_path_through_events(rule, backend):
     assert rule.elementwise
-    model = make_model()
-    reference = {k: ([a.copy() for a in v] if isinstance(v, list) else v.copy()) for k, v in model.items()}
-    reference["tied_b"] = reference["tied_a"]
+    model = to_backend(make_model(), backend)
+    reference = to_backend(make_model(), backend)
     state = opt.setup(rule, model)
     ref_state = opt.setup(rule, reference)
     rng = np.random.default_rng(1)

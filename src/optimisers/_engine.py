@@ -1,4 +1,4 @@
-"""The fast path of `update_` for NumPy: elementwise rules run over flat group buffers.
+"""The fast path of `update_`: elementwise rules run over flat group buffers.
 
 Leafs that share a rule object, dtype and scalar state (step counters) form a group whose state
 arrays live in one flat buffer per state position; each Leaf's state is a view into them. A step
@@ -14,15 +14,20 @@ whole array would. Everything else takes the ordinary per-Leaf path.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from . import _ops
 from ._rule import NewValue
 
-CHUNK = 1 << 16  # elements per chunk: a few state arrays and temporaries stay in the core's cache
-SMALL = CHUNK // 4  # parameters below this size are packed together into shared chunks
+# Each backend that takes part says how: `engine_ok(x)` (a parameter it can step in place),
+# `numel`, `concat`, `copy_into`, `is_buffer` (a state part that is an array shaped like the
+# parameter), `ENGINE_CHUNK` (elements per chunk) and `ENGINE_THREADS` (run chunks in our threads,
+# for NumPy whose ufuncs release the GIL; PyTorch parallelises each op itself).
+CHUNK_SCALE = 1  # tests shrink chunks to exercise packing and splitting on small models
 _POOL: ThreadPoolExecutor | None = None
 
 
@@ -56,21 +61,12 @@ def unflatten_state(spec, parts):
     return cls(*values)  # NamedTuple
 
 
-def _is_buffer_part(value) -> bool:
-    return isinstance(value, np.ndarray) and value.ndim > 0
-
-
 def eligible(leaf, x) -> bool:
     """Can this Leaf's parameter be stepped by the engine?"""
-    return (
-        getattr(leaf.rule, "elementwise", False)
-        and not leaf.frozen
-        and type(x) is np.ndarray
-        and x.flags.writeable
-        and x.flags.c_contiguous
-        and x.ndim > 0
-        and x.size > 0
-    )
+    if not getattr(leaf.rule, "elementwise", False) or leaf.frozen:
+        return False
+    ok = getattr(_ops.backend(x), "engine_ok", None)
+    return ok is not None and ok(x)
 
 
 class Group:
@@ -79,10 +75,11 @@ class Group:
     def __init__(self, leaves, xs):
         self.rule = leaves[0].rule
         self.leaves = leaves
-        self.dtype = xs[0].dtype
+        self.b = b = _ops.backend(xs[0])
+        self.chunk = max(4, b.ENGINE_CHUNK // CHUNK_SCALE)
         self.shapes = [x.shape for x in xs]
-        self.sizes = [x.size for x in xs]
-        self.offsets = np.concatenate([[0], np.cumsum(self.sizes)]).tolist()
+        self.sizes = [b.numel(x) for x in xs]
+        self.offsets = np.concatenate([[0], np.cumsum(self.sizes)]).astype(int).tolist()
         per_leaf = []
         for leaf in leaves:
             parts: list = []
@@ -90,10 +87,10 @@ class Group:
             per_leaf.append(parts)
         self.spec = spec
         first = per_leaf[0]
-        self.array_at = [_is_buffer_part(p) for p in first]
+        self.array_at = [b.is_buffer(p) for p in first]
         self.scalars = [None if a else p for a, p in zip(self.array_at, first)]
         self.buffers = [
-            np.concatenate([parts[k].reshape(-1) for parts in per_leaf]) if a else None
+            b.concat([parts[k].reshape(-1) for parts in per_leaf]) if a else None
             for k, a in enumerate(self.array_at)
         ]
         for i, leaf in enumerate(leaves):
@@ -111,20 +108,21 @@ class Group:
 
     def _plan_chunks(self):
         """("big", i, a, b): elements a..b of leaf i; ("run", i, j): small leaves i..j-1 packed."""
+        chunk, small = self.chunk, self.chunk // 4  # smaller parameters are packed together
         chunks, run_start, run_size = [], None, 0
         for i, n in enumerate(self.sizes):
-            if n < SMALL:
+            if n < small:
                 if run_start is None:
                     run_start, run_size = i, 0
                 run_size += n
-                if run_size >= CHUNK:
+                if run_size >= chunk:
                     chunks.append(("run", run_start, i + 1))
                     run_start = None
                 continue
             if run_start is not None:
                 chunks.append(("run", run_start, i))
                 run_start = None
-            pieces = max(1, round(n / CHUNK))
+            pieces = max(1, round(n / chunk))
             bounds = [n * k // pieces for k in range(pieces + 1)]
             chunks.extend(("big", i, a, b) for a, b in zip(bounds, bounds[1:]))
         if run_start is not None:
@@ -148,10 +146,12 @@ class Group:
         """Update every member in place: `xs`, `dxs` are the parameters and summed gradients."""
         rule = self.leaves[0].rule
         chunks = self.chunks
-        if len(chunks) == 1:
-            results = [self._chunk(rule, chunks[0], xs, dxs)]
-        else:
-            results = list(_pool().map(lambda c: self._chunk(rule, c, xs, dxs), chunks))
+        off = getattr(self.b, "no_grad", None)  # PyTorch: the step is data, not a graph
+        with off() if off is not None else contextlib.nullcontext():
+            if len(chunks) > 1 and self.b.ENGINE_THREADS:
+                results = list(_pool().map(lambda c: self._chunk(rule, c, xs, dxs), chunks))
+            else:
+                results = [self._chunk(rule, c, xs, dxs) for c in chunks]
         self.scalars = results[0]
 
     def _chunk(self, rule, chunk, xs, dxs):
@@ -163,32 +163,27 @@ class Group:
         else:
             _, i, j = chunk
             lo, hi = self.offsets[i], self.offsets[j]
-            x = np.concatenate([v.reshape(-1) for v in xs[i:j]])
-            dx = np.concatenate([v.reshape(-1) for v in dxs[i:j]])
+            x = self.b.concat([v.reshape(-1) for v in xs[i:j]])
+            dx = self.b.concat([v.reshape(-1) for v in dxs[i:j]])
         parts = [b[lo:hi] if a else s for a, b, s in zip(self.array_at, self.buffers, self.scalars)]
         new_state, step = rule.apply(unflatten_state(self.spec, iter(parts)), x, dx)
         new_parts: list = []
         flatten_state(new_state, new_parts)
+        b = self.b
         for a, old, new in zip(self.array_at, parts, new_parts):
             if a and new is not old:
-                np.copyto(old, new, casting="unsafe")
+                b.copy_into(old, new)
         if step is not None:
+            setting = isinstance(step, NewValue)
+            write = b.assign_ if setting else b.subtract_
+            delta = step.value if setting else step
             if chunk[0] == "big":
-                _apply_step(x, step)
+                write(x, delta)
             else:
                 for k in range(i, j):
                     o, p = self.offsets[k] - lo, self.offsets[k + 1] - lo
-                    piece = step.value[o:p] if isinstance(step, NewValue) else step[o:p]
-                    piece = NewValue(piece) if isinstance(step, NewValue) else piece
-                    _apply_step(xs[k].reshape(-1), piece)
+                    write(xs[k].reshape(-1), delta[o:p])
         return [None if a else p for a, p in zip(self.array_at, new_parts)]
-
-
-def _apply_step(x, step):
-    if isinstance(step, NewValue):
-        np.copyto(x, step.value, casting="unsafe")
-    else:
-        np.subtract(x, step, out=x, casting="unsafe")
 
 
 # --- planning over a State ----------------------------------------------------------------------
@@ -202,12 +197,13 @@ class Plan:
         self.considered = {id(leaf) for leaf, _ in entries}
         by_key: dict = {}
         for leaf, x in entries:
+            b = _ops.backend(x)
             parts: list = []
             spec = flatten_state(leaf.state, parts)
-            if not all(p.shape == x.shape for p in parts if _is_buffer_part(p)):
+            if not all(p.shape == x.shape for p in parts if b.is_buffer(p)):
                 continue
-            scalars = tuple(None if _is_buffer_part(p) else p for p in parts)
-            key = (id(leaf.rule), x.dtype, repr(spec), scalars)
+            scalars = tuple(None if b.is_buffer(p) else p for p in parts)
+            key = (id(leaf.rule), b, x.dtype, getattr(x, "device", None), repr(spec), scalars)
             try:
                 hash(key)
             except TypeError:

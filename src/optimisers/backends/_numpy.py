@@ -66,6 +66,32 @@ def subtract(x, step):
     return np.subtract(x, step, out=np.empty_like(x), casting="unsafe")
 
 
+# --- what the update engine asks (see optimisers._engine) ---------------------------------------
+
+ENGINE_CHUNK = 1 << 16  # 256 KiB of float32: a chunk's state, gradient and temporaries stay in cache
+ENGINE_THREADS = True  # ufuncs release the GIL, so chunks run on all cores
+
+
+def engine_ok(x) -> bool:
+    return type(x) is np.ndarray and x.flags.writeable and x.flags.c_contiguous and x.ndim > 0 and x.size > 0
+
+
+def numel(x) -> int:
+    return x.size
+
+
+def concat(arrays):
+    return np.concatenate(arrays)
+
+
+def copy_into(dst, src):
+    np.copyto(dst, src, casting="unsafe")
+
+
+def is_buffer(value) -> bool:
+    return isinstance(value, np.ndarray) and value.ndim > 0
+
+
 # --- what the rules ask -----------------------------------------------------------------------
 
 

@@ -118,6 +118,41 @@ def subtract(x, step):
     return _fresh_like(out, x)
 
 
+# --- what the update engine asks (see optimisers._engine) ---------------------------------------
+
+ENGINE_CHUNK = 1 << 20  # torch parallelises each op itself, so chunks only bound temporaries
+ENGINE_THREADS = False
+
+
+def engine_ok(x) -> bool:
+    return (
+        isinstance(x, torch.Tensor)
+        and x.layout is torch.strided
+        and x.is_contiguous()
+        and x.dim() > 0
+        and x.numel() > 0
+        and not x.is_inference()
+    )
+
+
+def numel(x) -> int:
+    return x.numel()
+
+
+def concat(tensors):
+    with torch.no_grad():
+        return torch.cat(tensors)
+
+
+def copy_into(dst, src):
+    with torch.no_grad():
+        dst.copy_(src)
+
+
+def is_buffer(value) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() > 0
+
+
 # --- what the rules ask -----------------------------------------------------------------------
 
 
