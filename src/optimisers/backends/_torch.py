@@ -120,7 +120,7 @@ def subtract(x, step):
 
 # --- what the update engine asks (see optimisers._engine) ---------------------------------------
 
-ENGINE_CHUNK = 1 << 20  # torch parallelises each op itself, so chunks only bound temporaries
+ENGINE_CHUNK = 1 << 17  # torch parallelises each op itself; chunks bound temporaries (512 KiB each)
 ENGINE_THREADS = False
 
 
