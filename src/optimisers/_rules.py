@@ -255,16 +255,8 @@ class Rprop(Rule):
 
 
 @dataclass(frozen=True)
-class Adam(Rule):
-    """Adam (Kingma & Ba, "Adam: A Method for Stochastic Optimization", 2015).
-
-    State `(m, v, t)`. Each step:
-    `m ← β₁m + (1−β₁)g`, `v ← β₂v + (1−β₂)|g|²`,
-    `step = η · (m/(1−β₁ᵗ)) / (√(v/(1−β₂ᵗ)) + ε)`.
-
-    Defaults: `eta=0.001, beta=(0.9, 0.999), epsilon=1e-8`. PyTorch: `torch.optim.Adam(lr=eta,
-    betas=beta, eps=epsilon)`; optax: `optax.adam(eta, b1, b2, eps)`.
-    """
+class _AdamFamily(Rule):
+    """The fields, checks and `(m, v, t)` state shared by Adam and its variants."""
 
     elementwise = True
 
@@ -279,6 +271,19 @@ class Adam(Rule):
     def init(self, x):
         return ops.zeros_like(x), ops.zeros_like(x), 0
 
+
+@dataclass(frozen=True)
+class Adam(_AdamFamily):
+    """Adam (Kingma & Ba, "Adam: A Method for Stochastic Optimization", 2015).
+
+    State `(m, v, t)`. Each step:
+    `m ← β₁m + (1−β₁)g`, `v ← β₂v + (1−β₂)|g|²`,
+    `step = η · (m/(1−β₁ᵗ)) / (√(v/(1−β₂ᵗ)) + ε)`.
+
+    Defaults: `eta=0.001, beta=(0.9, 0.999), epsilon=1e-8`. PyTorch: `torch.optim.Adam(lr=eta,
+    betas=beta, eps=epsilon)`; optax: `optax.adam(eta, b1, b2, eps)`.
+    """
+
     def apply(self, state, x, dx):
         m, v, t = state
         t = t + 1
@@ -288,7 +293,7 @@ class Adam(Rule):
 
 
 @dataclass(frozen=True)
-class RAdam(Rule):
+class RAdam(_AdamFamily):
     """Rectified Adam (Liu et al., "On the Variance of the Adaptive Learning Rate and Beyond",
     2020).
 
@@ -306,19 +311,6 @@ class RAdam(Rule):
     betas=beta, eps=epsilon)` uses threshold 5 and puts ε outside `√v/√(1−β₂ᵗ)`, so its steps
     differ slightly.
     """
-
-    elementwise = True
-
-    eta: float = 0.001
-    beta: tuple = (0.9, 0.999)
-    epsilon: float = 1e-8
-
-    def validate(self):
-        check_range(self, "beta", 0.0, 1.0, high_open=True)
-        _nonnegative(self, "epsilon")
-
-    def init(self, x):
-        return ops.zeros_like(x), ops.zeros_like(x), 0
 
     def apply(self, state, x, dx):
         m, v, t = state
@@ -340,7 +332,7 @@ class RAdam(Rule):
 
 
 @dataclass(frozen=True)
-class AdaMax(Rule):
+class AdaMax(_AdamFamily):
     """AdaMax, Adam with the infinity norm (Kingma & Ba, 2015, section 7).
 
     State `(m, w, t)`. Each step: `m ← β₁m + (1−β₁)g`, `w ← max(β₂w, |g|)`,
@@ -350,16 +342,6 @@ class AdaMax(Rule):
     eps)`. PyTorch: `torch.optim.Adamax(lr=eta, betas=beta, eps=epsilon)` adds ε inside the
     maximum (`w ← max(β₂w, |g| + ε)`, `step ∝ m/w`), so its steps differ slightly.
     """
-
-    elementwise = True
-
-    eta: float = 0.001
-    beta: tuple = (0.9, 0.999)
-    epsilon: float = 1e-8
-
-    def validate(self):
-        check_range(self, "beta", 0.0, 1.0, high_open=True)
-        _nonnegative(self, "epsilon")
 
     def init(self, x):
         return ops.zeros_like(x), _real_zeros(x), 0
@@ -376,7 +358,7 @@ class AdaMax(Rule):
 
 
 @dataclass(frozen=True)
-class OAdam(Rule):
+class OAdam(_AdamFamily):
     """Optimistic Adam (Daskalakis et al., "Training GANs with Optimism", 2018), for
     saddle-point problems such as GANs.
 
@@ -391,15 +373,7 @@ class OAdam(Rule):
     PyTorch has no OAdam.
     """
 
-    elementwise = True
-
-    eta: float = 0.001
     beta: tuple = (0.5, 0.9)
-    epsilon: float = 1e-8
-
-    def validate(self):
-        check_range(self, "beta", 0.0, 1.0, high_open=True)
-        _nonnegative(self, "epsilon")
 
     def init(self, x):
         return ops.zeros_like(x), ops.zeros_like(x), ops.zeros_like(x), 0
@@ -477,7 +451,7 @@ class AdaDelta(Rule):
 
 
 @dataclass(frozen=True)
-class AMSGrad(Rule):
+class AMSGrad(_AdamFamily):
     """AMSGrad (Reddi, Kale & Kumar, "On the Convergence of Adam and Beyond", 2018): Adam whose
     denominator never decreases.
 
@@ -494,16 +468,6 @@ class AMSGrad(Rule):
 
     Defaults: `eta=0.001, beta=(0.9, 0.999), epsilon=1e-8`.
     """
-
-    elementwise = True
-
-    eta: float = 0.001
-    beta: tuple = (0.9, 0.999)
-    epsilon: float = 1e-8
-
-    def validate(self):
-        check_range(self, "beta", 0.0, 1.0, high_open=True)
-        _nonnegative(self, "epsilon")
 
     def init(self, x):
         return ops.zeros_like(x), _real_zeros(x), _real_zeros(x), 0
@@ -522,7 +486,7 @@ class AMSGrad(Rule):
 
 
 @dataclass(frozen=True)
-class NAdam(Rule):
+class NAdam(_AdamFamily):
     """NAdam, Adam with Nesterov momentum (Dozat, "Incorporating Nesterov Momentum into Adam",
     2016).
 
@@ -537,19 +501,6 @@ class NAdam(Rule):
 
     Defaults: `eta=0.001, beta=(0.9, 0.999), epsilon=1e-8`.
     """
-
-    elementwise = True
-
-    eta: float = 0.001
-    beta: tuple = (0.9, 0.999)
-    epsilon: float = 1e-8
-
-    def validate(self):
-        check_range(self, "beta", 0.0, 1.0, high_open=True)
-        _nonnegative(self, "epsilon")
-
-    def init(self, x):
-        return ops.zeros_like(x), ops.zeros_like(x), 0
 
     def apply(self, state, x, dx):
         m, v, t = state
@@ -606,7 +557,7 @@ class AdamW(Rule):
 
 
 @dataclass(frozen=True)
-class AdaBelief(Rule):
+class AdaBelief(_AdamFamily):
     """AdaBelief (Zhuang et al., "AdaBelief Optimizer: Adapting Stepsizes by the Belief in
     Observed Gradients", 2020).
 
@@ -618,18 +569,7 @@ class AdaBelief(Rule):
     AdaBelief.
     """
 
-    elementwise = True
-
-    eta: float = 0.001
-    beta: tuple = (0.9, 0.999)
     epsilon: float = 1e-16
-
-    def validate(self):
-        check_range(self, "beta", 0.0, 1.0, high_open=True)
-        _nonnegative(self, "epsilon")
-
-    def init(self, x):
-        return ops.zeros_like(x), ops.zeros_like(x), 0
 
     def apply(self, state, x, dx):
         m, s, t = state
