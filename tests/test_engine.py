@@ -130,6 +130,22 @@ def test_group_state_is_visible_per_leaf_and_survives_pure_updates():
     assert leaf.state[2] == 1 and leaf._group is not None
 
 
+@pytest.mark.parametrize("pure", [opt.update, opt.adjust])
+def test_pure_results_do_not_share_the_engine_buffers(pure):
+    model = make_model()
+    state = opt.setup(opt.Adam(0.01), model)
+    rng = np.random.default_rng(3)
+    state, model = opt.update_(state, model, random_grads(model, rng))
+    if pure is opt.update:  # "big" gets no gradient: its new state is carried over, not computed
+        new_state, _ = opt.update(state, model, random_grads(model, rng, drop=("big",)))
+    else:
+        new_state = opt.adjust(state, eta=0.5)
+    kept = [a.copy() for a in new_state["big"].state[:2]]
+    opt.update_(state, model, random_grads(model, rng))  # steps the original's buffers in place
+    for a, b in zip(kept, new_state["big"].state[:2]):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_copies_at_tied_places_take_the_plain_path():
     W = np.ones(100, np.float32)
     state = opt.setup(opt.Descent(0.5), {"a": W, "b": W})

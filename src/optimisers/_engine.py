@@ -186,6 +186,19 @@ class Group:
         return [None if a else p for a, p in zip(self.array_at, new_parts)]
 
 
+def independent(leaf, state):
+    """`state` with every part that is a view of the engine's buffers for `leaf` replaced by a
+    copy, so that a pure result never changes when the original is later stepped in place."""
+    if leaf._group is None:
+        return state
+    own: list = []
+    flatten_state(leaf._state, own)
+    views = {id(p) for p, a in zip(own, leaf._group.array_at) if a}
+    parts: list = []
+    spec = flatten_state(state, parts)
+    return unflatten_state(spec, iter([_ops.copy(p) if id(p) in views else p for p in parts]))
+
+
 # --- planning over a State ----------------------------------------------------------------------
 
 

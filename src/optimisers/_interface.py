@@ -261,12 +261,11 @@ def update(state: State, model, *grads):
     _check_args(state, grads, "update")
     found = _gather(state.tree, model, grads[0])
     results = _compute(found)
-    new_leaf: dict[int, Leaf] = {}
 
     def leaf_of(leaf):
         moved = results.get(id(leaf))
-        new_leaf[id(leaf)] = Leaf(leaf.rule, moved[0] if moved else leaf.state, leaf.frozen)
-        return new_leaf[id(leaf)]
+        new_state = _engine.independent(leaf, moved[0] if moved else leaf.state)
+        return Leaf(leaf.rule, new_state, leaf.frozen)
 
     new_tree = map_leaves(leaf_of, state.tree)
     values: dict[int, Any] = {}
@@ -400,7 +399,7 @@ def adjust(tree, eta=None, **hyper):
     rules = _adjusted_rules(leaves, eta, hyper, "adjust")
 
     def fresh(leaf):
-        return Leaf(rules[id(leaf.rule)], leaf.state, leaf.frozen)
+        return Leaf(rules[id(leaf.rule)], _engine.independent(leaf, leaf.state), leaf.frozen)
 
     if isinstance(tree, Leaf):
         return fresh(tree)
