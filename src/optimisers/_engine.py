@@ -1,10 +1,10 @@
 """The fast path of `update_`: elementwise rules run over flat group buffers.
 
-Leafs that share a rule object, dtype and scalar state (step counters) form a group whose state
-arrays live in one flat buffer per state position; each Leaf's state is a view into them. A step
-runs the rule's own `apply` on cache-sized chunks of the buffers, in parallel threads (NumPy
-releases the GIL inside ufuncs), writes the new state back into the chunk and subtracts the step
-from the parameter in place. Small parameters are packed into shared chunks, so a model of
+Leafs that share a rule object, backend, dtype, device and scalar state (step counters) form a
+group whose state arrays live in one flat buffer per state position; each Leaf's state is a view
+into them. A step runs the rule's own `apply` on cache-sized chunks of the buffers (for NumPy in
+parallel threads, since ufuncs release the GIL), writes the new state back into the chunk and
+subtracts the step from the parameter in place. Small parameters are packed into shared chunks, so a model of
 thousands of tiny arrays costs a few calls per chunk instead of a dozen per array.
 
 Only rules that declare `elementwise = True` are grouped: their update of each element depends
@@ -155,21 +155,21 @@ class Group:
         self.scalars = results[0]
 
     def _chunk(self, rule, chunk, xs, dxs):
+        b = self.b
         if chunk[0] == "big":
-            _, i, a, b = chunk
-            lo, hi = self.offsets[i] + a, self.offsets[i] + b
-            x = xs[i].reshape(-1)[a:b]
-            dx = dxs[i].reshape(-1)[a:b]
+            _, i, start, stop = chunk
+            lo, hi = self.offsets[i] + start, self.offsets[i] + stop
+            x = xs[i].reshape(-1)[start:stop]  # a view: parameters here are contiguous
+            dx = dxs[i].reshape(-1)[start:stop]
         else:
             _, i, j = chunk
             lo, hi = self.offsets[i], self.offsets[j]
-            x = self.b.concat([v.reshape(-1) for v in xs[i:j]])
-            dx = self.b.concat([v.reshape(-1) for v in dxs[i:j]])
-        parts = [b[lo:hi] if a else s for a, b, s in zip(self.array_at, self.buffers, self.scalars)]
+            x = b.concat([v.reshape(-1) for v in xs[i:j]])
+            dx = b.concat([v.reshape(-1) for v in dxs[i:j]])
+        parts = [buf[lo:hi] if a else s for a, buf, s in zip(self.array_at, self.buffers, self.scalars)]
         new_state, step = rule.apply(unflatten_state(self.spec, iter(parts)), x, dx)
         new_parts: list = []
         flatten_state(new_state, new_parts)
-        b = self.b
         for a, old, new in zip(self.array_at, parts, new_parts):
             if a and new is not old:
                 b.copy_into(old, new)
