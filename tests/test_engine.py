@@ -154,3 +154,45 @@ def test_copies_at_tied_places_take_the_plain_path():
     _, new = opt.update_(state, copies, {"a": g, "b": g})
     np.testing.assert_array_equal(new["a"], np.zeros(100, np.float32))
     np.testing.assert_array_equal(new["b"], np.zeros(100, np.float32))
+
+
+@pytest.mark.parametrize(
+    "rule, kernel",
+    [(opt.Adam(0.01), "_fused_adam_"), (opt.AdamW(0.01, lambd=0.1), "_fused_adamw_")],
+    ids=["Adam", "AdamW"],
+)
+def test_torch_uses_its_fused_kernel_in_both_paths(rule, kernel, monkeypatch):
+    torch = pytest.importorskip("torch")
+    calls = []
+    original = getattr(torch, kernel)
+    monkeypatch.setattr(torch, kernel, lambda *a, **k: calls.append(len(a[0])) or original(*a, **k))
+    gen = torch.Generator().manual_seed(0)
+    W = torch.randn(30, 7, generator=gen)
+    model = {"a": W, "b": [torch.randn(5, generator=gen), W]}
+    pure = {"a": W.clone()}
+    pure["b"] = [model["b"][0].clone(), pure["a"]]
+    s_inplace, s_pure = opt.setup(rule, model), opt.setup(rule, pure)
+    for _ in range(4):
+        def r(*shape):
+            return torch.randn(*shape, generator=gen)
+
+        g = {"a": r(30, 7), "b": [r(5), r(30, 7)]}
+        s_inplace, model = opt.update_(s_inplace, model, g)
+        s_pure, pure = opt.update(s_pure, pure, g)
+        assert torch.equal(model["a"], pure["a"]) and torch.equal(model["b"][0], pure["b"][0])
+        assert model["a"] is W and model["b"][1] is W and pure["a"] is pure["b"][1]
+    assert 2 in calls  # update_: one call for the whole group of two tensors
+    assert 1 in calls  # update: one call per tensor, on copies
+    assert s_inplace["a"].state[2] == s_pure["a"].state[2] == 4
+
+
+def test_torch_rules_without_a_fused_kernel_take_the_generic_maths(monkeypatch):
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(torch, "_fused_adam_", None)  # would fail if called
+    monkeypatch.setattr(torch, "_fused_adamw_", None)
+    cases = [(opt.AdamW(0.01, lambd=0.1, couple=False), torch.float32), (opt.Adam(), torch.float16)]
+    for rule, dtype in cases:
+        x = torch.ones(8, dtype=dtype)
+        state = opt.setup(rule, {"x": x})
+        state, new = opt.update_(state, {"x": x}, {"x": torch.ones(8, dtype=dtype)})
+        assert new["x"] is x and x.dtype == dtype and bool((x < 1).all())

@@ -129,6 +129,15 @@ class Group:
             chunks.append(("run", run_start, len(self.sizes)))
         return chunks
 
+    def member_parts(self, k):
+        """Part `k` of every member's state (views of buffer `k` for array parts)."""
+        out = []
+        for leaf in self.leaves:
+            parts: list = []
+            flatten_state(leaf._state, parts)
+            out.append(parts[k])
+        return out
+
     def state_of(self, leaf):
         """A member's state with the group's current scalars."""
         parts: list = []
@@ -145,6 +154,9 @@ class Group:
     def step(self, xs, dxs):
         """Update every member in place: `xs`, `dxs` are the parameters and summed gradients."""
         rule = self.leaves[0].rule
+        fused = getattr(self.b, "fused_group_step", None)  # a backend's own kernel for this rule
+        if fused is not None and fused(self, rule, xs, dxs):
+            return
         chunks = self.chunks
         off = getattr(self.b, "no_grad", None)  # PyTorch: the step is data, not a graph
         with off() if off is not None else contextlib.nullcontext():

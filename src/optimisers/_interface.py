@@ -231,8 +231,11 @@ def _compute(found: dict[int, _Contribution], skip=frozenset()) -> dict[int, tup
     for key, c in found.items():
         if c.leaf.frozen or not c.grads or key in skip:
             continue
+        rule, dx = c.leaf.rule, c.dx()
+        fused = getattr(_ops.backend(c.x), "fused_apply", None)  # a backend's own kernel, if any
         with _grad_off(c.x):
-            results[key] = c.leaf.rule.apply(c.leaf.state, c.x, c.dx())
+            found = fused(rule, c.leaf.state, c.x, dx) if fused is not None else None
+            results[key] = found if found is not None else rule.apply(c.leaf.state, c.x, dx)
     return results
 
 

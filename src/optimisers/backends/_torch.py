@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from .._rule import NewValue
 from .._tree import NodeKind, format_path
 
 # float16's smallest useful epsilon (Optimisers.jl's floor): Float16(1e-7) == 2**-23
@@ -137,6 +138,69 @@ def engine_ok(x) -> bool:
 
 def numel(x) -> int:
     return x.numel()
+
+
+def _fused_kernel(rule, x):
+    """torch's own fused kernel and weight decay for `rule` on `x`, where their maths is ours:
+    Adam, and AdamW with `couple=True` (decay scaled by the learning rate), in float32/float64."""
+    from .._rules import Adam, AdamW
+
+    if x.dtype not in (torch.float32, torch.float64) or x.device.type not in ("cpu", "cuda"):
+        return None
+    if type(rule) is Adam:
+        return torch._fused_adam_, 0.0
+    if type(rule) is AdamW and rule.couple:
+        return torch._fused_adamw_, float(rule.lambd)
+    return None
+
+
+def _run_fused(kernel, decay, rule, xs, dxs, ms, vs, t):
+    """One fused step on lists of tensors, in place; `t` counts steps including this one."""
+    steps = [torch.tensor(float(t), dtype=torch.float32, device=xs[0].device)] * len(xs)
+    beta1, beta2 = (float(b) for b in rule.beta)
+    kernel(
+        xs,
+        dxs,
+        ms,
+        vs,
+        [],
+        steps,
+        amsgrad=False,
+        lr=float(rule.eta),
+        beta1=beta1,
+        beta2=beta2,
+        weight_decay=decay,
+        eps=float(rule.epsilon),
+        maximize=False,
+        grad_scale=None,
+        found_inf=None,
+    )
+
+
+def fused_apply(rule, state, x, dx):
+    """`rule.apply` through torch's fused kernel on copies, or None where there is none. Both the
+    pure and the in-place update use the kernel, so they agree bit for bit."""
+    found = _fused_kernel(rule, x)
+    if found is None or getattr(dx, "is_sparse", False):
+        return None
+    m, v, t = state
+    with torch.no_grad():
+        x, m, v = x.detach().clone(), m.clone(), v.clone()
+        _run_fused(*found, rule, [x], [dx.contiguous()], [m], [v], t + 1)
+    return (m, v, t + 1), NewValue(x)
+
+
+def fused_group_step(group, rule, xs, dxs) -> bool:
+    """Step an engine group of Adam/AdamW parameters with one fused call; False if not possible."""
+    found = _fused_kernel(rule, xs[0])
+    if found is None or group.array_at != [True, True, False]:
+        return False
+    t = group.scalars[2] + 1
+    with torch.no_grad():
+        grads = [g.contiguous() for g in dxs]
+        _run_fused(*found, rule, xs, grads, group.member_parts(0), group.member_parts(1), t)
+    group.scalars = [None, None, t]
+    return True
 
 
 def concat(tensors):
