@@ -281,7 +281,8 @@ class Adam(_AdamFamily):
     `step = η · (m/(1−β₁ᵗ)) / (√(v/(1−β₂ᵗ)) + ε)`.
 
     Defaults: `eta=0.001, beta=(0.9, 0.999), epsilon=1e-8`. PyTorch: `torch.optim.Adam(lr=eta,
-    betas=beta, eps=epsilon)`; optax: `optax.adam(eta, b1, b2, eps)`.
+    betas=beta, eps=epsilon)`; optax: `optax.adam(eta, b1, b2, eps)`. On float32/float64 PyTorch
+    tensors both `update` and `update_` run torch's own fused Adam kernel (same maths, its rounding).
     """
 
     def apply(self, state, x, dx):
@@ -527,7 +528,8 @@ class AdamW(Rule):
     only). PyTorch: `torch.optim.AdamW(lr=eta, betas=beta, weight_decay=lambd, eps=epsilon)`
     (torch's default weight decay is 0.01); optax: `optax.adamw(eta, b1, b2, eps,
     weight_decay=lambd)` (default 1e-4). Both are `couple=True`. Optimisers.jl casts ε without the
-    float16 floor here; we apply the floor as in every other rule.
+    float16 floor here; we apply the floor as in every other rule. With `couple=True`, on
+    float32/float64 PyTorch tensors both update paths run torch's own fused AdamW kernel.
     """
 
     elementwise = True
