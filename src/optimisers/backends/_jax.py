@@ -50,10 +50,6 @@ def is_array(x) -> bool:
     return isinstance(x, jax.Array)
 
 
-def shape(x):
-    return tuple(x.shape)
-
-
 def writable(x) -> bool:
     """JAX arrays are immutable: `update_` replaces them and returns the new ones."""
     return False
@@ -435,9 +431,7 @@ def _state_unflatten(aux, children):
     children = list(children)
     n_rules = len(rule_descs)
     rules = [_rule_from(d, v) for d, v in zip(rule_descs, children[:n_rules])]
-    leaves = [
-        Leaf(rules[r], st, frozen) for (r, frozen), st in zip(leaf_meta, children[n_rules:])
-    ]
+    leaves = [Leaf(rules[r], st, frozen) for (r, frozen), st in zip(leaf_meta, children[n_rules:])]
     dicts: list = []
 
     def build(node):

@@ -28,10 +28,6 @@ def is_array(x) -> bool:
     return isinstance(x, (np.ndarray, np.generic))
 
 
-def shape(x):
-    return tuple(np.shape(x))
-
-
 def writable(x) -> bool:
     return bool(x.flags.writeable)
 

@@ -54,4 +54,3 @@ def scalar(value, like):
 
 def epsilon(value, like):
     return float(value)
-

@@ -46,10 +46,6 @@ def is_array(x) -> bool:
     return isinstance(x, torch.Tensor)
 
 
-def shape(x):
-    return tuple(x.shape)
-
-
 def writable(x) -> bool:
     # inference tensors refuse in-place writes outside inference mode
     return not x.is_inference()
