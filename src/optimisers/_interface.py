@@ -149,12 +149,14 @@ def _grad_children(node, kind, children: dict, grad, path) -> dict:
 
 def _check_grad(grad, x, path):
     shape = getattr(grad, "shape", None)
+    if shape is x.shape or shape == x.shape:  # the common case, decided without building anything
+        return
     if shape is None or kind_of(grad) is not None:
         raise TypeError(
             f"gradient at {format_path(path)} is a {type(grad).__name__}; expected an array of "
             f"shape {tuple(x.shape)} (or None)"
         )
-    if shape != x.shape and tuple(shape) != tuple(x.shape):
+    if tuple(shape) != tuple(x.shape):
         raise ValueError(
             f"gradient at {format_path(path)} has shape {tuple(shape)}, but the parameter has "
             f"shape {tuple(x.shape)}"
@@ -178,28 +180,30 @@ class _Contribution:
         dx = self.grads[0]
         for g in self.grads[1:]:
             dx = dx + g
+        if type(dx) is type(self.x) and dx.dtype == self.x.dtype and not getattr(dx, "requires_grad", False):
+            return dx  # already the parameter's kind, and no autograd graph attached
         return _ops.astype(dx, self.x)
 
 
 def _gather(tree, model, grads) -> dict[int, _Contribution]:
     found: dict[int, _Contribution] = {}
 
+    def take(leaf, x, grad, path):
+        if not is_param(x):
+            raise TypeError(
+                f"the state has a parameter at {format_path(path)}, but the model has a "
+                f"{type(x).__name__} there; was the state set up for another model?"
+            )
+        entry = found.get(id(leaf))
+        if entry is None:
+            entry = found[id(leaf)] = _Contribution(leaf, x)
+        elif x is not entry.x:
+            entry.copies = True
+        if grad is not None:
+            _check_grad(grad, x, path)
+            entry.grads.append(grad)
+
     def visit(snode, node, grad, path):
-        if isinstance(snode, Leaf):
-            if not is_param(node):
-                raise TypeError(
-                    f"the state has a parameter at {format_path(path)}, but the model has a "
-                    f"{type(node).__name__} there; was the state set up for another model?"
-                )
-            entry = found.get(id(snode))
-            if entry is None:
-                entry = found[id(snode)] = _Contribution(snode, node)
-            elif node is not entry.x:
-                entry.copies = True
-            if grad is not None:
-                _check_grad(grad, node, path)
-                entry.grads.append(grad)
-            return
         if not snode:  # nothing trainable here
             return
         kind = kind_of(node)
@@ -216,9 +220,17 @@ def _gather(tree, model, grads) -> dict[int, _Contribution]:
                     f"the state has key {k!r} at {format_path(path)}, which the model lacks; "
                     "was the state set up for another model?"
                 )
-            visit(sub, children[k], grad_of.get(k), path + (k,))
+            # Leafs are handled here rather than in a call of their own: this loop is the
+            # per-parameter cost of every update
+            if type(sub) is Leaf:
+                take(sub, children[k], grad_of.get(k), path + (k,))
+            else:
+                visit(sub, children[k], grad_of.get(k), path + (k,))
 
-    visit(tree, model, grads, ())
+    if isinstance(tree, Leaf):
+        take(tree, model, grads, ())
+    else:
+        visit(tree, model, grads, ())
     return found
 
 
