@@ -97,6 +97,7 @@ class Group:
             leaf._state = unflatten_state(self.spec, iter(self._parts(i, per_leaf[i])))
             leaf._group = self
         self.chunks = self._plan_chunks()
+        self._member_parts: dict[int, list] = {}
 
     def _parts(self, i, own):
         """Leaf `i`'s state parts: views of the buffers for arrays, its own values for scalars."""
@@ -130,13 +131,16 @@ class Group:
         return chunks
 
     def member_parts(self, k):
-        """Part `k` of every member's state (views of buffer `k` for array parts)."""
-        out = []
-        for leaf in self.leaves:
-            parts: list = []
-            flatten_state(leaf._state, parts)
-            out.append(parts[k])
-        return out
+        """Part `k` of every member's state: for an array part, each member's view of buffer `k`
+        (made once; the views stay valid while the group is intact)."""
+        if k not in self._member_parts:
+            out = []
+            for leaf in self.leaves:
+                parts: list = []
+                flatten_state(leaf._state, parts)
+                out.append(parts[k])
+            self._member_parts[k] = out
+        return self._member_parts[k]
 
     def state_of(self, leaf):
         """A member's state with the group's current scalars."""
