@@ -24,9 +24,10 @@ from . import _ops
 from ._rule import NewValue
 
 # Each backend that takes part says how: `engine_ok(x)` (a parameter it can step in place),
-# `numel`, `concat`, `copy_into`, `is_buffer` (a state part that is an array shaped like the
-# parameter), `ENGINE_CHUNK` (elements per chunk) and `ENGINE_THREADS` (run chunks in our threads,
-# for NumPy whose ufuncs release the GIL; PyTorch parallelises each op itself).
+# `numel`, `concat`, `concat_flat` (ravel and join), `split` (views of given lengths), `copy_into`,
+# `is_buffer` (a state part that is an array shaped like the parameter), `ENGINE_CHUNK` (elements
+# per chunk) and `ENGINE_THREADS` (run chunks in our threads, for NumPy whose ufuncs release the
+# GIL; PyTorch parallelises each op itself).
 CHUNK_SCALE = 1  # tests shrink chunks to exercise packing and splitting on small models
 _POOL: ThreadPoolExecutor | None = None
 
@@ -108,7 +109,8 @@ class Group:
         ]
 
     def _plan_chunks(self):
-        """("big", i, a, b): elements a..b of leaf i; ("run", i, j): small leaves i..j-1 packed."""
+        """("big", i, a, b): elements a..b of leaf i; ("run", i, j, sizes): small leaves i..j-1
+        packed (`sizes` their element counts)."""
         chunk, small = self.chunk, self.chunk // 4  # smaller parameters are packed together
         chunks, run_start, run_size = [], None, 0
         for i, n in enumerate(self.sizes):
@@ -117,17 +119,17 @@ class Group:
                     run_start, run_size = i, 0
                 run_size += n
                 if run_size >= chunk:
-                    chunks.append(("run", run_start, i + 1))
+                    chunks.append(("run", run_start, i + 1, self.sizes[run_start : i + 1]))
                     run_start = None
                 continue
             if run_start is not None:
-                chunks.append(("run", run_start, i))
+                chunks.append(("run", run_start, i, self.sizes[run_start:i]))
                 run_start = None
             pieces = max(1, round(n / chunk))
             bounds = [n * k // pieces for k in range(pieces + 1)]
             chunks.extend(("big", i, a, b) for a, b in zip(bounds, bounds[1:]))
         if run_start is not None:
-            chunks.append(("run", run_start, len(self.sizes)))
+            chunks.append(("run", run_start, len(self.sizes), self.sizes[run_start:]))
         return chunks
 
     def member_parts(self, k):
@@ -178,10 +180,10 @@ class Group:
             x = xs[i].reshape(-1)[start:stop]  # a view: parameters here are contiguous
             dx = dxs[i].reshape(-1)[start:stop]
         else:
-            _, i, j = chunk
+            _, i, j, sizes = chunk
             lo, hi = self.offsets[i], self.offsets[j]
-            x = b.concat([v.reshape(-1) for v in xs[i:j]])
-            dx = b.concat([v.reshape(-1) for v in dxs[i:j]])
+            x = b.concat_flat(xs[i:j])
+            dx = b.concat_flat(dxs[i:j])
         parts = [buf[lo:hi] if a else s for a, buf, s in zip(self.array_at, self.buffers, self.scalars)]
         new_state, step = rule.apply(unflatten_state(self.spec, iter(parts)), x, dx)
         new_parts: list = []
@@ -196,9 +198,8 @@ class Group:
             if chunk[0] == "big":
                 write(x, delta)
             else:
-                for k in range(i, j):
-                    o, p = self.offsets[k] - lo, self.offsets[k + 1] - lo
-                    write(xs[k].reshape(-1), delta[o:p])
+                for v, piece in zip(xs[i:j], b.split(delta, sizes)):
+                    write(v if v.ndim == 1 else v.reshape(-1), piece)
         return [None if a else p for a, p in zip(self.array_at, new_parts)]
 
 

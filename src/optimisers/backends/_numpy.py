@@ -80,6 +80,16 @@ def concat(arrays):
     return np.concatenate(arrays)
 
 
+def concat_flat(arrays):
+    """All elements of `arrays`, raveled and joined, in one call."""
+    return np.concatenate(arrays, axis=None)
+
+
+def split(flat, sizes):
+    """Consecutive views of `flat` with the given lengths."""
+    return np.split(flat, np.cumsum(sizes[:-1]))
+
+
 def copy_into(dst, src):
     np.copyto(dst, src, casting="unsafe")
 

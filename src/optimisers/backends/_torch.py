@@ -204,6 +204,15 @@ def concat(tensors):
         return torch.cat(tensors)
 
 
+def concat_flat(tensors):
+    with torch.no_grad():
+        return torch.cat([t.reshape(-1) for t in tensors])
+
+
+def split(flat, sizes):
+    return torch.split(flat, sizes)
+
+
 def copy_into(dst, src):
     with torch.no_grad():
         dst.copy_(src)
