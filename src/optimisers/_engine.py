@@ -74,8 +74,7 @@ class Group:
     """Leafs stepped together: one rule, one dtype, one set of scalar state values."""
 
     def __init__(self, leaves, xs):
-        self.rule = leaves[0].rule
-        self.leaves = leaves
+        self.leaves = leaves  # their rule is read from the first at each step: adjust_ may change it
         self.b = b = _ops.backend(xs[0])
         self.chunk = max(4, b.ENGINE_CHUNK // CHUNK_SCALE)
         self.shapes = [x.shape for x in xs]
