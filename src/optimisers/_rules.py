@@ -89,16 +89,8 @@ class Descent(Rule):
 
 
 @dataclass(frozen=True)
-class Momentum(Rule):
-    """Gradient descent with (heavy-ball) momentum (Polyak, 1964).
-
-    State: velocity `v = 0`. Each step: `v ← ρ·v + η·g`, `step = v`.
-
-    Defaults: `eta=0.01, rho=0.9`. PyTorch: `torch.optim.SGD(lr=eta, momentum=rho)`; optax:
-    `optax.sgd(eta, momentum=rho)`. Those keep η *outside* the velocity (`v ← ρv + g`,
-    `step = ηv`); the two agree while η is constant, but after `adjust` changes η here the old
-    velocity keeps the old learning rate (as in Optimisers.jl).
-    """
+class _MomentumFamily(Rule):
+    """The fields, check and velocity state shared by Momentum and Nesterov."""
 
     elementwise = True
 
@@ -111,6 +103,19 @@ class Momentum(Rule):
     def init(self, x):
         return ops.zeros_like(x)
 
+
+@dataclass(frozen=True)
+class Momentum(_MomentumFamily):
+    """Gradient descent with (heavy-ball) momentum (Polyak, 1964).
+
+    State: velocity `v = 0`. Each step: `v ← ρ·v + η·g`, `step = v`.
+
+    Defaults: `eta=0.01, rho=0.9`. PyTorch: `torch.optim.SGD(lr=eta, momentum=rho)`; optax:
+    `optax.sgd(eta, momentum=rho)`. Those keep η *outside* the velocity (`v ← ρv + g`,
+    `step = ηv`); the two agree while η is constant, but after `adjust` changes η here the old
+    velocity keeps the old learning rate (as in Optimisers.jl).
+    """
+
     def apply(self, state, x, dx):
         eta, rho = _cast(x, self.eta, self.rho)
         v = rho * state + eta * dx
@@ -118,7 +123,7 @@ class Momentum(Rule):
 
 
 @dataclass(frozen=True)
-class Nesterov(Rule):
+class Nesterov(_MomentumFamily):
     """Gradient descent with Nesterov momentum (Nesterov, 1983; Sutskever et al., 2013).
 
     State: `v = 0`, a displacement (it has the sign of `x_new − x`). Each step, with the old `v`:
@@ -129,16 +134,7 @@ class Nesterov(Rule):
     constant (they keep η outside the velocity; see `Momentum`).
     """
 
-    elementwise = True
-
     eta: float = 0.001
-    rho: float = 0.9
-
-    def validate(self):
-        check_range(self, "rho", 0.0, 1.0)
-
-    def init(self, x):
-        return ops.zeros_like(x)
 
     def apply(self, state, x, dx):
         eta, rho = self.eta, self.rho

@@ -366,11 +366,10 @@ def _tie_status(model, shape: Shape, same) -> str | None:
     return "tied"
 
 
-def _make_optimisers_numpy(data: Data, rule: str) -> Runner:
+def _make_optimisers_inplace(model, grads, rule: str, to_numpy, shape) -> Runner:
+    """`optimisers.update_` on a ready model and gradient tree (NumPy or PyTorch)."""
     import optimisers as opt
 
-    model = data.model(np.copy)
-    grads = data.grad_tree(lambda g: g)  # gradients are never written to
     r = _opt_rule(rule)
     t0 = time.perf_counter()
     state = opt.setup(r, model)
@@ -382,9 +381,15 @@ def _make_optimisers_numpy(data: Data, rule: str) -> Runner:
 
     def fetch():
         m = box[1]
-        return [_get(m, p) for p in data.shape.paths], _tie_status(m, data.shape, lambda a, b: a is b)
+        return [to_numpy(_get(m, p)) for p in shape.paths], _tie_status(m, shape, lambda a, b: a is b)
 
     return Runner(step, fetch, setup_s=setup_s)
+
+
+def _make_optimisers_numpy(data: Data, rule: str) -> Runner:
+    model = data.model(np.copy)
+    grads = data.grad_tree(lambda g: g)  # gradients are never written to
+    return _make_optimisers_inplace(model, grads, rule, lambda x: x, data.shape)
 
 
 def _make_naive(data: Data, rule: str) -> Runner:
@@ -404,25 +409,9 @@ def _make_naive(data: Data, rule: str) -> Runner:
 def _make_optimisers_torch(data: Data, rule: str) -> Runner:
     import torch
 
-    import optimisers as opt
-
     model = data.model(lambda a: torch.nn.Parameter(torch.tensor(a)))
     grads = data.grad_tree(torch.tensor)
-    r = _opt_rule(rule)
-    t0 = time.perf_counter()
-    state = opt.setup(r, model)
-    setup_s = time.perf_counter() - t0
-    box = [state, model]
-
-    def step():
-        box[0], box[1] = opt.update_(box[0], box[1], grads)
-
-    def fetch():
-        m = box[1]
-        xs = [_get(m, p).detach().numpy() for p in data.shape.paths]
-        return xs, _tie_status(m, data.shape, lambda a, b: a is b)
-
-    return Runner(step, fetch, setup_s=setup_s)
+    return _make_optimisers_inplace(model, grads, rule, lambda x: x.detach().numpy(), data.shape)
 
 
 def _torch_optim(kind: str):
