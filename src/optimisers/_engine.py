@@ -24,8 +24,9 @@ from . import _ops
 from ._rule import NewValue
 
 # Each backend that takes part says how: `engine_ok(x)` (a parameter it can step in place),
-# `numel`, `concat`, `concat_flat` (ravel and join), `split` (views of given lengths), `copy_into`,
-# `is_buffer` (a state part that is an array shaped like the parameter), `ENGINE_CHUNK` (elements
+# `numel`, `concat`, `concat_flat` (ravel and join), `copy_into`,
+# `is_buffer` (a state part that is an array shaped like the parameter), optionally `engine_start()`
+# (called before its first group is made), `ENGINE_CHUNK` (elements
 # per chunk) and `ENGINE_THREADS` (run chunks in our threads, for NumPy whose ufuncs release the
 # GIL; PyTorch parallelises each op itself).
 CHUNK_SCALE = 1  # tests shrink chunks to exercise packing and splitting on small models
@@ -76,6 +77,9 @@ class Group:
     def __init__(self, leaves, xs):
         self.leaves = leaves  # their rule is read from the first at each step: adjust_ may change it
         self.b = b = _ops.backend(xs[0])
+        start = getattr(b, "engine_start", None)  # a backend's one-time preparation (NumPy: malloc)
+        if start is not None:
+            start()
         self.chunk = max(4, b.ENGINE_CHUNK // CHUNK_SCALE)
         self.shapes = [x.shape for x in xs]
         self.sizes = [b.numel(x) for x in xs]
@@ -108,27 +112,33 @@ class Group:
         ]
 
     def _plan_chunks(self):
-        """("big", i, a, b): elements a..b of leaf i; ("run", i, j, sizes): small leaves i..j-1
-        packed (`sizes` their element counts)."""
+        """("big", i, a, b): elements a..b of leaf i; ("run", i, j, bounds): small leaves i..j-1
+        packed, leaf i+k at elements bounds[k] of the packed chunk."""
         chunk, small = self.chunk, self.chunk // 4  # smaller parameters are packed together
         chunks, run_start, run_size = [], None, 0
+
+        def run(i, j):
+            lo = self.offsets[i]
+            bounds = [(self.offsets[k] - lo, self.offsets[k + 1] - lo) for k in range(i, j)]
+            chunks.append(("run", i, j, bounds))
+
         for i, n in enumerate(self.sizes):
             if n < small:
                 if run_start is None:
                     run_start, run_size = i, 0
                 run_size += n
                 if run_size >= chunk:
-                    chunks.append(("run", run_start, i + 1, self.sizes[run_start : i + 1]))
+                    run(run_start, i + 1)
                     run_start = None
                 continue
             if run_start is not None:
-                chunks.append(("run", run_start, i, self.sizes[run_start:i]))
+                run(run_start, i)
                 run_start = None
             pieces = max(1, round(n / chunk))
             bounds = [n * k // pieces for k in range(pieces + 1)]
             chunks.extend(("big", i, a, b) for a, b in zip(bounds, bounds[1:]))
         if run_start is not None:
-            chunks.append(("run", run_start, len(self.sizes), self.sizes[run_start:]))
+            run(run_start, len(self.sizes))
         return chunks
 
     def member_parts(self, k):
@@ -157,32 +167,44 @@ class Group:
     # --- one step ---------------------------------------------------------------------------
 
     def step(self, xs, dxs):
-        """Update every member in place: `xs`, `dxs` are the parameters and summed gradients."""
+        """Update every member in place: `xs`, `dxs` are the parameters and summed gradients.
+
+        Big chunks are views of one parameter and are written where they are computed. Packed
+        runs are joined before and written back after the parallel part, in this thread: that
+        is Python work per parameter, and two threads taking turns at the GIL for it are slower
+        than one."""
         rule = self.leaves[0].rule
         fused = getattr(self.b, "fused_group_step", None)  # a backend's own kernel for this rule
         if fused is not None and fused(self, rule, xs, dxs):
             return
-        chunks = self.chunks
-        off = getattr(self.b, "no_grad", None)  # PyTorch: the step is data, not a graph
+        b, chunks = self.b, self.chunks
+        packed = {
+            n: (b.concat_flat(xs[c[1] : c[2]]), b.concat_flat(dxs[c[1] : c[2]]))
+            for n, c in enumerate(chunks)
+            if c[0] == "run"
+        }
+        off = getattr(b, "no_grad", None)  # PyTorch: the step is data, not a graph
         with off() if off is not None else contextlib.nullcontext():
-            if len(chunks) > 1 and self.b.ENGINE_THREADS:
-                results = list(_pool().map(lambda c: self._chunk(rule, c, xs, dxs), chunks))
+            if len(chunks) > 1 and b.ENGINE_THREADS:
+                results = list(_pool().map(lambda n: self._chunk(rule, n, xs, dxs, packed), range(len(chunks))))
             else:
-                results = [self._chunk(rule, c, xs, dxs) for c in chunks]
+                results = [self._chunk(rule, n, xs, dxs, packed) for n in range(len(chunks))]
+            for n, step in packed.items():
+                if step is not None:
+                    self._write_run(chunks[n], xs, step)
         self.scalars = results[0]
 
-    def _chunk(self, rule, chunk, xs, dxs):
-        b = self.b
+    def _chunk(self, rule, n, xs, dxs, packed):
+        """Compute chunk `n`; a big chunk is written here, a run's step is left in `packed[n]`."""
+        b, chunk = self.b, self.chunks[n]
         if chunk[0] == "big":
             _, i, start, stop = chunk
             lo, hi = self.offsets[i] + start, self.offsets[i] + stop
             x = xs[i].reshape(-1)[start:stop]  # a view: parameters here are contiguous
             dx = dxs[i].reshape(-1)[start:stop]
         else:
-            _, i, j, sizes = chunk
-            lo, hi = self.offsets[i], self.offsets[j]
-            x = b.concat_flat(xs[i:j])
-            dx = b.concat_flat(dxs[i:j])
+            lo, hi = self.offsets[chunk[1]], self.offsets[chunk[2]]
+            x, dx = packed[n]
         parts = [buf[lo:hi] if a else s for a, buf, s in zip(self.array_at, self.buffers, self.scalars)]
         new_state, step = rule.apply(unflatten_state(self.spec, iter(parts)), x, dx)
         new_parts: list = []
@@ -190,16 +212,22 @@ class Group:
         for a, old, new in zip(self.array_at, parts, new_parts):
             if a and new is not old:
                 b.copy_into(old, new)
-        if step is not None:
-            setting = isinstance(step, NewValue)
-            write = b.assign_ if setting else b.subtract_
-            delta = step.value if setting else step
-            if chunk[0] == "big":
-                write(x, delta)
+        if chunk[0] == "run":
+            packed[n] = step
+        elif step is not None:
+            if isinstance(step, NewValue):
+                b.assign_(x, step.value)
             else:
-                for v, piece in zip(xs[i:j], b.split(delta, sizes)):
-                    write(v if v.ndim == 1 else v.reshape(-1), piece)
+                b.subtract_(x, step)
         return [None if a else p for a, p in zip(self.array_at, new_parts)]
+
+    def _write_run(self, chunk, xs, step):
+        _, i, j, bounds = chunk
+        setting = isinstance(step, NewValue)
+        write = self.b.assign_ if setting else self.b.subtract_
+        delta = step.value if setting else step
+        for v, (lo, hi) in zip(xs[i:j], bounds):
+            write(v if v.ndim == 1 else v.reshape(-1), delta[lo:hi])
 
 
 def independent(leaf, state):

@@ -220,12 +220,22 @@ def _gather(tree, model, grads) -> dict[int, _Contribution]:
                     f"the state has key {k!r} at {format_path(path)}, which the model lacks; "
                     "was the state set up for another model?"
                 )
-            # Leafs are handled here rather than in a call of their own: this loop is the
-            # per-parameter cost of every update
-            if type(sub) is Leaf:
-                take(sub, children[k], grad_of.get(k), path + (k,))
+            x = children[k]
+            if type(sub) is not Leaf:
+                visit(sub, x, grad_of.get(k), path + (k,))
+                continue
+            # `take`, inlined for the common case (a parameter's first place, a gradient of its
+            # shape): this loop is the per-parameter cost of every update, so the path is built
+            # only when something needs checking or reporting
+            g = grad_of.get(k)
+            if found.get(id(sub)) is None and is_param(x):
+                entry = found[id(sub)] = _Contribution(sub, x)
+                if g is not None:
+                    if getattr(g, "shape", None) != x.shape:
+                        _check_grad(g, x, path + (k,))
+                    entry.grads.append(g)
             else:
-                visit(sub, children[k], grad_of.get(k), path + (k,))
+                take(sub, x, g, path + (k,))
 
     if isinstance(tree, Leaf):
         take(tree, model, grads, ())
@@ -313,6 +323,8 @@ def update_(state: State, model, *grads):
     _engine.execute(work)
     for key, (new_state, _) in results.items():
         found[key].leaf.state = new_state
+    if all(step is None for _, step in results.values()):
+        return state, model  # every parameter was stepped in place (or not at all)
     written: dict[int, Any] = {}  # id(leaf) -> the first updated array, which holds the new value
 
     def place(leaf, x):

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import ctypes
+import os
+import platform
+
 import numpy as np
 
 try:  # NumPy >= 2
@@ -68,6 +72,32 @@ ENGINE_CHUNK = 1 << 18  # 1 MiB of float32: measured best of 16K..4M elements on
 ENGINE_THREADS = True  # ufuncs release the GIL, so chunks run on all cores
 
 
+# glibc's malloc page-faults a chunk's 1 MiB temporaries afresh at every step when left to its
+# defaults: it serves them from mmap or trims them back to the kernel as soon as they are freed,
+# most of all in the worker threads' arenas. Measured on S1 (16.8M float32, Adam, 2 cores) the
+# step took 45-55 ms with the defaults and 28-33 ms with these, against a 13 ms floor.
+MMAP_THRESHOLD = 4 << 20  # above a float64 chunk's temporaries (2 MiB)
+TRIM_THRESHOLD = 32 << 20  # free memory each arena keeps instead of returning it to the kernel
+_allocator_tuned = False
+
+
+def engine_start() -> None:
+    """Once per process, before the first engine step: raise glibc's mmap and trim thresholds so
+    that freed temporaries are reused. `OPTIMISERS_MALLOC=default` leaves malloc alone."""
+    global _allocator_tuned
+    if _allocator_tuned:
+        return
+    _allocator_tuned = True
+    if os.environ.get("OPTIMISERS_MALLOC") == "default" or platform.libc_ver()[0] != "glibc":
+        return
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):  # pragma: no cover - a glibc without mallopt
+        return
+    mallopt(-3, MMAP_THRESHOLD)  # M_MMAP_THRESHOLD
+    mallopt(-1, TRIM_THRESHOLD)  # M_TRIM_THRESHOLD
+
+
 def engine_ok(x) -> bool:
     return type(x) is np.ndarray and x.flags.writeable and x.flags.c_contiguous and x.ndim > 0 and x.size > 0
 
@@ -83,11 +113,6 @@ def concat(arrays):
 def concat_flat(arrays):
     """All elements of `arrays`, raveled and joined, in one call."""
     return np.concatenate(arrays, axis=None)
-
-
-def split(flat, sizes):
-    """Consecutive views of `flat` with the given lengths."""
-    return np.split(flat, np.cumsum(sizes[:-1]))
 
 
 def copy_into(dst, src):

@@ -209,10 +209,6 @@ def concat_flat(tensors):
         return torch.cat([t.reshape(-1) for t in tensors])
 
 
-def split(flat, sizes):
-    return torch.split(flat, sizes)
-
-
 def copy_into(dst, src):
     with torch.no_grad():
         dst.copy_(src)
@@ -320,6 +316,8 @@ def astype(x, like):
     Gradients are data to the optimiser: a gradient made with `create_graph=True` must not drag
     its graph into the optimiser state."""
     if isinstance(x, torch.Tensor):
+        if not x.requires_grad and x.dtype == like.dtype and x.device == like.device:
+            return x  # the usual gradient: nothing to do, and detach() costs a microsecond
         return x.detach().to(dtype=like.dtype, device=like.device)
     return torch.as_tensor(x, dtype=like.dtype, device=like.device)
 
