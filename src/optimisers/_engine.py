@@ -24,11 +24,10 @@ from . import _ops
 from ._rule import NewValue
 
 # Each backend that takes part says how: `engine_ok(x)` (a parameter it can step in place),
-# `numel`, `concat`, `concat_flat` (ravel and join), `copy_into`,
-# `is_buffer` (a state part that is an array shaped like the parameter), optionally `engine_start()`
-# (called before its first group is made), `ENGINE_CHUNK` (elements
-# per chunk) and `ENGINE_THREADS` (run chunks in our threads, for NumPy whose ufuncs release the
-# GIL; PyTorch parallelises each op itself).
+# `numel`, `concat`, `concat_flat` (ravel and join), `copy_into`, `is_buffer` (a state part that is
+# an array shaped like the parameter), `ENGINE_CHUNK` (elements per chunk), `ENGINE_THREADS` (run
+# chunks in our threads, for NumPy whose ufuncs release the GIL; PyTorch parallelises each op
+# itself) and optionally `engine_start()` (called before its first group is made).
 CHUNK_SCALE = 1  # tests shrink chunks to exercise packing and splitting on small models
 _POOL: ThreadPoolExecutor | None = None
 
@@ -185,10 +184,10 @@ class Group:
         }
         off = getattr(b, "no_grad", None)  # PyTorch: the step is data, not a graph
         with off() if off is not None else contextlib.nullcontext():
-            if len(chunks) > 1 and b.ENGINE_THREADS:
-                results = list(_pool().map(lambda n: self._chunk(rule, n, xs, dxs, packed), range(len(chunks))))
-            else:
-                results = [self._chunk(rule, n, xs, dxs, packed) for n in range(len(chunks))]
+            spread = len(chunks) > 1 and b.ENGINE_THREADS
+            results = list((_pool().map if spread else map)(
+                lambda n: self._chunk(rule, n, xs, dxs, packed), range(len(chunks))
+            ))
             for n, step in packed.items():
                 if step is not None:
                     self._write_run(chunks[n], xs, step)
