@@ -74,12 +74,16 @@ class Group:
     """Leafs stepped together: one rule, one dtype, one set of scalar state values."""
 
     def __init__(self, leaves, xs):
-        self.leaves = leaves  # their rule is read from the first at each step: adjust_ may change it
         self.b = b = _ops.backend(xs[0])
         start = getattr(b, "engine_start", None)  # a backend's one-time preparation (NumPy: malloc)
         if start is not None:
             start()
         self.chunk = max(4, b.ENGINE_CHUNK // CHUNK_SCALE)
+        # small parameters last, so that they pack into a few long runs however the model
+        # interleaves them with large ones (a bias after each weight matrix)
+        order = sorted(range(len(xs)), key=lambda i: b.numel(xs[i]) < self.chunk // 4)
+        leaves, xs = [leaves[i] for i in order], [xs[i] for i in order]
+        self.leaves = leaves  # their rule is read from the first at each step: adjust_ may change it
         self.shapes = [x.shape for x in xs]
         self.sizes = [b.numel(x) for x in xs]
         self.offsets = np.concatenate([[0], np.cumsum(self.sizes)]).astype(int).tolist()
