@@ -196,3 +196,33 @@ def test_torch_rules_without_a_fused_kernel_take_the_generic_maths(monkeypatch):
         state = opt.setup(rule, {"x": x})
         state, new = opt.update_(state, {"x": x}, {"x": torch.ones(8, dtype=dtype)})
         assert new["x"] is x and x.dtype == dtype and bool((x < 1).all())
+
+
+class _FakeLibc:
+    def __init__(self, calls):
+        self.calls = calls
+
+    def mallopt(self, option, value):
+        self.calls.append((option, value))
+        return 1
+
+
+@pytest.mark.parametrize("setting", [None, "default"])
+def test_numpy_engine_sets_malloc_thresholds_once_unless_told_not_to(setting, monkeypatch):
+    from optimisers.backends import _numpy
+
+    calls: list = []
+    monkeypatch.setattr(_numpy.ctypes, "CDLL", lambda name: _FakeLibc(calls))
+    monkeypatch.setattr(_numpy.platform, "libc_ver", lambda: ("glibc", "2.36"))
+    monkeypatch.setattr(_numpy, "_allocator_tuned", False)
+    if setting is None:
+        monkeypatch.delenv("OPTIMISERS_MALLOC", raising=False)
+    else:
+        monkeypatch.setenv("OPTIMISERS_MALLOC", setting)
+    model = make_model()
+    state = opt.setup(opt.Adam(0.01), model)
+    for _ in range(2):
+        opt.update_(state, model, model)
+    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+    expected = [(M_MMAP_THRESHOLD, 32 << 20), (M_TRIM_THRESHOLD, 64 << 20)] if setting is None else []
+    assert calls == expected
