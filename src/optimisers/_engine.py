@@ -163,6 +163,20 @@ class Group:
         merged = [s if not a else p for a, s, p in zip(self.array_at, self.scalars, parts)]
         return unflatten_state(self.spec, iter(merged))
 
+    def ready_members(self, found):
+        """Every member's contribution to this update, or None if some member cannot step in
+        the group now (no gradient, frozen, reshaped, not writable in place)."""
+        engine_ok = self.b.engine_ok
+        members = []
+        for leaf, shape in zip(self.leaves, self.shapes):
+            c = found.get(id(leaf))
+            if c is None or not c.grads or c.copies or leaf.frozen:
+                return None
+            if c.x.shape != shape or not engine_ok(c.x):
+                return None
+            members.append(c)
+        return members
+
     def intact(self) -> bool:
         rule = self.leaves[0].rule
         return all(leaf._group is self and leaf.rule is rule for leaf in self.leaves)
@@ -275,22 +289,26 @@ class Plan:
         return all(g.intact() for g in self.groups)
 
 
+def _ready(c) -> bool:
+    return bool(c.grads) and not c.copies and eligible(c.leaf, c.x)
+
+
 def select(state, found):
     """The groups of `state` that can step as a whole now, as `[(group, contributions)]`.
 
     `found` maps `id(leaf)` to the update's gathered contributions (`leaf`, `x`, `grads`,
     `copies`, `dx()`). Plans (or re-plans) the State's groups when needed.
     """
-    ready = {key: c for key, c in found.items() if c.grads and not c.copies and eligible(c.leaf, c.x)}
-    if not ready:
-        return []
     plan = getattr(state, "_plan", None)  # a State rebuilt by JAX's unflatten has none yet
-    if plan is None or not plan.intact() or not plan.considered.issuperset(ready):
-        plan = state._plan = Plan([(c.leaf, c.x) for c in ready.values()])
+    if plan is None or not plan.intact() or any(_ready(found[k]) for k in found.keys() - plan.considered):
+        ready = [c for c in found.values() if _ready(c)]
+        if not ready:
+            return []
+        plan = state._plan = Plan([(c.leaf, c.x) for c in ready])
     work = []
     for group in plan.groups:
-        members = [ready.get(id(leaf)) for leaf in group.leaves]
-        if all(c is not None and c.x.shape == shape for c, shape in zip(members, group.shapes)):
+        members = group.ready_members(found)
+        if members is not None:
             work.append((group, members))
     return work
 
