@@ -163,6 +163,9 @@ def _check_grad(grad, x, path):
         )
 
 
+_MISSING = object()
+
+
 class _Contribution:
     """What one update gathered for a Leaf: the parameter at its first place, each place's
     gradient, and whether other places hold a different array object (equal copies)."""
@@ -213,22 +216,23 @@ def _gather(tree, model, grads) -> dict[int, _Contribution]:
                 f"{type(node).__name__} there; was the state set up for another model?"
             )
         children = dict(kind.children(node))
-        grad_of = _grad_children(node, kind, children, grad, path)
+        grad_of = _grad_children(node, kind, children, grad, path).get
+        seen = found.get
         for k, sub in snode.items():
-            if k not in children:
+            x = children.get(k, _MISSING)
+            if x is _MISSING:
                 raise KeyError(
                     f"the state has key {k!r} at {format_path(path)}, which the model lacks; "
                     "was the state set up for another model?"
                 )
-            x = children[k]
             if type(sub) is not Leaf:
-                visit(sub, x, grad_of.get(k), path + (k,))
+                visit(sub, x, grad_of(k), path + (k,))
                 continue
             # `take`, inlined for the common case (a parameter's first place, a gradient of its
             # shape): this loop is the per-parameter cost of every update, so the path is built
             # only when something needs checking or reporting
-            g = grad_of.get(k)
-            if found.get(id(sub)) is None and is_param(x):
+            g = grad_of(k)
+            if seen(id(sub)) is None and is_param(x):
                 entry = found[id(sub)] = _Contribution(sub, x)
                 if g is not None:
                     if getattr(g, "shape", None) != x.shape:
