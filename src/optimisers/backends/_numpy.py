@@ -122,6 +122,13 @@ def copy_into(dst, src):
     np.copyto(dst, src, casting="unsafe")
 
 
+def sum_into(dst, arrays):
+    """`dst` = the left-to-right sum of `arrays` (same dtype as `dst`)."""
+    np.add(arrays[0], arrays[1], out=dst)
+    for a in arrays[2:]:
+        np.add(dst, a, out=dst)
+
+
 def is_buffer(value) -> bool:
     return isinstance(value, np.ndarray) and value.ndim > 0
 

@@ -214,6 +214,14 @@ def copy_into(dst, src):
         dst.copy_(src)
 
 
+def sum_into(dst, tensors):
+    """`dst` = the left-to-right sum of `tensors` (same dtype and device as `dst`)."""
+    with torch.no_grad():
+        torch.add(tensors[0], tensors[1], out=dst)
+        for t in tensors[2:]:
+            dst.add_(t)
+
+
 def is_buffer(value) -> bool:
     return isinstance(value, torch.Tensor) and value.dim() > 0
 
