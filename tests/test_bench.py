@@ -27,3 +27,17 @@ def test_bench_smallest_run_prints_table_and_writes_json(tmp_path, capsys):
     assert naive["agree"] and naive["median_ms"] > 0 and naive["x_floor"] > 0
     for r in rows:  # a row may be n/a (error), but a row that ran must agree
         assert "error" in r or r["agree"], r
+
+
+def test_bench_times_s2_tied_against_s2_in_alternation(tmp_path, capsys):
+    path = tmp_path / "bench.json"
+    argv = ["--quick", "--shapes", "S2,S2-tied", "--backends", "numpy", "--rules", "adam",
+            "--repeats", "1", "--bandwidth-mb", "4", "--json", str(path)]
+    assert bench.main(argv) == 0
+    assert "S2-tied / S2, paired" in capsys.readouterr().out
+    doc = json.loads(path.read_text())
+    (pair,) = doc["paired_tie_ratios"]
+    assert pair["impl"] == "optimisers update_" and pair["pairs"] == 6
+    assert pair["ratio_median"] > 0 and pair["plain_ms"] > 0 and pair["tied_ms"] > 0
+    target = next(t for t in doc["targets"] if t["target"].startswith("numpy S2-tied"))
+    assert target["measured"] == pair["ratio_median"]

@@ -725,6 +725,35 @@ def run_row(impl: Impl, data: Data, rule: str, ref: list, opts, compile_seen: di
     return row
 
 
+def paired_tie_ratio(impl: Impl, shapes: dict, rule: str, pairs: int) -> dict:
+    """S2-tied against S2 for one implementation, their steps timed in alternation (which goes
+    first alternates too): on a shared machine two rows timed a minute apart differ by more than
+    the cost of the tie, so only a paired measurement can tell 1.03 from 1.10."""
+    result: dict[str, Any] = {"backend": impl.backend, "impl": impl.name, "rule": rule}
+    try:
+        plain = impl.make(make_data(shapes["S2"]), rule)
+        tied = impl.make(make_data(shapes["S2-tied"]), rule)
+        runners = (plain, tied)
+        for _ in range(2):
+            plain.step()
+            tied.step()
+        times: tuple[list, list] = ([], [])
+        for k in range(pairs):
+            for which in ((0, 1) if k % 2 == 0 else (1, 0)):
+                t = time.perf_counter()
+                runners[which].step()
+                times[which].append(time.perf_counter() - t)
+        ratios = [b / a for a, b in zip(*times)]
+        result.update(pairs=pairs, ratio_median=statistics.median(ratios),
+                      plain_ms=statistics.median(times[0]) * 1e3, tied_ms=statistics.median(times[1]) * 1e3)
+    except Exception as e:  # reported, not fatal
+        result["error"] = (f"{type(e).__name__}: {e}".splitlines() or [type(e).__name__])[0][:300]
+    finally:
+        runners = plain = tied = None
+        gc.collect()
+    return result
+
+
 # --- report ------------------------------------------------------------------------------------
 
 
@@ -799,8 +828,9 @@ def format_table(rows: list) -> str:
     return "\n".join(lines)
 
 
-def evaluate_targets(rows: list) -> list:
-    """Issue 4's targets, on the Adam rows of this run."""
+def evaluate_targets(rows: list, paired: list = ()) -> list:
+    """Issue 4's targets, on the Adam rows of this run (S2-tied / S2 from the paired measurement
+    where there is one)."""
     by = {(r["backend"], r["impl"], r["shape"], r["rule"]): r for r in rows if "median_ms" in r}
     ours = {"numpy": "optimisers update_", "torch": "optimisers update_", "jax": "optimisers jit+donate"}
     out = []
@@ -833,10 +863,13 @@ def evaluate_targets(rows: list) -> list:
             r["min_ms"] / fused["min_ms"])
     else:
         add("numpy S3 Adam / torch.optim fused", 0.2, None)
+    pair_of = {p["backend"]: p for p in paired if p["rule"] == "adam" and "ratio_median" in p}
     for backend in ALL_BACKENDS:
         tied, plain = by.get((backend, ours[backend], "S2-tied", "adam")), by.get(
             (backend, ours[backend], "S2", "adam"))
-        if tied and plain:
+        if backend in pair_of:
+            add(f"{backend} S2-tied / S2 Adam (paired)", 1.05, pair_of[backend]["ratio_median"])
+        elif tied and plain:
             add(f"{backend} S2-tied / S2 Adam", 1.05, tied["median_ms"] / plain["median_ms"],
                 tied["min_ms"] / plain["min_ms"])
         else:
@@ -1012,6 +1045,12 @@ def _run(opts) -> int:
         gc.collect()
         again = measure_bandwidth(opts.bandwidth_mb, threads, 3, kernels=("update",), one_thread=False)
         floor_samples.append(again["floor_gbs"])
+    paired = []
+    if "S2" in opts.shapes and "S2-tied" in opts.shapes:
+        for impl in [i for i in impls if i.ours]:
+            for rule in opts.rules:
+                progress(f"S2-tied against S2, paired: {impl.backend} {impl.name} {rule}")
+                paired.append(paired_tie_ratio(impl, shapes, rule, 6 if opts.quick else 15))
     floor = max(floor_samples)
     bw["floor_samples_gbs"] = floor_samples
     bw["floor_gbs"] = floor
@@ -1046,7 +1085,7 @@ def _run(opts) -> int:
     print("\n".join(out))
 
     _fill_ratios(rows, floor)
-    targets = evaluate_targets(rows)
+    targets = evaluate_targets(rows, paired)
     print()
     print("\n".join(agreement))
     print()
@@ -1057,16 +1096,16 @@ def _run(opts) -> int:
         "median (same shape and rule). extraMB: peak memory above the step's start, t = tracemalloc "
         "(NumPy allocations), r = RSS high-water mark; xparam: extraMB / parameter bytes."
     )
-    for backend in opts.backends:
-        for impl in [i for i in impls if i.backend == backend and i.ours]:
-            ratios = []
-            for rule in opts.rules:
-                get = {(r["shape"]): r for r in rows
-                       if r["impl"] == impl.name and r["backend"] == backend and r["rule"] == rule}
-                if "median_ms" in get.get("S2-tied", {}) and "median_ms" in get.get("S2", {}):
-                    ratios.append(f"{rule} {get['S2-tied']['median_ms'] / get['S2']['median_ms']:.2f}")
-            if ratios:
-                print(f"S2-tied / S2, {backend} {impl.name}: " + ", ".join(ratios))
+    if paired:
+        print("S2-tied / S2, paired (the two models stepped in alternation, median of the "
+              "per-pair ratios; medians in ms):")
+    for p in paired:
+        what = f"  {p['backend']:7} {p['impl']:26} {p['rule']:9}"
+        if "error" in p:
+            print(f"{what} n/a: {p['error']}")
+        else:
+            print(f"{what} {p['ratio_median']:.3f}  (S2 {p['plain_ms']:.2f}, S2-tied {p['tied_ms']:.2f}, "
+                  f"{p['pairs']} pairs)")
     print()
     print(format_targets(targets))
     profiles = [r for r in rows if r.get("profile")]
@@ -1096,6 +1135,7 @@ def _run(opts) -> int:
                        for n in opts.shapes},
             "agreement": agreement,
             "rows": rows,
+            "paired_tie_ratios": paired,
             "targets": targets,
             "elapsed_s": elapsed,
             "load_average": {"start": load_start, "end": load_end},
