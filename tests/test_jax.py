@@ -109,8 +109,8 @@ def test_flatten_stores_each_shared_leaf_and_rule_once_and_restores_sharing():
     model = tied_model()
     state = opt.setup(opt.Adam(0.01), model)
     leaves, treedef = jax.tree_util.tree_flatten(state)
-    # one rule (eta, beta1, beta2, epsilon) + two Leafs' (m, v, t), not three
-    assert len(leaves) == 4 + 2 * 3
+    # one rule (eta, beta1, beta2, epsilon) + one shared step counter + two Leafs' (m, v), not three
+    assert len(leaves) == 4 + 1 + 2 * 2
     back = jax.tree_util.tree_unflatten(treedef, leaves)
     assert isinstance(back, State)
     assert back["embed"] is back["unembed"]
@@ -130,7 +130,48 @@ def test_flatten_with_paths_names_rules_and_parameters():
     assert paths == [".rule0[0]"]  # Descent has no state; its eta is the only leaf
     state = opt.setup(opt.Adam(), {"w": jnp.ones(2)})
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
-    assert paths[-3:] == ["['w'][0]", "['w'][1]", "['w'][2]"]
+    assert paths[-3:] == [".scalars[0]", "['w'][0]", "['w'][1]"]  # m, v; the counter t apart
+
+
+def test_leafs_of_one_rule_share_their_step_counter_through_jitted_steps():
+    # 300 arrays, one Adam: one counter leaf however many steps run, so `jit` traces once and XLA
+    # sees one `t + 1` and one bias correction instead of 300 of each
+    model = [rand(4, seed=i) for i in range(300)]
+    grads = [rand(4, seed=1000 + i) for i in range(300)]
+    state = opt.setup(opt.Adam(0.01), model)
+    n_leaves = len(jax.tree_util.tree_leaves(state))
+    assert n_leaves == 4 + 1 + 300 * 2
+    traces = []
+
+    @jax.jit
+    def step(state, model):
+        traces.append(1)
+        return opt.update(state, model, grads)
+
+    eager_state, eager = state, model
+    for _ in range(3):
+        state, model = step(state, model)
+        eager_state, eager = opt.update(eager_state, eager, grads)
+    assert len(traces) == 1
+    assert len(jax.tree_util.tree_leaves(state)) == n_leaves
+    assert state[0].state[2] is state[299].state[2] and int(state[0].state[2]) == 3
+    assert eager_state[0].state[2] is eager_state[299].state[2] == 3
+    for a, b in zip(model, eager):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_a_frozen_leaf_keeps_its_own_counter():
+    model = {"a": rand(3), "b": rand(3, seed=1)}
+    grads = {"a": jnp.ones(3), "b": jnp.ones(3)}
+    state = opt.setup(opt.Adam(0.1), model)
+    state, model = opt.update(state, model, grads)
+    assert state["a"].state[2] is state["b"].state[2]
+    opt.freeze_(state["a"])
+    state, model = jax.jit(opt.update)(state, model, grads)
+    assert int(state["a"].state[2]) == 1 and int(state["b"].state[2]) == 2
+    opt.thaw_(state["a"])
+    state, model = jax.jit(opt.update)(state, model, grads)
+    assert int(state["a"].state[2]) == 2 and int(state["b"].state[2]) == 3
 
 
 def test_structure_survives_placeholder_leaves():

@@ -22,6 +22,7 @@ import numpy as np
 
 from . import _ops
 from ._rule import NewValue
+from ._state import flatten_state, unflatten_state
 
 # Each backend that takes part says how: `engine_ok(x)` (a parameter it can step in place),
 # `numel`, `concat`, `concat_flat` (ravel and join), `copy_into`, `sum_into`, `is_buffer` (a state
@@ -38,29 +39,6 @@ def _pool() -> ThreadPoolExecutor:
     if _POOL is None:
         _POOL = ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="optimisers")
     return _POOL
-
-
-# --- state values as (spec, parts) ------------------------------------------------------------
-
-
-def flatten_state(state, parts: list):
-    """Append the non-container parts of a rule state to `parts`; return its structure."""
-    if isinstance(state, (tuple, list)):
-        specs = [flatten_state(s, parts) for s in state]
-        return (type(state), specs)
-    parts.append(state)
-    return None
-
-
-def unflatten_state(spec, parts):
-    """Inverse of `flatten_state`, consuming `parts` (an iterator)."""
-    if spec is None:
-        return next(parts)
-    cls, specs = spec
-    values = [unflatten_state(s, parts) for s in specs]
-    if cls is tuple or cls is list:
-        return cls(values)
-    return cls(*values)  # NamedTuple
 
 
 def eligible(leaf, x) -> bool:

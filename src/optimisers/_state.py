@@ -7,6 +7,7 @@ Leafs, not of arrays, is what `update` uses to decide what is tied.
 
 from __future__ import annotations
 
+import numbers
 from typing import Any
 
 from ._tree import format_path
@@ -64,11 +65,12 @@ class State:
     places it, so `state["b"] = state["a"]` ties `b` to `a`.
     """
 
-    __slots__ = ("tree", "_plan")
+    __slots__ = ("tree", "_plan", "_pytree_layout")
 
     def __init__(self, tree: Any = None):
         self.tree = {} if tree is None else tree
         self._plan = None  # the update engine's groups, made by the first update_
+        self._pytree_layout = None  # how a pytree backend (JAX) laid this State out, if it made it
 
     def __getitem__(self, key):
         if isinstance(self.tree, Leaf):
@@ -161,3 +163,33 @@ def map_leaves(fn, tree):
         return done[key]
 
     return visit(tree)
+
+
+# --- a rule state as (spec, parts) -----------------------------------------------------------
+
+
+def flatten_state(state, parts: list):
+    """Append the non-container parts of a rule state (arrays, numbers) to `parts`; return its
+    structure (tuples, lists and NamedTuples are containers)."""
+    if isinstance(state, (tuple, list)):
+        specs = [flatten_state(s, parts) for s in state]
+        return (type(state), tuple(specs))
+    parts.append(state)
+    return None
+
+
+def unflatten_state(spec, parts):
+    """Inverse of `flatten_state`, consuming `parts` (an iterator)."""
+    if spec is None:
+        return next(parts)
+    cls, specs = spec
+    values = [unflatten_state(s, parts) for s in specs]
+    if cls is tuple or cls is list:
+        return cls(values)
+    return cls(*values)  # NamedTuple
+
+
+def is_scalar(part) -> bool:
+    """A number or a 0-d array in a rule state: a step counter, say, as opposed to an array shaped
+    like the parameter."""
+    return isinstance(part, numbers.Number) or getattr(part, "ndim", None) == 0

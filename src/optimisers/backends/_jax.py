@@ -11,7 +11,11 @@ Importing this module registers `State` and `Leaf` as JAX pytrees (DESIGN 4.7):
   dtypes and other objects are static; nested rules (`OptimiserChain`, `MixedPrecision`) are
   handled recursively. A dataclass field with `metadata={"static": True}` is static whatever its
   value (use it for a float that decides the shape of the computation, such as a norm's `p`).
-* Python numbers in rule state (step counters) are leaves like everything else in the state.
+* Python numbers in rule state (step counters) are leaves like everything else in the state, and
+  a scalar object that several Leafs hold is one leaf. `update` hands the Leafs of one elementwise
+  rule that share a counter one new counter object (`SHARE_SCALAR_STATE` below), so a model of
+  thousands of arrays has one step counter per rule under `jit`, as an optax state has, instead of
+  thousands of scalar computations that XLA would compile and launch one by one.
 
 Rules are rebuilt on unflatten without running their validation, since JAX unflattens with tracers
 and with placeholder objects.
@@ -27,12 +31,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._rule import Rule
-from .._state import Leaf, State
+from .._state import Leaf, State, flatten_state, is_scalar, unflatten_state
 from .._tree import NodeKind, format_path
 
 _Tracer = jax.core.Tracer
 _FLOAT16 = np.dtype(np.float16)
 _FLOAT16_EPS_FLOOR = float(np.float16(1e-7))
+
+
+# see the module docstring; read by optimisers._interface
+SHARE_SCALAR_STATE = True
 
 
 def _is_traced(x) -> bool:
@@ -381,16 +389,16 @@ def _rule_from(desc, values):
 
 
 def _state_parts(state: State):
-    """`(keyed children, aux)`: each distinct rule's numeric values and each distinct Leaf's state
-    once; aux holds the skeleton (Leaf numbers, repeated sub-trees by number), rule descriptions
-    and per-Leaf (rule number, frozen)."""
+    """`(keyed children, aux)`: each distinct rule's numeric values once, each scalar state object
+    (step counter) once however many Leafs hold it, and each distinct Leaf's other state parts;
+    aux holds the skeleton (Leaf numbers, repeated sub-trees by number), rule descriptions and
+    per-Leaf (rule number, frozen, state structure, shared-scalar slot of each state part)."""
     rule_num: dict[int, int] = {}
     rule_descs: list = []
+    rule_children: list = []
     leaf_num: dict[int, int] = {}
-    leaf_meta: list = []
+    found: list = []  # (Leaf, path, rule number), in skeleton order
     dict_num: dict[int, int] = {}
-    children: list = []
-    leaf_children: list = []
 
     def skeleton(node, path):
         if isinstance(node, Leaf):
@@ -401,10 +409,9 @@ def _state_parts(state: State):
                     r = rule_num[id(node.rule)] = len(rule_descs)
                     desc, values = _rule_parts(node.rule)
                     rule_descs.append(desc)
-                    children.append((jax.tree_util.GetAttrKey(f"rule{r}"), values))
-                j = leaf_num[id(node)] = len(leaf_meta)
-                leaf_meta.append((r, bool(node.frozen)))
-                leaf_children.append((jax.tree_util.DictKey(format_path(path)), node.state))
+                    rule_children.append((jax.tree_util.GetAttrKey(f"rule{r}"), values))
+                j = leaf_num[id(node)] = len(found)
+                found.append((node, path, r))
             return j
         d = dict_num.get(id(node))
         if d is not None:
@@ -413,8 +420,54 @@ def _state_parts(state: State):
         return ("dict", tuple((k, skeleton(v, path + (k,))) for k, v in node.items()))
 
     skel = skeleton(state.tree, ())
+    flat = []
+    for leaf, _, _ in found:
+        parts: list = []
+        flat.append((flatten_state(leaf.state, parts), parts))
+    layout = _kept_layout(getattr(state, "_pytree_layout", None), flat) or _layout_by_value(flat)
+    scalars: list = [None] * (1 + max((s for _, slots in layout for s in slots if s is not None), default=-1))
+    leaf_meta, leaf_children = [], []
+    for (leaf, path, r), (spec, slots), (_, parts) in zip(found, layout, flat):
+        own = []
+        for slot, p in zip(slots, parts):
+            if slot is None:
+                own.append(p)
+            else:
+                scalars[slot] = p
+        leaf_meta.append((r, bool(leaf.frozen), spec, slots))
+        leaf_children.append((jax.tree_util.DictKey(format_path(path)), tuple(own)))
     aux = (skel, tuple(rule_descs), tuple(leaf_meta))
-    return children + leaf_children, aux
+    counters = [(jax.tree_util.GetAttrKey("scalars"), tuple(scalars))] if scalars else []
+    return rule_children + counters + leaf_children, aux
+
+
+def _layout_by_value(flat) -> list:
+    """Per Leaf `(spec, slots)`: the scalar parts numbered by object, one slot per distinct one."""
+    slot_of: dict[int, int] = {}
+    layout = []
+    for spec, parts in flat:
+        slots = []
+        for p in parts:
+            slots.append(slot_of.setdefault(id(p), len(slot_of)) if is_scalar(p) else None)
+        layout.append((spec, tuple(slots)))
+    return layout
+
+
+def _kept_layout(layout, flat):
+    """The layout a State was unflattened with, if it still fits: JAX (and Equinox's filters)
+    unflatten with placeholders such as `False` in every leaf, which cannot tell a counter from an
+    array, and flattening that State again must give the same aux data. It fits while each Leaf
+    has the same structure and all Leafs of a slot still hold one object there."""
+    if layout is None or len(layout) != len(flat):
+        return None
+    held: dict[int, int] = {}
+    for (spec, slots), (now_spec, parts) in zip(layout, flat):
+        if spec != now_spec or len(slots) != len(parts):
+            return None
+        for slot, p in zip(slots, parts):
+            if slot is not None and held.setdefault(slot, id(p)) != id(p):
+                return None
+    return layout
 
 
 def _state_flatten_with_keys(state):
@@ -431,7 +484,13 @@ def _state_unflatten(aux, children):
     children = list(children)
     n_rules = len(rule_descs)
     rules = [_rule_from(d, v) for d, v in zip(rule_descs, children[:n_rules])]
-    leaves = [Leaf(rules[r], st, frozen) for (r, frozen), st in zip(leaf_meta, children[n_rules:])]
+    has_scalars = any(slot is not None for meta in leaf_meta for slot in meta[3])
+    scalars = children[n_rules] if has_scalars else ()
+    leaves = []
+    for (r, frozen, spec, slots), own in zip(leaf_meta, children[n_rules + has_scalars :]):
+        own = iter(own)
+        parts = [next(own) if slot is None else scalars[slot] for slot in slots]
+        leaves.append(Leaf(rules[r], unflatten_state(spec, iter(parts)), frozen))
     dicts: list = []
 
     def build(node):
@@ -445,7 +504,9 @@ def _state_unflatten(aux, children):
             out[k] = build(sub)
         return out
 
-    return State(build(skel))
+    state = State(build(skel))
+    state._pytree_layout = tuple((spec, slots) for _, _, spec, slots in leaf_meta)
+    return state
 
 
 def _leaf_flatten_with_keys(leaf):
