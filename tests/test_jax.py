@@ -174,6 +174,38 @@ def test_a_frozen_leaf_keeps_its_own_counter():
     assert int(state["a"].state[2]) == 2 and int(state["b"].state[2]) == 3
 
 
+def _same_flattening(state):
+    """Flattening `state` (maybe answered from what unflatten made it from) equals flattening a
+    fresh State over the same tree (always a full walk)."""
+    leaves, treedef = jax.tree_util.tree_flatten(state)
+    fresh_leaves, fresh_treedef = jax.tree_util.tree_flatten(State(state.tree))
+    assert treedef == fresh_treedef
+    assert len(leaves) == len(fresh_leaves) and all(a is b for a, b in zip(leaves, fresh_leaves))
+
+
+@pytest.mark.parametrize("change", ["none", "state", "adjust", "freeze", "tie", "tree"])
+def test_flattening_an_unflattened_state_sees_every_change(change):
+    model = {"a": rand(3), "b": rand(3, seed=1), "c": rand(2, seed=2)}
+    grads = jax.tree_util.tree_map(jnp.ones_like, model)
+    state, model = jax.jit(opt.update)(opt.setup(opt.Adam(0.1), model), model, grads)
+    assert state._pytree.fits(state)  # made by unflatten: flattening it again takes the short way
+    if change == "state":
+        m, v, t = state["a"].state
+        state["a"].state = (m, v, jnp.asarray(7))
+    elif change == "adjust":
+        opt.adjust_(state["b"], 0.5)
+    elif change == "freeze":
+        opt.freeze_(state["c"])
+    elif change == "tie":
+        state["c"] = state["a"]
+    elif change == "tree":
+        state.tree["b"] = opt.setup(opt.Descent(0.2), model["b"]).tree
+    _same_flattening(state)
+    if change == "state":
+        back = jax.tree_util.tree_unflatten(*reversed(jax.tree_util.tree_flatten(state)))
+        assert int(back["a"].state[2]) == 7 and int(back["b"].state[2]) == 1
+
+
 def test_structure_survives_placeholder_leaves():
     # JAX (and Equinox's filters) unflatten with bools or None in every leaf and flatten again;
     # the aux data must not change when a hyperparameter slot holds a non-number.

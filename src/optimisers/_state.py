@@ -65,12 +65,12 @@ class State:
     places it, so `state["b"] = state["a"]` ties `b` to `a`.
     """
 
-    __slots__ = ("tree", "_plan", "_pytree_layout")
+    __slots__ = ("tree", "_plan", "_pytree")
 
     def __init__(self, tree: Any = None):
         self.tree = {} if tree is None else tree
         self._plan = None  # the update engine's groups, made by the first update_
-        self._pytree_layout = None  # how a pytree backend (JAX) laid this State out, if it made it
+        self._pytree = None  # what a pytree backend (JAX) made this State from, if it did
 
     def __getitem__(self, key):
         if isinstance(self.tree, Leaf):
@@ -90,7 +90,7 @@ class State:
         if not isinstance(value, (Leaf, dict)):
             raise TypeError(f"a State holds Leafs and States, got {type(value).__name__}")
         self.tree[key] = value
-        self._plan = None
+        self._plan = self._pytree = None
 
     def __contains__(self, key) -> bool:
         return not isinstance(self.tree, Leaf) and key in self.tree
@@ -172,7 +172,13 @@ def flatten_state(state, parts: list):
     """Append the non-container parts of a rule state (arrays, numbers) to `parts`; return its
     structure (tuples, lists and NamedTuples are containers)."""
     if isinstance(state, (tuple, list)):
-        specs = [flatten_state(s, parts) for s in state]
+        specs = []
+        for s in state:  # parts inline, containers by recursion: this runs per Leaf per update
+            if isinstance(s, (tuple, list)):
+                specs.append(flatten_state(s, parts))
+            else:
+                parts.append(s)
+                specs.append(None)
         return (type(state), tuple(specs))
     parts.append(state)
     return None
@@ -183,13 +189,21 @@ def unflatten_state(spec, parts):
     if spec is None:
         return next(parts)
     cls, specs = spec
-    values = [unflatten_state(s, parts) for s in specs]
+    values = [next(parts) if s is None else unflatten_state(s, parts) for s in specs]
     if cls is tuple or cls is list:
         return cls(values)
     return cls(*values)  # NamedTuple
 
 
+_SCALAR_TYPE: dict[type, bool | None] = {}  # True: a number; False: never scalar; None: ask ndim
+
+
 def is_scalar(part) -> bool:
     """A number or a 0-d array in a rule state: a step counter, say, as opposed to an array shaped
     like the parameter."""
-    return isinstance(part, numbers.Number) or getattr(part, "ndim", None) == 0
+    t = type(part)
+    if t not in _SCALAR_TYPE:  # the ABC check is slow, so its answer is kept per type
+        array_like = hasattr(part, "ndim")
+        _SCALAR_TYPE[t] = True if issubclass(t, numbers.Number) else (None if array_like else False)
+    kind = _SCALAR_TYPE[t]
+    return kind if kind is not None else part.ndim == 0
