@@ -180,11 +180,12 @@ class _Contribution:
 
     def dx(self):
         """The summed gradient, in the parameter's dtype (gradient arrays are never written)."""
-        dx = self.grads[0]
-        for g in self.grads[1:]:
+        grads = self.grads
+        dx = grads[0]
+        for g in grads[1:]:
             dx = dx + g
-        if type(dx) is type(self.x) and dx.dtype == self.x.dtype and not getattr(dx, "requires_grad", False):
-            return dx  # already the parameter's kind, and no autograd graph attached
+        # every backend's astype hands back a gradient that already fits (kind, dtype, device, no
+        # autograd graph) as it is
         return _ops.astype(dx, self.x)
 
 
