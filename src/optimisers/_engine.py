@@ -191,42 +191,39 @@ class Group:
     def step(self, xs, dxs):
         """Update every member in place: `xs`, `dxs` are the parameters and summed gradients.
 
-        Big chunks are views of one parameter and are written where they are computed. Packed
-        runs are joined before and written back after the parallel part, in this thread: that
-        is Python work per parameter, and two threads taking turns at the GIL for it are slower
-        than one."""
+        Big chunks are views of one parameter and are written where they are computed. A packed
+        run's step is written back to its parameters by this thread, as each chunk's result comes
+        in: that is Python work per parameter, and two threads taking turns at the GIL for it are
+        slower than one."""
         rule = self.leaves[0].rule
         fused = getattr(self.b, "fused_group_step", None)  # a backend's own kernel for this rule
         if fused is not None and fused(self, rule, xs, dxs):
             return
-        b, chunks = self.b, self.chunks
-        packed = {
-            n: (b.concat_flat(xs[c[1] : c[2]]), b.concat_flat(dxs[c[1] : c[2]]))
-            for n, c in enumerate(chunks)
-            if c[0] == "run"
-        }
-        off = getattr(b, "no_grad", None)  # PyTorch: the step is data, not a graph
+        chunks = self.chunks
+        off = getattr(self.b, "no_grad", None)  # PyTorch: the step is data, not a graph
+        scalars = None
         with off() if off is not None else contextlib.nullcontext():
-            spread = len(chunks) > 1 and b.ENGINE_THREADS
-            results = list((_pool().map if spread else map)(
-                lambda n: self._chunk(rule, n, xs, dxs, packed), range(len(chunks))
-            ))
-            for n, step in packed.items():
-                if step is not None:
-                    self._write_run(chunks[n], xs, step)
-        self.scalars = results[0]
+            spread = len(chunks) > 1 and self.b.ENGINE_THREADS
+            done = (_pool().map if spread else map)(lambda c: self._chunk(rule, c, xs, dxs), chunks)
+            for chunk, (new_scalars, run_step) in zip(chunks, done):
+                scalars = new_scalars if scalars is None else scalars
+                if run_step is not None:
+                    self._write_run(chunk, xs, run_step)
+        self.scalars = scalars
 
-    def _chunk(self, rule, n, xs, dxs, packed):
-        """Compute chunk `n`; a big chunk is written here, a run's step is left in `packed[n]`."""
-        b, chunk = self.b, self.chunks[n]
+    def _chunk(self, rule, chunk, xs, dxs):
+        """Compute one chunk: `(new scalars, step)`, the step left to the caller for a packed run
+        (a big chunk is written here)."""
+        b = self.b
         if chunk[0] == "big":
             _, i, start, stop = chunk
             lo, hi = self.offsets[i] + start, self.offsets[i] + stop
             x = xs[i].reshape(-1)[start:stop]  # a view: parameters here are contiguous
             dx = dxs[i].reshape(-1)[start:stop]
         else:
-            lo, hi = self.offsets[chunk[1]], self.offsets[chunk[2]]
-            x, dx = packed[n]
+            _, i, j, _ = chunk
+            lo, hi = self.offsets[i], self.offsets[j]
+            x, dx = b.concat_flat(xs[i:j]), b.concat_flat(dxs[i:j])
         parts = [buf[lo:hi] if a else s for a, buf, s in zip(self.array_at, self.buffers, self.scalars)]
         new_state, step = rule.apply(unflatten_state(self.spec, iter(parts)), x, dx)
         new_parts: list = []
@@ -234,14 +231,15 @@ class Group:
         for a, old, new in zip(self.array_at, parts, new_parts):
             if a and new is not old:
                 b.copy_into(old, new)
+        scalars = [None if a else p for a, p in zip(self.array_at, new_parts)]
         if chunk[0] == "run":
-            packed[n] = step
-        elif step is not None:
+            return scalars, step
+        if step is not None:
             if isinstance(step, NewValue):
                 b.assign_(x, step.value)
             else:
                 b.subtract_(x, step)
-        return [None if a else p for a, p in zip(self.array_at, new_parts)]
+        return scalars, None
 
     def _write_run(self, chunk, xs, step):
         _, i, j, bounds = chunk
