@@ -34,12 +34,18 @@ _FLOAT16_EPS = float(np.float16(1e-7))
 
 
 def is_param(x) -> bool:
-    if not isinstance(x, torch.Tensor) or x.layout is not torch.strided:
+    # exact types first: isinstance(tensor, nn.Parameter) goes through a Python __instancecheck__,
+    # and this runs for every parameter of every update
+    t = type(x)
+    if t is nn.Parameter:
+        trainable = x.requires_grad  # a frozen nn.Parameter is carried, not trained
+    elif t is torch.Tensor:
+        trainable = True  # plain tensors in a tree are always trainable
+    elif isinstance(x, torch.Tensor):
+        trainable = x.requires_grad if isinstance(x, nn.Parameter) else True
+    else:
         return False
-    if not (x.is_floating_point() or x.is_complex()):
-        return False
-    # a frozen nn.Parameter is carried, not trained; plain tensors in a tree are always trainable
-    return x.requires_grad if isinstance(x, nn.Parameter) else True
+    return trainable and x.layout is torch.strided and (x.is_floating_point() or x.is_complex())
 
 
 def is_array(x) -> bool:
