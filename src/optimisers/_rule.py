@@ -77,8 +77,9 @@ class Rule:
     """
 
     #: True when `apply` treats every element independently, given scalar state shared by all
-    #: elements (step counters). Such rules may be run on chunks of parameters packed together,
-    #: which is how `update_` reaches memory bandwidth; leave False when in doubt.
+    #: elements (step counters) whose next value does not depend on array values. Such rules may
+    #: be run on chunks of parameters packed together, which is how `update_` reaches memory
+    #: bandwidth, and Leafs sharing one may share their counters; leave False when in doubt.
     elementwise: ClassVar[bool] = False
 
     def __post_init__(self):
