@@ -31,6 +31,7 @@ def make_model(seed=0):
         "small": [rng.standard_normal(s).astype(np.float32) for s in [(3,), (4, 2), (7,), (1,)]],
         "big": rng.standard_normal(200).astype(np.float32),
         "tied_b": W,
+        "tied_c": W,  # three places: three gradients summed
         "f64": rng.standard_normal((5, 5)),  # another dtype: another group
         "scalar": np.array(1.5, np.float32),  # 0-d: per-Leaf path
         "strided": rng.standard_normal((6, 6)).astype(np.float32)[:, ::2],  # not contiguous
@@ -103,7 +104,7 @@ def test_engine_matches_plain_path_through_events(rule, backend):
         state, model = opt.update_(state, model, grads)
         ref_state, reference = opt.update(ref_state, reference, grads)
         assert_same(model, reference, state, ref_state)
-        assert model["tied_a"] is model["tied_b"]
+        assert model["tied_a"] is model["tied_b"] is model["tied_c"]
         assert {k: id(v) for k, v in model.items()} == originals
     assert state._plan is not None and len(state._plan.groups) >= 2
 
