@@ -63,6 +63,7 @@ class Group:
         order = sorted(range(len(xs)), key=lambda i: b.numel(xs[i]) < self.chunk // 4)
         leaves, xs = [leaves[i] for i in order], [xs[i] for i in order]
         self.leaves = leaves  # their rule is read from the first at each step: adjust_ may change it
+        self.dtype, self.device = xs[0].dtype, getattr(xs[0], "device", None)
         self.shapes = [x.shape for x in xs]
         self.sizes = [b.numel(x) for x in xs]
         self.offsets = np.concatenate([[0], np.cumsum(self.sizes)]).astype(int).tolist()
@@ -145,14 +146,18 @@ class Group:
 
     def ready_members(self, found):
         """Every member's contribution to this update, or None if some member cannot step in
-        the group now (no gradient, frozen, reshaped, not writable in place)."""
-        engine_ok = self.b.engine_ok
+        the group now (no gradient, frozen, reshaped, converted (a torch module's `.double()` or
+        `.to(device)` swaps its parameters' data in place), not writable in place)."""
+        engine_ok, dtype, device = self.b.engine_ok, self.dtype, self.device
         members = []
         for leaf, shape in zip(self.leaves, self.shapes):
             c = found.get(id(leaf))
             if c is None or not c.grads or c.copies or leaf.frozen:
                 return None
-            if c.x.shape != shape or not engine_ok(c.x):
+            x = c.x
+            if x.shape != shape or x.dtype != dtype or not engine_ok(x):
+                return None
+            if device is not None and x.device != device:
                 return None
             members.append(c)
         return members

@@ -186,6 +186,8 @@ def fused_apply(rule, state, x, dx):
     if found is None or getattr(dx, "is_sparse", False):
         return None
     m, v, t = state
+    if not all(s.dtype == x.dtype and s.device == x.device for s in (m, v)):
+        return None  # a parameter converted after setup (module.double()): the generic maths promotes
     with torch.no_grad():
         x, m, v = x.detach().clone(), m.clone(), v.clone()
         _run_fused(*found, rule, [x], [dx.contiguous()], [m], [v], t + 1)
