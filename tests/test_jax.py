@@ -160,6 +160,23 @@ def test_leafs_of_one_rule_share_their_step_counter_through_jitted_steps():
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
 
 
+def test_equal_counters_restored_as_separate_ints_are_one_leaf_again():
+    # a checkpoint restores step 300 as a new int object per Leaf; equal plain numbers are
+    # interchangeable, so the pytree still holds one counter, and the update keeps sharing it
+    model = [rand(3, seed=i) for i in range(10)]
+    grads = [jnp.ones(3) for _ in range(10)]
+    state = opt.setup(opt.Adam(0.1), model)
+    for leaf in state.leaves():
+        m, v, _ = leaf.state
+        leaf.state = (m, v, int("300"))
+    assert len({id(leaf.state[2]) for leaf in state.leaves()}) == 10
+    assert len(jax.tree_util.tree_leaves(state)) == 4 + 1 + 10 * 2
+    state, model = opt.update(state, model, grads)
+    assert len({id(leaf.state[2]) for leaf in state.leaves()}) == 1 and state[0].state[2] == 301
+    state, model = jax.jit(opt.update)(state, model, grads)
+    assert len(jax.tree_util.tree_leaves(state)) == 4 + 1 + 10 * 2 and int(state[9].state[2]) == 302
+
+
 def test_a_frozen_leaf_keeps_its_own_counter():
     model = {"a": rand(3), "b": rand(3, seed=1)}
     grads = {"a": jnp.ones(3), "b": jnp.ones(3)}

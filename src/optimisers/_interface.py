@@ -17,7 +17,16 @@ from typing import Any
 
 from . import _engine, _ops
 from ._rule import NewValue, Rule
-from ._state import Leaf, State, flatten_state, is_scalar, leaf_paths, map_leaves, unflatten_state
+from ._state import (
+    Leaf,
+    State,
+    flatten_state,
+    is_scalar,
+    leaf_paths,
+    map_leaves,
+    scalar_key,
+    unflatten_state,
+)
 from ._tree import format_path, is_param, kind_of, trainable_children
 
 # --- setup -------------------------------------------------------------------------------------
@@ -268,8 +277,9 @@ def _compute(found: dict[int, _Contribution], skip=frozenset()) -> dict[int, tup
 
 
 def _share_scalar_state(found, results) -> None:
-    """Give Leafs of one elementwise rule that began this step with the same scalar state objects
-    (step counters, say) the same new ones, on backends that ask for it (JAX).
+    """Give Leafs of one elementwise rule that began this step with the same scalar state (step
+    counters, say: the same objects, or equal Python numbers) the same new objects, on backends
+    that ask for it (JAX).
 
     An elementwise rule's scalar state cannot depend on array values (the engine's chunks rely on
     that as well), so those values are equal anyway. Sharing the objects lets a State's pytree
@@ -290,7 +300,7 @@ def _share_scalar_state(found, results) -> None:
         scalar_at = tuple(i for i, p in enumerate(new) if is_scalar(p))
         if not scalar_at:
             continue
-        origin = (id(c.leaf.rule), spec, scalar_at, tuple(id(p) for p in old if is_scalar(p)))
+        origin = (id(c.leaf.rule), spec, scalar_at, tuple(scalar_key(p) for p in old if is_scalar(p)))
         shared = first.setdefault(origin, new)
         if shared is not new:
             for i in scalar_at:

@@ -207,3 +207,13 @@ def is_scalar(part) -> bool:
         _SCALAR_TYPE[t] = True if issubclass(t, numbers.Number) else (None if array_like else False)
     kind = _SCALAR_TYPE[t]
     return kind if kind is not None else part.ndim == 0
+
+
+_PLAIN_NUMBERS = (bool, int, float, complex)
+
+
+def scalar_key(part):
+    """What makes two scalar state parts interchangeable: equal plain Python numbers (immutable,
+    so one can stand for the other; a checkpoint restores step 1000 as a new int per Leaf), or
+    else the same object (arrays, tracers: comparing their values would mean reading them)."""
+    return (type(part), part) if type(part) in _PLAIN_NUMBERS else id(part)

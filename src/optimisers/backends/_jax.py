@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._rule import Rule
-from .._state import Leaf, State, flatten_state, is_scalar, unflatten_state
+from .._state import Leaf, State, flatten_state, is_scalar, scalar_key, unflatten_state
 from .._tree import NodeKind, format_path
 
 _Tracer = jax.core.Tracer
@@ -445,13 +445,14 @@ def _state_parts(state: State, with_keys: bool = True):
 
 
 def _layout_by_value(flat) -> list:
-    """Per Leaf `(spec, slots)`: the scalar parts numbered by object, one slot per distinct one."""
-    slot_of: dict[int, int] = {}
+    """Per Leaf `(spec, slots)`: the scalar parts numbered, one slot per interchangeable group
+    (`scalar_key`: equal Python numbers, or the same object)."""
+    slot_of: dict = {}
     layout = []
     for spec, parts in flat:
         slots = []
         for p in parts:
-            slots.append(slot_of.setdefault(id(p), len(slot_of)) if is_scalar(p) else None)
+            slots.append(slot_of.setdefault(scalar_key(p), len(slot_of)) if is_scalar(p) else None)
         layout.append((spec, tuple(slots)))
     return layout
 
@@ -460,15 +461,15 @@ def _kept_layout(layout, flat):
     """The layout a State was unflattened with, if it still fits: JAX (and Equinox's filters)
     unflatten with placeholders such as `False` in every leaf, which cannot tell a counter from an
     array, and flattening that State again must give the same aux data. It fits while each Leaf
-    has the same structure and all Leafs of a slot still hold one object there."""
+    has the same structure and all Leafs of a slot still hold interchangeable values there."""
     if layout is None or len(layout) != len(flat):
         return None
-    held: dict[int, int] = {}
+    held: dict = {}
     for (spec, slots), (now_spec, parts) in zip(layout, flat):
         if spec != now_spec or len(slots) != len(parts):
             return None
         for slot, p in zip(slots, parts):
-            if slot is not None and held.setdefault(slot, id(p)) != id(p):
+            if slot is not None and held.setdefault(slot, scalar_key(p)) != scalar_key(p):
                 return None
     return layout
 
