@@ -199,16 +199,20 @@ def test_torch_rules_without_a_fused_kernel_take_the_generic_maths(monkeypatch):
         assert new["x"] is x and x.dtype == dtype and bool((x < 1).all())
 
 
-def test_torch_parameter_converted_after_setup_leaves_its_group(monkeypatch):
+@pytest.mark.parametrize("rule", [opt.Adam(0.1), opt.Momentum(0.1)], ids=["Adam", "Momentum"])
+@pytest.mark.parametrize("replan", [False, True], ids=["same-plan", "replanned"])
+def test_torch_parameter_converted_after_setup_leaves_its_group(rule, replan, monkeypatch):
     # `module.double()` swaps each parameter's data in place: the same objects, another dtype. The
-    # group planned for float32 must not take the converted one; the result is what the per-Leaf
-    # path gives (the state promoted to float64), and the next update plans a float64 group.
+    # engine must give what the per-Leaf path gives (the state promoted to float64), both when the
+    # float32 group is still planned and when a new parameter makes it plan again at that very
+    # step (its float32 state must not be grouped with the float64 parameter), and the update
+    # after that plans a float64 group.
     torch = pytest.importorskip("torch")
 
     def run(engine):
         gen = torch.Generator().manual_seed(0)
         params = [torch.nn.Parameter(torch.randn(16, generator=gen)) for _ in range(3)]
-        state = opt.setup(opt.Adam(0.1), params)
+        state = opt.setup(rule, params)
         with monkeypatch.context() as m:
             if not engine:
                 m.setattr(_engine, "select", lambda state, found: [])
@@ -216,13 +220,16 @@ def test_torch_parameter_converted_after_setup_leaves_its_group(monkeypatch):
                 if step == 2:
                     params[1].data = params[1].data.double()
                 grads = [torch.randn(16, generator=gen) for _ in range(3)]
+                if replan and step < 2:
+                    grads[2] = None  # params[2] joins at step 2: the plan is made again then
                 state, params = opt.update_(state, params, grads)
         return state, params
 
     state, params = run(engine=True)
     ref_state, ref = run(engine=False)
     assert params[1].dtype == state[1].state[0].dtype == torch.float64
-    assert sorted(str(g.dtype) for g in state._plan.groups) == ["torch.float32", "torch.float64"]
+    (wide,) = [g for g in state._plan.groups if g.dtype == torch.float64]
+    assert wide.leaves == [state[1]]  # grouped again once its state was promoted
     assert_same(params, ref, state, ref_state)
 
 

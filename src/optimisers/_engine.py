@@ -271,18 +271,44 @@ def independent(leaf, state):
 # --- planning over a State ----------------------------------------------------------------------
 
 
+def _as_initialised(leaf, x, parts=None) -> bool:
+    """Are the state's arrays in the dtypes and on the device that `rule.init` gives this
+    parameter now? Not after a parameter was converted (a torch module's `.double()`): the rule's
+    maths would then promote the state, which the group's buffers, kept in their old dtype, would
+    round back; the per-Leaf path promotes it, and the next plan groups it again."""
+    if parts is None:
+        parts = []
+        flatten_state(leaf.state, parts)
+    b = _ops.backend(x)
+    off = getattr(b, "no_grad", None)
+    with off() if off is not None else contextlib.nullcontext():
+        fresh: list = []
+        flatten_state(leaf.rule.init(x.reshape(-1)[:1]), fresh)  # a one-element probe: cheap
+    if len(fresh) != len(parts):
+        return False
+    return all(
+        p.dtype == getattr(q, "dtype", None) and getattr(p, "device", None) == getattr(q, "device", None)
+        for p, q in zip(parts, fresh)
+        if b.is_buffer(p)
+    )
+
+
 class Plan:
     """The groups of one State; rebuilt when a member leaves its group, changes rule, or a new
     candidate Leaf appears."""
 
     def __init__(self, entries):
         self.considered = {id(leaf) for leaf, _ in entries}
+        self.converted: list = []  # left out until the per-Leaf path has promoted their state
         by_key: dict = {}
         for leaf, x in entries:
             b = _ops.backend(x)
             parts: list = []
             spec = flatten_state(leaf.state, parts)
             if not all(p.shape == x.shape for p in parts if b.is_buffer(p)):
+                continue
+            if not _as_initialised(leaf, x, parts):
+                self.converted.append(leaf)
                 continue
             scalars = tuple(None if b.is_buffer(p) else p for p in parts)
             key = (id(leaf.rule), b, x.dtype, getattr(x, "device", None), repr(spec), scalars)
@@ -296,6 +322,14 @@ class Plan:
     def intact(self) -> bool:
         return all(g.intact() for g in self.groups)
 
+    def outgrown(self, found) -> bool:
+        """Has a Leaf left out for its converted parameter been brought up to date since?"""
+        for leaf in self.converted:
+            c = found.get(id(leaf))
+            if c is not None and _ready(c) and _as_initialised(leaf, c.x):
+                return True
+        return False
+
 
 def _ready(c) -> bool:
     return bool(c.grads) and not c.copies and eligible(c.leaf, c.x)
@@ -308,7 +342,12 @@ def select(state, found):
     `copies`, `dx()`). Plans (or re-plans) the State's groups when needed.
     """
     plan = getattr(state, "_plan", None)  # a State rebuilt by JAX's unflatten has none yet
-    if plan is None or not plan.intact() or any(_ready(found[k]) for k in found.keys() - plan.considered):
+    if (
+        plan is None
+        or not plan.intact()
+        or plan.outgrown(found)
+        or any(_ready(found[k]) for k in found.keys() - plan.considered)
+    ):
         ready = [c for c in found.values() if _ready(c)]
         if not ready:
             return []
