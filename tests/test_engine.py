@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import optimisers as opt
 from optimisers import _engine
@@ -261,3 +263,75 @@ def test_numpy_engine_sets_malloc_thresholds_once_unless_told_not_to(setting, mo
     M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
     expected = [(M_MMAP_THRESHOLD, 32 << 20), (M_TRIM_THRESHOLD, 64 << 20)] if setting is None else []
     assert calls == expected
+
+
+# --- differential: the engine against the per-Leaf path, through random events -------------------
+
+_EVENT_RULES = [
+    opt.Adam(0.01),
+    opt.AdamW(0.01, lambd=0.1, couple=False),
+    opt.Momentum(0.01, 0.9),
+    opt.Lion(0.01),
+    opt.RAdam(0.01),
+    opt.OptimiserChain(opt.AccumGrad(2), opt.Adam(0.01)),
+    opt.MixedPrecision(opt.Adam(0.01)),
+]
+
+
+def _events_run(backend, rule, shapes, dtype, events, seed, engine, monkeypatch):
+    """Six `update_` steps of a model with a tie, with `events[step]` applied before each step:
+    freeze, thaw, adjust, a gradient missing, a parameter replaced by a new array, or (torch) a
+    parameter converted to the other float dtype in place (`.data =`, as `module.double()`)."""
+    torch = pytest.importorskip("torch") if backend == "torch" else None
+    rng = np.random.default_rng(seed)
+
+    def array(a):
+        return torch.from_numpy(a) if torch is not None else a
+
+    model = {f"p{i}": array(rng.standard_normal(s).astype(dtype)) for i, s in enumerate(shapes)}
+    model["tie"] = model["p0"]
+    state = opt.setup(rule, model)
+    with monkeypatch.context() as m:
+        if not engine:
+            m.setattr(_engine, "select", lambda state, found: [])
+        for event in events:
+            grads = {k: array(rng.standard_normal(v.shape).astype(np.float32)) for k, v in model.items()}
+            if event == "freeze":
+                opt.freeze_(state["p1"])
+            elif event == "thaw":
+                opt.thaw_(state)
+            elif event == "adjust":
+                opt.adjust_(state, 0.003)
+            elif event == "no-grad":
+                grads["p1"] = None
+            elif event == "replace":
+                model["p1"] = model["p1"].clone() if torch is not None else model["p1"].copy()
+            elif event == "convert" and torch is not None:
+                p = model["p1"]
+                p.data = p.data.double() if p.dtype == torch.float32 else p.data.float()
+            state, model = opt.update_(state, model, grads)
+    return state, model
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    backend=st.sampled_from(["numpy", "torch"]),
+    rule=st.sampled_from(_EVENT_RULES),
+    shapes=st.lists(st.lists(st.integers(1, 9), min_size=1, max_size=2).map(tuple), min_size=2, max_size=6),
+    dtype=st.sampled_from([np.float32, np.float64]),
+    events=st.lists(
+        st.sampled_from(["none", "freeze", "thaw", "adjust", "no-grad", "replace", "convert"]),
+        min_size=6,
+        max_size=6,
+    ),
+    seed=st.integers(0, 2**16),
+)
+def test_engine_equals_per_leaf_path_through_random_events(
+    backend, rule, shapes, dtype, events, seed, monkeypatch
+):
+    s1, m1 = _events_run(backend, rule, shapes, dtype, events, seed, True, monkeypatch)
+    s2, m2 = _events_run(backend, rule, shapes, dtype, events, seed, False, monkeypatch)
+    assert m1["tie"] is m1["p0"]
+    for k in m1:
+        assert as_numpy(m1[k]).dtype == as_numpy(m2[k]).dtype
+    assert_same(m1, m2, s1, s2)
