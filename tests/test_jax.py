@@ -744,3 +744,42 @@ def test_random_tied_trees_jitted_equal_eager_and_untied_reference(tree, share, 
     for places_j in _leaves_by_index(tree, m_j2, {}).values():
         for x in places_j:
             np.testing.assert_array_equal(x, places_j[0])
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    rule=st.sampled_from([opt.Adam(0.01), opt.NAdam(0.01), opt.RAdam(0.01), opt.Momentum(0.01, 0.9)]),
+    n=st.integers(2, 6),
+    events=st.lists(st.sampled_from(["none", "freeze", "thaw", "adjust", "restore"]), min_size=5, max_size=5),
+    seed=st.integers(0, 2**16),
+)
+def test_jitted_updates_equal_eager_through_random_events(rule, n, events, seed):
+    # the jitted path shares counters between Leafs and flattens States it made itself the short
+    # way; neither may change a number, whatever happens to the state between steps
+    rng = np.random.default_rng(seed)
+    model = {f"p{i}": rand(3, seed=seed + i) for i in range(n)}
+    model["tie"] = model["p0"]
+    step = jax.jit(opt.update)
+    s_jit, m_jit = opt.setup(rule, model), model
+    s_eager, m_eager = opt.setup(rule, model), model
+    for event in events:
+        grads = {k: jnp.asarray(rng.standard_normal(3), jnp.float32) for k in model}
+        if event == "freeze":
+            opt.freeze_(s_jit["p1"])
+            opt.freeze_(s_eager["p1"])
+        elif event == "thaw":
+            opt.thaw_(s_jit)
+            opt.thaw_(s_eager)
+        elif event == "adjust":
+            opt.adjust_(s_jit, 0.003)
+            opt.adjust_(s_eager, 0.003)
+        elif event == "restore":
+            s_jit = opt.load_state_dict(opt.setup(rule, model), opt.state_dict(s_jit))
+        s_jit, m_jit = step(s_jit, m_jit, grads)
+        s_eager, m_eager = opt.update(s_eager, m_eager, grads)
+        for k in model:
+            close(m_jit[k], m_eager[k], rtol=1e-5, atol=1e-6)
+        for a, b in zip(s_jit.leaves(), s_eager.leaves()):
+            for x, y in zip(jax.tree_util.tree_leaves(a.state), jax.tree_util.tree_leaves(b.state)):
+                close(x, y, rtol=1e-5, atol=1e-6)
+    close(m_jit["tie"], m_jit["p0"], rtol=0, atol=0)
