@@ -609,3 +609,21 @@ def test_plain_tensors_at_tied_parameter_slots_become_one_parameter():
     assert isinstance(doubled.embed.weight, nn.Parameter)
     assert doubled.head.weight is doubled.embed.weight
     torch.testing.assert_close(doubled.embed.weight.detach(), 2 * model.embed.weight.detach())
+
+
+def test_parameter_frozen_by_requires_grad_after_setup_is_explained():
+    # torch users freeze with requires_grad_(False); after setup the state still holds the
+    # parameter, so the update says so, names it, points at freeze_, and changes nothing
+    layer = nn.Linear(3, 2)
+    state = opt.setup(opt.Adam(0.1), layer)
+    layer(torch.randn(4, 3)).sum().backward()
+    state, layer = opt.update_(state, layer, opt.grads(layer))
+    before = (layer.weight.detach().clone(), state["weight"].state[0].clone())
+    layer.bias.requires_grad_(False)
+    with pytest.raises(KeyError, match=r"parameter at bias.*requires_grad=False.*freeze_"):
+        opt.update_(state, layer, opt.grads(layer))
+    assert torch.equal(layer.weight, before[0]) and torch.equal(state["weight"].state[0], before[1])
+    layer.bias.requires_grad_(True)
+    opt.freeze_(state["bias"])  # the supported way
+    state, layer = opt.update_(state, layer, opt.grads(layer))
+    assert not torch.equal(layer.weight, before[0])

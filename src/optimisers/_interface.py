@@ -231,6 +231,12 @@ def _gather(tree, model, grads) -> dict[int, _Contribution]:
         for k, sub in snode.items():
             x = children.get(k, _MISSING)
             if x is _MISSING:
+                why = kind.why_not_child(node, k) if kind.why_not_child is not None else None
+                if why is not None:
+                    raise KeyError(
+                        f"the state has a parameter at {format_path(path + (k,))}, which the model "
+                        f"does not train: {why}"
+                    )
                 raise KeyError(
                     f"the state has key {k!r} at {format_path(path)}, which the model lacks; "
                     "was the state set up for another model?"

@@ -24,12 +24,15 @@ class NodeKind(NamedTuple):
     except that each key of `changes` holds its new child. `grad_children(node, grad, path)`, when
     given, reads a gradient for `node` in a form other than the generic ones (mapping, sequence, same
     type), returning a dict from key to gradient or `None` when it does not recognise `grad`.
+    `why_not_child(node, key)`, when given, explains a key the state has but `children` lacks (a
+    torch parameter frozen with `requires_grad_(False)` after setup), for the error message.
     """
 
     name: str
     children: Callable[[Any], list]
     rebuild: Callable[[Any, dict], Any]
     grad_children: Callable | None = None
+    why_not_child: Callable | None = None  # (node, key) -> why `key` is not a child now, or None
 
 
 # --- the built-in kinds ------------------------------------------------------------------------

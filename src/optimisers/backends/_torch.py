@@ -509,7 +509,19 @@ def _both(path, key) -> str:
     )
 
 
-MODULE = NodeKind("module", _module_children, _module_rebuild, _module_grad_children)
+def _why_not_child(m, key):
+    p = m._parameters.get(key)
+    if p is not None and not p.requires_grad:
+        return (
+            "it has requires_grad=False now; to stop training a parameter and keep its optimiser "
+            "state, use optimisers.freeze_ on its Leaf instead (or run setup again)"
+        )
+    if key in m._buffers:
+        return "it is a buffer there, which is never trained"
+    return None
+
+
+MODULE = NodeKind("module", _module_children, _module_rebuild, _module_grad_children, _why_not_child)
 
 
 def node_kind(obj):
