@@ -44,6 +44,10 @@ def run(rank, port, outdir, steps):
             {name: p.detach() for name, p in model.named_parameters(remove_duplicate=False)},
             os.path.join(outdir, f"rank{rank}.pt"),
         )
+        # both ranks done before either tears gloo down: a rank that destroys the group while the
+        # other still talks to it can abort the other ("terminate called without an active
+        # exception", seen once in a loaded CI run)
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
