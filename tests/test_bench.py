@@ -3,6 +3,8 @@ table and writes JSON whose rows agree with the float64 reference."""
 
 import json
 
+import pytest
+
 from optimisers import bench
 
 
@@ -41,3 +43,18 @@ def test_bench_times_s2_tied_against_s2_in_alternation(tmp_path, capsys):
     assert pair["ratio_median"] > 0 and pair["plain_ms"] > 0 and pair["tied_ms"] > 0
     target = next(t for t in doc["targets"] if t["target"].startswith("numpy S2-tied"))
     assert target["measured"] == pair["ratio_median"]
+
+
+def test_bench_times_ours_against_the_peer_in_alternation(tmp_path, capsys):
+    pytest.importorskip("torch")
+    path = tmp_path / "bench.json"
+    argv = ["--quick", "--shapes", "S1", "--backends", "torch", "--rules", "adam",
+            "--repeats", "1", "--bandwidth-mb", "4", "--json", str(path)]
+    assert bench.main(argv) == 0
+    assert "optimisers / peer, paired" in capsys.readouterr().out
+    doc = json.loads(path.read_text())
+    (pair,) = doc["paired_peer_ratios"]
+    assert (pair["impl"], pair["peer"], pair["shape"]) == ("optimisers update_", "torch.optim fused", "S1")
+    assert pair["ratio_median"] > 0 and pair["ours_ms"] > 0 and pair["peer_ms"] > 0
+    target = next(t for t in doc["targets"] if t["target"].startswith("torch S1 Adam"))
+    assert target["measured"] == pair["ratio_median"] and "(paired)" in target["target"]
