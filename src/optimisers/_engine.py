@@ -4,12 +4,14 @@ Leafs that share a rule object, backend, dtype, device and scalar state (step co
 group whose state arrays live in one flat buffer per state position; each Leaf's state is a view
 into them. A step runs the rule's own `apply` on cache-sized chunks of the buffers (for NumPy in
 parallel threads, since ufuncs release the GIL), writes the new state back into the chunk and
-subtracts the step from the parameter in place. Small parameters are packed into shared chunks, so a model of
-thousands of tiny arrays costs a few calls per chunk instead of a dozen per array.
+subtracts the step from the parameter in place. Small parameters are packed into shared chunks,
+so a model of thousands of tiny arrays costs a few calls per chunk instead of a dozen per array.
 
 Only rules that declare `elementwise = True` are grouped: their update of each element depends
 only on that element and on scalars shared by the group, so a chunk computes exactly what the
-whole array would. Everything else takes the ordinary per-Leaf path.
+whole array would. Everything else takes the ordinary per-Leaf path, and so does a Leaf whose
+parameter changed under the plan (converted, reshaped, no longer writable in place); the engine
+and the per-Leaf path give the same numbers bit for bit.
 """
 
 from __future__ import annotations
