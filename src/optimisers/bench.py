@@ -12,7 +12,10 @@ What is measured (see benchmarks/README.md for every column):
 - for each shape (S1 one big tensor, S2 a GPT-like tree of 148 tensors, S2-tied the same with the
   token embedding tied to the LM head, S3 4000 tensors of 256) and rule (Adam, AdamW, Momentum):
   the time of one step of every implementation, after checking that every implementation gives the
-  same parameters as a float64 reference after a few steps.
+  same parameters as a float64 reference after a few steps;
+- the ratios the targets judge, again with the two runners stepped in alternation (S2-tied
+  against S2, and for Adam `optimisers` against its peer on S1 and S2), since rows timed a minute
+  apart on a shared machine differ by more than those few percent.
 
 Every implementation gets the same float32 initial parameters and gradients. Peers that have no notion
 of tied weights (torch.optim, optax, the naive loop) get the tied parameter once with its gradients
