@@ -80,15 +80,15 @@ class Group:
         start = getattr(b, "engine_start", None)  # a backend's one-time preparation (NumPy: malloc)
         if start is not None:
             start()
-        self.chunk = self._chunk_size(b, sum(b.numel(x) for x in xs))
+        sizes = [b.numel(x) for x in xs]
+        self.chunk = self._chunk_size(b, sum(sizes))
         # small parameters last, so that they pack into a few long runs however the model
         # interleaves them with large ones (a bias after each weight matrix)
-        order = sorted(range(len(xs)), key=lambda i: b.numel(xs[i]) < self.chunk // 4)
-        leaves, xs = [leaves[i] for i in order], [xs[i] for i in order]
+        order = sorted(range(len(xs)), key=lambda i: sizes[i] < self.chunk // 4)
+        leaves, xs, self.sizes = [leaves[i] for i in order], [xs[i] for i in order], [sizes[i] for i in order]
         self.leaves = leaves  # their rule is read from the first at each step: adjust_ may change it
         self.dtype, self.device = xs[0].dtype, getattr(xs[0], "device", None)
         self.shapes = [x.shape for x in xs]
-        self.sizes = [b.numel(x) for x in xs]
         self.offsets = np.concatenate([[0], np.cumsum(self.sizes)]).astype(int).tolist()
         per_leaf = []
         for leaf in leaves:
@@ -205,7 +205,9 @@ class Group:
         out = []
         for i, c in enumerate(members):
             grads, x = c.grads, c.x
-            if len(grads) == 1 or not all(self._summable(g, x) for g in grads):
+            # summed in place only when each gradient fits the parameter as it is (what the
+            # backend's astype hands back unchanged), so that the sum equals `dx()` bit for bit
+            if len(grads) == 1 or not all(_ops.astype(g, x) is g for g in grads):
                 out.append(c.dx())
                 continue
             buf = self._sums.get(i)
@@ -214,14 +216,6 @@ class Group:
             self.b.sum_into(buf, grads)
             out.append(buf)
         return out
-
-    def _summable(self, g, x) -> bool:
-        return (
-            _ops.backend(g) is self.b
-            and g.dtype == x.dtype
-            and getattr(g, "device", None) == getattr(x, "device", None)
-            and not getattr(g, "requires_grad", False)
-        )
 
     def intact(self) -> bool:
         rule = self.leaves[0].rule

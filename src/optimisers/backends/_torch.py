@@ -199,8 +199,6 @@ def fused_group_step(group, rule, xs, dxs) -> bool:
     found = _fused_kernel(rule, xs[0])
     if found is None or group.array_at != [True, True, False]:
         return False
-    if not all(b.dtype == group.dtype and b.device == group.device for b in group.buffers[:2]):
-        return False  # state kept in another dtype (a parameter converted after its first steps)
     t = group.scalars[2] + 1
     with torch.no_grad():
         grads = [g.contiguous() for g in dxs]
