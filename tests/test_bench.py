@@ -31,13 +31,18 @@ def test_bench_smallest_run_prints_table_and_writes_json(tmp_path, capsys):
         assert "error" in r or r["agree"], r
 
 
-def test_bench_times_s2_tied_against_s2_in_alternation(tmp_path, capsys):
+def _run(tmp_path, capsys, shapes, backend):
+    """The smallest run of the bench on `shapes` and `backend`: (printed output, JSON document)."""
     path = tmp_path / "bench.json"
-    argv = ["--quick", "--shapes", "S2,S2-tied", "--backends", "numpy", "--rules", "adam",
+    argv = ["--quick", "--shapes", shapes, "--backends", backend, "--rules", "adam",
             "--repeats", "1", "--bandwidth-mb", "4", "--json", str(path)]
     assert bench.main(argv) == 0
-    assert "S2-tied / S2, paired" in capsys.readouterr().out
-    doc = json.loads(path.read_text())
+    return capsys.readouterr().out, json.loads(path.read_text())
+
+
+def test_bench_times_s2_tied_against_s2_in_alternation(tmp_path, capsys):
+    out, doc = _run(tmp_path, capsys, "S2,S2-tied", "numpy")
+    assert "S2-tied / S2, paired" in out
     (pair,) = doc["paired_tie_ratios"]
     assert pair["impl"] == "optimisers update_" and pair["pairs"] == 6
     assert pair["ratio_median"] > 0 and pair["plain_ms"] > 0 and pair["tied_ms"] > 0
@@ -47,12 +52,8 @@ def test_bench_times_s2_tied_against_s2_in_alternation(tmp_path, capsys):
 
 def test_bench_times_ours_against_the_peer_in_alternation(tmp_path, capsys):
     pytest.importorskip("torch")
-    path = tmp_path / "bench.json"
-    argv = ["--quick", "--shapes", "S1", "--backends", "torch", "--rules", "adam",
-            "--repeats", "1", "--bandwidth-mb", "4", "--json", str(path)]
-    assert bench.main(argv) == 0
-    assert "optimisers / peer, paired" in capsys.readouterr().out
-    doc = json.loads(path.read_text())
+    out, doc = _run(tmp_path, capsys, "S1", "torch")
+    assert "optimisers / peer, paired" in out
     (pair,) = doc["paired_peer_ratios"]
     assert (pair["impl"], pair["peer"], pair["shape"]) == ("optimisers update_", "torch.optim fused", "S1")
     assert pair["ratio_median"] > 0 and pair["ours_ms"] > 0 and pair["peer_ms"] > 0

@@ -747,12 +747,13 @@ def _alternate(first, second, pairs: int) -> tuple[float, float, float]:
     return statistics.median(ratios), statistics.median(times[0]) * 1e3, statistics.median(times[1]) * 1e3
 
 
-def _paired(result: dict, make_first, make_second, pairs: int) -> dict:
+def _paired(result: dict, make_first, make_second, pairs: int, names: tuple[str, str]) -> dict:
+    """`result` with the paired ratio second/first and each side's median ms under `names`."""
     first = second = None
     try:
         first, second = make_first(), make_second()
         ratio, first_ms, second_ms = _alternate(first, second, pairs)
-        result.update(pairs=pairs, ratio_median=ratio, first_ms=first_ms, second_ms=second_ms)
+        result.update({"pairs": pairs, "ratio_median": ratio, names[0]: first_ms, names[1]: second_ms})
     except Exception as e:  # reported, not fatal
         result["error"] = (f"{type(e).__name__}: {e}".splitlines() or [type(e).__name__])[0][:300]
     finally:
@@ -763,29 +764,40 @@ def _paired(result: dict, make_first, make_second, pairs: int) -> dict:
 
 def paired_tie_ratio(impl: Impl, shapes: dict, rule: str, pairs: int) -> dict:
     """S2-tied against S2 for one implementation, timed in alternation."""
-    result = _paired(
+    return _paired(
         {"backend": impl.backend, "impl": impl.name, "rule": rule},
         lambda: impl.make(make_data(shapes["S2"]), rule),
         lambda: impl.make(make_data(shapes["S2-tied"]), rule),
         pairs,
+        ("plain_ms", "tied_ms"),
     )
-    if "ratio_median" in result:
-        result["plain_ms"], result["tied_ms"] = result.pop("first_ms"), result.pop("second_ms")
-    return result
 
 
 def paired_peer_ratio(impl: Impl, peer: Impl, shape: Shape, rule: str, pairs: int) -> dict:
     """One implementation against its peer on one shape, timed in alternation."""
     data = make_data(shape)
-    result = _paired(
+    return _paired(
         {"backend": impl.backend, "impl": impl.name, "peer": peer.name, "shape": shape.name, "rule": rule},
         lambda: peer.make(data, rule),
         lambda: impl.make(data, rule),
         pairs,
+        ("peer_ms", "ours_ms"),
     )
-    if "ratio_median" in result:
-        result["peer_ms"], result["ours_ms"] = result.pop("first_ms"), result.pop("second_ms")
-    return result
+
+
+def format_paired(title: str, results: list, label, detail) -> list[str]:
+    """Lines for a list of paired results; `label(p)` names one, `detail(p)` its medians."""
+    if not results:
+        return []
+    lines = [f"{title}, paired (the two stepped in alternation, median of the per-pair ratios; "
+             "medians in ms):"]
+    for p in results:
+        what = f"  {label(p)}:"
+        if "error" in p:
+            lines.append(f"{what} n/a: {p['error']}")
+        else:
+            lines.append(f"{what} {p['ratio_median']:.3f}  ({detail(p)}, {p['pairs']} pairs)")
+    return lines
 
 
 # --- report ------------------------------------------------------------------------------------
@@ -1147,26 +1159,17 @@ def _run(opts) -> int:
         "median (same shape and rule). extraMB: peak memory above the step's start, t = tracemalloc "
         "(NumPy allocations), r = RSS high-water mark; xparam: extraMB / parameter bytes."
     )
-    if paired:
-        print("S2-tied / S2, paired (the two models stepped in alternation, median of the "
-              "per-pair ratios; medians in ms):")
-    for p in paired:
-        what = f"  {p['backend']:7} {p['impl']:26} {p['rule']:9}"
-        if "error" in p:
-            print(f"{what} n/a: {p['error']}")
-        else:
-            print(f"{what} {p['ratio_median']:.3f}  (S2 {p['plain_ms']:.2f}, S2-tied {p['tied_ms']:.2f}, "
-                  f"{p['pairs']} pairs)")
-    if paired_peers:
-        print("optimisers / peer, paired (the two stepped in alternation, median of the per-pair "
-              "ratios; medians in ms):")
-    for p in paired_peers:
-        what = f"  {p['backend']:7} {p['shape']:7} {p['impl']} / {p['peer']}"
-        if "error" in p:
-            print(f"{what}: n/a: {p['error']}")
-        else:
-            print(f"{what}: {p['ratio_median']:.3f}  (ours {p['ours_ms']:.2f}, peer {p['peer_ms']:.2f}, "
-                  f"{p['pairs']} pairs)")
+    paired_lines = format_paired(
+        "S2-tied / S2", paired,
+        lambda p: f"{p['backend']:7} {p['impl']:26} {p['rule']:9}",
+        lambda p: f"S2 {p['plain_ms']:.2f}, S2-tied {p['tied_ms']:.2f}",
+    ) + format_paired(
+        "optimisers / peer", paired_peers,
+        lambda p: f"{p['backend']:7} {p['shape']:7} {p['impl']} / {p['peer']}",
+        lambda p: f"ours {p['ours_ms']:.2f}, peer {p['peer_ms']:.2f}",
+    )
+    if paired_lines:
+        print("\n".join(paired_lines))
     print()
     print(format_targets(targets))
     profiles = [r for r in rows if r.get("profile")]
