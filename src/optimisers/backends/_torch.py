@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy as _copy
 import functools
+import sys
 from collections.abc import Mapping
 
 import numpy as np
@@ -24,6 +25,7 @@ import torch
 from torch import nn
 
 from .._rule import NewValue
+from .._state import flatten_state
 from .._tree import NodeKind, format_path
 
 # float16's smallest useful epsilon (Optimisers.jl's floor): Float16(1e-7) == 2**-23
@@ -57,8 +59,30 @@ def writable(x) -> bool:
     return not x.is_inference()
 
 
+def _dtensor_class():
+    # a DTensor exists only once torch.distributed.tensor was imported: never import it here
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", None)
+
+
+def is_dtensor(x) -> bool:
+    """A `torch.distributed.tensor.DTensor` (what FSDP2's `fully_shard` makes parameters)."""
+    cls = _dtensor_class()
+    return cls is not None and isinstance(x, cls)
+
+
+def _local(x):
+    """The memory `x` owns on this process: a DTensor's local shard (a DTensor has no storage
+    of its own), any other tensor itself."""
+    if is_dtensor(x):
+        with torch.no_grad():
+            return x.to_local()
+    return x
+
+
 def memory_span(x):
-    """(start, stop) byte addresses of the elements `x` may touch."""
+    """(start, stop) byte addresses of the elements `x` may touch (a DTensor: its local shard)."""
+    x = _local(x)
     if x.numel() == 0 or x.is_meta:  # meta tensors (shape-only models) have no memory at all
         return 0, 0
     item = x.element_size()
@@ -73,7 +97,9 @@ def _storage_ptr(x) -> int:
 
 
 def shares_memory(x, y) -> bool:
-    """Same storage and overlapping element ranges (conservative for interleaved strided views)."""
+    """Same storage and overlapping element ranges (conservative for interleaved strided views);
+    for DTensors, of their local shards."""
+    x, y = _local(x), _local(y)
     if x.device != y.device or _storage_ptr(x) != _storage_ptr(y):
         return False
     (a0, a1), (b0, b1) = memory_span(x), memory_span(y)
@@ -128,6 +154,9 @@ ENGINE_THREADS = False
 
 
 def engine_ok(x) -> bool:
+    # a DTensor takes the per-Leaf path: the engine's flat buffers would reshape it (a
+    # redistribution), whereas the rule's maths on the DTensor itself runs shard-locally for
+    # elementwise operations and gives global results for norms
     return (
         isinstance(x, torch.Tensor)
         and x.layout is torch.strided
@@ -135,6 +164,7 @@ def engine_ok(x) -> bool:
         and x.dim() > 0
         and x.numel() > 0
         and not x.is_inference()
+        and not is_dtensor(x)
     )
 
 
@@ -182,16 +212,49 @@ def _run_fused(kernel, decay, rule, xs, dxs, ms, vs, t):
 def fused_apply(rule, state, x, dx):
     """`rule.apply` through torch's fused kernel on copies, or None where there is none. Both the
     pure and the in-place update use the kernel, so they agree bit for bit."""
+    if is_dtensor(x):
+        _check_sharded_state(state, x)
     found = _fused_kernel(rule, x)
     if found is None or getattr(dx, "is_sparse", False):
         return None
     m, v, t = state
     if not all(s.dtype == x.dtype and s.device == x.device for s in (m, v)):
         return None  # a parameter converted after setup (module.double()): the generic maths promotes
+    sharded = is_dtensor(x)
+    if sharded and not _same_sharding(x, dx, m, v):
+        return None  # the generic maths redistributes, or reports the mix of Tensor and DTensor
     with torch.no_grad():
         x, m, v = x.detach().clone(), m.clone(), v.clone()
-        _run_fused(*found, rule, [x], [dx.contiguous()], [m], [v], t + 1)
+        if sharded:  # elementwise: the kernel steps each process's shards
+            x_, dx_, m_, v_ = x.to_local(), dx.to_local(), m.to_local(), v.to_local()
+        else:
+            x_, dx_, m_, v_ = x, dx, m, v
+        _run_fused(*found, rule, [x_], [dx_.contiguous()], [m_], [v_], t + 1)
     return (m, v, t + 1), NewValue(x)
+
+
+def _check_sharded_state(state, x):
+    """A DTensor parameter with state of plain tensors: `setup` ran before `fully_shard`
+    replaced the parameters. DTensor maths would fail on the mix, less clearly."""
+    parts: list = []
+    flatten_state(state, parts)
+    if any(isinstance(p, torch.Tensor) and p.dim() > 0 and not is_dtensor(p) for p in parts):
+        raise ValueError(
+            f"a parameter of shape {tuple(x.shape)} is a DTensor (sharded, e.g. by FSDP2's "
+            "fully_shard), but its optimiser state holds plain tensors: the state was set up "
+            "before the model was sharded. Call optimisers.setup after fully_shard."
+        )
+
+
+def _same_sharding(x, *others) -> bool:
+    """Are `others` DTensors laid out exactly as DTensor `x` (mesh, placements, local shape)?"""
+    return all(
+        is_dtensor(o)
+        and o.device_mesh == x.device_mesh
+        and o.placements == x.placements
+        and o.to_local().shape == x.to_local().shape
+        for o in others
+    )
 
 
 def fused_group_step(group, rule, xs, dxs) -> bool:
