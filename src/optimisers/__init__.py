@@ -7,7 +7,8 @@
 
 from . import ops, schedules
 from ._buffers import distinct_buffers
-from ._checkpoint import CheckpointError, load, load_state_dict, save, state_dict
+from ._checkpoint import CheckpointError, load_state_dict, state_dict
+from ._checkpoint_file import load, save
 from ._destructure import destructure, trainables
 from ._interface import adjust, adjust_, freeze_, setup, thaw_, update, update_
 from ._rule import Rule

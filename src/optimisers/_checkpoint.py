@@ -1,4 +1,4 @@
-"""Checkpoints of optimiser state: `state_dict` / `load_state_dict` and the single-file `save` / `load`.
+"""Checkpoints of optimiser state as a flat dict: `state_dict` / `load_state_dict`.
 
 The state dict is a flat `dict` from strings to plain values (arrays, text, bools, numbers), so
 any checkpointer of such dicts can hold it (`torch.save`, `np.savez(**d)`, ...). With `P` the
@@ -20,22 +20,15 @@ other place that holds it has a `tied_to` entry. `load_state_dict` checks everyt
 rules, state entries, shapes, dtypes) before it builds anything and reports every difference at
 once; it returns a new `State` and leaves its arguments untouched (no trailing underscore: pure).
 
-`save(path, state)` writes the same entries to one file: `.npz` (or `.safetensors` when that
-package is installed and the path ends so), the arrays as arrays (moved to the host), everything
-else as one JSON text entry `__optimisers__`. The file is written to a temporary file in the same
-folder, flushed to disk and renamed over `path`, so a crash never leaves a truncated checkpoint.
+`save` / `load` (one file with a checksum) live in `_checkpoint_file`.
 """
 
 from __future__ import annotations
 
 import ast
-import contextlib
 import dataclasses
-import json
 import math
-import os
 import sys
-import tempfile
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -611,7 +604,8 @@ def load_state_dict(state, d: Mapping, *, hyperparameters: str = "checkpoint") -
             if text not in parsed:
                 parsed[text] = _parse(text)
             spec = parsed[text]
-        except (CheckpointError, SyntaxError, ValueError) as e:
+        except (CheckpointError, SyntaxError, ValueError, RecursionError, MemoryError) as e:
+            e = e if str(e) else type(e).__name__  # a crafted text nested too deeply
             problems.append(f"{rule_key}: cannot read the rule ({e})")
             continue
         if (text, id(leaf.rule)) not in compared:
@@ -691,170 +685,4 @@ def load_state_dict(state, d: Mapping, *, hyperparameters: str = "checkpoint") -
     return State(map_leaves(lambda leaf: new_leaf[id(leaf)], tree))
 
 
-# --- files ---------------------------------------------------------------------------------------
-
-
-def _split(d: dict) -> tuple[dict, dict]:
-    """The state dict as `({key: host array}, JSON-able metadata)`."""
-    arrays: dict[str, np.ndarray] = {}
-    entries: dict[str, Any] = {}
-    dtypes: dict[str, str] = {}
-    for key, value in d.items():
-        if isinstance(value, (str, bool, int, float)) and not (
-            isinstance(value, float) and not math.isfinite(value)
-        ):
-            entries[key] = value
-            continue
-        host, dtype = _host_bits(value)
-        if dtype is not None:
-            dtypes[key] = dtype
-        arrays[key] = host
-    return arrays, {"format": FORMAT, "entries": entries, "dtypes": dtypes}
-
-
-def _host_bits(value) -> tuple[np.ndarray, str | None]:
-    """A contiguous host array for the file, and the real dtype's name when the array holds the
-    bits of a dtype NumPy lacks (bfloat16, float8...) as unsigned integers."""
-    if type(value).__module__.partition(".")[0] == "torch":
-        t = value.detach().cpu().contiguous()
-        try:
-            return t.numpy().copy(), None
-        except TypeError:
-            import torch
-
-            ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-            host = t.view(ints[t.element_size()]).numpy()
-            name = str(t.dtype).removeprefix("torch.")
-            return host.view(f"u{host.dtype.itemsize}").copy(), name
-    host = _to_numpy(value) if _is_array(value) else np.asarray(value)
-    if not host.flags.c_contiguous:  # (np.ascontiguousarray would make 0-d arrays 1-d)
-        host = host.copy(order="C")
-    if host.dtype.kind == "V" or host.dtype.type.__module__ != "numpy":  # ml_dtypes
-        return host.view(f"u{host.dtype.itemsize}"), host.dtype.name
-    return host, None
-
-
-def _join(arrays: Mapping, meta: dict, where: str) -> dict:
-    if meta.get("format") != FORMAT:
-        raise CheckpointError(f"{where}: unknown checkpoint format {meta.get('format')!r}")
-    d: dict[str, Any] = {}
-    dtypes = meta.get("dtypes", {})
-    for key, value in arrays.items():
-        d[key] = _RawBits(value, dtypes[key]) if key in dtypes else value
-    d.update(meta.get("entries", {}))
-    return d
-
-
-def _atomic_write(path: str, write) -> None:
-    """Write through `write(file)` to a temporary file beside `path`, flush it to disk, then rename
-    it over `path`; a crash at any point leaves either the old file or the new one."""
-    directory = os.path.dirname(os.path.abspath(path))
-    try:
-        mode = os.stat(path).st_mode & 0o777
-    except FileNotFoundError:
-        mode = 0o644
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    if hasattr(os, "O_DIRECTORY"):  # make the rename itself durable
-        dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
-
-
-def _is_safetensors(path: str) -> bool:
-    return path.endswith(".safetensors")
-
-
-def save(path, state) -> None:
-    """Write the optimiser state to one file at `path`, atomically.
-
-    `.safetensors` paths use safetensors (which must be installed); any other path gets a NumPy
-    `.npz` archive, written to exactly that name. Arrays are stored as arrays (moved to the host;
-    dtypes NumPy lacks, such as bfloat16, as their bits), everything else (rules, ties, frozen
-    flags, step counters) as the JSON text entry `__optimisers__`. The keys are those of
-    `state_dict`. The file appears complete or not at all: it is written beside `path`, flushed to
-    disk and renamed over it.
-    """
-    path = os.fspath(path)
-    arrays, meta = _split(state_dict(state))
-    text = json.dumps(meta)
-    if _is_safetensors(path):
-        try:
-            from safetensors.numpy import save as st_save
-        except ImportError:
-            raise ImportError(
-                "saving to a .safetensors path needs the safetensors package "
-                "(pip install safetensors); or use a .npz path"
-            ) from None
-        blob = st_save(arrays, metadata={META_KEY: text})
-        _atomic_write(path, lambda f: f.write(blob))
-    else:
-        if META_KEY in arrays:
-            raise ValueError(f"a state entry is named {META_KEY!r}, which the file format reserves")
-        payload = {**arrays, META_KEY: np.array(text)}
-        _atomic_write(path, lambda f: np.savez(f, **payload))
-
-
-def _read(path: str) -> dict:
-    try:
-        if _is_safetensors(path):
-            from safetensors.numpy import load as st_load
-
-            with open(path, "rb") as f:
-                blob = f.read()
-            arrays = st_load(blob)
-            header_len = int.from_bytes(blob[:8], "little")
-            header = json.loads(blob[8 : 8 + header_len])
-            text = header.get("__metadata__", {}).get(META_KEY)
-        else:
-            # our own handle: np.load leaks the one it opens when the file is not a zip
-            with open(path, "rb") as f, np.load(f, allow_pickle=False) as z:
-                arrays = {k: z[k] for k in z.files}
-            text = arrays.pop(META_KEY, None)
-            text = text.item() if text is not None else None
-    except OSError:  # a missing file, a folder, no permission: not the checkpoint's fault
-        raise
-    except ImportError:
-        raise ImportError(f"reading {path} needs the safetensors package (pip install safetensors)") from None
-    except Exception as e:  # zip, npy and safetensors readers each have their own errors
-        raise CheckpointError(
-            f"cannot read the checkpoint {path}: {type(e).__name__}: {e} (a truncated or damaged "
-            "file, or not a checkpoint?)"
-        ) from e
-    if text is None:
-        raise CheckpointError(
-            f"{path} is not an optimisers checkpoint: it has no {META_KEY!r} entry (its arrays: "
-            f"{_listing(sorted(arrays), 5) or 'none'})"
-        )
-    try:
-        meta = json.loads(text)
-    except ValueError as e:
-        raise CheckpointError(f"{path}: the {META_KEY!r} entry is not valid JSON ({e})") from e
-    return _join(arrays, meta, path)
-
-
-def load(path, state, *, hyperparameters: str = "checkpoint") -> State:
-    """Read a file written by `save` into `state` (a fresh `setup` of the same model), checking it
-    against the state first; returns a new `State` and leaves `state` as it was. See
-    `load_state_dict` for the checks and for `hyperparameters`."""
-    path = os.fspath(path)
-    d = _read(path)
-    try:
-        return load_state_dict(state, d, hyperparameters=hyperparameters)
-    except CheckpointError as e:
-        raise CheckpointError(f"{path}: {e}") from None
-
-
-__all__ = ["CheckpointError", "load", "load_state_dict", "save", "state_dict"]
+__all__ = ["CheckpointError", "load_state_dict", "state_dict"]

@@ -1,0 +1,509 @@
+"""Checkpoint files: `save` / `load`, the entries of `state_dict` in one verified file.
+
+A file is a NumPy `.npz` archive (or a safetensors file for `.safetensors` paths): the arrays as
+arrays (moved to the host; dtypes NumPy lacks, such as bfloat16, as their bits) and one JSON
+text entry `__optimisers__` holding everything else:
+
+    {"format": "optimisers.state_dict.v1", "file_format": 2,
+     "entries": {key: text, bool or number}, "dtypes": {key: real dtype of stored bits},
+     "arrays": {key: [NumPy dtype string, shape]}, "sha256": hex digest}
+
+The digest covers the metadata (canonical JSON, without the digest) and every array (name,
+dtype, shape and bytes, in sorted name order), so an edited header or a flipped byte is caught.
+Files of version 0.1 of this library have no `file_format`, `arrays` or `sha256`; they still
+load, unverified (see docs/checkpoints.md).
+
+Reading is defensive: the layout (names, declared sizes, the JSON's structure) is checked before
+any array is read or decompressed, and the total is bounded by the size of the state loaded
+into, so a crafted file cannot make `load` allocate much more than the state itself.
+
+Writes go to a temporary file beside the target (`.<name>.optimisers-XXXXXXXX.tmp`, locked while
+it is written), flushed to disk and renamed over it; a save also removes such files that a killed
+save left behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import math
+import os
+import re
+import tempfile
+import zipfile
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from ._checkpoint import (
+    FORMAT,
+    META_KEY,
+    CheckpointError,
+    _is_array,
+    _listing,
+    _places,
+    _RawBits,
+    _state_items,
+    _to_numpy,
+    _tree_of,
+    load_state_dict,
+    state_dict,
+)
+from ._state import State
+
+try:  # only to release a temporary file's lock; without it, stray files are not removed
+    import fcntl
+except ImportError:  # pragma: no cover - Windows
+    fcntl = None
+
+FILE_FORMAT = 2
+_META_V1 = {"format", "entries", "dtypes"}  # the metadata of files written by v0.1
+_META_V2 = _META_V1 | {"file_format", "arrays", "sha256"}
+_NPY_HEADER_MAX = 4096  # an .npy header as NumPy writes it for our arrays is ~128 bytes
+_TMP_TAG = ".optimisers-"
+_STALE_TMP = r"[a-z0-9_]{8}\.tmp"  # tempfile.mkstemp's 8 random characters
+
+
+# --- writing -------------------------------------------------------------------------------------
+
+
+def _host_bits(value) -> tuple[np.ndarray, str | None]:
+    """A contiguous host array for the file, and the real dtype's name when the array holds the
+    bits of a dtype NumPy lacks (bfloat16, float8...) as unsigned integers."""
+    if type(value).__module__.partition(".")[0] == "torch":
+        t = value.detach().cpu().contiguous()
+        try:
+            return t.numpy().copy(), None
+        except TypeError:
+            import torch
+
+            ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+            host = t.view(ints[t.element_size()]).numpy()
+            name = str(t.dtype).removeprefix("torch.")
+            return host.view(f"u{host.dtype.itemsize}").copy(), name
+    host = _to_numpy(value) if _is_array(value) else np.asarray(value)
+    if not host.flags.c_contiguous:  # (np.ascontiguousarray would make 0-d arrays 1-d)
+        host = host.copy(order="C")
+    if host.dtype.kind == "V" or host.dtype.type.__module__ != "numpy":  # ml_dtypes
+        return host.view(f"u{host.dtype.itemsize}"), host.dtype.name
+    return host, None
+
+
+def _split(d: dict) -> tuple[dict, dict]:
+    """The state dict as `({key: host array}, metadata with its digest)`."""
+    arrays: dict[str, np.ndarray] = {}
+    entries: dict[str, Any] = {}
+    dtypes: dict[str, str] = {}
+    for key, value in d.items():
+        if isinstance(value, (str, bool, int, float)) and not (
+            isinstance(value, float) and not math.isfinite(value)
+        ):
+            entries[key] = value
+            continue
+        host, dtype = _host_bits(value)
+        if dtype is not None:
+            dtypes[key] = dtype
+        arrays[key] = host
+    meta = {
+        "format": FORMAT,
+        "file_format": FILE_FORMAT,
+        "entries": entries,
+        "dtypes": dtypes,
+        "arrays": {k: [a.dtype.str, list(a.shape)] for k, a in arrays.items()},
+    }
+    meta["sha256"] = _digest(meta, arrays)
+    return arrays, meta
+
+
+def _digest(meta: dict, arrays: Mapping[str, np.ndarray]) -> str:
+    """SHA-256 of the metadata (canonical JSON, digest left out) and of every array's name,
+    dtype, shape and bytes in sorted name order."""
+    h = hashlib.sha256()
+    body = {k: v for k, v in meta.items() if k != "sha256"}
+    h.update(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
+    for name in sorted(arrays):
+        a = np.ascontiguousarray(arrays[name])
+        h.update(b"\0" + json.dumps([name, a.dtype.str, list(a.shape)]).encode() + b"\0")
+        h.update(a.reshape(-1).view(np.uint8))
+    return h.hexdigest()
+
+
+def _tmp_pattern(base: str) -> re.Pattern:
+    return re.compile(re.escape(f".{base}{_TMP_TAG}") + _STALE_TMP)
+
+
+def _remove_stale_tmp(directory: str, base: str) -> None:
+    """Delete the temporary files of earlier saves to `base` that died before their rename: ours
+    by name, and unlocked (a live save holds its file's lock; a dead process holds none)."""
+    if fcntl is None:
+        return
+    pattern = _tmp_pattern(base)
+    try:
+        names = [n for n in os.listdir(directory) if pattern.fullmatch(n)]
+    except OSError:
+        return
+    for name in names:
+        tmp = os.path.join(directory, name)
+        with contextlib.suppress(OSError):
+            fd = os.open(tmp, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                os.unlink(tmp)
+            finally:
+                os.close(fd)
+
+
+def _locked_tmp(directory: str, base: str) -> tuple[int, str]:
+    """A fresh temporary file beside the target, locked for as long as it is open."""
+    while True:
+        fd, tmp = tempfile.mkstemp(prefix=f".{base}{_TMP_TAG}", suffix=".tmp", dir=directory)
+        if fcntl is None:
+            return fd, tmp
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        # another save's clean-up may have taken it between creation and lock: then start over
+        try:
+            if os.stat(tmp).st_ino == os.fstat(fd).st_ino:
+                return fd, tmp
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+
+
+def _atomic_write(path: str, write) -> None:
+    """Write through `write(file)` to a temporary file beside `path`, flush it to disk, then rename
+    it over `path`; a crash at any point leaves either the old file or the new one."""
+    directory = os.path.dirname(os.path.abspath(path))
+    base = os.path.basename(path)
+    try:
+        mode = os.stat(path).st_mode & 0o777
+    except FileNotFoundError:
+        mode = 0o644
+    _remove_stale_tmp(directory, base)
+    fd, tmp = _locked_tmp(directory, base)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+            os.chmod(tmp, mode)
+            os.replace(tmp, path)  # before closing: the lock is held until the name is gone
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    if hasattr(os, "O_DIRECTORY"):  # make the rename itself durable
+        dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+
+
+def _is_safetensors(path: str) -> bool:
+    return path.endswith(".safetensors")
+
+
+def save(path, state) -> None:
+    """Write the optimiser state to one file at `path`, atomically, with a checksum.
+
+    `.safetensors` paths use safetensors (which must be installed); any other path gets a NumPy
+    `.npz` archive, written to exactly that name. Arrays are stored as arrays (moved to the host;
+    dtypes NumPy lacks, such as bfloat16, as their bits), everything else (rules, ties, frozen
+    flags, step counters) as the JSON text entry `__optimisers__`, with a SHA-256 digest of the
+    whole content that `load` checks. The keys are those of `state_dict`. The file appears
+    complete or not at all: it is written beside `path`, flushed to disk and renamed over it;
+    temporary files that an earlier, killed save left beside `path` are removed.
+    """
+    path = os.fspath(path)
+    arrays, meta = _split(state_dict(state))
+    text = json.dumps(meta)
+    if _is_safetensors(path):
+        try:
+            from safetensors.numpy import save as st_save
+        except ImportError:
+            raise ImportError(
+                "saving to a .safetensors path needs the safetensors package "
+                "(pip install safetensors); or use a .npz path"
+            ) from None
+        blob = st_save(arrays, metadata={META_KEY: text})
+        _atomic_write(path, lambda f: f.write(blob))
+    else:
+        if META_KEY in arrays:
+            raise ValueError(f"a state entry is named {META_KEY!r}, which the file format reserves")
+        payload = {**arrays, META_KEY: np.array(text)}
+        _atomic_write(path, lambda f: np.savez(f, **payload))
+
+
+# --- reading -------------------------------------------------------------------------------------
+
+
+def _budget(state) -> tuple[int, int]:
+    """The most array bytes and metadata bytes a checkpoint of `state` can reasonably hold: twice
+    the state's arrays (a checkpoint of another dtype is reported, not refused unread) plus room
+    for small entries, and a metadata text proportional to the number of entries."""
+    items = []
+    for _, leaf in _places(_tree_of(state, "load")):
+        _state_items(leaf.state, "", items)
+    nbytes = sum(int(getattr(v, "nbytes", 0)) for _, v in items if _is_array(v))
+    return 2 * nbytes + 64 * len(items) + (1 << 20), 4096 * (len(items) + 16) + (1 << 20)
+
+
+def _reject(why: str):
+    raise CheckpointError(why)
+
+
+def _json(text) -> Any:
+    """Parse JSON text; NaN and infinities are refused (`save` never writes them)."""
+    try:
+        if isinstance(text, bytes):
+            text = text.decode("utf-8")
+        return json.loads(text, parse_constant=lambda c: _reject(f"{c} is not a JSON value"))
+    except ValueError as e:  # (CheckpointError included)
+        raise CheckpointError(f"the {META_KEY!r} entry is not valid JSON ({str(e)[:200]})") from None
+
+
+def _check_meta(meta) -> int:
+    """Check the structure of the metadata; return its file format (1 for v0.1 files, 2)."""
+    if not isinstance(meta, dict):
+        _reject(f"the {META_KEY!r} entry is {type(meta).__name__} JSON, expected an object")
+    if meta.get("format") != FORMAT:
+        _reject(f"unknown checkpoint format {str(meta.get('format'))[:80]!r}; this version reads {FORMAT!r}")
+    keys = set(meta)
+    if keys == _META_V1:
+        version = 1
+    elif keys == _META_V2 and meta["file_format"] == FILE_FORMAT and type(meta["file_format"]) is int:
+        version = 2
+    else:
+        _reject(
+            f"the {META_KEY!r} entry is not one this version writes (its keys: "
+            f"{_listing(sorted(map(str, keys)), 8)}, file_format {str(meta.get('file_format'))[:20]})"
+        )
+    entries, dtypes = meta["entries"], meta["dtypes"]
+    if not isinstance(entries, dict) or not all(
+        isinstance(v, (str, bool, int, float)) for v in entries.values()
+    ):
+        _reject("the metadata's 'entries' must map names to text, bools and numbers")
+    if not isinstance(dtypes, dict) or not all(isinstance(v, str) for v in dtypes.values()):
+        _reject("the metadata's 'dtypes' must map names to dtype names")
+    if version == 2:
+        arrays = meta["arrays"]
+        if not isinstance(arrays, dict):
+            _reject("the metadata's 'arrays' must map names to [dtype, shape]")
+        for name, spec in arrays.items():
+            _declared_array(name, spec)
+        if not isinstance(meta["sha256"], str):
+            _reject("the metadata's 'sha256' must be text")
+        bad = [k for k in entries if k in arrays] + [k for k in dtypes if k not in arrays]
+        if bad:
+            _reject(f"the metadata names these entries both as arrays and otherwise: {_listing(bad)}")
+    return version
+
+
+def _declared_array(name, spec) -> tuple[np.dtype, tuple, int]:
+    """The dtype, shape and size in bytes that the metadata declares for an array."""
+    ok = (
+        isinstance(spec, list)
+        and len(spec) == 2
+        and isinstance(spec[0], str)
+        and isinstance(spec[1], list)
+        and all(type(n) is int and 0 <= n < 2**62 for n in spec[1])
+        and len(spec[1]) <= 64
+    )
+    if ok:
+        try:
+            dtype = np.dtype(spec[0])
+        except (TypeError, ValueError):
+            ok = False
+        else:
+            ok = dtype.kind in "biufc" and dtype.str == spec[0]
+    if not ok:
+        _reject(f"{name}: the metadata declares {str(spec)[:80]}, expected [dtype, shape] of a numeric array")
+    count = math.prod(spec[1])
+    return dtype, tuple(spec[1]), count * dtype.itemsize
+
+
+def _check_raw_dtypes(dtypes: dict, arrays: Mapping) -> None:
+    """Each dtype named for stored bits must be one that holds that many bits (bfloat16 in
+    uint16, ...), so restoring the bits cannot fail later."""
+    for key, name in dtypes.items():
+        bits = arrays.get(key)
+        if bits is None:
+            _reject(f"{key}: the metadata gives a dtype for an array the file does not have")
+        try:
+            import ml_dtypes
+
+            real = np.dtype(getattr(ml_dtypes, name)) if name.isidentifier() else None
+        except (ImportError, AttributeError, TypeError):
+            real = None
+        if real is None or bits.dtype.kind != "u" or real.itemsize != bits.dtype.itemsize:
+            _reject(f"{key}: the metadata says its bits hold {name[:40]!r}, which they cannot")
+
+
+def _meta_of(text, budget: int) -> tuple[dict, dict | None]:
+    """The metadata, checked, and the arrays it declares (`{key: (dtype, shape, bytes)}`, None
+    for a v0.1 file)."""
+    meta = _json(text)
+    if _check_meta(meta) == 1:
+        return meta, None
+    declared = {k: _declared_array(k, s) for k, s in meta["arrays"].items()}
+    if sum(d[2] for d in declared.values()) > budget:
+        _reject("its metadata declares far more array bytes than this state holds")
+    return meta, declared
+
+
+def _check_names(found, declared: dict | None) -> None:
+    """The arrays in the file are those the metadata declares (a v0.1 file declares none: its
+    arrays must at least be state entries)."""
+    found = set(found)
+    expected = set(declared) if declared is not None else {k for k in found if "/state" in k}
+    if found != expected:
+        extra = sorted(found - expected)
+        missing = sorted(expected - found)
+        _reject(
+            "its arrays are not those its metadata declares"
+            + (f"; unknown: {_listing(extra, 5)}" if extra else "")
+            + (f"; missing: {_listing(missing, 5)}" if missing else "")
+        )
+
+
+def _read_npz(f, budget: int, meta_budget: int) -> tuple[dict, dict, dict | None]:
+    """Check names and declared sizes of every member, read the metadata, check it, and only
+    then read (and decompress) the arrays."""
+    with zipfile.ZipFile(f) as z:
+        infos = z.infolist()
+        names = [i.filename for i in infos]
+        if len(set(names)) != len(names):
+            _reject("the archive holds two members of the same name")
+        members = {}
+        for info in infos:
+            if not info.filename.endswith(".npy"):
+                _reject(f"the archive holds {info.filename[:80]!r}, which is not an array of a checkpoint")
+            members[info.filename[: -len(".npy")]] = info
+        meta_info = members.pop(META_KEY, None)
+        if meta_info is None:
+            _not_ours(members)
+        if meta_info.file_size > meta_budget:
+            _reject(
+                f"its metadata declares {meta_info.file_size} bytes, more than a checkpoint of this holds"
+            )
+        total = sum(i.file_size for i in members.values())
+        if total > budget:
+            _reject(f"its arrays declare {total} bytes, far more than this state holds")
+        with z.open(meta_info) as m:
+            text = np.lib.format.read_array(m, allow_pickle=False)
+        if text.shape != () or text.dtype.kind != "U":
+            _reject(f"its {META_KEY!r} entry is not text")
+        meta, declared = _meta_of(text.item(), budget)
+        _check_names(members, declared)
+        if declared is not None:
+            for key, info in members.items():
+                nbytes = declared[key][2]
+                if not nbytes <= info.file_size <= nbytes + _NPY_HEADER_MAX:
+                    _reject(f"{key}: {info.file_size} bytes in the archive, {nbytes} declared")
+        arrays = {}
+        for key, info in members.items():
+            with z.open(info) as m:
+                arrays[key] = np.lib.format.read_array(m, allow_pickle=False)
+    return meta, declared, arrays
+
+
+def _read_safetensors(f, budget: int, meta_budget: int) -> tuple[dict, dict | None, dict]:
+    """Check the header (sizes, names, metadata) before reading the data."""
+    from safetensors.numpy import load as st_load
+
+    size = os.fstat(f.fileno()).st_size
+    head = f.read(8)
+    if len(head) < 8:
+        _reject("the file is shorter than a safetensors header")
+    n = int.from_bytes(head, "little")
+    if n > size - 8 or n > meta_budget:
+        _reject(f"its header declares {n} bytes (the file has {size})")
+    if size - 8 - n > budget:
+        _reject(f"it holds {size - 8 - n} bytes of arrays, far more than this state holds")
+    header = _json(f.read(n))
+    if not isinstance(header, dict):
+        _reject("its header is not a JSON object")
+    extra = header.pop("__metadata__", None)
+    if not isinstance(extra, dict) or META_KEY not in extra:
+        _not_ours(header)
+    if set(extra) != {META_KEY} or not isinstance(extra[META_KEY], str):
+        _reject(f"its metadata holds entries this format does not have: {_listing(sorted(extra), 5)}")
+    meta, declared = _meta_of(extra[META_KEY], budget)
+    _check_names(header, declared)
+    f.seek(0)
+    return meta, declared, st_load(f.read())
+
+
+def _not_ours(arrays):
+    _reject(
+        f"not an optimisers checkpoint: it has no {META_KEY!r} entry (its arrays: "
+        f"{_listing(sorted(map(str, arrays)), 5) or 'none'})"
+    )
+
+
+def _verify(meta: dict, declared: dict | None, arrays: dict) -> None:
+    if declared is not None:
+        for key, a in arrays.items():
+            if (a.dtype, a.shape) != declared[key][:2]:
+                _reject(f"{key}: {a.dtype} {a.shape} in the file, {declared[key][:2]} declared")
+        if _digest(meta, arrays) != meta["sha256"]:
+            _reject(
+                "its checksum does not match its content: the file was damaged or edited after it was written"
+            )
+    _check_raw_dtypes(meta["dtypes"], arrays)
+    clash = [k for k in meta["entries"] if k in arrays]
+    if clash:
+        _reject(f"these entries are both arrays and values: {_listing(clash)}")
+
+
+def _read(path: str, state) -> dict:
+    """The state dict stored at `path`, verified; every problem with the file's content is a
+    `CheckpointError` (an `OSError` only when the file cannot be opened)."""
+    budget, meta_budget = _budget(state)
+    read = _read_safetensors if _is_safetensors(path) else _read_npz
+    if read is _read_safetensors:
+        try:
+            import safetensors.numpy  # noqa: F401
+        except ImportError:
+            raise ImportError(
+                f"reading {path} needs the safetensors package (pip install safetensors)"
+            ) from None
+    with open(path, "rb") as f:
+        try:
+            meta, declared, arrays = read(f, budget, meta_budget)
+            _verify(meta, declared, arrays)
+        except CheckpointError as e:
+            raise CheckpointError(f"{path}: {e}") from None
+        except RecursionError:
+            raise CheckpointError(f"{path}: its metadata is nested too deeply to be a checkpoint") from None
+        except Exception as e:  # zip, npy and safetensors readers each have their own errors
+            raise CheckpointError(
+                f"cannot read the checkpoint {path}: {type(e).__name__}: {str(e)[:200]} (a truncated "
+                "or damaged file, or not a checkpoint?)"
+            ) from e
+    d: dict[str, Any] = {}
+    for key, value in arrays.items():
+        d[key] = _RawBits(value, meta["dtypes"][key]) if key in meta["dtypes"] else value
+    d.update(meta["entries"])
+    return d
+
+
+def load(path, state, *, hyperparameters: str = "checkpoint") -> State:
+    """Read a file written by `save` into `state` (a fresh `setup` of the same model), checking it
+    against the state first; returns a new `State` and leaves `state` as it was.
+
+    The file's checksum is verified and its layout checked before any array is read: a damaged
+    or edited file, or one that declares far more data than `state` holds, raises
+    `CheckpointError`. Files written by version 0.1 (no checksum) load unverified. See
+    `load_state_dict` for the checks against the state and for `hyperparameters`."""
+    path = os.fspath(path)
+    d = _read(path, state)
+    try:
+        return load_state_dict(state, d, hyperparameters=hyperparameters)
+    except CheckpointError as e:
+        raise CheckpointError(f"{path}: {e}") from None
+
+
+__all__ = ["load", "save"]
