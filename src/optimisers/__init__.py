@@ -96,3 +96,13 @@ import sys as _sys  # noqa: E402
 if "jax" in _sys.modules:  # jax imported first: register State/Leaf as pytrees now
     from .backends import _jax as _jax_backend  # noqa: E402, F401
 del _sys
+
+
+def __getattr__(name):
+    # `optimisers.torch` (the torch.optim adapter) is imported on first use: `import optimisers`
+    # must not import torch
+    if name == "torch":
+        import importlib
+
+        return importlib.import_module(".torch", __name__)
+    raise AttributeError(f"module 'optimisers' has no attribute {name!r}")
