@@ -75,6 +75,55 @@ def test_page_code_runs(page, tmp_path, monkeypatch, request):
             raise AssertionError(f"the code block at {_page_id(page)}:{line} failed: {e!r}") from e
 
 
+def _undefined_names(code: str) -> set[str]:
+    """Names a block reads at module level (directly or from its functions) without defining or
+    importing them, builtins aside."""
+    import builtins
+    import symtable
+
+    top = symtable.symtable(code, "<block>", "exec")
+    defined = {s.get_name() for s in top.get_symbols() if s.is_assigned() or s.is_imported()}
+    out = set()
+
+    def visit(table):
+        for s in table.get_symbols():
+            name = s.get_name()
+            if s.is_referenced() and (table is top or s.is_global()) and name not in defined:
+                out.add(name)
+        for child in table.get_children():
+            visit(child)
+
+    visit(top)
+    return {n for n in out if not hasattr(builtins, n)}
+
+
+def test_readme_blocks_run_on_their_own():
+    """A reader copies one README example, not the page: each block imports what it uses
+    (test_page_code_runs shares one namespace per page, which hides a missing import)."""
+    for line, code, _ in code_blocks(ROOT / "README.md"):
+        assert not _undefined_names(code), f"README.md:{line} uses {sorted(_undefined_names(code))}"
+
+
+def test_undefined_names_are_found():
+    assert _undefined_names("import numpy as np\nx = np.ones(2)\nprint(x)") == set()
+    assert _undefined_names("def f():\n    return opt.Adam()\n") == {"opt"}
+    assert _undefined_names("y = [opt for _ in range(2)]") == {"opt"}
+
+
+def test_code_lines_fit_the_page():
+    """The docs theme clips code at about 88 characters (1280 px wide screens)."""
+    fence = re.compile(r"^[ \t]*```")
+    long = []
+    for page in PAGES:
+        inside = False
+        for number, line in enumerate(page.read_text(encoding="utf-8").splitlines(), 1):
+            if fence.match(line):
+                inside = not inside
+            elif inside and len(line) > 88:
+                long.append(f"{_page_id(page)}:{number} ({len(line)} characters)")
+    assert not long, "code lines longer than 88 characters: " + ", ".join(long)
+
+
 def test_skips_are_rare():
     skipped = [f"{_page_id(p)}:{line}" for p in PAGES for line, _, s in code_blocks(p) if s]
     assert len(skipped) <= ALLOWED_SKIPS, skipped
