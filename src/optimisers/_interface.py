@@ -75,6 +75,7 @@ def setup(rule, model) -> State:
         if is_param(node):
             r = choose(path, node)
             result = Leaf(r, r.init(node))
+            result._shape = tuple(node.shape)
             arrays.append((path, node))
         else:
             kind = kind_of(node)
@@ -173,6 +174,32 @@ def _check_grad(grad, x, path):
 
 
 _MISSING = object()
+_ANY_SHAPE = "any"  # a Leaf whose state does not say which parameter shape it fits
+
+
+def _state_shape(leaf):
+    """The parameter shape a Leaf's state was made for, read from its arrays (for a Leaf that
+    `setup` did not make: loaded, or rebuilt by JAX): the one shape they all have, else
+    `_ANY_SHAPE` (no arrays, as for a stateless rule, or arrays of several shapes)."""
+    parts: list = []
+    flatten_state(leaf.state, parts)
+    shapes = {tuple(p.shape) for p in parts if not is_scalar(p) and hasattr(p, "shape")}
+    return shapes.pop() if len(shapes) == 1 else _ANY_SHAPE
+
+
+def _check_shape(leaf, x, path):
+    """A parameter must have the shape its state was made for: an update would otherwise run the
+    rule on arrays that do not fit (a fused kernel would write past the end of the state)."""
+    want = leaf._shape
+    if want is None:
+        want = leaf._shape = _state_shape(leaf)
+    if want is _ANY_SHAPE or tuple(x.shape) == want:
+        return
+    raise ValueError(
+        f"the parameter at {format_path(path)} has shape {tuple(x.shape)}, but its optimiser state "
+        f"was set up for shape {want}: the model changed after setup (a resized layer?). Run "
+        "setup again for the changed model; nothing was changed"
+    )
 
 
 class _Contribution:
@@ -209,8 +236,16 @@ def _gather(tree, model, grads) -> dict[int, _Contribution]:
             )
         entry = found.get(id(leaf))
         if entry is None:
+            if x.shape != leaf._shape:
+                _check_shape(leaf, x, path)
             entry = found[id(leaf)] = _Contribution(leaf, x)
         elif x is not entry.x:
+            if x.shape != entry.x.shape:
+                raise ValueError(
+                    f"the parameter at {format_path(path)} has shape {tuple(x.shape)}, but it is "
+                    f"tied to a parameter of shape {tuple(entry.x.shape)} in the optimiser state; "
+                    "the model changed after setup. Run setup again; nothing was changed"
+                )
             entry.copies = True
         if grad is not None:
             _check_grad(grad, x, path)
@@ -249,6 +284,8 @@ def _gather(tree, model, grads) -> dict[int, _Contribution]:
             # only when something needs checking or reporting
             g = grad_of(k)
             if seen(id(sub)) is None and is_param(x):
+                if x.shape != sub._shape:
+                    _check_shape(sub, x, path + (k,))
                 entry = found[id(sub)] = _Contribution(sub, x)
                 if g is not None:
                     if getattr(g, "shape", None) != x.shape:
@@ -343,7 +380,9 @@ def update(state: State, model, *grads):
     def leaf_of(leaf):
         moved = results.get(id(leaf))
         new_state = _engine.independent(leaf, moved[0] if moved else leaf.state)
-        return Leaf(leaf.rule, new_state, leaf.frozen)
+        new = Leaf(leaf.rule, new_state, leaf.frozen)
+        new._shape = leaf._shape
+        return new
 
     new_tree = map_leaves(leaf_of, state.tree)
     values: dict[int, Any] = {}
@@ -479,7 +518,9 @@ def adjust(tree, eta=None, **hyper):
     rules = _adjusted_rules(leaves, eta, hyper, "adjust")
 
     def fresh(leaf):
-        return Leaf(rules[id(leaf.rule)], _engine.independent(leaf, leaf.state), leaf.frozen)
+        new = Leaf(rules[id(leaf.rule)], _engine.independent(leaf, leaf.state), leaf.frozen)
+        new._shape = leaf._shape
+        return new
 
     if isinstance(tree, Leaf):
         return fresh(tree)

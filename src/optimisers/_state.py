@@ -19,13 +19,17 @@ class Leaf:
     Place the same Leaf at several positions of a state tree to tie those parameters.
     """
 
-    __slots__ = ("rule", "_state", "frozen", "_group")
+    __slots__ = ("rule", "_state", "frozen", "_group", "_shape")
 
     def __init__(self, rule, state, frozen: bool = False):
         self.rule = rule
         self._state = state
         self.frozen = frozen
         self._group = None  # set while the update engine keeps this state in flat group buffers
+        # the shape of the parameter the state was made for (`setup` records it; None: not known
+        # yet, read from the state's arrays at the next update). An update refuses a parameter of
+        # another shape: the state's arrays would not fit it.
+        self._shape = None
 
     @property
     def state(self):

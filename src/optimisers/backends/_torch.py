@@ -220,6 +220,8 @@ def fused_apply(rule, state, x, dx):
     m, v, t = state
     if not all(s.dtype == x.dtype and s.device == x.device for s in (m, v)):
         return None  # a parameter converted after setup (module.double()): the generic maths promotes
+    if m.shape != x.shape or v.shape != x.shape or dx.shape != x.shape:
+        return None  # the kernel would write past the state's end; the update reports the misfit
     sharded = is_dtensor(x)
     if sharded and not _same_sharding(x, dx, m, v):
         return None  # the generic maths redistributes, or reports the mix of Tensor and DTensor
