@@ -15,7 +15,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from . import _engine, _ops
+from . import _compile, _engine, _ops
 from ._rule import NewValue, Rule
 from ._state import (
     Leaf,
@@ -373,6 +373,8 @@ def _check_args(state, grads, name):
 def update(state: State, model, *grads):
     """One optimisation step, pure: returns `(new_state, new_model)` and leaves the caller's state,
     model and gradients exactly as they were. Every trainable array of the result is new."""
+    if _compile.tracing():  # under torch.compile: run eagerly, see optimisers._compile
+        return _compile.EAGER["update"](state, model, *grads)
     _check_args(state, grads, "update")
     found = _gather(state.tree, model, grads[0])
     results = _compute(found)
@@ -407,6 +409,8 @@ def update_(state: State, model, *grads):
     """One optimisation step in place: mutates the state's Leafs and writes every writable
     parameter in place. Returns `(state, model)`; use the returned model, since immutable arrays
     (JAX) are replaced by new ones. Gives the same numbers as `update`, bit for bit."""
+    if _compile.tracing():  # under torch.compile: run eagerly, see optimisers._compile
+        return _compile.EAGER["update_"](state, model, *grads)
     _check_args(state, grads, "update_")
     found = _gather(state.tree, model, grads[0])
     work = _engine.select(state, found)
@@ -514,6 +518,8 @@ def adjust(tree, eta=None, **hyper):
     """A copy of the state (or part of it, or a Leaf) with hyperparameters changed and optimiser
     state kept: `adjust(state, 0.01)` sets the learning rate, `adjust(state, beta=(0.8, 0.99))`
     any named hyperparameter. A name that no rule in the tree has is an error."""
+    if _compile.tracing():  # under torch.compile: run eagerly, see optimisers._compile
+        return _compile.EAGER["adjust"](tree, eta, **hyper)
     leaves = _leaves_of(tree, "adjust")
     rules = _adjusted_rules(leaves, eta, hyper, "adjust")
 
@@ -529,6 +535,8 @@ def adjust(tree, eta=None, **hyper):
 
 def adjust_(tree, eta=None, **hyper):
     """Like `adjust`, but changes the Leafs in place; returns `tree`."""
+    if _compile.tracing():  # under torch.compile: run eagerly, see optimisers._compile
+        return _compile.EAGER["adjust_"](tree, eta, **hyper)
     leaves = _leaves_of(tree, "adjust_")
     rules = _adjusted_rules(leaves, eta, hyper, "adjust_")
     for leaf in leaves:

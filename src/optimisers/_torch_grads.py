@@ -6,6 +6,7 @@ model through the generic tree layer and only reads attributes.
 
 from __future__ import annotations
 
+from . import _compile
 from ._tree import format_path, is_param, kind_of, trainable_children
 
 
@@ -22,6 +23,8 @@ def grads(model):
         loss.backward()
         state, model = optimisers.update_(state, model, optimisers.grads(model))
     """
+    if _compile.tracing():  # under torch.compile: run eagerly, see optimisers._compile
+        return _compile.EAGER["grads"](model)
     seen: set[int] = set()
 
     def visit(node, path):

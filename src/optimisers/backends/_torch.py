@@ -24,9 +24,12 @@ import numpy as np
 import torch
 from torch import nn
 
+from .. import _compile
 from .._rule import NewValue
 from .._state import flatten_state
 from .._tree import NodeKind, format_path
+
+_compile.install(torch.compiler.is_compiling, torch.compiler.disable)
 
 # float16's smallest useful epsilon (Optimisers.jl's floor): Float16(1e-7) == 2**-23
 _FLOAT16_EPS = float(np.float16(1e-7))
