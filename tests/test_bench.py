@@ -2,6 +2,7 @@
 table and writes JSON whose rows agree with the float64 reference."""
 
 import json
+import re
 
 import pytest
 
@@ -48,6 +49,26 @@ def test_bench_times_s2_tied_against_s2_in_alternation(tmp_path, capsys):
     assert pair["ratio_median"] > 0 and pair["plain_ms"] > 0 and pair["tied_ms"] > 0
     target = next(t for t in doc["targets"] if t["target"].startswith("numpy S2-tied"))
     assert target["measured"] == pair["ratio_median"]
+    # --quick shapes are not the ones the limits are for: shown, not judged
+    assert all(t["met"] is None for t in doc["targets"])
+    assert "not judged" in out and "NOT MET" not in out and " met" not in out
+    assert not re.search(r"issue \d", out, re.IGNORECASE)
+
+
+def test_full_size_targets_are_judged():
+    rows = [
+        {"backend": "numpy", "impl": "optimisers update_", "shape": "S3", "rule": "adam", "median_ms": 9.0,
+         "min_ms": 8.0, "setup_ms": 50.0},
+    ]
+    setup = next(t for t in bench.evaluate_targets(rows) if t["target"].startswith("setup on S3"))
+    assert setup["met"] is True and setup["measured"] == 50.0
+    rows[0]["setup_ms"] = 150.0
+    setup = next(t for t in bench.evaluate_targets(rows) if t["target"].startswith("setup on S3"))
+    assert setup["met"] is False
+    quick = next(t for t in bench.evaluate_targets(rows, judged=False) if t["target"].startswith("setup"))
+    assert quick["met"] is None and quick["measured"] == 150.0
+    assert "NOT MET" in bench.format_targets(bench.evaluate_targets(rows))
+    assert "not judged" in bench.format_targets(bench.evaluate_targets(rows, judged=False), judged=False)
 
 
 def test_bench_times_ours_against_the_peer_in_alternation(tmp_path, capsys):

@@ -455,6 +455,36 @@ def test_pure_rebuild_does_not_leak_registrations_into_the_input():
     assert not hasattr(model, "extra") and not hasattr(model, "extra_module")
 
 
+def test_pure_rebuild_does_not_share_hooks_with_the_input():
+    model = SharedTwice()
+    seen = []
+    model.register_forward_hook(lambda mod, args, out: seen.append("old"))
+    model(rand(2, 3)).sum().backward()
+    _, new = opt.update(opt.setup(opt.Descent(), model), model, opt.grads(model))
+    assert new is not model
+    # hooks registered before the update stay on both; those registered after, on one only
+    hooks = [
+        new.register_forward_hook(lambda mod, args, out: seen.append("new")),
+        new.register_forward_pre_hook(lambda mod, args: seen.append("new pre")),
+        new.register_full_backward_hook(lambda mod, gi, go: seen.append("new backward")),
+        new.register_state_dict_pre_hook(lambda mod, prefix, keep_vars: seen.append("new state")),
+        new.register_load_state_dict_post_hook(lambda mod, keys: seen.append("new load")),
+    ]
+    seen.clear()
+    model(rand(2, 3).requires_grad_()).sum().backward()  # (a full backward hook wants an input grad)
+    model.load_state_dict(model.state_dict())
+    assert seen == ["old"]
+    seen.clear()
+    new(rand(2, 3).requires_grad_()).sum().backward()
+    new.load_state_dict(new.state_dict())
+    assert seen == ["new pre", "old", "new", "new backward", "new state", "new load"]
+    for h in hooks:
+        h.remove()
+    seen.clear()
+    new(rand(2, 3))
+    assert seen == ["old"]
+
+
 # --- overlapping memory --------------------------------------------------------------------------
 
 

@@ -531,7 +531,7 @@ IMPLS = [
     Impl("jax", "optax jit", _optax(False), jit_key="optax"),
 ]
 
-#: The peer each backend's rows are compared with (issue 4's targets).
+#: The peer each backend's rows are compared with (the performance targets).
 BEST_PEER = {
     "numpy": ("torch", "torch.optim fused"),
     "torch": ("torch", "torch.optim fused"),
@@ -874,15 +874,17 @@ def format_table(rows: list) -> str:
     return "\n".join(lines)
 
 
-def evaluate_targets(rows: list, paired: list = (), paired_peers: list = ()) -> list:
-    """Issue 4's targets, on the Adam rows of this run; where there is a paired measurement (the
-    two stepped in alternation), the target takes that ratio."""
+def evaluate_targets(rows: list, paired: list = (), paired_peers: list = (), judged: bool = True) -> list:
+    """The performance targets, on the Adam rows of this run; where there is a paired measurement
+    (the two stepped in alternation), the target takes that ratio. The limits are meant for the
+    full-size shapes: with `judged=False` (the --quick shapes, where fixed per-step costs weigh far
+    more) the values are reported and `met` stays None."""
     by = {(r["backend"], r["impl"], r["shape"], r["rule"]): r for r in rows if "median_ms" in r}
     ours = {"numpy": "optimisers update_", "torch": "optimisers update_", "jax": "optimisers jit+donate"}
     out = []
 
     def add(text, limit, value, by_min=None):
-        met = None if value is None else value <= limit
+        met = None if value is None or not judged else value <= limit
         out.append({"target": text, "measured": value, "limit": limit, "met": met,
                     "measured_by_min": by_min})
 
@@ -933,13 +935,20 @@ def evaluate_targets(rows: list, paired: list = (), paired_peers: list = ()) -> 
     return out
 
 
-def format_targets(targets: list) -> str:
-    lines = ["Targets (issue 4; Adam rows of this run; ratio of medians, [ratio of minimums]):"]
+def format_targets(targets: list, judged: bool = True) -> str:
+    head = "Targets (Adam rows of this run; ratio of medians, [ratio of minimums])"
+    if not judged:
+        head += (
+            "; --quick shapes are smaller than those the limits are set for, so the values are "
+            "shown, not judged"
+        )
+    lines = [head + ":"]
     for t in targets:
         if t["measured"] is None:
             verdict, value = "n/a", "-"
         else:
-            verdict, value = ("met" if t["met"] else "NOT MET"), f"{t['measured']:.3g}"
+            value = f"{t['measured']:.3g}"
+            verdict = "not judged" if t["met"] is None else ("met" if t["met"] else "NOT MET")
         by_min = f"[{t['measured_by_min']:.3g}]" if t.get("measured_by_min") is not None else ""
         lines.append(f"  {t['target']:52} {value:>7} {by_min:>8}  limit {t['limit']:<5g} {verdict}")
     return "\n".join(lines)
@@ -1148,7 +1157,7 @@ def _run(opts) -> int:
     print("\n".join(out))
 
     _fill_ratios(rows, floor)
-    targets = evaluate_targets(rows, paired, paired_peers)
+    targets = evaluate_targets(rows, paired, paired_peers, judged=not opts.quick)
     print()
     print("\n".join(agreement))
     print()
@@ -1171,7 +1180,7 @@ def _run(opts) -> int:
     if paired_lines:
         print("\n".join(paired_lines))
     print()
-    print(format_targets(targets))
+    print(format_targets(targets, judged=not opts.quick))
     profiles = [r for r in rows if r.get("profile")]
     for r in profiles:
         print(f"\ncProfile, 3 steps, {r['backend']} {r['impl']} {r['shape']} {r['rule']} (by tottime):")

@@ -465,18 +465,25 @@ def _as_parameter(new, old):
     return wrapped
 
 
+@functools.cache
+def _registries() -> tuple[str, ...]:
+    """The names of the dicts and sets `nn.Module` registers into (parameters, buffers, submodules,
+    every kind of hook), read from a bare module so that new kinds are covered too."""
+    return tuple(k for k, v in vars(nn.Module()).items() if isinstance(v, (dict, set)))
+
+
 def _module_rebuild(m, changes):
     """A new module object, sharing everything with `m` but its parameter and submodule slots.
 
-    The dicts that registration writes to are copied, so registering on one of the two modules
-    does not change the other; buffers and all other attributes are the same objects."""
+    The dicts and sets that registration writes to (parameters, buffers, submodules, hooks) are
+    copied, so registering on one of the two modules does not change the other; buffers, hook
+    functions and all other attributes are the same objects."""
     new = _copy.copy(m)
     d = new.__dict__
-    d["_parameters"] = params = dict(m._parameters)
-    d["_modules"] = modules = dict(m._modules)
-    d["_buffers"] = dict(m._buffers)
-    if "_non_persistent_buffers_set" in d:
-        d["_non_persistent_buffers_set"] = set(m._non_persistent_buffers_set)
+    for name in _registries():
+        if name in d:
+            d[name] = _copy.copy(d[name])  # shallow, keeping OrderedDict for the hooks
+    params, modules = d["_parameters"], d["_modules"]
     for k, v in changes.items():
         if k in params:
             params[k] = _as_parameter(v, params[k])
