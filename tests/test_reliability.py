@@ -4,6 +4,7 @@ path, and a failed call must leave the state and the model exactly as they were.
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 import textwrap
@@ -14,6 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import optimisers as opt
+from optimisers import _engine, ops
 
 torch = pytest.importorskip("torch")
 jnp = pytest.importorskip("jax.numpy")
@@ -189,3 +191,117 @@ def test_the_torch_module_example_from_the_issue():
         with pytest.raises(ValueError, match=r"parameter at weight has shape \(8, 4\)"):
             update(state, lin, grads)
         assert_same(before, snapshot(state, lin))
+
+
+# --- 2. a failed update_ changes nothing -----------------------------------------------------------
+
+
+SENTINEL = 1234.5  # a gradient value that makes the rule below raise
+
+
+@dataclasses.dataclass(frozen=True)
+class RaisesOnSentinel(opt.Rule):
+    """Momentum that raises when the gradient it sees holds SENTINEL: a third-party elementwise
+    rule failing on one chunk of one group, after other chunks were computed."""
+
+    elementwise = True
+    eta: float = 0.1
+
+    def init(self, x):
+        return ops.zeros_like(x)
+
+    def apply(self, state, x, dx):
+        if bool((host(dx) == SENTINEL).any()):
+            raise RuntimeError("the rule refused this gradient")
+        v = 0.9 * state + self.eta * dx
+        return v, v
+
+
+def chunked_model(backend, seed=0):
+    rng = np.random.default_rng(seed)
+    shapes = [(40, 50), (3,), (4, 2), (7,), (300,), (5, 5)]
+    return [array(backend, rng.standard_normal(s).astype(np.float32)) for s in shapes]
+
+
+@FEW
+@given(
+    backend=st.sampled_from(["numpy", "torch"]),
+    leaf=st.integers(0, 5),
+    element=st.integers(0, 10_000),
+    chain=st.booleans(),
+    pure=st.booleans(),
+)
+def test_a_rule_raising_on_one_chunk_leaves_everything_as_it_was(backend, leaf, element, chain, pure):
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_engine, "CHUNK_SCALE", 1024)  # a test-sized model gets many chunks
+        one_chunk_raises(backend, leaf, element, chain, pure)
+
+
+def one_chunk_raises(backend, leaf, element, chain, pure):
+    model = chunked_model(backend)
+    rule = RaisesOnSentinel()
+    if chain:  # a chain of elementwise rules is grouped as well
+        rule = opt.OptimiserChain(rule, opt.WeightDecay(0.01))
+    state = opt.setup(rule, model)
+    rng = np.random.default_rng(1)
+    grads = [array(backend, rng.standard_normal(tuple(x.shape)).astype(np.float32)) for x in model]
+    state, model = opt.update_(state, model, grads)  # plan the engine's groups
+    bad = [host(g) for g in grads]
+    bad[leaf].reshape(-1)[element % bad[leaf].size] = SENTINEL
+    bad = [array(backend, g) for g in bad]
+    before = snapshot(state, model)
+    with pytest.raises(RuntimeError, match="refused"):
+        (opt.update if pure else opt.update_)(state, model, bad)
+    assert_same(before, snapshot(state, model))
+    # the failed call left no trace: the next good step is exactly the one it would have been
+    _, expected = opt.update(state, model, grads)
+    state, model = opt.update_(state, model, grads)
+    for a, b in zip(model, expected):
+        assert host(a).tobytes() == host(b).tobytes()
+
+
+@pytest.mark.parametrize("backend", ["numpy", "torch"])
+def test_a_rule_raising_on_one_leaf_of_the_per_leaf_path_changes_nothing(backend):
+    model = chunked_model(backend)
+    state = opt.setup(opt.OptimiserChain(opt.ClipNorm(10.0), RaisesOnSentinel()), model)
+    grads = [array(backend, np.ones(tuple(x.shape), np.float32)) for x in model]
+    state, model = opt.update_(state, model, grads)
+    bad = [host(g) for g in grads]
+    bad[4][17] = np.inf  # ClipNorm raises on a non-finite norm, at the last Leaf but one
+    bad = [array(backend, g) for g in bad]
+    before = snapshot(state, model)
+    with pytest.raises(ValueError, match="not finite"):
+        opt.update_(state, model, bad)
+    assert_same(before, snapshot(state, model))
+
+
+@dataclasses.dataclass(frozen=True)
+class BadStepOnSentinel(opt.Rule):
+    """Descent whose step, when the gradient holds SENTINEL, does not fit the parameter."""
+
+    kind: str = "shape"
+
+    def apply(self, state, x, dx):
+        if bool((host(dx) == SENTINEL).any()):
+            if self.kind == "shape":
+                return state, dx.reshape(-1)[:2].reshape(2, 1)
+            return state, dx * (1 + 1j)
+        return state, 0.1 * dx
+
+
+@pytest.mark.parametrize("backend", ["numpy", "torch"])
+@pytest.mark.parametrize("kind", ["shape", "complex"])
+@pytest.mark.parametrize("leaf", [0, 2, 5])
+def test_a_step_that_cannot_be_written_is_refused_before_anything_is_written(backend, kind, leaf):
+    model = chunked_model(backend)
+    state = opt.setup(BadStepOnSentinel(kind), model)
+    grads = [host(x) * 0 + 1 for x in model]
+    grads[leaf].reshape(-1)[0] = SENTINEL
+    grads = [array(backend, g) for g in grads]
+    before = snapshot(state, model)
+    for update in (opt.update_, opt.update):
+        with pytest.raises((ValueError, TypeError), match="BadStepOnSentinel.apply returned") as err:
+            update(state, model, grads)
+        if sys.version_info >= (3, 11):
+            assert f"parameter at {leaf}" in "".join(err.value.__notes__)
+        assert_same(before, snapshot(state, model))

@@ -250,9 +250,29 @@ class Group:
                     self._write_run(chunk, xs, run_step)
         self.scalars = scalars
 
-    def _chunk(self, rule, chunk, *, xs, dxs):
+    def rehearse(self, xs, dxs) -> None:
+        """Run the rule on every chunk without writing anything, checking what it returns: a
+        rule that raises (or returns arrays that do not fit) on some chunk does so here, before
+        `step` has written any chunk, so that a failed `update_` changes nothing."""
+        rule = self.leaves[0].rule
+        off = getattr(self.b, "no_grad", None)
+        with off() if off is not None else contextlib.nullcontext():
+            check = functools.partial(self._chunk, rule, xs=xs, dxs=dxs, write=False)
+            if len(self.chunks) > 1 and self.b.ENGINE_THREADS:
+                collections.deque(_pool().map(check, self.chunks), maxlen=0)
+            else:
+                collections.deque(map(check, self.chunks), maxlen=0)
+
+    def trusted(self) -> bool:
+        """Can this step run without a rehearsal: does the rule promise not to raise?"""
+        if not getattr(self.leaves[0].rule, "never_raises", False):
+            return False
+        strict = getattr(self.b, "raises_on_values", None)  # NumPy under np.seterr(all="raise")
+        return strict is None or not strict()
+
+    def _chunk(self, rule, chunk, *, xs, dxs, write=True):
         """Compute one chunk: `(new scalars, step)`, the step left to the caller for a packed run
-        (a big chunk is written here)."""
+        (a big chunk is written here). With `write=False` only compute and check."""
         b = self.b
         if chunk[0] == "big":
             _, i, start, stop = chunk
@@ -267,6 +287,9 @@ class Group:
         new_state, step = rule.apply(unflatten_state(self.spec, iter(parts)), x, dx)
         new_parts: list = []
         flatten_state(new_state, new_parts)
+        if not write:
+            _check_chunk(rule, x, parts, new_parts, step)
+            return None
         for a, old, new in zip(self.array_at, parts, new_parts):
             if a and new is not old:
                 b.copy_into(old, new)
@@ -394,7 +417,29 @@ def select(state, found):
     return work
 
 
+def _check_chunk(rule, x, parts, new_parts, step) -> None:
+    """What a rehearsed chunk returned must fit where `step` would write it."""
+    name = type(rule).__name__
+    if len(new_parts) != len(parts):
+        raise ValueError(f"{name}.apply returned a state of another structure than it was given")
+    for old, new in zip(parts, new_parts):
+        shape = getattr(old, "shape", None)
+        if shape is not None and len(shape) > 0 and getattr(new, "shape", None) != shape:
+            raise ValueError(
+                f"{name}.apply returned a state array of shape {tuple(getattr(new, 'shape', ()))} "
+                f"for a state array of shape {tuple(shape)}"
+            )
+    value = step.value if isinstance(step, NewValue) else step
+    shape = getattr(value, "shape", ())
+    if value is not None and tuple(shape) not in ((), tuple(x.shape)):
+        raise ValueError(f"{name}.apply returned a step of shape {tuple(shape)} for {tuple(x.shape)}")
+
+
 def execute(work) -> None:
-    """Step the selected groups in place."""
+    """Step the selected groups in place. A group whose rule may raise is first rehearsed, all
+    of them before any is stepped, so that an error leaves every parameter and state as it was."""
+    for group, members in work:
+        if not group.trusted():
+            group.rehearse([c.x for c in members], group.gradients(members))
     for group, members in work:
         group.step([c.x for c in members], group.gradients(members))

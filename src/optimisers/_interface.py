@@ -304,19 +304,58 @@ def _gather(tree, model, grads) -> dict[int, _Contribution]:
 # --- update ------------------------------------------------------------------------------------
 
 
-def _compute(found: dict[int, _Contribution], skip=frozenset()) -> dict[int, tuple]:
-    """Run each Leaf's rule once: `{id(leaf): (new_state, step)}` for Leafs that move."""
+def _compute(found: dict[int, _Contribution], tree, skip=frozenset()) -> dict[int, tuple]:
+    """Run each Leaf's rule once: `{id(leaf): (new_state, step)}` for Leafs that move. Each step
+    is checked to fit its parameter, so that writing the results cannot fail half way."""
     results = {}
     for key, c in found.items():
         if c.leaf.frozen or not c.grads or key in skip:
             continue
-        rule, dx = c.leaf.rule, c.dx()
+        rule = c.leaf.rule
         fused = getattr(_ops.backend(c.x), "fused_apply", None)  # a backend's own kernel, if any
-        with _grad_off(c.x):
-            by_kernel = fused(rule, c.leaf.state, c.x, dx) if fused is not None else None
-            results[key] = by_kernel if by_kernel is not None else rule.apply(c.leaf.state, c.x, dx)
+        try:
+            dx = c.dx()
+            with _grad_off(c.x):
+                by_kernel = fused(rule, c.leaf.state, c.x, dx) if fused is not None else None
+                result = by_kernel if by_kernel is not None else rule.apply(c.leaf.state, c.x, dx)
+            _check_step(rule, result, c.x)
+        except Exception as e:
+            if hasattr(e, "add_note"):  # Python >= 3.11: say where, keeping the exception's type
+                e.add_note(f"(while updating the parameter at {format_path(_path_of(tree, c.leaf))})")
+            raise
+        results[key] = result
     _share_scalar_state(found, results)
     return results
+
+
+def _check_step(rule, result, x) -> None:
+    """A rule's step must fit its parameter (its shape, or a scalar; no complex step for a real
+    parameter), or writing it in place would fail after other parameters were written."""
+    if not isinstance(result, tuple) or len(result) != 2:
+        raise TypeError(f"{type(rule).__name__}.apply must return (state, step), got {result!r:.80}")
+    step = result[1]
+    value = step.value if isinstance(step, NewValue) else step
+    if value is None:
+        return
+    shape = getattr(value, "shape", ())
+    if shape != x.shape and tuple(shape) != ():
+        raise ValueError(
+            f"{type(rule).__name__}.apply returned a step of shape {tuple(shape)} for a parameter of "
+            f"shape {tuple(x.shape)}"
+        )
+    if getattr(value, "dtype", None) != x.dtype and _ops.is_complex(value) and not _ops.is_complex(x):
+        raise TypeError(
+            f"{type(rule).__name__}.apply returned a complex step for a real parameter "
+            f"(dtype {x.dtype}); was the state set up for a complex parameter?"
+        )
+
+
+def _path_of(tree, leaf) -> tuple:
+    """The first path of `leaf` in a state tree (for error messages only: a walk)."""
+    for path, found in leaf_paths(tree):
+        if found is leaf:
+            return path
+    return ()
 
 
 def _share_scalar_state(found, results) -> None:
@@ -377,7 +416,7 @@ def update(state: State, model, *grads):
         return _compile.EAGER["update"](state, model, *grads)
     _check_args(state, grads, "update")
     found = _gather(state.tree, model, grads[0])
-    results = _compute(found)
+    results = _compute(found, state.tree)
 
     def leaf_of(leaf):
         moved = results.get(id(leaf))
@@ -415,7 +454,7 @@ def update_(state: State, model, *grads):
     found = _gather(state.tree, model, grads[0])
     work = _engine.select(state, found)
     in_engine = {id(leaf) for group, _ in work for leaf in group.leaves}
-    results = _compute(found, skip=in_engine)  # may raise: nothing has been written yet
+    results = _compute(found, state.tree, skip=in_engine)  # may raise: nothing written yet
     _engine.execute(work)
     for key, (new_state, _) in results.items():
         found[key].leaf.state = new_state

@@ -82,6 +82,12 @@ class Rule:
     #: bandwidth, and Leafs sharing one may share their counters; leave False when in doubt.
     elementwise: ClassVar[bool] = False
 
+    #: True when `apply` cannot raise for inputs that passed the update's checks (plain
+    #: arithmetic, as in every built-in elementwise rule). `update_` writes an engine group chunk
+    #: by chunk; for a rule without this promise it first runs `apply` on every chunk without
+    #: writing (twice the work), so that a rule raising on some chunk leaves nothing changed.
+    never_raises: ClassVar[bool] = False
+
     def __post_init__(self):
         name = type(self).__name__
         for f in dataclasses.fields(self):

@@ -88,6 +88,7 @@ class Descent(Rule):
     """
 
     elementwise = True
+    never_raises = True
 
     eta: float = 0.1
 
@@ -100,6 +101,7 @@ class _MomentumFamily(Rule):
     """The fields, check and velocity state shared by Momentum and Nesterov."""
 
     elementwise = True
+    never_raises = True
 
     eta: float = 0.01
     rho: float = 0.9
@@ -171,6 +173,7 @@ class RMSProp(Rule):
     """
 
     elementwise = True
+    never_raises = True
 
     eta: float = 0.001
     rho: float = 0.9
@@ -222,6 +225,7 @@ class Rprop(Rule):
     """
 
     elementwise = True
+    never_raises = True
 
     eta: float = 1e-3
     ell: tuple = (0.5, 1.2)
@@ -262,6 +266,7 @@ class _AdamFamily(Rule):
     """The fields, checks and `(m, v, t)` state shared by Adam and its variants."""
 
     elementwise = True
+    never_raises = True
 
     eta: float = 0.001
     beta: tuple = (0.9, 0.999)
@@ -404,6 +409,7 @@ class AdaGrad(Rule):
     """
 
     elementwise = True
+    never_raises = True
 
     eta: float = 0.1
     epsilon: float = 1e-8
@@ -433,6 +439,7 @@ class AdaDelta(Rule):
     """
 
     elementwise = True
+    never_raises = True
 
     rho: float = 0.9
     epsilon: float = 1e-8
@@ -536,6 +543,7 @@ class AdamW(Rule):
     """
 
     elementwise = True
+    never_raises = True
 
     eta: float = 0.001
     beta: tuple = (0.9, 0.999)
@@ -605,6 +613,7 @@ class Lion(Rule):
     """
 
     elementwise = True
+    never_raises = True
 
     eta: float = 0.001
     beta: tuple = (0.9, 0.999)
@@ -639,6 +648,7 @@ class WeightDecay(Rule):
     """
 
     elementwise = True
+    never_raises = True
 
     lambd: float = 5e-4
 
@@ -661,6 +671,7 @@ class SignDecay(Rule):
     """
 
     elementwise = True
+    never_raises = True
 
     lambd: float = 1e-3
 
@@ -684,6 +695,7 @@ class ClipGrad(Rule):
     """
 
     elementwise = True
+    never_raises = True
 
     delta: float = 10.0
 
@@ -785,6 +797,10 @@ class OptimiserChain(Rule):
     def elementwise(self):
         return all(getattr(rule, "elementwise", False) for rule in self.rules)
 
+    @property
+    def never_raises(self):
+        return all(getattr(rule, "never_raises", False) for rule in self.rules)
+
     def __repr__(self):
         return f"OptimiserChain({', '.join(repr(r) for r in self.rules)})"
 
@@ -834,6 +850,7 @@ class AccumGrad(Rule):
     """
 
     elementwise = True
+    never_raises = True
 
     n: int
 
@@ -899,6 +916,10 @@ class MixedPrecision(Rule):
     @property
     def elementwise(self):
         return getattr(self.rule, "elementwise", False)
+
+    @property
+    def never_raises(self):
+        return getattr(self.rule, "never_raises", False)
 
     def __repr__(self):
         return f"MixedPrecision({self.rule!r}, dtype={_dtype_name(self.dtype)})"

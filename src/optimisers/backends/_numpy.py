@@ -101,6 +101,12 @@ def engine_start() -> None:
     mallopt(-1, TRIM_THRESHOLD)  # M_TRIM_THRESHOLD
 
 
+def raises_on_values() -> bool:
+    """Would NumPy raise on overflow or division by zero here (`np.seterr(all="raise")`)? Then
+    even plain arithmetic can fail part way through a step."""
+    return "raise" in np.geterr().values()
+
+
 def engine_ok(x) -> bool:
     return type(x) is np.ndarray and x.flags.writeable and x.flags.c_contiguous and x.ndim > 0 and x.size > 0
 
