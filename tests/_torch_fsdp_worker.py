@@ -1,5 +1,6 @@
 """Run by tests/test_torch_distributed.py: train the tied TinyGPT sharded by FSDP2's
-`fully_shard` on 2 CPU processes (gloo), once per optimiser, and save each run's final
+`fully_shard` on 2 CPU processes (gloo), once per optimiser (torch.optim.AdamW, the
+`optimisers.torch.Optimizer` adapter, `optimisers.update_`), and save each run's final
 parameters (gathered). Usage: python _torch_fsdp_worker.py RANK PORT OUTDIR STEPS."""
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from torch.distributed.fsdp import fully_shard
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import optimisers as opt  # noqa: E402
+import optimisers.torch  # noqa: E402
 from _torch_models import batch, lm_loss, make_gpt  # noqa: E402
 
 WORLD = 2
@@ -39,6 +41,8 @@ def train(kind, mesh, rank, steps):
     model = sharded_gpt(mesh)
     if kind == "torch":
         torch_opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=DECAY)
+    elif kind == "adapter":
+        torch_opt = optimisers.torch.Optimizer(model, opt.AdamW(LR, lambd=DECAY))
     else:
         state = opt.setup(rules()[kind], model)
         pure_agrees = True
@@ -48,7 +52,7 @@ def train(kind, mesh, rank, steps):
         model.zero_grad()
         # FSDP2 averages gradients over ranks: equal shards give the full-batch mean gradient
         lm_loss(model, inputs[shard], targets[shard]).backward()
-        if kind == "torch":
+        if kind in ("torch", "adapter"):
             torch_opt.step()
         else:
             grads = opt.grads(model)
@@ -63,7 +67,7 @@ def train(kind, mesh, rank, steps):
             )
         assert model.head.weight is model.embed.weight
     out = {name: p.full_tensor().detach() for name, p in model.named_parameters(remove_duplicate=False)}
-    if kind != "torch":
+    if kind in rules():
         out["pure_agrees"] = pure_agrees
     return out
 
@@ -92,7 +96,7 @@ def run(rank, port, outdir, steps):
     )
     try:
         mesh = init_device_mesh("cpu", (WORLD,))
-        out = {kind: train(kind, mesh, rank, steps) for kind in ["torch", *rules()]}
+        out = {kind: train(kind, mesh, rank, steps) for kind in ["torch", "adapter", *rules()]}
         out["setup_before_sharding"] = setup_before_sharding_error(mesh)
         torch.save(out, os.path.join(outdir, f"rank{rank}.pt"))
         dist.barrier()  # both ranks done before either tears gloo down (see _torch_ddp_worker)

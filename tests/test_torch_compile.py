@@ -162,3 +162,35 @@ def test_errors_under_compile_are_the_eager_errors_and_change_nothing():
         compiled()
     for name, p in before.items():
         assert torch.equal(params(model)[name], p), name
+
+
+def adapter_run(compile_mode, counter=None):
+    """`optimisers.torch.Optimizer` with a LambdaLR scheduler: eager (`compile_mode` None), the
+    whole step compiled ("step_fn"), or only `optimizer.step` compiled ("opt_step")."""
+    import optimisers.torch
+
+    model = make_gpt(torch.float64)
+    inputs, targets = batch()
+    o = optimisers.torch.Optimizer(model, opt.AdamW(1e-2, lambd=0.1))
+    sched = torch.optim.lr_scheduler.LambdaLR(o, schedule)
+    if compile_mode == "opt_step":
+        o.step = torch.compile(o.step, backend=counter)
+
+    def step(i):
+        o.zero_grad()
+        lm_loss(model, inputs, targets).backward()
+        o.step()
+
+    compiled = torch.compile(step, backend=counter) if compile_mode == "step_fn" else step
+    return train(compiled, model, before=lambda i: sched.step() if i else None)
+
+
+@pytest.mark.parametrize("compile_mode", ["step_fn", "opt_step"])
+def test_adapter_compiled_with_a_scheduler_does_not_recompile(compile_mode):
+    counter = CompileCounter()
+    compiled = adapter_run(compile_mode, counter)
+    eager = adapter_run(None)
+    for name in eager:
+        assert torch.equal(compiled[name], eager[name]), name
+    assert_close_to(compiled, torch_adamw())
+    assert counter.frame_count <= 2, counter.frame_count

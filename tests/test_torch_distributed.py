@@ -88,7 +88,7 @@ def test_fsdp2_sharded_tied_model_matches_torch_adamw_and_one_process(tmp_path):
     import _torch_fsdp_worker as worker
 
     ranks = two_ranks(FSDP_WORKER, tmp_path, STEPS, timeout=240)
-    runs = ["torch", *worker.rules()]
+    runs = ["torch", "adapter", *worker.rules()]
     for kind in runs:
         assert ranks[0][kind].pop("pure_agrees", True) and ranks[1][kind].pop("pure_agrees", True)
         for name, p in ranks[0][kind].items():
@@ -100,6 +100,8 @@ def test_fsdp2_sharded_tied_model_matches_torch_adamw_and_one_process(tmp_path):
     for name, p in reference.items():
         # torch.optim's single-tensor AdamW against torch's fused kernel on the local shards
         torch.testing.assert_close(ranks[0]["adamw"][name], p, rtol=1e-12, atol=1e-14, msg=name)
+        # the torch.optim adapter steps through update_: the same numbers, bit for bit
+        assert torch.equal(ranks[0]["adapter"][name], ranks[0]["adamw"][name]), name
     # ClipNorm needs each parameter's global norm, which a shard-local computation would miss;
     # one unsharded process on the full batch is the independent reference
     chain = worker.rules()["clip_momentum"]
