@@ -17,6 +17,11 @@ ELEMENTWISE = [
     opt.OptimiserChain(opt.AccumGrad(2), opt.WeightDecay(0.01), opt.AdamW(0.01, lambd=0.1)),
     opt.MixedPrecision(opt.Lion(0.01)),
 ]
+# a first member that scales each parameter's whole gradient by one factor, then elementwise ones
+SCALED = [
+    opt.OptimiserChain(opt.ClipNorm(1.0), opt.Adam(0.01)),
+    opt.OptimiserChain(opt.ClipNorm(0.5, 1), opt.WeightDecay(0.01), opt.Momentum(0.01)),
+]
 
 
 @pytest.fixture(autouse=True)
@@ -83,9 +88,9 @@ def assert_same(m1, m2, s1, s2):
 
 
 @pytest.mark.parametrize("backend", ["numpy", "torch"])
-@pytest.mark.parametrize("rule", ELEMENTWISE, ids=lambda r: type(r).__name__)
+@pytest.mark.parametrize("rule", ELEMENTWISE + SCALED, ids=repr)
 def test_engine_matches_plain_path_through_events(rule, backend):
-    assert rule.elementwise
+    assert rule.elementwise or rule.scaled_elementwise
     model = to_backend(make_model(), backend)
     reference = to_backend(make_model(), backend)
     state = opt.setup(rule, model)
@@ -275,6 +280,7 @@ _EVENT_RULES = [
     opt.RAdam(0.01),
     opt.OptimiserChain(opt.AccumGrad(2), opt.Adam(0.01)),
     opt.MixedPrecision(opt.Adam(0.01)),
+    *SCALED,
 ]
 
 
@@ -335,3 +341,39 @@ def test_engine_equals_per_leaf_path_through_random_events(
     for k in m1:
         assert as_numpy(m1[k]).dtype == as_numpy(m2[k]).dtype
     assert_same(m1, m2, s1, s2)
+
+
+def test_a_clipnorm_chain_steps_in_the_engine_in_chunks():
+    model = make_model()
+    rule = SCALED[0]
+    state = opt.setup(rule, model)
+    state, model = opt.update_(state, model, random_grads(model, np.random.default_rng(0)))
+    (group,) = [g for g in state._plan.groups if g.dtype == np.float32]
+    assert group.scaled and len(group.leaves) == 6  # W, four small, big (not the 0-d, strided)
+    assert all(c[0] == "big" for c in group.chunks)  # a factor per member: nothing packed
+    assert len(group.chunks) > len(group.leaves)  # W and big are split
+
+
+def test_a_clipnorm_that_raises_leaves_every_group_as_it_was():
+    model = make_model()
+    state = opt.setup(opt.OptimiserChain(opt.ClipNorm(1.0), opt.Adam(0.01)), model)
+    rng = np.random.default_rng(0)
+    state, model = opt.update_(state, model, random_grads(model, rng))
+    before = [x.copy() for x in opt.trainables(model)]
+    parts_before = []
+    for leaf in state.leaves():
+        parts: list = []
+        _engine.flatten_state(leaf.state, parts)
+        parts_before.append([np.array(p, copy=True) for p in parts])
+    grads = random_grads(model, rng)
+    grads["f64"] = grads["f64"].copy()
+    grads["f64"][0, 0] = np.inf  # the float64 group's factor raises; the float32 group is first
+    with pytest.raises(ValueError, match="not finite"):
+        opt.update_(state, model, grads)
+    for x, old in zip(opt.trainables(model), before):
+        np.testing.assert_array_equal(x, old)
+    for leaf, old in zip(state.leaves(), parts_before):
+        parts: list = []
+        _engine.flatten_state(leaf.state, parts)
+        for p, q in zip(parts, old):
+            np.testing.assert_array_equal(p, q)

@@ -9,9 +9,14 @@ so a model of thousands of tiny arrays costs a few calls per chunk instead of a 
 
 Only rules that declare `elementwise = True` are grouped: their update of each element depends
 only on that element and on scalars shared by the group, so a chunk computes exactly what the
-whole array would. Everything else takes the ordinary per-Leaf path, and so does a Leaf whose
-parameter changed under the plan (converted, reshaped, no longer writable in place); the engine
-and the per-Leaf path give the same numbers bit for bit.
+whole array would. So are chains whose first member scales the whole gradient by one factor
+(`OptimiserChain(ClipNorm(), Adam())`: `scaled_elementwise`): each member's factor is computed
+over its whole gradient before any chunk is stepped, and the chunks run `apply_scaled` with it
+(such a group packs no small parameters together, since each has its own factor).
+
+Everything else takes the ordinary per-Leaf path, and so does a Leaf whose parameter changed
+under the plan (converted, reshaped, no longer writable in place); the engine and the per-Leaf
+path give the same numbers bit for bit.
 """
 
 from __future__ import annotations
@@ -64,9 +69,14 @@ def _in_order(fn, items):
 _END = object()
 
 
+def _scaled(rule) -> bool:
+    return not getattr(rule, "elementwise", False) and getattr(rule, "scaled_elementwise", False)
+
+
 def eligible(leaf, x) -> bool:
     """Can this Leaf's parameter be stepped by the engine?"""
-    if not getattr(leaf.rule, "elementwise", False) or leaf.frozen:
+    rule = leaf.rule
+    if not (getattr(rule, "elementwise", False) or _scaled(rule)) or leaf.frozen:
         return False
     ok = getattr(_ops.backend(x), "engine_ok", None)
     return ok is not None and ok(x)
@@ -81,6 +91,7 @@ class Group:
         if start is not None:
             start()
         sizes = [b.numel(x) for x in xs]
+        self.scaled = _scaled(leaves[0].rule)  # a factor per member: see `factors`
         self.chunk = self._chunk_size(b, sum(sizes))
         # small parameters last, so that they pack into a few long runs however the model
         # interleaves them with large ones (a bias after each weight matrix)
@@ -134,7 +145,8 @@ class Group:
     def _plan_chunks(self):
         """("big", i, a, b): elements a..b of leaf i; ("run", i, j, bounds): small leaves i..j-1
         packed, leaf i+k at elements bounds[k] of the packed chunk."""
-        chunk, small = self.chunk, self.chunk // 4  # smaller parameters are packed together
+        # smaller parameters are packed together (not in a scaled group: a factor per member)
+        chunk, small = self.chunk, 0 if self.scaled else self.chunk // 4
         chunks, run_start, run_size = [], None, 0
 
         def run(i, j):
@@ -223,7 +235,17 @@ class Group:
 
     # --- one step ---------------------------------------------------------------------------
 
-    def step(self, xs, dxs):
+    def factors(self, dxs):
+        """For a scaled group, each member's factor over its whole gradient (this may raise:
+        ClipNorm of a non-finite gradient), else None."""
+        if not self.scaled:
+            return None
+        first = self.leaves[0].rule.rules[0]
+        off = getattr(self.b, "no_grad", None)
+        with off() if off is not None else contextlib.nullcontext():
+            return [first.gradient_factor(dx) for dx in dxs]
+
+    def step(self, xs, dxs, factors=None):
         """Update every member in place: `xs`, `dxs` are the parameters and summed gradients.
 
         Big chunks are views of one parameter and are written where they are computed. A packed
@@ -232,13 +254,13 @@ class Group:
         slower than one."""
         rule = self.leaves[0].rule
         fused = getattr(self.b, "fused_group_step", None)  # a backend's own kernel for this rule
-        if fused is not None and fused(self, rule, xs, dxs):
+        if factors is None and fused is not None and fused(self, rule, xs, dxs):
             return
         chunks = self.chunks
         off = getattr(self.b, "no_grad", None)  # PyTorch: the step is data, not a graph
         scalars = None
         with off() if off is not None else contextlib.nullcontext():
-            compute = functools.partial(self._chunk, rule, xs=xs, dxs=dxs)
+            compute = functools.partial(self._chunk, rule, xs=xs, dxs=dxs, factors=factors)
             if len(chunks) > 1 and self.b.ENGINE_THREADS:
                 # packed runs hand their steps back to this thread: bound how many wait
                 done = _in_order(compute, chunks) if self.has_runs else _pool().map(compute, chunks)
@@ -250,27 +272,30 @@ class Group:
                     self._write_run(chunk, xs, run_step)
         self.scalars = scalars
 
-    def rehearse(self, xs, dxs) -> None:
+    def rehearse(self, xs, dxs, factors=None) -> None:
         """Run the rule on every chunk without writing anything, checking what it returns: a
         rule that raises (or returns arrays that do not fit) on some chunk does so here, before
         `step` has written any chunk, so that a failed `update_` changes nothing."""
         rule = self.leaves[0].rule
         off = getattr(self.b, "no_grad", None)
         with off() if off is not None else contextlib.nullcontext():
-            check = functools.partial(self._chunk, rule, xs=xs, dxs=dxs, write=False)
+            check = functools.partial(self._chunk, rule, xs=xs, dxs=dxs, factors=factors, write=False)
             if len(self.chunks) > 1 and self.b.ENGINE_THREADS:
                 collections.deque(_pool().map(check, self.chunks), maxlen=0)
             else:
                 collections.deque(map(check, self.chunks), maxlen=0)
 
     def trusted(self) -> bool:
-        """Can this step run without a rehearsal: does the rule promise not to raise?"""
-        if not getattr(self.leaves[0].rule, "never_raises", False):
+        """Can this step run without a rehearsal: does the rule promise not to raise? (A scaled
+        group's first member has run already, in `factors`: the rest of the chain must promise.)"""
+        rule = self.leaves[0].rule
+        rules = rule.rules[1:] if self.scaled else (rule,)
+        if not all(getattr(r, "never_raises", False) for r in rules):
             return False
         strict = getattr(self.b, "raises_on_values", None)  # NumPy under np.seterr(all="raise")
         return strict is None or not strict()
 
-    def _chunk(self, rule, chunk, *, xs, dxs, write=True):
+    def _chunk(self, rule, chunk, *, xs, dxs, factors=None, write=True):
         """Compute one chunk: `(new scalars, step)`, the step left to the caller for a packed run
         (a big chunk is written here). With `write=False` only compute and check."""
         b = self.b
@@ -284,7 +309,11 @@ class Group:
             lo, hi = self.offsets[i], self.offsets[j]
             x, dx = b.concat_flat(xs[i:j]), b.concat_flat(dxs[i:j])
         parts = [buf[lo:hi] if a else s for a, buf, s in zip(self.array_at, self.buffers, self.scalars)]
-        new_state, step = rule.apply(unflatten_state(self.spec, iter(parts)), x, dx)
+        state = unflatten_state(self.spec, iter(parts))
+        if factors is None:
+            new_state, step = rule.apply(state, x, dx)
+        else:  # a scaled group's chunk lies within one member (no packing)
+            new_state, step = rule.apply_scaled(state, x, dx, factors[i])
         new_parts: list = []
         flatten_state(new_state, new_parts)
         if not write:
@@ -323,6 +352,61 @@ def independent(leaf, state):
     parts: list = []
     spec = flatten_state(state, parts)
     return unflatten_state(spec, iter([_ops.copy(p) if id(p) in views else p for p in parts]))
+
+
+def pure_step(rule, state, x, dx):
+    """The pure update of one parameter, chunk by chunk: `(new_state, new_x)`, or None where
+    that does not apply (a rule that is not elementwise, a backend without the engine, a
+    parameter of at most one chunk, state arrays not shaped like it). The new state and parameter
+    are allocated once and filled chunk by chunk, so the step and the rule's temporaries never
+    exist at full size; the numbers are those of `rule.apply` on the whole arrays."""
+    scaled = _scaled(rule)
+    if not (getattr(rule, "elementwise", False) or scaled):
+        return None
+    b = _ops.backend(x)
+    ok = getattr(b, "engine_ok", None)
+    if ok is None or not ok(x):
+        return None
+    n, chunk = b.numel(x), max(4, b.ENGINE_CHUNK // CHUNK_SCALE)
+    parts: list = []
+    spec = flatten_state(state, parts)
+    array_at = [b.is_buffer(p) for p in parts]
+    if n <= chunk or not all(p.shape == x.shape and ok(p) for p, a in zip(parts, array_at) if a):
+        return None
+    factor = rule.rules[0].gradient_factor(dx) if scaled else None
+    flat_x, flat_dx = x.reshape(-1), dx.reshape(-1)
+    flat_parts = [p.reshape(-1) if a else p for p, a in zip(parts, array_at)]
+    new_x = _ops.copy(x)
+    flat_new_x = new_x.reshape(-1)
+    outs = [_ops.zeros_like(p).reshape(-1) if a else None for p, a in zip(flat_parts, array_at)]
+    scalars = None
+    for lo in range(0, n, chunk):
+        hi = min(n, lo + chunk)
+        sub = [p[lo:hi] if a else p for p, a in zip(flat_parts, array_at)]
+        chunk_state = unflatten_state(spec, iter(sub))
+        if factor is None:
+            new_state, step = rule.apply(chunk_state, flat_x[lo:hi], flat_dx[lo:hi])
+        else:
+            new_state, step = rule.apply_scaled(chunk_state, flat_x[lo:hi], flat_dx[lo:hi], factor)
+        new_parts: list = []
+        if flatten_state(new_state, new_parts) != spec:
+            return None  # (before anything is returned: the caller takes the whole-array path)
+        for k, a in enumerate(array_at):
+            if a:
+                if new_parts[k].dtype != outs[k].dtype:
+                    return None  # the rule changes the state's dtype: whole arrays, as it wants
+                b.copy_into(outs[k][lo:hi], new_parts[k])
+        if scalars is None:
+            scalars = [None if a else p for a, p in zip(array_at, new_parts)]
+        value = step.value if isinstance(step, NewValue) else step
+        if value is not None and _ops.is_complex(value) and not _ops.is_complex(x):
+            return None  # a step that cannot be written: the whole-array path reports it
+        if isinstance(step, NewValue):
+            b.assign_(flat_new_x[lo:hi], step.value)
+        elif step is not None:
+            b.subtract_(flat_new_x[lo:hi], step)
+    merged = [o.reshape(x.shape) if a else s for a, o, s in zip(array_at, outs, scalars)]
+    return unflatten_state(spec, iter(merged)), new_x
 
 
 # --- planning over a State ----------------------------------------------------------------------
@@ -436,10 +520,15 @@ def _check_chunk(rule, x, parts, new_parts, step) -> None:
 
 
 def execute(work) -> None:
-    """Step the selected groups in place. A group whose rule may raise is first rehearsed, all
-    of them before any is stepped, so that an error leaves every parameter and state as it was."""
+    """Step the selected groups in place. Every scaled group's factors are computed first, and a
+    group whose rule may raise is rehearsed, all of them before any is stepped, so that an error
+    leaves every parameter and state as it was."""
+    prepared = []
     for group, members in work:
+        dxs = group.gradients(members)
+        prepared.append((group, [c.x for c in members], dxs, group.factors(dxs)))
+    for group, xs, dxs, factors in prepared:
         if not group.trusted():
-            group.rehearse([c.x for c in members], group.gradients(members))
-    for group, members in work:
-        group.step([c.x for c in members], group.gradients(members))
+            group.rehearse(xs, dxs, factors)
+    for group, xs, dxs, factors in prepared:
+        group.step(xs, dxs, factors)

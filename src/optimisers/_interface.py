@@ -304,9 +304,11 @@ def _gather(tree, model, grads) -> dict[int, _Contribution]:
 # --- update ------------------------------------------------------------------------------------
 
 
-def _compute(found: dict[int, _Contribution], tree, skip=frozenset()) -> dict[int, tuple]:
+def _compute(found: dict[int, _Contribution], tree, skip=frozenset(), pure=False) -> dict[int, tuple]:
     """Run each Leaf's rule once: `{id(leaf): (new_state, step)}` for Leafs that move. Each step
-    is checked to fit its parameter, so that writing the results cannot fail half way."""
+    is checked to fit its parameter, so that writing the results cannot fail half way. With
+    `pure`, `{id(leaf): (new_state, new_value)}`: each step is applied to a new array at once,
+    so that no step outlives its Leaf's turn (and large parameters are stepped in chunks)."""
     results = {}
     for key, c in found.items():
         if c.leaf.frozen or not c.grads or key in skip:
@@ -316,9 +318,17 @@ def _compute(found: dict[int, _Contribution], tree, skip=frozenset()) -> dict[in
         try:
             dx = c.dx()
             with _grad_off(c.x):
-                by_kernel = fused(rule, c.leaf.state, c.x, dx) if fused is not None else None
-                result = by_kernel if by_kernel is not None else rule.apply(c.leaf.state, c.x, dx)
+                result = fused(rule, c.leaf.state, c.x, dx) if fused is not None else None
+                if result is None and pure:
+                    result = _engine.pure_step(rule, c.leaf.state, c.x, dx)
+                    if result is not None:
+                        results[key] = result
+                        continue
+                if result is None:
+                    result = rule.apply(c.leaf.state, c.x, dx)
             _check_step(rule, result, c.x)
+            if pure:
+                result = (result[0], _new_value(c.x, result[1]))
         except Exception as e:
             if hasattr(e, "add_note"):  # Python >= 3.11: say where, keeping the exception's type
                 e.add_note(f"(while updating the parameter at {format_path(_path_of(tree, c.leaf))})")
@@ -356,6 +366,15 @@ def _path_of(tree, leaf) -> tuple:
         if found is leaf:
             return path
     return ()
+
+
+def _new_value(x, step):
+    """The parameter after `step`, as a new array."""
+    if step is None:
+        return _ops.copy(x)
+    if isinstance(step, NewValue):
+        return _ops.backend(x).replaced(x, step.value)
+    return _ops.backend(x).subtract(x, step)
 
 
 def _share_scalar_state(found, results) -> None:
@@ -416,7 +435,7 @@ def update(state: State, model, *grads):
         return _compile.EAGER["update"](state, model, *grads)
     _check_args(state, grads, "update")
     found = _gather(state.tree, model, grads[0])
-    results = _compute(found, state.tree)
+    results = _compute(found, state.tree, pure=True)
 
     def leaf_of(leaf):
         moved = results.get(id(leaf))
@@ -432,13 +451,7 @@ def update(state: State, model, *grads):
         key = id(leaf)
         if key not in values:
             moved = results.get(key)
-            step = moved[1] if moved else None
-            if step is None:
-                values[key] = _ops.copy(x)
-            elif isinstance(step, NewValue):
-                values[key] = _ops.backend(x).replaced(x, step.value)
-            else:
-                values[key] = _ops.backend(x).subtract(x, step)
+            values[key] = moved[1] if moved else _ops.copy(x)
         return values[key]
 
     return State(new_tree), _rebuild(state.tree, model, place)
@@ -511,7 +524,12 @@ def _rebuild(tree, model, place):
         done[key] = result
         return result
 
-    return visit(tree, model)
+    try:
+        return visit(tree, model)
+    finally:
+        # `visit` refers to itself: drop that cycle now, or `place` and the steps it holds stay
+        # alive until the garbage collector happens to run
+        visit = None  # noqa: F841
 
 
 # --- adjust, freeze ----------------------------------------------------------------------------

@@ -741,7 +741,10 @@ class ClipNorm(Rule):
         if p is not None and math.isnan(p):
             raise ValueError("ClipNorm: p must be a number, got nan")
 
-    def apply(self, state, x, dx):
+    def gradient_factor(self, dx):
+        """`min(ω/‖dx‖, 1)`, a scalar of `dx`'s dtype: the step is `factor · dx`. The in-place
+        engine computes it over a parameter's whole gradient first, then steps the rest of a
+        chain in chunks (see `OptimiserChain.apply_scaled`)."""
         n = ops.norm(dx, self.p)
         if self.throw and ops.isfinite(n) is False:
             raise ValueError(
@@ -751,7 +754,10 @@ class ClipNorm(Rule):
         omega = ops.scalar(self.omega, n)
         # min(ω/n, 1) written as ω/max(n, ω): n = 0 needs no division by zero, NaN propagates;
         # the norm may be wider than dx (float16 sums in float32), so cast the factor back
-        return state, ops.scalar(omega / ops.maximum(n, omega), dx) * dx
+        return ops.scalar(omega / ops.maximum(n, omega), dx)
+
+    def apply(self, state, x, dx):
+        return state, self.gradient_factor(dx) * dx
 
 
 # --- composite rules -----------------------------------------------------------------------------
@@ -801,6 +807,18 @@ class OptimiserChain(Rule):
     def never_raises(self):
         return all(getattr(rule, "never_raises", False) for rule in self.rules)
 
+    @property
+    def scaled_elementwise(self):
+        """A first member that scales the whole gradient by one factor (`ClipNorm`: it has a
+        `gradient_factor`), then elementwise members: `update_`'s engine computes the factor per
+        parameter first and runs `apply_scaled` in chunks."""
+        rules = self.rules
+        return (
+            len(rules) > 1
+            and hasattr(rules[0], "gradient_factor")
+            and all(getattr(rule, "elementwise", False) for rule in rules[1:])
+        )
+
     def __repr__(self):
         return f"OptimiserChain({', '.join(repr(r) for r in self.rules)})"
 
@@ -820,9 +838,17 @@ class OptimiserChain(Rule):
         return tuple(rule.init(x) for rule in self.rules)
 
     def apply(self, state, x, dx):
+        return self.apply_scaled(state, x, dx, None)
+
+    def apply_scaled(self, state, x, dx, factor):
+        """`apply`, where a `factor` given is the first member's `gradient_factor` of the whole
+        gradient (of which `dx` may be a chunk): exactly what that member's `apply` computes."""
         states = list(state)
         last = len(self.rules) - 1
         for i, rule in enumerate(self.rules):
+            if i == 0 and factor is not None:
+                dx = factor * dx  # as ClipNorm.apply: the state unchanged
+                continue
             states[i], dx = rule.apply(states[i], x, dx)
             if dx is None:
                 break

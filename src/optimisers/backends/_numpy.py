@@ -180,24 +180,52 @@ def abs2(x):
     return np.square(x)
 
 
+_NORM_CHUNK = 1 << 18  # elements: a norm's temporaries stay this small however large the array
+
+
 def norm(x, p):
-    a = np.abs(np.ravel(x))
-    if a.dtype.itemsize < 4:  # float16/bfloat16 sums overflow (a norm over 256 of entries of 10)
-        a = a.astype(np.float32)
-    if a.size == 0:
+    """The p-norm of all entries, computed over chunks of `_NORM_CHUNK` elements so that its
+    temporaries (|x| and its powers) stay small: a chunk's partial result (a sum, a max...) and
+    then one reduction over the partials. An array of at most one chunk gives exactly what one
+    NumPy reduction over the whole array gives."""
+    flat = np.ravel(x)  # a view for a contiguous array
+
+    def magnitudes(lo, hi):
+        a = np.abs(flat[lo:hi])
+        if a.dtype.itemsize < 4:  # float16/bfloat16 sums overflow (a norm over 256 of entries of 10)
+            a = a.astype(np.float32)
+        return a
+
+    if flat.size == 0:
+        a = magnitudes(0, 0)
         return a.dtype.type(0) if p != -np.inf else a.dtype.type(np.inf)
-    if p == 2:
-        return np.sqrt(np.sum(np.square(a)))
-    if p == 1:
-        return np.sum(a)
-    if p == np.inf:
-        return np.max(a)
-    if p == -np.inf:
-        return np.min(a)
+    parts = []
+    for lo in range(0, flat.size, _NORM_CHUNK):
+        a = magnitudes(lo, lo + _NORM_CHUNK)
+        dtype = a.dtype.type
+        if p == 2:
+            parts.append(np.sum(np.square(a)))
+        elif p in (1, 0):
+            parts.append(np.sum(a) if p == 1 else np.count_nonzero(a))
+        elif p == np.inf:
+            parts.append(np.max(a))
+        elif p == -np.inf:
+            parts.append(np.min(a))
+        else:
+            with np.errstate(divide="ignore"):  # negative p on a zero entry is a legitimate infinity
+                parts.append(np.sum(a ** dtype(p)))
     if p == 0:
-        return a.dtype.type(np.count_nonzero(a))
-    with np.errstate(divide="ignore"):  # negative p on a zero entry is a legitimate infinity
-        return np.sum(a ** a.dtype.type(p)) ** a.dtype.type(1 / p)
+        return dtype(sum(parts))
+    parts = np.array(parts)
+    if p == 2:
+        return np.sqrt(np.sum(parts))
+    if p == 1:
+        return np.sum(parts)
+    if p == np.inf:
+        return np.max(parts)
+    if p == -np.inf:
+        return np.min(parts)
+    return np.sum(parts) ** dtype(1 / p)
 
 
 def isfinite(x):

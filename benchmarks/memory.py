@@ -1,0 +1,168 @@
+"""Peak memory of one optimiser step, as a multiple of the parameters' bytes.
+
+    python benchmarks/memory.py            # NumPy (tracemalloc) and PyTorch CPU (allocator stats)
+    python benchmarks/memory.py --small    # smaller models, a few seconds
+
+For `update_` and the pure `update`, with Adam, AdamW, OptimiserChain(ClipNorm, Adam) and
+OptimiserChain(ClipGrad, WeightDecay, Adam), on two models: one big matrix (S1) and a GPT-2-like
+layout of 148 tensors (S2, as in `optimisers bench`). Each step runs after two warm-up steps (the
+first `update_` groups the state into flat buffers, once), and two numbers are reported:
+
+- peak: the most memory held during the call above what was held before it;
+- transient: peak minus what the call leaves held (its results: for the pure `update` the new
+  parameters and state, 1 + 2 = 3x the parameters for Adam, which any pure step must return).
+  For `update_` the two are about the same: it returns nothing new.
+
+NumPy reports its allocations to `tracemalloc`. PyTorch CPU does not, so its rows read the
+process's allocations through `torch.profiler` (profile_memory); torch.optim's step is shown
+beside ours for comparison. optax under `jit` allocates inside XLA, invisible to both, so it has
+no row; its donated step holds no more than its outputs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+import tracemalloc
+from pathlib import Path
+
+import numpy as np
+
+try:
+    import optimisers as opt
+except ImportError:  # run from a checkout that is not installed
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+    import optimisers as opt
+from optimisers.bench import _nest, make_shapes
+
+RULES = {
+    "Adam": lambda: opt.Adam(1e-3),
+    "AdamW": lambda: opt.AdamW(1e-3, lambd=1e-2),
+    "Chain(ClipNorm, Adam)": lambda: opt.OptimiserChain(opt.ClipNorm(1.0), opt.Adam(1e-3)),
+    "Chain(ClipGrad, WeightDecay, Adam)": lambda: opt.OptimiserChain(
+        opt.ClipGrad(0.5), opt.WeightDecay(1e-2), opt.Adam(1e-3)
+    ),
+}
+
+
+def models(small: bool) -> dict[str, list[tuple[tuple, tuple]]]:
+    """S1 and S2 of `optimisers bench` (its --quick sizes with --small)."""
+    shapes = make_shapes(small)
+    out = {}
+    for name in ("S1", "S2"):
+        s = shapes[name]
+        out[f"{name} ({s.n_tensors} tensors, {s.n_params / 1e6:.1f}M)"] = list(zip(s.paths, s.shapes))
+    return out
+
+
+def build(layout, make):
+    rng = np.random.default_rng(0)
+    params = _nest([(p, make(rng.standard_normal(s).astype(np.float32))) for p, s in layout])
+    grads = _nest([(p, make(rng.standard_normal(s).astype(np.float32))) for p, s in layout])
+    return params, grads
+
+
+def nbytes(tree) -> int:
+    return sum(int(x.nbytes) for x in opt.trainables(tree))
+
+
+def numpy_step(layout, rule, pure):
+    """(parameter bytes, peak, transient) of one NumPy step, by tracemalloc (started before the
+    model is built, so that the arrays a step frees are counted too)."""
+    tracemalloc.start()
+    try:
+        model, grads = build(layout, lambda a: a)
+        state = opt.setup(rule, model)
+        step = opt.update if pure else opt.update_
+        for _ in range(2):
+            state, model = step(state, model, grads)
+        gc.collect()
+        before = tracemalloc.get_traced_memory()[0]
+        tracemalloc.reset_peak()
+        result = step(state, model, grads)
+        peak = tracemalloc.get_traced_memory()[1]
+        gc.collect()  # what the call leaves held, not garbage awaiting the cycle collector
+        after = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    del result
+    return nbytes(model), peak - before, peak - after
+
+
+def torch_step(layout, rule, pure, torch_optim=False):
+    """(peak, transient) bytes of one PyTorch CPU step, from the profiler's allocation events."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    model, grads = build(layout, torch.from_numpy)
+    if torch_optim:
+        params = opt.trainables(model)
+        for p, g in zip(params, opt.trainables(grads)):
+            p.grad = g
+        o = torch.optim.Adam(params, lr=1e-3, foreach=True) if rule == "Adam" else None
+        if o is None:
+            return None
+        run = o.step
+    else:
+        state = opt.setup(RULES[rule](), model)
+        step = opt.update if pure else opt.update_
+        holder = [state, model]
+
+        def run():
+            holder[0], holder[1] = step(holder[0], holder[1], grads)
+            return holder
+
+    for _ in range(2):
+        run()
+    gc.collect()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        result = run()
+        gc.collect()  # frees of garbage awaiting the cycle collector count as freed
+    level = peak = 0
+    events = sorted(
+        (e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+        key=lambda e: e.start_ns(),
+    )
+    for e in events:
+        level += e.nbytes()
+        peak = max(peak, level)
+    del result
+    return nbytes(model), peak, peak - level
+
+
+def table(rows, title):
+    print(f"\n{title}")
+    print(f"  {'model':24} {'rule':35} {'call':19} {'peak':>5} {'transient':>9}")
+    for model, rule, call, (n, peak, transient) in rows:
+        print(f"  {model:24} {rule:35} {call:19} {peak / n:5.2f} {transient / n:9.2f}")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--small", action="store_true", help="smaller models")
+    p.add_argument("--backends", default="numpy,torch")
+    opts = p.parse_args(argv)
+    layouts = models(opts.small)
+    backends = opts.backends.split(",")
+    if "numpy" in backends:
+        rows = []
+        for mname, layout in layouts.items():
+            for rname, make in RULES.items():
+                for pure in (False, True):
+                    rows.append((mname, rname, "update" if pure else "update_",
+                                 numpy_step(layout, make(), pure)))
+        table(rows, "NumPy, tracemalloc: bytes above the start / parameter bytes")
+    if "torch" in backends:
+        rows = []
+        for mname, layout in layouts.items():
+            for rname in RULES:
+                for pure in (False, True):
+                    call = "update" if pure else "update_"
+                    rows.append((mname, rname, call, torch_step(layout, rname, pure)))
+            rows.append((mname, "Adam", "torch.optim foreach", torch_step(layout, "Adam", False, True)))
+        table(rows, "PyTorch CPU, torch.profiler allocations: bytes above the start / parameter bytes")
+
+
+if __name__ == "__main__":
+    main()
