@@ -91,6 +91,18 @@ __all__ = [
     "update_",
 ]
 
+
+
+def __getattr__(name):
+    # integrations that import their framework load on first use, so `import optimisers` imports
+    # neither jax nor optax
+    if name == "optax":
+        import importlib
+
+        return importlib.import_module(".optax", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 import sys as _sys  # noqa: E402
 
 if "jax" in _sys.modules:  # jax imported first: register State/Leaf as pytrees now

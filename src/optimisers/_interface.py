@@ -35,6 +35,13 @@ from ._tree import format_path, is_param, kind_of, trainable_children
 def _rule_chooser(rule):
     if isinstance(rule, Rule):
         return lambda path, x: rule
+    if isinstance(rule, (State, Leaf)):
+        raise TypeError(
+            f"expected a rule (e.g. optimisers.Adam()), got a {type(rule).__name__}: optimiser state "
+            "from setup. To continue training use update(state, model, grads); to change "
+            "hyperparameters, adjust(state, eta); a State is already set up, so it goes to neither "
+            "setup nor optimisers.optax.transform"
+        )
     if isinstance(rule, type) and issubclass(rule, Rule):
         raise TypeError(f"setup expects a rule instance, e.g. {rule.__name__}(), not the class")
     if callable(rule):
@@ -455,6 +462,23 @@ def update(state: State, model, *grads):
         return values[key]
 
     return State(new_tree), _rebuild(state.tree, model, place)
+
+
+def _stepped(state: State, model, grads: tuple, name: str):
+    """The pure part of `update`: the new State and each moving Leaf's `(new_state, step)`,
+    keyed by `id(leaf)` of the old State's Leafs (`optimisers.optax` turns the steps into updates)."""
+    _check_args(state, grads, name)
+    found = _gather(state.tree, model, grads[0])
+    results = _compute(found, state.tree)
+
+    def leaf_of(leaf):
+        moved = results.get(id(leaf))
+        new_state = _engine.independent(leaf, moved[0] if moved else leaf.state)
+        new = Leaf(leaf.rule, new_state, leaf.frozen)
+        new._shape = leaf._shape
+        return new
+
+    return State(map_leaves(leaf_of, state.tree)), results
 
 
 def update_(state: State, model, *grads):

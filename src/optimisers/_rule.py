@@ -10,6 +10,7 @@ in-place update and every backend. `step` may also be `None` (do not move the pa
 from __future__ import annotations
 
 import dataclasses
+import functools
 import numbers
 from typing import Any, ClassVar, NamedTuple
 
@@ -88,6 +89,12 @@ class Rule:
     #: writing (twice the work), so that a rule raising on some chunk leaves nothing changed.
     never_raises: ClassVar[bool] = False
 
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        own = cls.__dict__.get("init")
+        if callable(own) and not getattr(own, "_checks_its_argument", False):
+            cls.init = _checked_init(own)
+
     def __post_init__(self):
         name = type(self).__name__
         for f in dataclasses.fields(self):
@@ -106,7 +113,16 @@ class Rule:
 
     def init(self, x):
         """The initial state for parameter array `x`."""
+        _check_one_array(self, x)
         return None
+
+    init._checks_its_argument = True
+
+    def update(self, *args, **kwargs):
+        """Not an optax method: a rule is not an optax `GradientTransformation`; wrap it with
+        `optimisers.optax.transform(rule)`. Raises TypeError, so that a bare rule handed to optax
+        or Flax fails at once with that hint."""
+        raise TypeError(_not_a_transformation(self))
 
     def apply(self, state, x, dx):
         """`(new_state, step)` for parameter `x` with gradient `dx`; `x_new = x - step`."""
@@ -121,6 +137,35 @@ class Rule:
         (the tree-level `adjust` reports names that no rule in the tree has)."""
         own = {k: v for k, v in hyper.items() if k in self.hyperparameters()}
         return dataclasses.replace(self, **own) if own else self
+
+
+def _not_a_transformation(rule) -> str:
+    return (
+        f"{rule!r} is an optimisers rule, not an optax GradientTransformation; to hand it to optax "
+        "or Flax (optax.chain, nnx.Optimizer, TrainState.create), wrap it: "
+        "optimisers.optax.transform(rule). To train a whole model with it directly, use "
+        "optimisers.setup(rule, model) and optimisers.update."
+    )
+
+
+def _check_one_array(rule, x) -> None:
+    # optax and Flax call `tx.init(params)` with a whole tree: a rule handed where a transformation
+    # belongs would otherwise build garbage state and fail later, somewhere else
+    if not hasattr(x, "shape"):
+        raise TypeError(
+            f"{type(rule).__name__}.init(x) takes one parameter array, got a {type(x).__name__}. "
+            + _not_a_transformation(rule)
+        )
+
+
+def _checked_init(init):
+    @functools.wraps(init)
+    def checked(self, x):
+        _check_one_array(self, x)
+        return init(self, x)
+
+    checked._checks_its_argument = True
+    return checked
 
 
 def check_range(rule: Rule, name: str, low: float, high: float, *, high_open: bool = False):

@@ -113,6 +113,14 @@ def _find_kind(obj) -> NodeKind | None:
         if base in _REGISTRY:
             return _REGISTRY[base]
     if isinstance(obj, Mapping):
+        if isinstance(obj, MutableMapping) and not isinstance(obj, dict) and "jax" in sys.modules:
+            # a mutable mapping that JAX flattens (Flax's nnx.State) is rebuilt by its own
+            # unflatten: a shallow copy of nnx.State shares its storage with the caller's
+            from .backends import _jax
+
+            kind = _jax.node_kind(obj)
+            if kind is not None:
+                return kind
         return MAPPING
     if isinstance(obj, tuple):
         return NAMEDTUPLE if hasattr(t, "_fields") else TUPLE
