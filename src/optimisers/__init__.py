@@ -91,18 +91,6 @@ __all__ = [
     "update_",
 ]
 
-
-
-def __getattr__(name):
-    # integrations that import their framework load on first use, so `import optimisers` imports
-    # neither jax nor optax
-    if name == "optax":
-        import importlib
-
-        return importlib.import_module(".optax", __name__)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 import sys as _sys  # noqa: E402
 
 if "jax" in _sys.modules:  # jax imported first: register State/Leaf as pytrees now
@@ -111,10 +99,10 @@ del _sys
 
 
 def __getattr__(name):
-    # `optimisers.torch` (the torch.optim adapter) is imported on first use: `import optimisers`
-    # must not import torch
-    if name == "torch":
+    # the integrations (`optimisers.torch`: the torch.optim adapter; `optimisers.optax`: optax and
+    # Flax) are imported on first use: `import optimisers` must import neither torch nor jax
+    if name in ("torch", "optax"):
         import importlib
 
-        return importlib.import_module(".torch", __name__)
+        return importlib.import_module("." + name, __name__)
     raise AttributeError(f"module 'optimisers' has no attribute {name!r}")
