@@ -94,8 +94,8 @@ def transform(rule) -> _optax.GradientTransformationExtraArgs:
                     made[key] = _no_move(x)
                 elif isinstance(step, NewValue):
                     made[key] = jnp.asarray(step.value, dtype=x.dtype) - x
-                else:
-                    made[key] = jnp.negative(step)
+                else:  # a rule may step by a scalar: optax expects updates shaped like params
+                    made[key] = jnp.broadcast_to(jnp.negative(step), x.shape)
             return made[key]
 
         rebuilt = _interface._rebuild(state.tree, params, place)
