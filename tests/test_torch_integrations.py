@@ -5,6 +5,7 @@ tensors, so against `torch.optim.AdamW(fused=True)` the numbers agree bit for bi
 
 from __future__ import annotations
 
+import io
 import socket
 
 import pytest
@@ -184,9 +185,22 @@ def test_accelerate_prepare_and_save_state_load_state(tmp_path):
 
 
 @pytest.mark.filterwarnings(r"ignore:`torch\.jit\.(script|interface)` is deprecated:DeprecationWarning")
-def test_zero_redundancy_optimizer_with_our_optimizer_class():
+def test_zero_redundancy_optimizer_with_our_optimizer_class_and_its_checkpoints():
     import torch.distributed as dist
     from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    def zero(net):
+        return ZeroRedundancyOptimizer(
+            net.parameters(), optimizer_class=Optimizer, rule=optimisers.AdamW(LR, lambd=DECAY)
+        )
+
+    def steps(net, optimizer, n, scheduler=None):
+        for _ in range(n):
+            optimizer.zero_grad()
+            lm_loss(net, *batch()).backward()
+            optimizer.step()
+            if scheduler is not None:
+                scheduler.step()
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -194,21 +208,32 @@ def test_zero_redundancy_optimizer_with_our_optimizer_class():
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     try:
         nets = [make_gpt(), make_gpt()]
-        optimizers = [
-            ZeroRedundancyOptimizer(
-                nets[0].parameters(), optimizer_class=Optimizer, rule=optimisers.AdamW(LR, lambd=DECAY)
-            ),
-            torch_adamw(nets[1]),
-        ]
-        schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lambda step: 1 / (1 + step)) for o in optimizers]
-        for net, optimizer, scheduler in zip(nets, optimizers, schedulers):
-            for _ in range(4):
-                optimizer.zero_grad()
-                lm_loss(net, *batch()).backward()
-                optimizer.step()
-                scheduler.step()
+        optimizers = [zero(nets[0]), torch_adamw(nets[1])]
+        for net, optimizer in zip(nets, optimizers):
+            steps(
+                net, optimizer, 4, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 / (1 + step))
+            )
         assert isinstance(optimizers[0].optim, Optimizer)
         assert optimizers[0].optim.optimiser_state[0].rule.eta == LR / 4  # the schedule reached it
         _assert_equal(*nets)
+
+        # ZeRO's checkpoint: consolidated from our state_dict, restored through `optim.state[p]`
+        net = make_gpt()
+        optimizer = zero(net)
+        steps(net, optimizer, 2)
+        optimizer.consolidate_state_dict(to=0)
+        buffer = io.BytesIO()
+        torch.save({"model": net.state_dict(), "opt": optimizer.state_dict()}, buffer)
+        steps(net, optimizer, 2)
+        buffer.seek(0)
+        with torch.serialization.safe_globals([optimisers.AdamW]):  # ZeRO keeps the rule in its groups
+            saved = torch.load(buffer, weights_only=True)
+        resumed = make_gpt(seed=7)
+        resumed.load_state_dict(saved["model"])
+        resumed_optimizer = zero(resumed)
+        resumed_optimizer.load_state_dict(saved["opt"])
+        assert resumed_optimizer.optim.optimiser_state[0].state[2] == 2
+        steps(resumed, resumed_optimizer, 2)
+        _assert_equal(resumed, net)
     finally:
         dist.destroy_process_group()

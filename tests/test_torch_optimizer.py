@@ -412,3 +412,27 @@ def test_a_failed_update_restores_the_synced_rules():
 def test_optimisers_torch_is_reachable_from_the_package():
     assert optimisers.torch.Optimizer is Optimizer
     assert issubclass(Optimizer, torch.optim.Optimizer)
+
+
+def test_state_is_a_per_parameter_view_that_loads_when_assigned():
+    model = make_gpt()
+    opt = Optimizer(model, optimisers.Adam(1e-2))
+    lm_loss(model, *batch()).backward()
+    opt.step()
+    entry = opt.state[model.embed.weight]
+    assert entry.keys() == opt.state_dict()["state"][0].keys()
+    assert entry["state/2"] == 1 and torch.equal(
+        entry["state/0"], opt.optimiser_state["embed"]["weight"].state[0]
+    )
+    assert len(opt.state) == len(list(model.parameters())) and model.pos in opt.state
+
+    fresh_model = make_gpt()
+    fresh = Optimizer(fresh_model, optimisers.Adam(1e-2))
+    fresh.state[fresh_model.embed.weight] = {
+        k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in entry.items()
+    }
+    leaf = fresh.optimiser_state["embed"]["weight"]
+    assert leaf.state[2] == 1 and torch.equal(leaf.state[0], entry["state/0"])
+    with pytest.raises(optimisers.CheckpointError, match=r"parameter 0/state/0: shape \(13, 8\) in the"):
+        fresh.state[fresh_model.pos] = entry  # pos (position 0) has another shape
+    assert fresh.optimiser_state["pos"].state[2] == 0

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from typing import Any
 
 import torch
@@ -241,6 +241,52 @@ def _from_dict(group: Mapping, base, overrides: dict, where: str) -> _Group:
     return _Group(entries, params, leaves, rule, seen)
 
 
+# --- torch's per-parameter state, as a view ------------------------------------------------------
+
+
+class _StateView(MutableMapping):
+    """`optimizer.state` as torch code reads it: `state[p]` is parameter `p`'s entry of
+    `state_dict()["state"]` (its rule as text, frozen flag, `"state/0"`, ...), built on each read;
+    `state[p] = entry` loads such an entry into `p`'s Leaf, checked first (the kind of rule,
+    shapes, dtypes), keeping the rule's current hyperparameters. ZeroRedundancyOptimizer restores
+    its shards this way."""
+
+    def __init__(self, optimizer):
+        self._optimizer = optimizer
+
+    def _leaf(self, p):
+        found = self._optimizer._leaf_of.get(id(p))
+        if found is None or found[0] is not p:
+            raise KeyError(p)
+        return found[1]
+
+    def __getitem__(self, p):
+        prefix = format_path(()) + "/"
+        return {k.removeprefix(prefix): v for k, v in _state_dict(self._leaf(p)).items() if k != FORMAT_KEY}
+
+    def __setitem__(self, p, entry):
+        leaf = self._leaf(p)
+        flat = {FORMAT_KEY: FORMAT, **{f"{format_path(())}/{k}": v for k, v in entry.items()}}
+        try:
+            new = _load_state_dict(leaf, flat, hyperparameters="state").tree
+        except CheckpointError as e:
+            where = f"parameter {self._optimizer._leaf_of[id(p)][2]}"
+            raise CheckpointError(str(e).replace(format_path(()), where)) from None
+        leaf.state, leaf.frozen = new.state, new.frozen
+
+    def __delitem__(self, p):
+        raise TypeError("the optimiser state of a parameter cannot be deleted; load another one instead")
+
+    def __iter__(self):
+        return (found[0] for found in self._optimizer._leaf_of.values())
+
+    def __len__(self):
+        return len(self._optimizer._leaf_of)
+
+    def __repr__(self):
+        return f"<optimiser state of {len(self)} parameters>"
+
+
 # --- the optimizer ------------------------------------------------------------------------------
 
 
@@ -263,7 +309,8 @@ class Optimizer(torch.optim.Optimizer):
     Parameters without a `.grad` are skipped (their state does not advance). `state_dict()` holds
     only tensors, numbers, text, lists and dicts (it survives `torch.load(weights_only=True)`),
     and a run resumed from it continues bit for bit. The library's `State` is
-    `optimiser_state`; torch's per-parameter `state` mapping stays empty.
+    `optimiser_state`; torch's per-parameter `state[p]` is a view: `p`'s entry of
+    `state_dict()["state"]`, built when read, loaded into `p`'s Leaf when assigned.
     """
 
     def __init__(self, params, rule=None, **hyperparameters):
@@ -278,6 +325,7 @@ class Optimizer(torch.optim.Optimizer):
         self._overrides = dict(hyperparameters)
         self._base_rule = rule
         self._flat = State({})  # global parameter position -> Leaf: what update_ steps
+        self._leaf_of: dict[int, tuple] = {}  # id(tensor) -> (tensor, Leaf, position)
         self._model: dict = {}  # global parameter position -> tensor
         self.optimiser_state: State = self._flat
         if isinstance(params, torch.Tensor):
@@ -301,6 +349,7 @@ class Optimizer(torch.optim.Optimizer):
         self._pending = {id(g.entries): g for g in groups}
         defaults = dict(groups[0].seen)
         super().__init__([g.entries for g in groups], defaults)
+        self.state = _StateView(self)
         del self._pending
 
     # --- groups -----------------------------------------------------------------------------------
@@ -335,6 +384,7 @@ class Optimizer(torch.optim.Optimizer):
             self._model[start + j] = p
             if leaf is not None:
                 self._flat.tree[start + j] = leaf
+                self._leaf_of[id(p)] = (p, leaf, start + j)
         self._flat._plan = None
         self._groups.append(g)
         self.param_groups.append(g.entries)
