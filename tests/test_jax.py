@@ -124,13 +124,32 @@ def test_flatten_stores_each_shared_leaf_and_rule_once_and_restores_sharing():
     assert jax.tree_util.tree_structure(opt.setup(opt.Adam(0.01), tied_model(3))) == treedef
 
 
+def _signature(leaves):
+    """What `jit` keys its cache on, per leaf: dtype and weak type (NumPy arrays are strong)."""
+    return [(np.dtype(x.dtype), bool(getattr(x, "weak_type", False)), np.shape(x)) for x in leaves]
+
+
+def _keys(tree):
+    return [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
 def test_flatten_with_paths_names_rules_and_parameters():
     state = opt.setup(opt.Descent(0.1), tied_model())
-    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
-    assert paths == [".rule0[0]"]  # Descent has no state; its eta is the only leaf
+    assert _keys(state) == ["['rules'][0][0]"]  # Descent has no state; its eta is the only leaf
     state = opt.setup(opt.Adam(), {"w": jnp.ones(2)})
-    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
-    assert paths[-3:] == [".scalars[0]", "['w'][0]", "['w'][1]"]  # m, v; the counter t apart
+    # eta, beta, epsilon; the counter t; m, v
+    assert _keys(state)[-4:] == ["['rules'][0][3]", "['scalars'][0]", "['w'][0]", "['w'][1]"]
+
+
+def test_key_paths_are_dict_keys_and_unique_whatever_the_model_calls_its_parts():
+    # orbax rebuilds a tree from key paths: one kind of key per level, and no two leaves alike
+    model = {"rules": jnp.ones(2), "scalars": jnp.ones(2), "a.b": jnp.ones(2), "a": {"b": jnp.ones(2)}}
+    state = opt.setup(opt.Adam(), model)
+    flat = jax.tree_util.tree_flatten_with_path(state)[0]
+    assert all(isinstance(p[0], jax.tree_util.DictKey) for p, _ in flat)
+    keys = _keys(state)
+    assert len(set(keys)) == len(keys) == 4 + 1 + 4 * 2  # eta, beta (2), epsilon; t; m, v each
+    assert "['rules'][0][0]" in keys and "['scalars'][0]" in keys and "['a.b'][0]" in keys
 
 
 def test_leafs_of_one_rule_share_their_step_counter_through_jitted_steps():
@@ -197,7 +216,10 @@ def _same_flattening(state):
     leaves, treedef = jax.tree_util.tree_flatten(state)
     fresh_leaves, fresh_treedef = jax.tree_util.tree_flatten(State(state.tree))
     assert treedef == fresh_treedef
-    assert len(leaves) == len(fresh_leaves) and all(a is b for a, b in zip(leaves, fresh_leaves))
+    assert len(leaves) == len(fresh_leaves)
+    for a, b in zip(leaves, fresh_leaves):
+        # the same object, or (a scalar brought to normal form on the way) the same 0-d value
+        assert a is b or (a.shape == b.shape == () and _signature([a]) == _signature([b]) and a == b)
 
 
 @pytest.mark.parametrize("change", ["none", "state", "adjust", "freeze", "tie", "tree"])
@@ -348,6 +370,188 @@ def test_update_in_place_under_jit():
     s_i, m_i = jax.jit(opt.update_)(state, model, grads)
     close(m_i["embed"], m_p["embed"])
     close(s_i["embed"].state[0], s_p["embed"].state[0])
+
+
+# --- one compile: the State's pytree has one form before and after any step or adjust ---------
+
+
+def _form(state):
+    leaves, treedef = jax.tree_util.tree_flatten(state)
+    return treedef, _signature(leaves)
+
+
+_ONE_COMPILE_RULES = {
+    "adam": lambda: opt.Adam(0.01),
+    "momentum": lambda: opt.Momentum(0.01, 0.9),
+    "clipnorm-adamw": lambda: opt.OptimiserChain(opt.ClipNorm(1.0), opt.AdamW(0.01, lambd=0.1)),
+    "mixed-precision": lambda: opt.MixedPrecision(opt.Adam(0.01)),
+}
+
+
+@pytest.mark.parametrize("name", list(_ONE_COMPILE_RULES))
+def test_a_jitted_step_traces_once_through_steps_and_a_schedule(name):
+    from optimisers import schedules
+
+    dtype = jnp.float16 if name == "mixed-precision" else jnp.float32
+    model = jax.tree_util.tree_map(lambda x: x.astype(dtype), tied_model())
+    model["unembed"] = model["embed"]
+    state = opt.setup(_ONE_COMPILE_RULES[name](), model)
+    form = _form(state)
+    sched = schedules.Cosine(0.02, 10, warmup=2)
+    traces = []
+
+    @jax.jit
+    def step(state, model):
+        traces.append(1)  # runs only while tracing
+        return opt.update(state, model, jax.grad(lambda m: tied_loss(m).astype(jnp.float32))(model))
+
+    eager_state, eager = state, model
+    for i in range(5):
+        # the learning rate arrives as a Python float, a NumPy float64, a strong JAX float32 and a
+        # weak one (the schedule at a JAX step; jnp.asarray of a Python float): one form for all
+        eta = [sched(i), np.float64(sched(i)), sched(jnp.asarray(i)), jnp.asarray(sched(i))][i % 4]
+        if i == 4:
+            opt.adjust_(state, eta)
+        else:
+            state = opt.adjust(state, eta)
+        assert _form(state) == form, i
+        state, model = step(state, model)
+        assert _form(state) == form, i
+        eager_state, eager = opt.update(opt.adjust(eager_state, sched(i)), eager, jax.grad(tied_loss)(eager))
+    assert len(traces) == 1
+    assert state["embed"] is state["unembed"]
+    np.testing.assert_array_equal(model["embed"], model["unembed"])
+    # the same steps as eager updates, which compute the schedule's scalars in double precision
+    for k in ("embed", "unembed"):
+        close(model[k], eager[k], 1e-3 if dtype == jnp.float16 else 2e-5, 1e-6)
+    close(model["mlp"][0], eager["mlp"][0], 1e-3 if dtype == jnp.float16 else 2e-5, 1e-6)
+
+
+def test_the_normal_form_of_hyperparameters_and_counters():
+    # strong arrays of the default dtype of their kind, as optax.inject_hyperparams keeps them,
+    # whatever the value is now: what `jit` sees never depends on how a number was written
+    state = opt.setup(opt.Adam(0.01), {"w": jnp.ones(2)})
+    leaves = jax.tree_util.tree_leaves(state)
+    f32, i32 = (np.dtype(np.float32), False, ()), (np.dtype(np.int32), False, ())
+    assert _signature(leaves[:5]) == [f32] * 4 + [i32]
+    for eta in [0.5, np.float64(0.5), np.float16(0.5), jnp.asarray(0.5), jnp.float32(0.5), jnp.bfloat16(0.5)]:
+        adjusted = opt.adjust(state, eta)
+        assert _form(adjusted) == _form(state), eta
+        assert jax.tree_util.tree_leaves(adjusted)[0] == np.float32(0.5)
+    m, v, _ = state["w"].state
+    for t in [3, np.int64(3), jnp.asarray(3), jnp.int16(3)]:
+        state["w"].state = (m, v, t)
+        assert _form(state) == _form(opt.setup(opt.Adam(0.01), {"w": jnp.ones(2)})), t
+    # the State itself keeps what it was given: only what JAX sees is normalised
+    assert state["w"].state[2].dtype == jnp.int16 and opt.adjust(state, 0.5)["w"].rule.eta == 0.5
+
+
+def test_adjust_inside_jit_with_a_weak_or_strong_traced_value_keeps_the_form():
+    model = tied_model()
+    grads = jax.grad(tied_loss)(model)
+    state = opt.setup(opt.Adam(0.01), model)
+    form = _form(state)
+    traces = []
+
+    @functools.partial(jax.jit, static_argnums=2)
+    def step(state, model, strong):
+        traces.append(1)
+        eta = jnp.float32(0.02) if strong else jnp.asarray(0.02)  # traced: jnp ops on a constant
+        return opt.update(opt.adjust(state, eta * jnp.ones(())), model, grads)
+
+    for strong in (False, True):
+        s, _ = step(state, model, strong)
+        assert _form(s) == form
+
+
+@pytest.mark.parametrize(
+    "make",
+    [lambda: opt.AccumGrad(2), lambda: opt.OptimiserChain(opt.AccumGrad(3), opt.Adam(0.01))],
+    ids=["accumgrad", "accumgrad-adam"],
+)
+def test_accumulating_steps_keep_the_form(make):
+    # AccumGrad decides in Python whether to step, so it runs eagerly; what a jitted function of
+    # its State sees is still the same from step to step, and such a function traces once
+    model = tied_model()
+    grads = jax.grad(tied_loss)(model)
+    state = opt.setup(make(), model)
+    form = _form(state)
+    traces = []
+
+    @jax.jit
+    def norm(state):
+        traces.append(1)
+        return sum(jnp.sum(jnp.abs(x)) for x in jax.tree_util.tree_leaves(state))
+
+    for i in range(5):
+        state, model = opt.update(state, model, grads)
+        assert _form(state) == form, i
+        norm(state)
+        state = jax.tree_util.tree_map(lambda x: x, state)  # arrays now, as after a jitted step
+        assert _form(state) == form, i
+    assert len(traces) == 1
+
+
+def test_a_non_elementwise_rule_keeps_a_counter_per_leaf_from_setup_on():
+    # ClipNorm's norm couples a whole array, so the update does not make the counters of a chain
+    # holding it one object; flattening must not merge the equal counters of a fresh setup either
+    model = {f"p{i}": rand(3, seed=i) for i in range(4)}
+    grads = jax.tree_util.tree_map(jnp.ones_like, model)
+    state = opt.setup(opt.OptimiserChain(opt.ClipNorm(1.0), opt.AdamW()), model)
+    n = len(jax.tree_util.tree_leaves(state))
+    assert n == 6 + 4 + 4 * 2  # omega, AdamW's 5 numbers; 4 counters; m, v each
+    for _ in range(2):
+        state, model = jax.jit(opt.update)(state, model, grads)
+        assert len(jax.tree_util.tree_leaves(state)) == n
+
+
+def test_a_frozen_leaf_gets_its_own_counter_at_once():
+    # frozen Leafs keep their counters while the others advance, so they are never merged with
+    # the others: freezing changes the form once (its flag is static), steps after it do not
+    model = {"a": rand(3), "b": rand(3, seed=1), "c": rand(3, seed=2)}
+    grads = jax.tree_util.tree_map(jnp.ones_like, model)
+    state = opt.setup(opt.Adam(0.1), model)
+    opt.freeze_(state["a"])
+    form = _form(state)
+    assert len(form[1]) == 4 + 2 + 3 * 2
+    traces = []
+
+    @jax.jit
+    def step(state, model):
+        traces.append(1)
+        return opt.update(state, model, grads)
+
+    for _ in range(3):
+        state, model = step(state, model)
+        assert _form(state) == form
+    assert len(traces) == 1 and int(state["a"].state[2]) == 0 and int(state["b"].state[2]) == 3
+
+
+def test_x64_gives_float64_and_int64_leaves_and_one_compile():
+    out = _run(
+        """
+        import jax
+        jax.config.update("jax_enable_x64", True)
+        import jax.numpy as jnp, numpy as np
+        import optimisers as opt
+
+        model = {"w": jnp.ones(3, jnp.float32), "v": jnp.ones(2, jnp.float64)}
+        state = opt.setup(opt.Adam(0.01), model)
+        print(sorted({str(x.dtype) for x in jax.tree_util.tree_leaves(state)[:5]}))
+        traces = []
+
+        @jax.jit
+        def step(state, model):
+            traces.append(1)
+            return opt.update(state, model, jax.tree_util.tree_map(jnp.ones_like, model))
+
+        for i in range(3):
+            state, model = step(opt.adjust(state, [0.1, jnp.float32(0.1), np.float64(0.1)][i]), model)
+        assert model["w"].dtype == jnp.float32 and model["v"].dtype == jnp.float64
+        print(len(traces))
+        """
+    )
+    assert out.split() == ["['float64',", "'int64']", "1"]
 
 
 # --- ties: the reason the library exists ------------------------------------------------------

@@ -11,11 +11,28 @@ Importing this module registers `State` and `Leaf` as JAX pytrees (DESIGN 4.7):
   dtypes and other objects are static; nested rules (`OptimiserChain`, `MixedPrecision`) are
   handled recursively. A dataclass field with `metadata={"static": True}` is static whatever its
   value (use it for a float that decides the shape of the computation, such as a norm's `p`).
-* Python numbers in rule state (step counters) are leaves like everything else in the state, and
-  a scalar object that several Leafs hold is one leaf. `update` hands the Leafs of one elementwise
-  rule that share a counter one new counter object (`SHARE_SCALAR_STATE` below), so a model of
-  thousands of arrays has one step counter per rule under `jit`, as an optax state has, instead of
-  thousands of scalar computations that XLA would compile and launch one by one.
+* One form, one compile: what `jit` keys its cache on (the tree structure, each leaf's dtype and
+  weak type) is the same after `setup` and after any number of updates and adjusts. So every
+  hyperparameter and every scalar state part (step counter) is handed to JAX in a normal form: a
+  strong 0-d array of the default dtype of its kind (float32, int32; float64, int64 under
+  `jax_enable_x64`), whether the State now holds a Python number, a NumPy scalar, or a weak or
+  strong JAX array (`_normal`). optax's `inject_hyperparams` keeps its hyperparameters the same
+  way. The State itself keeps what it was given; only what JAX sees is normalised, so rules must
+  cast hyperparameters with `ops.scalar` before they meet arrays (a strong float32 times a bfloat16
+  array is float32), as the built-in rules do.
+* A scalar state part that several Leafs hold is one leaf. `update` hands the Leafs of one
+  elementwise rule that share a counter one new counter object (`SHARE_SCALAR_STATE` below), so a
+  model of thousands of arrays has one step counter per rule under `jit`, as an optax state has,
+  instead of thousands of scalar computations that XLA would compile and launch one by one.
+  Flattening merges exactly what the update keeps merged (`_layout_by_value`): counters of Leafs
+  of one elementwise rule and frozen flag that are equal Python numbers or one object. Counters of
+  other rules (`ClipNorm` couples a whole array, so a chain holding it is not elementwise) and of
+  frozen Leafs stay one leaf per Leaf from `setup` on. Only a step in which some Leafs of a rule
+  get no gradient splits their counters (one more compile, once).
+* Key paths are `DictKey`s at the State's level, as orbax needs to rebuild a tree from them:
+  `"rules"` (each distinct rule's numbers), `"scalars"` (the shared counters), then one entry per
+  Leaf with other state, named by its parameter path (`"decoder.layers.0.w"`; a name taken twice,
+  or "rules" or "scalars", gets a `#n` suffix).
 
 Rules are rebuilt on unflatten without running their validation, since JAX unflattens with tracers
 and with placeholder objects.
@@ -389,14 +406,76 @@ def _rule_from(desc, values):
     return _decode(desc, iter(values))
 
 
+# --- the normal form of scalar leaves ----------------------------------------------------------
+
+_NORMAL_DTYPE: dict = {}  # (dtype, x64) -> the dtype of that kind that a leaf gets
+
+
+def _normal_dtype(dtype):
+    key = (dtype, jax.dtypes.canonicalize_dtype(np.int64))
+    out = _NORMAL_DTYPE.get(key)
+    if out is None:
+        if jnp.issubdtype(dtype, jnp.bool_):
+            out = np.dtype(np.bool_)
+        elif jnp.issubdtype(dtype, jnp.integer):
+            out = jax.dtypes.canonicalize_dtype(np.int64)
+        elif jnp.issubdtype(dtype, jnp.complexfloating):
+            out = jax.dtypes.canonicalize_dtype(np.complex128)
+        else:
+            out = jax.dtypes.canonicalize_dtype(np.float64)
+        _NORMAL_DTYPE[key] = out
+    return out
+
+
+_PYTHON_NUMBER_DTYPE = {int: np.int64, float: np.float64, complex: np.complex128}
+
+
+def _normal(value):
+    """A hyperparameter or scalar state part as the leaf a pytree gets: a strong 0-d array of the
+    default dtype of its kind (float32 and int32, or float64 and int64 under `jax_enable_x64`),
+    whether it is now a Python number, a NumPy or JAX 0-d array, weak-typed or not. Anything else
+    (bools, placeholders such as None or a ShapeDtypeStruct, arrays with dimensions) passes."""
+    t = type(value)
+    if t in _PYTHON_NUMBER_DTYPE:  # host data: jit moves it to the device with the call
+        return np.asarray(value, _normal_dtype(np.dtype(_PYTHON_NUMBER_DTYPE[t])))
+    if isinstance(value, (jax.Array, _Tracer)):
+        if value.ndim:
+            return value
+        dtype = _normal_dtype(value.dtype)
+        if value.dtype == dtype and not value.weak_type:
+            return value
+        return jax.lax.convert_element_type(value, dtype)
+    if isinstance(value, (np.ndarray, np.generic)) and value.ndim == 0 and value.dtype.kind in "iufc":
+        dtype = _normal_dtype(value.dtype)
+        return value if type(value) is np.ndarray and value.dtype == dtype else np.asarray(value, dtype)
+    return value
+
+
+def _normal_all(values) -> tuple:
+    return tuple(map(_normal, values))
+
+
+# --- State as a pytree -------------------------------------------------------------------------
+
+_RULES, _SCALARS = "rules", "scalars"
+
+
+def _share_group(rule, frozen):
+    """Leafs of one elementwise rule (and one frozen flag) may share scalar state: the update
+    hands them one new counter object (`_interface._share_scalar_state`), so flattening stores it
+    once. None: this Leaf keeps its own."""
+    return (id(rule), frozen) if getattr(rule, "elementwise", False) else None
+
+
 def _state_parts(state: State, with_keys: bool = True):
-    """`(keyed children, aux)`: each distinct rule's numeric values once, each scalar state object
-    (step counter) once however many Leafs hold it, and each distinct Leaf's other state parts;
-    aux holds the skeleton (Leaf numbers, repeated sub-trees by number), rule descriptions and
-    per-Leaf (rule number, frozen, state structure, shared-scalar slot of each state part)."""
+    """`(keyed children, aux)`. Children, all keyed by `DictKey`: `"rules"`, each distinct rule's
+    numeric hyperparameters; `"scalars"`, each scalar state part (step counter) once however many
+    Leafs share it; then, per distinct Leaf that has any, its other state parts, keyed by its
+    parameter path. Aux holds the skeleton (Leaf numbers, repeated sub-trees by number), rule
+    descriptions and per Leaf (rule number, frozen, state structure, scalar slot of each part)."""
     rule_num: dict[int, int] = {}
     rule_descs: list = []
-    rule_children: list = []
+    rule_values: list = []
     leaf_num: dict[int, int] = {}
     found: list = []  # (Leaf, path, rule number), in skeleton order
     dict_num: dict[int, int] = {}
@@ -410,7 +489,7 @@ def _state_parts(state: State, with_keys: bool = True):
                     r = rule_num[id(node.rule)] = len(rule_descs)
                     desc, values = _rule_parts(node.rule)
                     rule_descs.append(desc)
-                    rule_children.append((jax.tree_util.GetAttrKey(f"rule{r}"), values))
+                    rule_values.append(_normal_all(values))
                 j = leaf_num[id(node)] = len(found)
                 found.append((node, path, r))
             return j
@@ -421,15 +500,18 @@ def _state_parts(state: State, with_keys: bool = True):
         return ("dict", tuple((k, skeleton(v, path + (k,))) for k, v in node.items()))
 
     skel = skeleton(state.tree, ())
-    flat = []
+    flat, groups = [], []
     for leaf, _, _ in found:
         parts: list = []
         flat.append((flatten_state(leaf.state, parts), parts))
+        groups.append(_share_group(leaf.rule, bool(leaf.frozen)))
     made = getattr(state, "_pytree", None)
-    layout = _kept_layout(made.layout if made else None, flat) or _layout_by_value(flat)
-    scalars: list = [None] * (1 + max((s for _, slots in layout for s in slots if s is not None), default=-1))
+    layout = _kept_layout(made.layout if made else None, flat, groups) or _layout_by_value(flat, groups)
+    n_slots = 1 + max((s for _, slots in layout for s in slots if s is not None), default=-1)
+    scalars: list = [None] * n_slots
     leaf_meta, leaf_children = [], []
-    for (leaf, path, r), (spec, slots), (_, parts) in zip(found, layout, flat):
+    names = _leaf_names([path for _, path, _ in found]) if with_keys else None
+    for j, ((leaf, _, r), (spec, slots), (_, parts)) in enumerate(zip(found, layout, flat)):
         own = []
         for slot, p in zip(slots, parts):
             if slot is None:
@@ -437,39 +519,71 @@ def _state_parts(state: State, with_keys: bool = True):
             else:
                 scalars[slot] = p
         leaf_meta.append((r, bool(leaf.frozen), spec, slots))
-        key = jax.tree_util.DictKey(format_path(path)) if with_keys else None
-        leaf_children.append((key, tuple(own)))
+        if own:
+            key = jax.tree_util.DictKey(names[j]) if with_keys else None
+            leaf_children.append((key, tuple(own)))
     aux = (skel, tuple(rule_descs), tuple(leaf_meta))
-    counters = [(jax.tree_util.GetAttrKey("scalars"), tuple(scalars))] if scalars else []
-    return rule_children + counters + leaf_children, aux
+    tu = jax.tree_util
+    head = [(tu.DictKey(_RULES), tuple(rule_values))] if rule_values else []
+    if scalars:
+        head.append((tu.DictKey(_SCALARS), _normal_all(scalars)))
+    return head + leaf_children, aux
 
 
-def _layout_by_value(flat) -> list:
-    """Per Leaf `(spec, slots)`: the scalar parts numbered, one slot per interchangeable group
-    (`scalar_key`: equal Python numbers, or the same object)."""
+def _leaf_names(paths) -> list[str]:
+    """Each Leaf's key: its parameter path as `format_path` writes it, made unique (a model key
+    such as "rules", or two paths that read alike, get a `#n` suffix)."""
+    used = {_RULES, _SCALARS}
+    names = []
+    for j, path in enumerate(paths):
+        name = base = format_path(path)
+        if name in used:
+            name = f"{base}#{j}"
+        while name in used:
+            name += "_"
+        used.add(name)
+        names.append(name)
+    return names
+
+
+def _layout_by_value(flat, groups) -> list:
+    """Per Leaf `(spec, slots)`: each scalar part numbered. Leafs of one share group whose scalar
+    parts are all interchangeable (`scalar_key`: equal Python numbers, or the same objects) share
+    one slot per position, exactly those whose new counters the update makes one object; every
+    other Leaf gets its own slots, so the number of slots stays what it is from step to step."""
     slot_of: dict = {}
     layout = []
-    for spec, parts in flat:
-        slots = []
-        for p in parts:
-            slots.append(slot_of.setdefault(scalar_key(p), len(slot_of)) if is_scalar(p) else None)
+    for j, ((spec, parts), group) in enumerate(zip(flat, groups)):
+        at = [i for i, p in enumerate(parts) if is_scalar(p)]
+        if group is None:
+            owner = ("own", j)
+        else:
+            owner = (group, spec, tuple(scalar_key(parts[i]) for i in at))
+        slots: list = [None] * len(parts)
+        for i in at:
+            slots[i] = slot_of.setdefault((owner, i), len(slot_of))
         layout.append((spec, tuple(slots)))
     return layout
 
 
-def _kept_layout(layout, flat):
+def _kept_layout(layout, flat, groups):
     """The layout a State was unflattened with, if it still fits: JAX (and Equinox's filters)
     unflatten with placeholders such as `False` in every leaf, which cannot tell a counter from an
     array, and flattening that State again must give the same aux data. It fits while each Leaf
-    has the same structure and all Leafs of a slot still hold interchangeable values there."""
+    has the same structure and all Leafs of a slot are of one share group and still hold
+    interchangeable values there."""
     if layout is None or len(layout) != len(flat):
         return None
     held: dict = {}
-    for (spec, slots), (now_spec, parts) in zip(layout, flat):
+    for j, ((spec, slots), (now_spec, parts), group) in enumerate(zip(layout, flat, groups)):
         if spec != now_spec or len(slots) != len(parts):
             return None
         for slot, p in zip(slots, parts):
-            if slot is not None and held.setdefault(slot, scalar_key(p)) != scalar_key(p):
+            if slot is None:
+                continue
+            mine = (group, scalar_key(p))
+            first = held.setdefault(slot, (j, mine))
+            if first[1] != mine or (group is None and first[0] != j):
                 return None
     return layout
 
@@ -526,13 +640,17 @@ def _tuples_only(spec) -> bool:
 def _state_unflatten(aux, children):
     skel, rule_descs, leaf_meta = aux
     children = list(children)
-    n_rules = len(rule_descs)
-    rules = [_rule_from(d, v) for d, v in zip(rule_descs, children[:n_rules])]
+    head = 0
+    rules: list = []
+    if rule_descs:
+        rules = [_rule_from(d, v) for d, v in zip(rule_descs, children[0])]
+        head = 1
     has_scalars = any(slot is not None for meta in leaf_meta for slot in meta[3])
-    scalars = children[n_rules] if has_scalars else ()
+    scalars = children[head] if has_scalars else ()
+    own_of = iter(children[head + has_scalars :])
     leaves = []
-    for (r, frozen, spec, slots), own in zip(leaf_meta, children[n_rules + has_scalars :]):
-        own = iter(own)
+    for r, frozen, spec, slots in leaf_meta:
+        own = iter(next(own_of)) if None in slots else iter(())
         parts = [next(own) if slot is None else scalars[slot] for slot in slots]
         leaves.append(Leaf(rules[r], unflatten_state(spec, iter(parts)), frozen))
     dicts: list = []
@@ -551,17 +669,33 @@ def _state_unflatten(aux, children):
     state = State(build(skel))
     layout = tuple((spec, slots) for _, _, spec, slots in leaf_meta)
     root_is_leaf = isinstance(state.tree, Leaf)
+    # flattening this State again gives these children, with the scalar ones in normal form
+    if rule_descs:
+        children[0] = tuple(map(_normal_all, children[0]))
+    if has_scalars:
+        children[head] = _normal_all(children[head])
     state._pytree = _Unflattened(aux, children, layout, state.tree, [] if root_is_leaf else dicts, leaves)
     return state
+
+
+# --- Leaf alone as a pytree --------------------------------------------------------------------
+
+
+def _normal_state(value):
+    """A rule state with its scalar parts in normal form."""
+    parts: list = []
+    spec = flatten_state(value, parts)
+    return unflatten_state(spec, iter([_normal(p) if is_scalar(p) else p for p in parts]))
 
 
 def _leaf_flatten_with_keys(leaf):
     desc, values = _rule_parts(leaf.rule)
     tu = jax.tree_util
-    return [(tu.GetAttrKey("rule"), values), (tu.GetAttrKey("state"), leaf.state)], (
-        desc,
-        bool(leaf.frozen),
-    )
+    children = [
+        (tu.GetAttrKey("rule"), _normal_all(values)),
+        (tu.GetAttrKey("state"), _normal_state(leaf.state)),
+    ]
+    return children, (desc, bool(leaf.frozen))
 
 
 def _leaf_flatten(leaf):
