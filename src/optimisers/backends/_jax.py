@@ -32,7 +32,8 @@ Importing this module registers `State` and `Leaf` as JAX pytrees (DESIGN 4.7):
 * Key paths are `DictKey`s at the State's level, as orbax needs to rebuild a tree from them:
   `"rules"` (each distinct rule's numbers), `"scalars"` (the shared counters), then one entry per
   Leaf with other state, named by its parameter path (`"decoder.layers.0.w"`; a name taken twice,
-  or "rules" or "scalars", gets a `#n` suffix).
+  "rules" or "scalars", or one that orbax, joining keys with dots, would read as a rule's entry
+  ("rules.0", whose first part reads "rules.0.0"), gets a `#n` suffix).
 
 Rules are rebuilt on unflatten without running their validation, since JAX unflattens with tracers
 and with placeholder objects.
@@ -532,12 +533,14 @@ def _state_parts(state: State, with_keys: bool = True):
 
 def _leaf_names(paths) -> list[str]:
     """Each Leaf's key: its parameter path as `format_path` writes it, made unique (a model key
-    such as "rules", or two paths that read alike, get a `#n` suffix)."""
+    such as "rules", or two paths that read alike, get a `#n` suffix). orbax names each array by
+    its keys joined with dots, so a name starting "rules." gets one too: its parts would be stored
+    under the names of a rule's hyperparameters ("rules.0" part 0 and rule 0 field 0: "rules.0.0")."""
     used = {_RULES, _SCALARS}
     names = []
     for j, path in enumerate(paths):
         name = base = format_path(path)
-        if name in used:
+        if name in used or name.startswith(_RULES + "."):
             name = f"{base}#{j}"
         while name in used:
             name += "_"
