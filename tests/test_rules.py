@@ -36,6 +36,7 @@ from optimisers import (
     RMSProp,
     Rprop,
     SignDecay,
+    SkipNonFinite,
     WeightDecay,
 )
 
@@ -106,6 +107,10 @@ RULES = [
     ),
     Case(MixedPrecision(Adam(0.05)), None, dtype=np.float16),
     Case(MixedPrecision(OptimiserChain(ClipGrad(1.0), Lion(0.02))), None, dtype=np.float16),
+    # on finite gradients it is its rule; tests/test_reliability.py checks the skipping
+    Case(SkipNonFinite(Adam(0.05)), lambda: ref.adam(0.05)),
+    Case(SkipNonFinite(OptimiserChain(ClipNorm(1.0), Momentum(0.02))),
+         lambda: ref.chain(ref.clip_norm(1.0), ref.momentum(0.02))),
 ]
 
 IDS = [repr(c.rule).replace(" ", "") for c in RULES]

@@ -35,6 +35,7 @@ from ._rules import (
     RMSProp,
     Rprop,
     SignDecay,
+    SkipNonFinite,
     WeightDecay,
 )
 from ._state import Leaf, State
@@ -72,6 +73,7 @@ __all__ = [
     "RMSProp",
     "Rprop",
     "SignDecay",
+    "SkipNonFinite",
     "WeightDecay",
     "Leaf",
     "Rule",

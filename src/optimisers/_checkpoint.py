@@ -358,6 +358,10 @@ def _incompatible(value, like) -> str | None:
             f"{what.get(_kind(value), 'a complex number')} in the checkpoint, "
             f"{what.get(_kind(like), 'a complex number')} in this state"
         )
+    if _kind(like) == "int":  # the integers of a rule's state count steps: never below 0
+        n = _number(value)
+        if n is not None and n < 0:
+            return f"{n} in the checkpoint, but a step counter cannot be negative"
     return None
 
 

@@ -219,7 +219,7 @@ class Group:
             grads, x = c.grads, c.x
             # summed in place only when each gradient fits the parameter as it is (what the
             # backend's astype hands back unchanged), so that the sum equals `dx()` bit for bit
-            if len(grads) == 1 or not all(_ops.astype(g, x) is g for g in grads):
+            if len(grads) == 1 or not all(c.fitted(g) is g for g in grads):
                 out.append(c.dx())
                 continue
             buf = self._sums.get(i)
@@ -519,6 +519,24 @@ def _check_chunk(rule, x, parts, new_parts, step) -> None:
         raise ValueError(f"{name}.apply returned a step of shape {tuple(shape)} for {tuple(x.shape)}")
 
 
+def _unalias(prepared) -> None:
+    """Copy each gradient that shares memory with a parameter about to be stepped (a view of it
+    such as `W[::-1]`, or another parameter): chunks write parameters while later chunks still
+    read gradients, so `update_` would otherwise differ from `update`. Memory owners are compared
+    first, so the exact test runs only for arrays that could overlap."""
+    owners: dict = {}
+    for group, xs, _, _ in prepared:
+        b = group.b
+        for x in xs:
+            owners.setdefault((b, b.memory_owner(x)), []).append(x)
+    for group, _, dxs, _ in prepared:
+        b = group.b
+        for i, dx in enumerate(dxs):
+            near = owners.get((b, b.memory_owner(dx)))
+            if near is not None and any(b.shares_memory(dx, x) for x in near):
+                dxs[i] = b.copy(dx)
+
+
 def execute(work) -> None:
     """Step the selected groups in place. Every scaled group's factors are computed first, and a
     group whose rule may raise is rehearsed, all of them before any is stepped, so that an error
@@ -527,6 +545,7 @@ def execute(work) -> None:
     for group, members in work:
         dxs = group.gradients(members)
         prepared.append((group, [c.x for c in members], dxs, group.factors(dxs)))
+    _unalias(prepared)
     for group, xs, dxs, factors in prepared:
         if not group.trusted():
             group.rehearse(xs, dxs, factors)

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import threading
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -27,7 +29,7 @@ from ._state import (
     scalar_key,
     unflatten_state,
 )
-from ._tree import format_path, is_param, kind_of, trainable_children
+from ._tree import format_path, is_param, kind_of, params, trainable_children
 
 # --- setup -------------------------------------------------------------------------------------
 
@@ -229,7 +231,15 @@ class _Contribution:
             dx = dx + g
         # every backend's astype hands back a gradient that already fits (kind, dtype, device, no
         # autograd graph) as it is
-        return _ops.astype(dx, self.x)
+        return self.fitted(dx)
+
+    def fitted(self, g):
+        """`g` as a gradient of the parameter (the same object when it already is one)."""
+        try:
+            return _ops.astype(g, self.x)
+        except _ops.GradientError as e:
+            e.leaf = self.leaf  # the update says where
+            raise
 
 
 def _gather(tree, model, grads) -> dict[int, _Contribution]:
@@ -245,14 +255,12 @@ def _gather(tree, model, grads) -> dict[int, _Contribution]:
         if entry is None:
             if x.shape != leaf._shape:
                 _check_shape(leaf, x, path)
+            other = owner_of.setdefault(id(x), leaf)
+            if other is not leaf:
+                _untied_in_state(tree, other, path)
             entry = found[id(leaf)] = _Contribution(leaf, x)
         elif x is not entry.x:
-            if x.shape != entry.x.shape:
-                raise ValueError(
-                    f"the parameter at {format_path(path)} has shape {tuple(x.shape)}, but it is "
-                    f"tied to a parameter of shape {tuple(entry.x.shape)} in the optimiser state; "
-                    "the model changed after setup. Run setup again; nothing was changed"
-                )
+            _check_copy(tree, entry, x, path)
             entry.copies = True
         if grad is not None:
             _check_grad(grad, x, path)
@@ -290,7 +298,7 @@ def _gather(tree, model, grads) -> dict[int, _Contribution]:
             # shape): this loop is the per-parameter cost of every update, so the path is built
             # only when something needs checking or reporting
             g = grad_of(k)
-            if seen(id(sub)) is None and is_param(x):
+            if seen(id(sub)) is None and is_param(x) and owner(id(x), sub) is sub:
                 if x.shape != sub._shape:
                     _check_shape(sub, x, path + (k,))
                 entry = found[id(sub)] = _Contribution(sub, x)
@@ -300,12 +308,62 @@ def _gather(tree, model, grads) -> dict[int, _Contribution]:
                     entry.grads.append(g)
             else:
                 take(sub, x, g, path + (k,))
+        if len(children) != len(snode):
+            _check_no_new_params(node, children, snode, path)
 
+    owner_of: dict[int, Leaf] = {}  # id(parameter) -> its Leaf: one array under two Leafs is refused
+    owner = owner_of.setdefault
     if isinstance(tree, Leaf):
         take(tree, model, grads, ())
     else:
         visit(tree, model, grads, ())
     return found
+
+
+def _untied_in_state(tree, other, path):
+    raise ValueError(
+        f"the model has one array at {format_path(_path_of(tree, other))} and {format_path(path)}, "
+        "but the optimiser state has a Leaf for each: the model was tied after setup, and an update "
+        "would step that array twice. Tie them in the state too (state[...] = state[...] at the "
+        "second place) or run setup again for the changed model; nothing was changed"
+    )
+
+
+def _check_copy(tree, entry, x, path):
+    """Another array at a tied place must be an equal copy (what JAX's donation needs): other
+    values there mean the model changed after setup, and the update would overwrite them."""
+    first = entry.x
+    if x.shape != first.shape:
+        raise ValueError(
+            f"the parameter at {format_path(path)} has shape {tuple(x.shape)}, but it is "
+            f"tied to a parameter of shape {tuple(first.shape)} in the optimiser state; "
+            "the model changed after setup. Run setup again; nothing was changed"
+        )
+    if not entry.leaf._placed and _ops.same_values(x, first) is False:  # None: traced (jit)
+        raise ValueError(
+            f"the parameters at {format_path(_path_of(tree, entry.leaf))} and {format_path(path)} "
+            "share one Leaf of the optimiser state (they are tied), but the model holds different "
+            "values at them: it changed after setup, and an update would overwrite one with the "
+            "other. Run setup again for the changed model (or give both places one array); "
+            "nothing was changed"
+        )
+
+
+def _check_no_new_params(node, children, snode, path):
+    """A parameter the state has no Leaf for was added after setup: its gradient would be dropped
+    without a word, so an update refuses it."""
+    names = getattr(type(node), "__trainable__", None)
+    for k, child in children.items():
+        if k in snode or (names is not None and k not in names):
+            continue
+        for sub_path, _ in params(child, with_paths=True)[:1]:
+            where = format_path(path + (k,) + sub_path)
+            raise KeyError(
+                f"the model has a parameter at {where}, which the optimiser state does not know: "
+                "it was added after setup (or the state was set up for another model), and its "
+                "gradient would be ignored. Run setup again for the changed model (or give it state: "
+                "state[key] = optimisers.setup(rule, new_array)); nothing was changed"
+            )
 
 
 # --- update ------------------------------------------------------------------------------------
@@ -336,6 +394,8 @@ def _compute(found: dict[int, _Contribution], tree, skip=frozenset(), pure=False
             _check_step(rule, result, c.x)
             if pure:
                 result = (result[0], _new_value(c.x, result[1]))
+        except _ops.GradientError as e:
+            raise _located(e, tree) from None
         except Exception as e:
             if hasattr(e, "add_note"):  # Python >= 3.11: say where, keeping the exception's type
                 e.add_note(f"(while updating the parameter at {format_path(_path_of(tree, c.leaf))})")
@@ -343,6 +403,12 @@ def _compute(found: dict[int, _Contribution], tree, skip=frozenset(), pure=False
         results[key] = result
     _share_scalar_state(found, results)
     return results
+
+
+def _located(e, tree) -> Exception:
+    """A gradient error from the compute phase, saying where (nothing was written yet)."""
+    where = format_path(_path_of(tree, e.leaf)) if getattr(e, "leaf", None) is not None else "?"
+    return _ops.GradientError(f"gradient at {where}: {e}; nothing was changed")
 
 
 def _check_step(rule, result, x) -> None:
@@ -435,12 +501,32 @@ def _check_args(state, grads, name):
         )
 
 
+_LOCKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # State -> its RLock
+_LOCKS_MADE = threading.Lock()
+
+
+def _lock(state: State):
+    """The lock that `update_` holds while it changes `state` and `update` while it reads it: two
+    threads stepping one State in place take turns, so neither step is lost. (A State made by
+    indexing, `state["encoder"]`, is another State with its own lock.)"""
+    lock = _LOCKS.get(state)
+    if lock is None:
+        with _LOCKS_MADE:
+            lock = _LOCKS.setdefault(state, threading.RLock())
+    return lock
+
+
 def update(state: State, model, *grads):
     """One optimisation step, pure: returns `(new_state, new_model)` and leaves the caller's state,
     model and gradients exactly as they were. Every trainable array of the result is new."""
     if _compile.tracing():  # under torch.compile: run eagerly, see optimisers._compile
         return _compile.EAGER["update"](state, model, *grads)
     _check_args(state, grads, "update")
+    with _lock(state):
+        return _update(state, model, grads)
+
+
+def _update(state: State, model, grads: tuple):
     found = _gather(state.tree, model, grads[0])
     results = _compute(found, state.tree, pure=True)
 
@@ -488,11 +574,19 @@ def update_(state: State, model, *grads):
     if _compile.tracing():  # under torch.compile: run eagerly, see optimisers._compile
         return _compile.EAGER["update_"](state, model, *grads)
     _check_args(state, grads, "update_")
+    with _lock(state):
+        return _update_(state, model, grads)
+
+
+def _update_(state: State, model, grads: tuple):
     found = _gather(state.tree, model, grads[0])
     work = _engine.select(state, found)
     in_engine = {id(leaf) for group, _ in work for leaf in group.leaves}
     results = _compute(found, state.tree, skip=in_engine)  # may raise: nothing written yet
-    _engine.execute(work)
+    try:
+        _engine.execute(work)  # checks everything before it writes
+    except _ops.GradientError as e:
+        raise _located(e, state.tree) from None
     for key, (new_state, _) in results.items():
         found[key].leaf.state = new_state
     if all(step is None for _, step in results.values()):

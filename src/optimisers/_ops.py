@@ -118,6 +118,18 @@ def isfinite(x):
     return backend(x).isfinite(x)
 
 
+def same_values(x, y):
+    """Whether two arrays of one shape hold the same values (NaN equal to NaN): a Python bool,
+    or None when either is traced and cannot be read."""
+    return backend(x).same_values(x, y)
+
+
+def all_finite(x):
+    """Whether every entry of `x` is finite, as a 0-d boolean of `x`'s backend (traced under
+    `jit`, where `isfinite` cannot answer)."""
+    return backend(x).all_finite(x)
+
+
 def cond(predicate, if_true, if_false):
     """`if_true()` or `if_false()` by a scalar predicate; traced predicates use the backend's own
     conditional so both branches stay inside one compiled program."""
@@ -125,8 +137,29 @@ def cond(predicate, if_true, if_false):
 
 
 def astype(x, like):
-    """`x` converted to `like`'s backend, dtype and device (no copy when it already matches)."""
+    """`x` converted to `like`'s backend, dtype and device (no copy when it already matches).
+    Raises GradientError for values that are no gradient of `like` (complex for a real array,
+    bool, strings, objects; PyTorch: sparse or meta tensors)."""
     return backend(like).astype(x, like)
+
+
+class GradientError(TypeError):
+    """A gradient that cannot be one for its parameter; the update adds where it was."""
+
+
+def check_gradient_dtype(dtype, like_dtype) -> None:
+    """Raise GradientError unless values of NumPy-style `dtype` can be the gradient of an array of
+    `like_dtype`: any real number for a real parameter (integers are converted), and complex
+    numbers only for a complex one."""
+    grad, param = np.dtype(dtype), np.dtype(like_dtype)
+    numeric = grad.kind in "fiu" or grad.name.startswith(("bfloat", "float"))  # ml_dtypes: kind V
+    if grad.kind == "c" and param.kind != "c":
+        raise GradientError(
+            f"a complex gradient ({grad}) for a real parameter ({param}): was the loss complex? "
+            "Take its real part, or make the parameter complex"
+        )
+    if not numeric and grad.kind != "c":
+        raise GradientError(f"a gradient of dtype {grad}, which is not a number, for a {param} parameter")
 
 
 def cast(x, dtype):

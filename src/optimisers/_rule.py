@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import numbers
 from typing import Any, ClassVar, NamedTuple
 
@@ -61,6 +62,19 @@ def _check_field(rule: str, name: str, value, default):
     return value
 
 
+def _check_finite(rule, name: str, value) -> None:
+    """NaN is never a hyperparameter, and inf only where the rule says so; traced values pass."""
+    values = value if isinstance(value, tuple) else (value,)
+    for i, v in enumerate(values):
+        c = _concrete(v) if not isinstance(v, (bool, str)) else None
+        if c is None or math.isfinite(c):
+            continue
+        if math.isinf(c) and name in rule.infinite_ok:
+            continue
+        label = f"{name}[{i}]" if isinstance(value, tuple) else name
+        raise ValueError(f"{type(rule).__name__}: {label} must be a finite number, got {c}")
+
+
 class Rule:
     """Base class of optimisation rules.
 
@@ -95,6 +109,10 @@ class Rule:
         if callable(own) and not getattr(own, "_checks_its_argument", False):
             cls.init = _checked_init(own)
 
+    #: Fields that may be infinite (ClipNorm's p = inf is the max-norm); for every other number,
+    #: an infinite value is refused like NaN: it would turn every parameter into inf or NaN.
+    infinite_ok: ClassVar[tuple[str, ...]] = ()
+
     def __post_init__(self):
         name = type(self).__name__
         for f in dataclasses.fields(self):
@@ -103,6 +121,8 @@ class Rule:
             checked = _check_field(name, f.name, value, default)
             if checked is not value:
                 object.__setattr__(self, f.name, checked)
+            if isinstance(default, (float, tuple)) and not isinstance(default, bool):
+                _check_finite(self, f.name, checked)
         eta = _concrete(getattr(self, "eta", 0.0))
         if eta is not None and eta < 0:
             raise ValueError(f"{name}: the learning rate eta cannot be negative, got {eta}")

@@ -28,12 +28,13 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
 from . import _ops as ops
 from ._rule import NewValue, Rule, _concrete, check_range
+from ._state import flatten_state, unflatten_state
 
 # --- helpers -----------------------------------------------------------------------------------
 
@@ -230,6 +231,7 @@ class Rprop(Rule):
     eta: float = 1e-3
     ell: tuple = (0.5, 1.2)
     gamma: tuple = (1e-6, 50.0)
+    infinite_ok: ClassVar[tuple[str, ...]] = ("gamma",)  # no bound on the step size
 
     def validate(self):
         shrink, grow = (_concrete(v) for v in self.ell)
@@ -698,6 +700,7 @@ class ClipGrad(Rule):
     never_raises = True
 
     delta: float = 10.0
+    infinite_ok: ClassVar[tuple[str, ...]] = ("delta",)  # no clipping
 
     def validate(self):
         _nonnegative(self, "delta")
@@ -730,6 +733,7 @@ class ClipNorm(Rule):
     """
 
     omega: float = 10.0
+    infinite_ok: ClassVar[tuple[str, ...]] = ("omega", "p")  # no clipping; the max-norm
     p: float = field(default=2.0, metadata={"static": True})
     throw: bool = field(default=True, kw_only=True)
 
@@ -972,3 +976,62 @@ class MixedPrecision(Rule):
         else:
             master = ops.astype(master - step, master)
         return (master, inner), NewValue(ops.astype(master, x))
+
+
+@dataclass(frozen=True, repr=False)
+class SkipNonFinite(Rule):
+    """Let `rule` step only on gradients that are finite everywhere: a gradient holding an inf or
+    NaN is skipped (the parameter and `rule`'s state stay as they were) and counted.
+
+    State `(inner, skipped)`: `rule`'s state and how many steps were skipped so far. Each step:
+    if every entry of `g` is finite, `(inner, step) = rule.apply(inner, x, g)`; otherwise no step,
+    and `skipped ← skipped + 1`. Without it, one NaN gradient turns Adam's moments (and so every
+    later step) into NaN. The check is per parameter, on the sum of a tied parameter's places;
+    under `jax.jit` both outcomes are computed and one is selected, in one compiled program.
+    `hyperparameters()` and `adjust` forward to `rule`. optax: `optax.apply_if_finite(opt,
+    max_consecutive_errors)`, which checks the whole update tree at once (and gives up after that
+    many); PyTorch's `GradScaler` skips the whole `optimizer.step()` on inf/NaN gradients.
+    """
+
+    rule: Rule
+
+    def validate(self):
+        if not isinstance(self.rule, Rule):
+            raise TypeError(f"SkipNonFinite: rule must be an optimisers.Rule, got {self.rule!r}")
+
+    def __repr__(self):
+        return f"SkipNonFinite({self.rule!r})"
+
+    def hyperparameters(self):
+        return self.rule.hyperparameters()
+
+    def adjust(self, **hyper):
+        rule = self.rule.adjust(**hyper)
+        return self if rule is self.rule else SkipNonFinite(rule)
+
+    def init(self, x):
+        return self.rule.init(x), 0
+
+    def apply(self, state, x, dx):
+        inner, skipped = state
+        finite = ops.isfinite(dx)
+        if finite is True:
+            inner, step = self.rule.apply(inner, x, dx)
+            return (inner, skipped), step
+        if finite is False:
+            return (inner, skipped + 1), None
+        # traced (under jax.jit): no Python branch on array values, so select between both
+        ok = ops.all_finite(dx)
+        new_inner, step = self.rule.apply(inner, x, dx)
+        old_parts: list = []
+        flatten_state(inner, old_parts)
+        new_parts: list = []
+        spec = flatten_state(new_inner, new_parts)
+        kept = [ops.where(ok, n, o) for n, o in zip(new_parts, old_parts)]
+        if isinstance(step, NewValue):
+            step = NewValue(ops.where(ok, step.value, x))
+        elif step is not None:
+            step = ops.where(ok, step, ops.zeros_like(step))
+        skipped = ops.where(ok, skipped, skipped + 1)
+        return (unflatten_state(spec, iter(kept)), skipped), step
+

@@ -19,7 +19,7 @@ class Leaf:
     Place the same Leaf at several positions of a state tree to tie those parameters.
     """
 
-    __slots__ = ("rule", "_state", "frozen", "_group", "_shape")
+    __slots__ = ("rule", "_state", "frozen", "_group", "_shape", "_placed")
 
     def __init__(self, rule, state, frozen: bool = False):
         self.rule = rule
@@ -30,6 +30,10 @@ class Leaf:
         # yet, read from the state's arrays at the next update). An update refuses a parameter of
         # another shape: the state's arrays would not fit it.
         self._shape = None
+        # placed at another position by hand (`state["b"] = state["a"]`): its places may hold
+        # different arrays, which the next update makes equal. Otherwise other values at a tied
+        # place mean the model changed after setup, and an update refuses them.
+        self._placed = False
 
     @property
     def state(self):
@@ -69,7 +73,7 @@ class State:
     places it, so `state["b"] = state["a"]` ties `b` to `a`.
     """
 
-    __slots__ = ("tree", "_plan", "_pytree")
+    __slots__ = ("tree", "_plan", "_pytree", "__weakref__")  # weakly keyed: see _interface._lock
 
     def __init__(self, tree: Any = None):
         self.tree = {} if tree is None else tree
@@ -93,6 +97,8 @@ class State:
             value = value.tree
         if not isinstance(value, (Leaf, dict)):
             raise TypeError(f"a State holds Leafs and States, got {type(value).__name__}")
+        for _, leaf in leaf_paths(value):
+            leaf._placed = True
         self.tree[key] = value
         self._plan = self._pytree = None
 

@@ -49,6 +49,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .. import _ops
 from .._rule import Rule
 from .._state import Leaf, State, flatten_state, is_scalar, scalar_key, unflatten_state
 from .._tree import NodeKind, format_path
@@ -200,6 +201,16 @@ def isfinite(x):
         return None
 
 
+def same_values(x, y):
+    if _is_traced(x) or _is_traced(y):
+        return None
+    return bool(jnp.array_equal(x, y, equal_nan=True))
+
+
+def all_finite(x):
+    return jnp.all(jnp.isfinite(x))
+
+
 def cond(predicate, if_true, if_false):
     if _is_traced(predicate):
         return jax.lax.cond(predicate, if_true, if_false)
@@ -208,7 +219,12 @@ def cond(predicate, if_true, if_false):
 
 def astype(x, like):
     if isinstance(x, jax.Array):
-        return x if x.dtype == like.dtype else x.astype(like.dtype)
+        if x.dtype == like.dtype:
+            return x
+        _ops.check_gradient_dtype(x.dtype, like.dtype)
+        return x.astype(like.dtype)
+    x = np.asarray(x)
+    _ops.check_gradient_dtype(x.dtype, like.dtype)
     if not _is_traced(like) and isinstance(like, jax.Array):
         # put host data where the parameter lives, so sharded parameters get sharded gradients
         return jax.device_put(np.asarray(x, dtype=like.dtype), like.sharding)

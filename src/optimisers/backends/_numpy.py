@@ -8,6 +8,8 @@ import platform
 
 import numpy as np
 
+from .. import _ops
+
 try:  # NumPy >= 2
     from numpy.lib.array_utils import byte_bounds as _byte_bounds
 except ImportError:  # pragma: no cover - NumPy 1.x
@@ -39,6 +41,15 @@ def writable(x) -> bool:
 def memory_span(x):
     """(start, stop) byte addresses of the memory `x` may touch."""
     return _byte_bounds(x)
+
+
+def memory_owner(x):
+    """What owns the memory of `x` (the object at the end of its `.base` chain, by identity):
+    arrays with different owners never overlap."""
+    base = x.base
+    while base is not None:
+        x, base = base, getattr(base, "base", None)
+    return id(x)
 
 
 def shares_memory(x, y) -> bool:
@@ -232,11 +243,24 @@ def isfinite(x):
     return bool(np.all(np.isfinite(x)))
 
 
+def same_values(x, y):
+    return bool(np.array_equal(x, np.asarray(y), equal_nan=True))
+
+
+def all_finite(x):
+    return np.all(np.isfinite(x))
+
+
 def cond(predicate, if_true, if_false):
     return if_true() if predicate else if_false()
 
 
 def astype(x, like):
+    dtype = getattr(x, "dtype", None)
+    if dtype is not like.dtype:
+        if dtype is None or not isinstance(dtype, np.dtype):
+            x = np.asarray(x)
+        _ops.check_gradient_dtype(x.dtype, like.dtype)
     return np.asarray(x, dtype=like.dtype)
 
 

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .. import _compile
+from .. import _compile, _ops
 from .._rule import NewValue
 from .._state import flatten_state
 from .._tree import NodeKind, format_path
@@ -97,6 +97,11 @@ def memory_span(x):
 
 def _storage_ptr(x) -> int:
     return x.untyped_storage().data_ptr()
+
+
+def memory_owner(x):
+    """What owns the memory of `x`: tensors with different owners never overlap."""
+    return (x.device, _storage_ptr(_local(x)))
 
 
 def shares_memory(x, y) -> bool:
@@ -390,6 +395,15 @@ def isfinite(x):
     return bool(np.isfinite(x))
 
 
+def same_values(x, y):
+    y = astype(y, x)
+    return bool(((x == y) | (x.isnan() & y.isnan())).all())
+
+
+def all_finite(x):
+    return torch.isfinite(x).all()
+
+
 def cond(predicate, if_true, if_false):
     return if_true() if predicate else if_false()
 
@@ -400,10 +414,39 @@ def astype(x, like):
     Gradients are data to the optimiser: a gradient made with `create_graph=True` must not drag
     its graph into the optimiser state."""
     if isinstance(x, torch.Tensor):
-        if not x.requires_grad and x.dtype == like.dtype and x.device == like.device:
+        if (
+            not x.requires_grad
+            and x.dtype == like.dtype
+            and x.device == like.device
+            and x.layout is _STRIDED
+        ):
             return x  # the usual gradient: nothing to do, and detach() costs a microsecond
+        _check_gradient_tensor(x, like)
         return x.detach().to(dtype=like.dtype, device=like.device)
+    x = np.asarray(x)
+    _ops.check_gradient_dtype(x.dtype, np.float64 if not like.is_complex() else np.complex128)
     return torch.as_tensor(x, dtype=like.dtype, device=like.device)
+
+
+_STRIDED = torch.strided
+
+
+def _check_gradient_tensor(x, like) -> None:
+    if x.layout is not _STRIDED and like.layout is _STRIDED:
+        raise _ops.GradientError(
+            f"a {x.layout} gradient: rules step dense arrays, so densify it first (.to_dense()), "
+            "or train this parameter with torch.optim.SparseAdam; nn.Embedding(sparse=False) "
+            "gives dense gradients"
+        )
+    if x.is_meta and not like.is_meta:
+        raise _ops.GradientError("a gradient on the meta device, which holds no values")
+    if x.is_complex() and not like.is_complex():
+        raise _ops.GradientError(
+            f"a complex gradient ({x.dtype}) for a real parameter ({like.dtype}): was the loss "
+            "complex? Take its real part, or make the parameter complex"
+        )
+    if x.dtype is torch.bool:
+        raise _ops.GradientError(f"a gradient of dtype {x.dtype}, which is not a number")
 
 
 def _torch_dtype(dtype):
