@@ -523,17 +523,18 @@ def _unalias(prepared) -> None:
     """Copy each gradient that shares memory with a parameter about to be stepped (a view of it
     such as `W[::-1]`, or another parameter): chunks write parameters while later chunks still
     read gradients, so `update_` would otherwise differ from `update`. Memory owners are compared
-    first, so the exact test runs only for arrays that could overlap."""
-    owners: dict = {}
+    first (one set lookup per gradient), so the exact test runs only where they match."""
+    owners: dict = {}  # backend -> the memory owners of its parameters in this step
     for group, xs, _, _ in prepared:
-        b = group.b
-        for x in xs:
-            owners.setdefault((b, b.memory_owner(x)), []).append(x)
+        owner = group.b.memory_owner
+        owners.setdefault(group.b, set()).update([owner(x) for x in xs])
     for group, _, dxs, _ in prepared:
         b = group.b
-        for i, dx in enumerate(dxs):
-            near = owners.get((b, b.memory_owner(dx)))
-            if near is not None and any(b.shares_memory(dx, x) for x in near):
+        mine, owner = owners[b], b.memory_owner
+        for i in [i for i, dx in enumerate(dxs) if owner(dx) in mine]:
+            dx = dxs[i]
+            xs = [x for g, gxs, _, _ in prepared if g.b is b for x in gxs if owner(x) == owner(dx)]
+            if any(b.shares_memory(dx, x) for x in xs):
                 dxs[i] = b.copy(dx)
 
 

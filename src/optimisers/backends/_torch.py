@@ -100,8 +100,11 @@ def _storage_ptr(x) -> int:
 
 
 def memory_owner(x):
-    """What owns the memory of `x`: tensors with different owners never overlap."""
-    return (x.device, _storage_ptr(_local(x)))
+    """What owns the memory of `x`: tensors with different owners never overlap. (This runs for
+    every parameter and gradient of an in-place step: plain tensors skip the DTensor lookup.)"""
+    if type(x) is not torch.Tensor and type(x) is not nn.Parameter:
+        x = _local(x)
+    return x.untyped_storage().data_ptr()
 
 
 def shares_memory(x, y) -> bool:
