@@ -40,17 +40,23 @@ SCRIPT = textwrap.dedent(
                 if isinstance(s, jax.Array) and s.shape == x.shape:
                     assert s.sharding.is_equivalent_to(x.sharding, x.ndim), (where, path)
 
-    def train(model, xb, rule, steps):
+    def train(model, xb, rule, steps, where):
         state = opt.setup(rule, model)
         check_state_follows(state, model, "setup")
         specs = [x.sharding for x in jax.tree_util.tree_leaves(model)]
 
+        traces = []
+
         @jax.jit
         def step(state, model, xb):
+            traces.append(1)
             return opt.update(state, model, jax.grad(loss)(model, xb))
 
-        for _ in range(steps):
+        for i in range(steps):
+            state = opt.adjust(state, 0.01 * 0.9**i)  # a schedule, from a Python float
             state, model = step(state, model, xb)
+        # one trace: numbers from setup and adjust go where jit returns them (replicated)
+        assert len(traces) == 1, (len(traces), where)
         after = [x.sharding for x in jax.tree_util.tree_leaves(model)]
         for a, b, x in zip(specs, after, jax.tree_util.tree_leaves(model)):
             assert b.is_equivalent_to(a, x.ndim), (a, b)
@@ -61,7 +67,7 @@ SCRIPT = textwrap.dedent(
     E = arr(32, 16)
     host = {"embed": E, "mlp": {"w": arr(32, 32), "b": arr(32)}, "unembed": E}
     xb_host = arr(64, 16)
-    _, reference = train(host, xb_host, opt.Adam(0.01), 5)
+    _, reference = train(host, xb_host, opt.Adam(0.01), 5, "one device")
 
     # data parallel: parameters replicated, batch split over 8 devices
     mesh = Mesh(np.array(jax.devices()), ("data",))
@@ -70,7 +76,7 @@ SCRIPT = textwrap.dedent(
     model = {"embed": W, "mlp": {"w": jax.device_put(host["mlp"]["w"], rep),
                                  "b": jax.device_put(host["mlp"]["b"], rep)}, "unembed": W}
     xb = jax.device_put(xb_host, NamedSharding(mesh, P("data", None)))
-    _, dp = train(model, xb, opt.Adam(0.01), 5)
+    _, dp = train(model, xb, opt.Adam(0.01), 5, "data parallel")
     for k in ("embed", "unembed"):
         np.testing.assert_allclose(dp[k], reference[k], rtol=1e-5, atol=1e-6)
 
@@ -84,7 +90,7 @@ SCRIPT = textwrap.dedent(
         "unembed": W,
     }
     xb = jax.device_put(xb_host, NamedSharding(mesh2, P("data", None)))
-    state, mp = train(model, xb, opt.Adam(0.01), 5)
+    state, mp = train(model, xb, opt.Adam(0.01), 5, "model parallel")
     assert state["embed"].state[0].sharding.spec == P("model", "data")
     assert mp["mlp"]["w"].sharding.spec == P("data", "model")
     for a, b in zip(jax.tree_util.tree_leaves(mp), jax.tree_util.tree_leaves(reference)):

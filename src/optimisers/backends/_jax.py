@@ -541,10 +541,29 @@ def _state_parts(state: State, with_keys: bool = True):
             leaf_children.append((key, tuple(own)))
     aux = (skel, tuple(rule_descs), tuple(leaf_meta))
     tu = jax.tree_util
+    scalars = _normal_all(scalars)
+    place = _host_scalar_placement(leaf_children)
+    if place is not None:
+        rule_values = [tuple(map(place, values)) for values in rule_values]
+        scalars = tuple(map(place, scalars))
     head = [(tu.DictKey(_RULES), tuple(rule_values))] if rule_values else []
     if scalars:
-        head.append((tu.DictKey(_SCALARS), _normal_all(scalars)))
+        head.append((tu.DictKey(_SCALARS), scalars))
     return head + leaf_children, aux
+
+
+def _host_scalar_placement(leaf_children):
+    """For a State whose arrays are sharded over a mesh: a function that puts a host number
+    (a hyperparameter or counter not yet on a device: fresh from setup or adjust) on that mesh,
+    replicated, which is where a jitted step returns them. Without it the first step (and the
+    first after each adjust) would be traced and compiled twice: numbers on the host and numbers
+    on the mesh are different inputs to `jit`. None for anything else."""
+    parts = (p for _, own in leaf_children for p in own)
+    first = next((p for p in parts if isinstance(p, jax.Array) and p.ndim and not _is_traced(p)), None)
+    if first is None or not isinstance(first.sharding, jax.sharding.NamedSharding):
+        return None
+    replicated = jax.sharding.NamedSharding(first.sharding.mesh, jax.sharding.PartitionSpec())
+    return lambda value: jax.device_put(value, replicated) if type(value) is np.ndarray else value
 
 
 def _leaf_names(paths) -> list[str]:
