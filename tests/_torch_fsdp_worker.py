@@ -37,7 +37,34 @@ def sharded_gpt(mesh):
     return model
 
 
+class FusedSpy:
+    """Stands in for torch._fused_adamw_ and records whether each call got plain tensors (the
+    local shards) rather than DTensors."""
+
+    def __init__(self):
+        self.real, self.calls = torch._fused_adamw_, []
+
+    def __call__(self, params, *args, **kwargs):
+        self.calls.append(all(type(p) is torch.Tensor for p in params))
+        return self.real(params, *args, **kwargs)
+
+    def __enter__(self):
+        torch._fused_adamw_ = self
+        return self
+
+    def __exit__(self, *exc):
+        torch._fused_adamw_ = self.real
+
+
 def train(kind, mesh, rank, steps):
+    with FusedSpy() as spy:
+        out = _train(kind, mesh, rank, steps)
+    if kind in ("adapter", "adamw"):
+        out["fused_on_local_shards"] = bool(spy.calls) and all(spy.calls)
+    return out
+
+
+def _train(kind, mesh, rank, steps):
     model = sharded_gpt(mesh)
     if kind == "torch":
         torch_opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=DECAY)

@@ -11,13 +11,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import linen, nnx
+from flax.training import train_state
 
 import optimisers as opt
 from optimisers.optax import transform
-
-nnx = pytest.importorskip("flax.nnx")
-linen = pytest.importorskip("flax.linen")
-train_state = pytest.importorskip("flax.training.train_state")
 
 X = jax.random.normal(jax.random.key(1), (6, 3))
 Y = jax.random.normal(jax.random.key(2), (6, 2))
@@ -115,6 +113,30 @@ def test_a_layer_shared_at_two_places_is_trained_as_one():
     # ... and as optax's Adam, which NNX hands one summed gradient as well
     for a, b in zip(leaves(params_of(shared)), leaves(params_of(by_optax))):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_split_state_through_jax_jit_keeps_nnx_sharing_and_jit_on_the_module_does_not():
+    # docs/flax.md's caution: the route through jax.jit is nnx.split, whose state lists a shared
+    # layer once; a module handed to jax.jit as a pytree comes back with the layer copied
+    def grads_of(params, graphdef):
+        return jax.grad(lambda p: loss(nnx.merge(graphdef, p)))(params)
+
+    shared, reused = Shared(nnx.Rngs(0)), Reused(nnx.Rngs(0))
+    for model in (shared, reused):
+        graphdef, params = nnx.split(model, nnx.Param)
+        state = opt.setup(opt.Adam(1e-2), params)
+        step = jax.jit(lambda s, p, g=graphdef: opt.update(s, p, grads_of(p, g)))
+        for _ in range(3):
+            state, params = step(state, params)
+        nnx.update(model, params)
+    assert shared.first is shared.second  # NNX's own sharing, kept
+    for a, b in zip(leaves(params_of(shared)), leaves(params_of(reused))):
+        assert a.tobytes() == b.tobytes()  # both places' gradients summed, as in the reuse
+
+    module = Shared(nnx.Rngs(0))
+    state = opt.setup(opt.Adam(1e-2), module)
+    _, out = jax.jit(opt.update)(state, module, nnx.grad(loss)(module))
+    assert out.first is not out.second  # the caution: jax.jit's pytree copies the shared layer
 
 
 def test_hyperparameters_held_by_nnx_change_in_place_without_recompiling():

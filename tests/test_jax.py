@@ -147,6 +147,11 @@ def test_key_paths_are_dict_keys_and_unique_whatever_the_model_calls_its_parts()
     state = opt.setup(opt.Adam(), model)
     flat = jax.tree_util.tree_flatten_with_path(state)[0]
     assert all(isinstance(p[0], jax.tree_util.DictKey) for p, _ in flat)
+    kinds: dict = {}  # under each parent, the kinds of key of its children: one kind each
+    for p, _ in flat:
+        for depth in range(len(p)):
+            kinds.setdefault(jax.tree_util.keystr(p[:depth]), set()).add(type(p[depth]))
+    assert all(len(k) == 1 for k in kinds.values()), kinds
     keys = _keys(state)
     assert len(set(keys)) == len(keys) == 4 + 1 + 4 * 2  # eta, beta (2), epsilon; t; m, v each
     assert "['rules'][0][0]" in keys and "['scalars'][0]" in keys and "['a.b'][0]" in keys

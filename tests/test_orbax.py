@@ -9,14 +9,13 @@ import subprocess
 import sys
 import textwrap
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 
-jax = pytest.importorskip("jax")
-ocp = pytest.importorskip("orbax.checkpoint")
-import jax.numpy as jnp  # noqa: E402
-
-import optimisers as opt  # noqa: E402
+import optimisers as opt
 
 
 def make_model(seed=0):
@@ -139,7 +138,7 @@ def test_a_model_key_that_reads_like_the_states_own_entries(tmp_path):
 
 
 def test_a_flax_train_state_restores_whole(tmp_path):
-    linen = pytest.importorskip("flax.linen")
+    from flax import linen
     from flax.training import train_state
 
     net = linen.Dense(2)

@@ -91,6 +91,9 @@ def test_fsdp2_sharded_tied_model_matches_torch_adamw_and_one_process(tmp_path):
     runs = ["torch", "adapter", *worker.rules()]
     for kind in runs:
         assert ranks[0][kind].pop("pure_agrees", True) and ranks[1][kind].pop("pure_agrees", True)
+        # AdamW by update_ and by the adapter: torch's fused kernel, called on the local shards
+        fused = [r[kind].pop("fused_on_local_shards", None) for r in ranks]
+        assert fused == ([True, True] if kind in ("adamw", "adapter") else [None, None]), (kind, fused)
         for name, p in ranks[0][kind].items():
             assert torch.equal(p, ranks[1][kind][name]), (kind, name)  # ranks gather one model
         assert torch.equal(ranks[0][kind]["head.weight"], ranks[0][kind]["embed.weight"])

@@ -101,7 +101,9 @@ def test_hf_trainer_equals_torch_adamw_and_resumes_bit_for_bit(tmp_path):
 # --- Lightning ----------------------------------------------------------------------------------
 
 
-def _lightning_train(make_optimizer):
+def _lightning_train(make_optimizer, checkpoints=None, resume=None):
+    """Fit the tiny tied model for 4 steps (2 an epoch); `checkpoints`: a folder where Lightning's
+    ModelCheckpoint saves every 2 steps; `resume`: a checkpoint to start from."""
     import lightning
 
     class Module(lightning.LightningModule):
@@ -118,11 +120,14 @@ def _lightning_train(make_optimizer):
     module = Module()
     inputs, targets = batch()
     data = torch.utils.data.DataLoader(list(zip(inputs, targets)), batch_size=4)
+    saving = [] if checkpoints is None else [
+        lightning.pytorch.callbacks.ModelCheckpoint(checkpoints, every_n_train_steps=2, save_top_k=-1)
+    ]
     trainer = lightning.Trainer(
-        max_steps=4, accelerator="cpu", logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False,
+        max_steps=4, accelerator="cpu", logger=False, enable_checkpointing=bool(saving),
+        callbacks=saving, enable_progress_bar=False, enable_model_summary=False,
     )  # fmt: skip
-    trainer.fit(module, data)
+    trainer.fit(module, data, ckpt_path=resume)
     return module.net, trainer
 
 
@@ -135,6 +140,20 @@ def test_lightning_configure_optimizers_equals_torch_adamw():
     assert not torch.equal(net.embed.weight, make_gpt().embed.weight)
     _assert_equal(net, reference)
     assert net.head.weight is net.embed.weight
+
+
+@pytest.mark.filterwarnings(r"ignore:.isinstance\(treespec, LeafSpec\). is deprecated:FutureWarning")
+@pytest.mark.filterwarnings("ignore:The 'train_dataloader' does not have many workers")
+@pytest.mark.filterwarnings("ignore:Checkpoint directory .* exists and is not empty")  # resumed there
+def test_lightning_checkpoint_resumes_bit_for_bit(tmp_path):
+    uninterrupted, _ = _lightning_train(ours, checkpoints=tmp_path)
+    half = tmp_path / "epoch=0-step=2.ckpt"
+    saved = torch.load(half, weights_only=True)["optimizer_states"][0]
+    assert saved["state"]  # the optimiser's state went into Lightning's checkpoint
+    resumed, trainer = _lightning_train(ours, checkpoints=tmp_path, resume=half)
+    assert trainer.global_step == 4
+    _assert_equal(resumed, uninterrupted)
+    assert resumed.head.weight is resumed.embed.weight
 
 
 # --- accelerate ---------------------------------------------------------------------------------

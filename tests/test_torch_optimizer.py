@@ -11,6 +11,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 import io
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -91,6 +93,19 @@ def test_adam_equals_torch_with_params_and_groups(fused):
     _train(ours, opt)
     _train(ref, torch_opt)
     _assert_same(ours, ref, exact=fused)
+
+
+def test_a_tensor_learning_rate_in_a_group_follows_a_scheduler_like_torch():
+    # torch.optim's lr=torch.tensor(...): schedulers fill the tensor in place
+    ours, ref = _pair()
+    opt = Optimizer([{"params": ours.parameters(), "lr": torch.tensor(1e-2)}], optimisers.AdamW(lambd=0.05))
+    torch_opt = torch.optim.AdamW(ref.parameters(), lr=torch.tensor(1e-2), weight_decay=0.05, fused=True)
+    sched, torch_sched = (torch.optim.lr_scheduler.LambdaLR(o, lambda i: 0.9**i) for o in (opt, torch_opt))
+    _train(ours, opt, scheduler=sched)
+    _train(ref, torch_opt, scheduler=torch_sched)
+    assert isinstance(opt.param_groups[0]["lr"], torch.Tensor)
+    assert float(opt.param_groups[0]["lr"]) == float(torch_opt.param_groups[0]["lr"]) != 1e-2
+    _assert_same(ours, ref)
 
 
 def test_group_keys_set_rule_fields():
@@ -369,6 +384,10 @@ def test_a_bad_entry_at_step_time_changes_nothing():
     ):
         opt.step()
     opt.param_groups[1]["lr"] = 1e-2
+    opt.param_groups[1]["lamda"] = 0.1  # a typo, which a step would otherwise ignore
+    with pytest.raises(ValueError, match=r"param_groups\[1\] has key 'lamda', which AdamW does not take"):
+        opt.step()
+    del opt.param_groups[1]["lamda"]
     opt.param_groups[1]["betas"] = (0.5, 0.9)
     opt.param_groups[1]["beta"] = (0.6, 0.9)
     with pytest.raises(ValueError, match=r"param_groups\[1\]: 'betas' and 'beta' give different values"):
@@ -412,6 +431,16 @@ def test_a_failed_update_restores_the_synced_rules():
 def test_optimisers_torch_is_reachable_from_the_package():
     assert optimisers.torch.Optimizer is Optimizer
     assert issubclass(Optimizer, torch.optim.Optimizer)
+    # in a fresh process, where nothing imported optimisers.torch yet: the attribute loads it
+    code = (
+        "import sys, optimisers\n"
+        "assert 'torch' not in sys.modules and 'optimisers.torch' not in sys.modules\n"
+        "cls = optimisers.torch.Optimizer\n"
+        "import torch\n"
+        "assert issubclass(cls, torch.optim.Optimizer) and 'optimisers.torch' in sys.modules\n"
+    )
+    done = subprocess.run([sys.executable, "-W", "error", "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
 
 
 def test_state_is_a_per_parameter_view_that_loads_when_assigned():

@@ -1034,4 +1034,3 @@ class SkipNonFinite(Rule):
             step = ops.where(ok, step, ops.zeros_like(step))
         skipped = ops.where(ok, skipped, skipped + 1)
         return (unflatten_state(spec, iter(kept)), skipped), step
-

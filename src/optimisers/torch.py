@@ -36,6 +36,7 @@ _TORCH_NAMES = {"weight_decay": "lambd", "eps": "epsilon", "momentum": "rho", "a
 # what torch's lr schedulers keep in a group besides "lr"; carried along untouched
 _SCHEDULER_KEYS = ("initial_lr", "max_lr", "min_lr", "base_momentum", "max_momentum", "swa_lr")
 _MISSING = object()
+_CARRIED = ("params", "param_names", "rule")  # group entries that are no hyperparameters
 
 
 # --- hyperparameters as group entries -------------------------------------------------------------
@@ -226,7 +227,7 @@ def _from_dict(group: Mapping, base, overrides: dict, where: str) -> _Group:
     if not params:
         raise ValueError(f"{where}: its params are empty")
     carried = {k: v for k, v in group.items() if k in _SCHEDULER_KEYS}
-    keys = {k: v for k, v in group.items() if k not in ("params", "rule", "param_names") and k not in carried}
+    keys = {k: v for k, v in group.items() if k not in _CARRIED and k not in carried}
     if "eta" in keys:  # the library's own name for the learning rate: stored as "lr"
         if "lr" in keys and not _same(keys["lr"], keys["eta"]):
             raise ValueError(f"{where}: 'lr' and 'eta' give different learning rates")
@@ -404,11 +405,18 @@ class Optimizer(torch.optim.Optimizer):
                 if not _same(entries[key], old):
                     changed[key] = entries[key]
             for key in entries:
-                if key in _TORCH_NAMES and key not in g.seen:
-                    raise ValueError(
-                        f"param_groups[{i}] has key {key!r}, which {type(g.rule).__name__} does not "
-                        f"take; this library calls it {_TORCH_NAMES[key]!r}"
-                    )
+                if key in g.seen or key in _CARRIED or key in _SCHEDULER_KEYS:
+                    continue
+                # a key added since construction that no rule field has: a typo ("lamda") or
+                # torch's name would otherwise be ignored without a word
+                if key in _TORCH_NAMES:
+                    hint = f"this library calls it {_TORCH_NAMES[key]!r}"
+                else:
+                    hint = "its keys: " + ", ".join(repr(k) for k in g.seen)
+                raise ValueError(
+                    f"param_groups[{i}] has key {key!r}, which {type(g.rule).__name__} does not "
+                    f"take; {hint}"
+                )
             if changed:
                 plans.append((g, changed, _adjusted(g.rule, changed, f"param_groups[{i}]")))
         undo = []
