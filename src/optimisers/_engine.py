@@ -526,16 +526,13 @@ def _unalias(prepared) -> None:
     first (one set lookup per gradient), so the exact test runs only where they match."""
     owners: dict = {}  # backend -> the memory owners of its parameters in this step
     for group, xs, _, _ in prepared:
-        owner = group.b.memory_owner
-        owners.setdefault(group.b, set()).update([owner(x) for x in xs])
+        owners.setdefault(group.b, set()).update(group.b.memory_owners(xs))
     for group, _, dxs, _ in prepared:
-        b = group.b
-        mine, owner = owners[b], b.memory_owner
-        for i in [i for i, dx in enumerate(dxs) if owner(dx) in mine]:
-            dx = dxs[i]
-            xs = [x for g, gxs, _, _ in prepared if g.b is b for x in gxs if owner(x) == owner(dx)]
-            if any(b.shares_memory(dx, x) for x in xs):
-                dxs[i] = b.copy(dx)
+        b, held = group.b, owners[group.b]
+        for i in [i for i, owner in enumerate(b.memory_owners(dxs)) if owner in held]:
+            same = (x for g, xs, _, _ in prepared if g.b is b for x in xs)
+            if any(b.shares_memory(dxs[i], x) for x in same):
+                dxs[i] = b.copy(dxs[i])
 
 
 def execute(work) -> None:

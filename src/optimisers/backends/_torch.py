@@ -99,12 +99,14 @@ def _storage_ptr(x) -> int:
     return x.untyped_storage().data_ptr()
 
 
-def memory_owner(x):
-    """What owns the memory of `x`: tensors with different owners never overlap. (This runs for
-    every parameter and gradient of an in-place step: plain tensors skip the DTensor lookup.)"""
-    if type(x) is not torch.Tensor and type(x) is not nn.Parameter:
-        x = _local(x)
-    return x.untyped_storage().data_ptr()
+def memory_owners(tensors) -> list:
+    """What owns the memory of each tensor (its storage): tensors with different owners never
+    overlap. Runs for every parameter and gradient of an in-place step, so plain tensors skip
+    the DTensor lookup."""
+    plain = (torch.Tensor, nn.Parameter)
+    return [
+        (x if type(x) in plain else _local(x)).untyped_storage().data_ptr() for x in tensors
+    ]
 
 
 def shares_memory(x, y) -> bool:
