@@ -428,6 +428,11 @@ def test_a_torch_module_changed_after_setup(pure):
     state = opt.setup(opt.Adam(), m)
     m.extra = torch.nn.Linear(3, 3)  # a new layer: its gradients would be dropped
     refuses(update, state, m, opt.grads(m), KeyError, r"parameter at extra\.weight, which the optimiser")
+    m = lm()
+    m.head.bias.requires_grad_(False)
+    state = opt.setup(opt.Adam(), m)
+    m.head.bias.requires_grad_(True)  # trained from now on, beside head.weight
+    refuses(update, state, m, {"head": {"bias": torch.ones(5)}}, KeyError, r"parameter at head\.bias")
 
 
 def test_what_may_change_after_setup():

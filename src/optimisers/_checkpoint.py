@@ -686,7 +686,7 @@ def load_state_dict(state, d: Mapping, *, hyperparameters: str = "checkpoint") -
         }
         new_state = _rebuild_state(leaf.state, f"{name}/state", converted)
         new_leaf[id(leaf)] = Leaf(rule, new_state, frozen)
-    return State(map_leaves(lambda leaf: new_leaf[id(leaf)], tree))
+    return State(map_leaves(lambda leaf: new_leaf[id(leaf)], tree), getattr(state, "_keys", None))
 
 
 __all__ = ["CheckpointError", "load_state_dict", "state_dict"]

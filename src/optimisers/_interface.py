@@ -76,6 +76,7 @@ def setup(rule, model) -> State:
     choose = _rule_chooser(rule)
     built: dict[int, Any] = {}  # id(model node) -> its state sub-tree (None: nothing trainable)
     arrays: list[tuple[tuple, Any]] = []
+    keys: dict[tuple, frozenset] = {}  # see State._keys
 
     def build(node, path):
         key = id(node)
@@ -96,12 +97,15 @@ def setup(rule, model) -> State:
                     if s is not None:
                         sub[k] = s
                 result = sub or None
+                everything = kind.children(node)
+                if result and len(everything) != len(sub):
+                    keys[path] = frozenset(k for k, _ in everything)
         built[key] = result
         return result
 
     tree = build(model, ())
     _check_overlaps(arrays)
-    return State(tree)
+    return State(tree, keys)
 
 
 def _check_overlaps(arrays):
@@ -242,7 +246,8 @@ class _Contribution:
             raise
 
 
-def _gather(tree, model, grads) -> dict[int, _Contribution]:
+def _gather(tree, model, grads, known=None) -> dict[int, _Contribution]:
+    """Each Leaf's contribution, keyed by `id(leaf)`; `known`: a State's `_keys`."""
     found: dict[int, _Contribution] = {}
 
     def take(leaf, x, grad, path):
@@ -309,7 +314,7 @@ def _gather(tree, model, grads) -> dict[int, _Contribution]:
             else:
                 take(sub, x, g, path + (k,))
         if len(children) != len(snode):
-            _check_no_new_params(node, children, snode, path)
+            _check_no_new_params(node, children, snode, path, known.get(path) if known else None)
 
     owner_of: dict[int, Leaf] = {}  # id(parameter) -> its Leaf: one array under two Leafs is refused
     owner = owner_of.setdefault
@@ -349,12 +354,15 @@ def _check_copy(tree, entry, x, path):
         )
 
 
-def _check_no_new_params(node, children, snode, path):
+def _check_no_new_params(node, children, snode, path, at_setup):
     """A parameter the state has no Leaf for was added after setup: its gradient would be dropped
-    without a word, so an update refuses it."""
+    without a word, so an update refuses it. Where the State knows the keys the model had there
+    at setup (`at_setup`), only new keys are searched: walking a frozen backbone on every step
+    would cost more than the step. (So a part that was all frozen at setup and trained later, by
+    `requires_grad_(True)`, needs setup again, as the docs say.)"""
     names = getattr(type(node), "__trainable__", None)
     for k, child in children.items():
-        if k in snode or (names is not None and k not in names):
+        if k in snode or (names is not None and k not in names) or (at_setup and k in at_setup):
             continue
         for sub_path, _ in params(child, with_paths=True)[:1]:
             where = format_path(path + (k,) + sub_path)
@@ -527,7 +535,7 @@ def update(state: State, model, *grads):
 
 
 def _update(state: State, model, grads: tuple):
-    found = _gather(state.tree, model, grads[0])
+    found = _gather(state.tree, model, grads[0], state._keys)
     results = _compute(found, state.tree, pure=True)
 
     def leaf_of(leaf):
@@ -547,14 +555,14 @@ def _update(state: State, model, grads: tuple):
             values[key] = moved[1] if moved else _ops.copy(x)
         return values[key]
 
-    return State(new_tree), _rebuild(state.tree, model, place)
+    return State(new_tree, state._keys), _rebuild(state.tree, model, place)
 
 
 def _stepped(state: State, model, grads: tuple, name: str):
     """The pure part of `update`: the new State and each moving Leaf's `(new_state, step)`,
     keyed by `id(leaf)` of the old State's Leafs (`optimisers.optax` turns the steps into updates)."""
     _check_args(state, grads, name)
-    found = _gather(state.tree, model, grads[0])
+    found = _gather(state.tree, model, grads[0], state._keys)
     results = _compute(found, state.tree)
 
     def leaf_of(leaf):
@@ -564,7 +572,7 @@ def _stepped(state: State, model, grads: tuple, name: str):
         new._shape = leaf._shape
         return new
 
-    return State(map_leaves(leaf_of, state.tree)), results
+    return State(map_leaves(leaf_of, state.tree), state._keys), results
 
 
 def update_(state: State, model, *grads):
@@ -579,7 +587,7 @@ def update_(state: State, model, *grads):
 
 
 def _update_(state: State, model, grads: tuple):
-    found = _gather(state.tree, model, grads[0])
+    found = _gather(state.tree, model, grads[0], state._keys)
     work = _engine.select(state, found)
     in_engine = {id(leaf) for group, _ in work for leaf in group.leaves}
     results = _compute(found, state.tree, skip=in_engine)  # may raise: nothing written yet
@@ -705,7 +713,7 @@ def adjust(tree, eta=None, **hyper):
 
     if isinstance(tree, Leaf):
         return fresh(tree)
-    return State(map_leaves(fresh, tree.tree))
+    return State(map_leaves(fresh, tree.tree), tree._keys)
 
 
 def adjust_(tree, eta=None, **hyper):

@@ -73,12 +73,15 @@ class State:
     places it, so `state["b"] = state["a"]` ties `b` to `a`.
     """
 
-    __slots__ = ("tree", "_plan", "_pytree", "__weakref__")  # weakly keyed: see _interface._lock
+    __slots__ = ("tree", "_plan", "_pytree", "_keys", "__weakref__")  # weakly keyed: _interface._lock
 
-    def __init__(self, tree: Any = None):
+    def __init__(self, tree: Any = None, keys: dict | None = None):
         self.tree = {} if tree is None else tree
         self._plan = None  # the update engine's groups, made by the first update_
         self._pytree = None  # what a pytree backend (JAX) made this State from, if it did
+        # path -> every child key the model had there at setup, for containers that also held
+        # things not trained (an update looks for new parameters only under new keys)
+        self._keys = keys
 
     def __getitem__(self, key):
         if isinstance(self.tree, Leaf):
