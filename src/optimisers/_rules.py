@@ -25,6 +25,7 @@ Conventions shared by every rule here:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 from dataclasses import dataclass, field
@@ -912,8 +913,24 @@ def _dtype_name(dtype) -> str:
         return repr(dtype)
 
 
+class _Wrapper(Rule):
+    """A rule around another rule, its `rule` field, whose hyperparameters it shows as its own:
+    `hyperparameters()` and `adjust` forward to the inner rule."""
+
+    def validate(self):
+        if not isinstance(self.rule, Rule):
+            raise TypeError(f"{type(self).__name__}: rule must be an optimisers.Rule, got {self.rule!r}")
+
+    def hyperparameters(self):
+        return self.rule.hyperparameters()
+
+    def adjust(self, **hyper):
+        rule = self.rule.adjust(**hyper)
+        return self if rule is self.rule else dataclasses.replace(self, rule=rule)
+
+
 @dataclass(frozen=True, repr=False)
-class MixedPrecision(Rule):
+class MixedPrecision(_Wrapper):
     """Keep a master copy of each parameter in a wider `dtype` (float32 by default) and let `rule`
     train it; the parameter (e.g. float16) is set to the master copy rounded to its own dtype
     after every step (Micikevicius et al., "Mixed Precision Training", 2018).
@@ -932,8 +949,7 @@ class MixedPrecision(Rule):
     dtype: Any = np.float32
 
     def validate(self):
-        if not isinstance(self.rule, Rule):
-            raise TypeError(f"MixedPrecision: rule must be an optimisers.Rule, got {self.rule!r}")
+        super().validate()
         try:
             dtype = np.dtype(self.dtype)
         except TypeError:
@@ -954,13 +970,6 @@ class MixedPrecision(Rule):
     def __repr__(self):
         return f"MixedPrecision({self.rule!r}, dtype={_dtype_name(self.dtype)})"
 
-    def hyperparameters(self):
-        return self.rule.hyperparameters()
-
-    def adjust(self, **hyper):
-        rule = self.rule.adjust(**hyper)
-        return self if rule is self.rule else MixedPrecision(rule, self.dtype)
-
     def init(self, x):
         _real_only(self, x)
         master = ops.cast(x, self.dtype)
@@ -979,7 +988,7 @@ class MixedPrecision(Rule):
 
 
 @dataclass(frozen=True, repr=False)
-class SkipNonFinite(Rule):
+class SkipNonFinite(_Wrapper):
     """Let `rule` step only on gradients that are finite everywhere: a gradient holding an inf or
     NaN is skipped (the parameter and `rule`'s state stay as they were) and counted.
 
@@ -995,19 +1004,8 @@ class SkipNonFinite(Rule):
 
     rule: Rule
 
-    def validate(self):
-        if not isinstance(self.rule, Rule):
-            raise TypeError(f"SkipNonFinite: rule must be an optimisers.Rule, got {self.rule!r}")
-
     def __repr__(self):
         return f"SkipNonFinite({self.rule!r})"
-
-    def hyperparameters(self):
-        return self.rule.hyperparameters()
-
-    def adjust(self, **hyper):
-        rule = self.rule.adjust(**hyper)
-        return self if rule is self.rule else SkipNonFinite(rule)
 
     def init(self, x):
         return self.rule.init(x), 0
