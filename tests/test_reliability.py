@@ -8,6 +8,8 @@ import dataclasses
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -330,7 +332,7 @@ def aliased(model, how, backend):
     how=st.sampled_from(["reversed", "swapped", "itself"]),
     chunks=st.sampled_from([1024, None]),
 )
-def test_gradients_over_parameter_memory_give_update_s_numbers(backend, path, how, chunks):
+def test_gradients_over_parameter_memory_give_the_numbers_of_update(backend, path, how, chunks):
     # the engine writes parameters chunk by chunk while later chunks still read gradients: a
     # gradient aliasing a parameter must be read as it was before the step, as `update` reads it
     rng = np.random.default_rng(3)
@@ -410,8 +412,7 @@ def test_a_torch_module_changed_after_setup(pure):
     update = opt.update if pure else opt.update_
 
     def lm():
-        m = torch.nn.ModuleDict({"embed": torch.nn.Embedding(5, 3), "head": torch.nn.Linear(3, 5)})
-        return m
+        return torch.nn.ModuleDict({"embed": torch.nn.Embedding(5, 3), "head": torch.nn.Linear(3, 5)})
 
     m = lm()
     state = opt.setup(opt.Adam(), m)
@@ -436,8 +437,8 @@ def test_a_torch_module_changed_after_setup(pure):
 
 
 def test_what_may_change_after_setup():
-    # things that are not parameters may come and go; equal copies at tied places are allowed
-    # (DESIGN 4.7), and a tie made by hand in the state makes the places equal
+    # things that are not parameters may come and go, and equal copies at tied places are
+    # allowed (DESIGN 4.7; tests/test_ties.py has the tie made by hand in the state)
     W = rng_values(0, (3,))
     model = {"a": W, "b": W, "steps": 0}
     state = opt.setup(opt.Descent(0.5), model)
@@ -514,9 +515,9 @@ def test_an_integer_gradient_counts_as_its_float_values(backend):
 def test_non_finite_hyperparameters_are_refused(bad):
     with pytest.raises(ValueError, match="Adam: eta must be a finite number"):
         opt.Adam(bad)
-    with pytest.raises(ValueError, match=r"Adam: beta\[1\] must be a finite number|beta\[1\] must be in"):
+    with pytest.raises(ValueError, match=r"Adam: beta\[1\] must be a finite number"):
         opt.Adam(1e-3, (0.9, bad))
-    with pytest.raises(ValueError, match="AdamW: lambd must be a finite number|lambd cannot be negative"):
+    with pytest.raises(ValueError, match="AdamW: lambd must be a finite number"):
         opt.AdamW(lambd=bad)
     state = opt.setup(opt.OptimiserChain(opt.ClipNorm(1.0), opt.Adam()), {"w": np.ones(2)})
     before = opt.state_dict(state)
@@ -604,16 +605,12 @@ class SlowCounter(opt.Rule):
         return 0
 
     def apply(self, state, x, dx):
-        import time
-
         time.sleep(0.002)
         return state + 1, None
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_two_threads_stepping_one_state_lose_no_step(backend):
-    import threading
-
     model = small_model(backend)
     state = opt.setup(SlowCounter(), model)
     grads = grads_like(backend, model)
