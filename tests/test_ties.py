@@ -140,6 +140,15 @@ def test_artificial_tie_by_placing_one_leaf_twice(inplace):
         assert new["a"] is new["b"]
 
 
+def test_a_tie_made_by_hand_survives_adjust_before_its_first_update():
+    model = {"a": rand(4), "b": rand(4, seed=1)}  # different values: the tie makes them equal
+    state = opt.setup(opt.Descent(0.1), model)
+    state["b"] = state["a"]
+    state = opt.adjust(state, 0.5)
+    _, new = opt.update(state, model, {"a": rand(4, seed=2)})
+    assert new["a"] is new["b"]
+
+
 def test_equal_copies_at_tied_places_are_updated_as_one():
     # DESIGN 4.7: after setup the State says what is tied; copies all get the new value
     W = rand(3)

@@ -537,15 +537,6 @@ def update(state: State, model, *grads):
 def _update(state: State, model, grads: tuple):
     found = _gather(state.tree, model, grads[0], state._keys)
     results = _compute(found, state.tree, pure=True)
-
-    def leaf_of(leaf):
-        moved = results.get(id(leaf))
-        new_state = _engine.independent(leaf, moved[0] if moved else leaf.state)
-        new = Leaf(leaf.rule, new_state, leaf.frozen)
-        new._shape = leaf._shape
-        return new
-
-    new_tree = map_leaves(leaf_of, state.tree)
     values: dict[int, Any] = {}
 
     def place(leaf, x):
@@ -555,7 +546,18 @@ def _update(state: State, model, grads: tuple):
             values[key] = moved[1] if moved else _ops.copy(x)
         return values[key]
 
-    return State(new_tree, state._keys), _rebuild(state.tree, model, place)
+    return _next_state(state, results), _rebuild(state.tree, model, place)
+
+
+def _next_state(state: State, results: dict) -> State:
+    """A new State after a pure step: each Leaf's new state where `results` has one, else its
+    own, never sharing the update engine's buffers with `state`."""
+
+    def leaf_of(leaf):
+        moved = results.get(id(leaf))
+        return leaf._successor(leaf.rule, _engine.independent(leaf, moved[0] if moved else leaf.state))
+
+    return State(map_leaves(leaf_of, state.tree), state._keys)
 
 
 def _stepped(state: State, model, grads: tuple, name: str):
@@ -564,15 +566,7 @@ def _stepped(state: State, model, grads: tuple, name: str):
     _check_args(state, grads, name)
     found = _gather(state.tree, model, grads[0], state._keys)
     results = _compute(found, state.tree)
-
-    def leaf_of(leaf):
-        moved = results.get(id(leaf))
-        new_state = _engine.independent(leaf, moved[0] if moved else leaf.state)
-        new = Leaf(leaf.rule, new_state, leaf.frozen)
-        new._shape = leaf._shape
-        return new
-
-    return State(map_leaves(leaf_of, state.tree), state._keys), results
+    return _next_state(state, results), results
 
 
 def update_(state: State, model, *grads):
@@ -707,9 +701,7 @@ def adjust(tree, eta=None, **hyper):
     rules = _adjusted_rules(leaves, eta, hyper, "adjust")
 
     def fresh(leaf):
-        new = Leaf(rules[id(leaf.rule)], _engine.independent(leaf, leaf.state), leaf.frozen)
-        new._shape = leaf._shape
-        return new
+        return leaf._successor(rules[id(leaf.rule)], _engine.independent(leaf, leaf.state))
 
     if isinstance(tree, Leaf):
         return fresh(tree)

@@ -35,6 +35,13 @@ class Leaf:
         # place mean the model changed after setup, and an update refuses them.
         self._placed = False
 
+    def _successor(self, rule, state) -> Leaf:
+        """A new Leaf with `rule` and `state`, frozen as this one is and knowing what it knows of
+        its parameter (what `update` and `adjust` return in place of this Leaf)."""
+        new = Leaf(rule, state, self.frozen)
+        new._shape, new._placed = self._shape, self._placed
+        return new
+
     @property
     def state(self):
         """The rule's state for this parameter."""
