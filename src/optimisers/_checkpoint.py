@@ -685,7 +685,8 @@ def load_state_dict(state, d: Mapping, *, hyperparameters: str = "checkpoint") -
             key: _convert(values[key], like) for key, like in _state_items(leaf.state, f"{name}/state", [])
         }
         new_state = _rebuild_state(leaf.state, f"{name}/state", converted)
-        new_leaf[id(leaf)] = Leaf(rule, new_state, frozen)
+        new_leaf[id(leaf)] = new = leaf._successor(rule, new_state)
+        new.frozen = frozen  # the checkpoint's
     return State(map_leaves(lambda leaf: new_leaf[id(leaf)], tree), getattr(state, "_keys", None))
 
 
