@@ -627,3 +627,34 @@ def test_two_threads_stepping_one_state_lose_no_step(backend):
     for t in threads:
         t.join()
     assert [leaf.state for leaf in state.leaves()] == [50, 50, 50]
+
+
+# --- copies of a State ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["numpy", "torch"])
+@pytest.mark.parametrize("how", ["pickle", "deepcopy"])
+def test_a_state_copied_after_update_trains_on_like_the_original(backend, how):
+    # after update_ a State's arrays live in the engine's buffers, which hold backend modules:
+    # pickling it failed; a copy must carry the state itself, ties kept, and be independent
+    import copy
+    import pickle
+
+    model = chunked_model(backend)
+    model.append(model[0])  # a tie
+    grads = [array(backend, rng_values(i, tuple(x.shape))) for i, x in enumerate(model)]
+    state = opt.setup(opt.Adam(0.1), model)
+    for _ in range(2):
+        state, model = opt.update_(state, model, grads)
+    twin = pickle.loads(pickle.dumps((state, model))) if how == "pickle" else copy.deepcopy((state, model))
+    saved = snapshot(*twin)
+    for _ in range(2):
+        state, model = opt.update_(state, model, grads)
+    assert_same(saved, snapshot(*twin))  # the copy did not move with the original
+    twin_state, twin_model = twin
+    assert twin_state[0] is twin_state[6] and twin_model[0] is twin_model[6]
+    for _ in range(2):
+        twin_state, twin_model = opt.update_(twin_state, twin_model, grads)
+    (ours, ours_model), (theirs, theirs_model) = snapshot(state, model), snapshot(twin_state, twin_model)
+    assert_same((ours, []), (theirs, []))  # the same optimiser state and parameters, bit for bit
+    assert [(p, v.tobytes()) for p, _, v in ours_model] == [(p, v.tobytes()) for p, _, v in theirs_model]

@@ -57,6 +57,15 @@ class Leaf:
         frozen = ", frozen=True" if self.frozen else ""
         return f"Leaf({self.rule!r}, {describe(self.state)}{frozen})"
 
+    # pickle and copy.deepcopy see the state itself, not the update engine's buffers it may live
+    # in (the engine plans again at the next update_)
+    def __getstate__(self):
+        return (self.rule, self.state, self.frozen, self._shape, self._placed)
+
+    def __setstate__(self, saved):
+        self.rule, self._state, self.frozen, self._shape, self._placed = saved
+        self._group = None
+
 
 def describe(value) -> str:
     """A compact view of a state value: arrays as dtype[shape], containers recursively."""
@@ -89,6 +98,12 @@ class State:
         # path -> every child key the model had there at setup, for containers that also held
         # things not trained (an update looks for new parameters only under new keys)
         self._keys = keys
+
+    def __getstate__(self):  # the engine's plan and JAX's flattening are caches, made again
+        return (self.tree, self._keys)
+
+    def __setstate__(self, saved):
+        (self.tree, self._keys), self._plan, self._pytree = saved, None, None
 
     def __getitem__(self, key):
         if isinstance(self.tree, Leaf):
