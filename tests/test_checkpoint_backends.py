@@ -4,15 +4,13 @@ state lands on the fresh state's dtype/device/sharding, and checkpoints move bet
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import numpy as np
 import pytest
 
 import optimisers as opt
+from _host_devices import run_on_host_devices
 from optimisers.schedules import Cosine, Join, Linear
 
 torch = pytest.importorskip("torch")
@@ -292,13 +290,5 @@ SHARDED = textwrap.dedent(
 
 
 def test_jax_sharded_state_loads_onto_the_fresh_state_sharding(tmp_path):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
-    proc = subprocess.run(
-        [sys.executable, "-W", "error", "-c", SHARDED, str(tmp_path / "opt.npz")],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    proc = run_on_host_devices(SHARDED, 4, str(tmp_path / "opt.npz"))
     assert proc.stdout.startswith("ok")

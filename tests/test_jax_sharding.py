@@ -6,10 +6,9 @@ sharding, for data parallelism (replicated parameters, sharded batch) and a 2-D 
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
+
+from _host_devices import run_on_host_devices
 
 SCRIPT = textwrap.dedent(
     """
@@ -112,14 +111,5 @@ SCRIPT = textwrap.dedent(
 
 
 def test_sharded_parameters_keep_their_sharding():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
-    env.pop("JAX_PLATFORMS", None)
-    proc = subprocess.run(
-        [sys.executable, "-W", "error", "-c", SCRIPT],
-        capture_output=True,
-        text=True,
-        env={**env, "JAX_PLATFORMS": "cpu"},
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    proc = run_on_host_devices(SCRIPT, 8)
     assert proc.stdout.strip().endswith("ok")

@@ -4,9 +4,6 @@ shardings kept, without a new trace; a state dict goes as its numbers plus a JSO
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import jax
@@ -16,6 +13,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 import optimisers as opt
+from _host_devices import run_on_host_devices
 
 
 def make_model(seed=0):
@@ -309,13 +307,5 @@ SHARDED = textwrap.dedent(
 
 
 def test_sharded_state_keeps_its_shardings(tmp_path):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-    proc = subprocess.run(
-        [sys.executable, "-W", "error", "-c", SHARDED, str(tmp_path / "ckpt")],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    proc = run_on_host_devices(SHARDED, 8, str(tmp_path / "ckpt"))
     assert proc.stdout.strip().endswith("ok")
