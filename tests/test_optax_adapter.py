@@ -225,12 +225,6 @@ def test_update_needs_params_and_its_own_state():
         tx.update({"w": jnp.ones(3)}, optax.adam(1e-3).init(model), model)
 
 
-def test_init_under_jit_is_refused():
-    tx = transform(opt.Adam())
-    with pytest.raises(TypeError, match="outside jit"):
-        jax.jit(tx.init)({"w": rand(3)})
-
-
 def test_a_bare_rule_where_optax_expects_a_transformation_fails_at_once():
     model = {"w": rand(3), "b": [rand(2)]}
     with pytest.raises(TypeError, match=r"optimisers\.optax\.transform"):

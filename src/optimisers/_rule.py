@@ -155,8 +155,30 @@ class Rule:
     def adjust(self, **hyper) -> Rule:
         """A copy with the named hyperparameters replaced; names this rule lacks are ignored
         (the tree-level `adjust` reports names that no rule in the tree has)."""
-        own = {k: v for k, v in hyper.items() if k in self.hyperparameters()}
+        names = self.hyperparameters()
+        own = {k: _held_like(getattr(self, k), v) for k, v in hyper.items() if k in names}
         return dataclasses.replace(self, **own) if own else self
+
+
+#: `(is_held, held_like)` pairs that adapters register, for hyperparameters that a framework holds
+#: in a box of its own: `held_like(box, value)` is a new box of the same kind holding `value`.
+#: (`nnx.Optimizer` holds every number of an optax state in a Flax `Variable`; a bare number in
+#: its place would break its next update.)
+HELD_VALUES: list = []
+
+
+def _held_like(old, new):
+    """`new` held as `old` is held (see HELD_VALUES); `new` itself for a plain `old`."""
+    if isinstance(old, tuple) and isinstance(new, (tuple, list)) and len(new) == len(old):
+        return tuple(map(_held_like, old, new)) if any(map(_is_held, old)) else new
+    for is_held, held_like in HELD_VALUES:
+        if is_held(old):
+            return held_like(old, new)
+    return new
+
+
+def _is_held(value) -> bool:
+    return any(is_held(value) for is_held, _ in HELD_VALUES)
 
 
 def _not_a_transformation(rule) -> str:

@@ -22,15 +22,19 @@ optimisers` does not import it (it is reached as `optimisers.optax` on first use
 
 from __future__ import annotations
 
+import dataclasses
+import numbers
 import sys
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax as _optax
 
-from . import _interface
-from ._rule import NewValue
-from ._state import State
+from . import _interface, _rule
+from ._rule import NewValue, Rule
+from ._state import Leaf, State, map_leaves
+from ._tree import kind_of
 
 __all__ = ["transform"]
 
@@ -40,10 +44,14 @@ def transform(rule) -> _optax.GradientTransformationExtraArgs:
     function `(path, x) -> Rule` as `setup` takes) with tied weights handled.
 
     * `init(params)` is `optimisers.setup(rule, params)`: tied arrays (the same object at several
-      places) share one optimiser state. Call it outside `jax.jit`, where arrays still have their
-      identity. NNX `Variable`s (an `nnx.State`, as `nnx.Optimizer` hands it) are read as their
-      values. The State's numbers (step counters, hyperparameters) are made JAX arrays, as in
-      optax's own states, so Flax stores and updates them and `jit` traces them.
+      places) share one optimiser state. It works under `jax.jit`, `jax.eval_shape` and
+      `jax.vmap` as eagerly, ties found by identity among the arrays the traced function holds:
+      a model built inside the function keeps its ties, but JAX hands each argument leaf its own
+      tracer, so a tie between arguments is not seen (an eager update with that model refuses
+      the state). NNX `Variable`s (an `nnx.State`, as `nnx.Optimizer` hands it) are read as
+      their values. A leaf that is not an array (an Equinox module's function) is a `TypeError`.
+      The State's numbers (step counters, hyperparameters) are made JAX arrays, as in optax's
+      own states, so Flax stores and updates them and `jit` traces them.
     * `update(updates, state, params)` returns `(updates, new_state)` such that
       `optax.apply_updates(params, updates)` is the model `optimisers.update(state, params,
       updates)` returns, bit for bit (see the module docstring for `MixedPrecision`). `params` is
@@ -51,21 +59,23 @@ def transform(rule) -> _optax.GradientTransformationExtraArgs:
       and the same update. Extra keyword arguments (from `optax.chain`) are ignored.
 
     The state is an `optimisers.State`, so `optimisers.adjust(state, 1e-4)` changes the learning
-    rate (inside `optax.chain`, adjust the chain's entry for this transformation).
+    rate (inside `optax.chain`, adjust the chain's entry for this transformation). A
+    hyperparameter that `rule` holds as a JAX array is applied by every `update` instead of the
+    State's: that is how `optax.inject_hyperparams(lambda learning_rate:
+    transform(Adam(learning_rate)))(learning_rate=schedule)` hands over each step's value (traced
+    under `jit`, so nothing compiles again). Change such a value where it comes from
+    (inject_hyperparams' `state.hyperparams`), not with `adjust`.
     """
     _interface._rule_chooser(rule)  # a State, an optax transformation, a class: fail now
+    live = _LiveHyperparameters(rule)
 
     def init_fn(params):
         params = _values_of(params)
-        for x in jax.tree.leaves(params):
-            if isinstance(x, jax.core.Tracer):
-                raise TypeError(
-                    "optimisers.optax.transform(...).init was called under a JAX transformation "
-                    "(jit, eval_shape, ...): traced arrays have lost their identity, so tied weights "
-                    "cannot be found. Call init eagerly, outside jit, and pass its state in."
-                )
+        _check_leaves(params)
         # numbers (step counters, hyperparameters) as JAX arrays, as in optax's states: Flax
-        # stores and writes back array leaves only, and jit traces them
+        # stores and writes back array leaves only, and jit traces them. Under jit, eval_shape
+        # or vmap this works as eagerly: ties are found by identity among the arrays the traced
+        # function holds (see the docstring of `transform`)
         return jax.tree.map(jnp.asarray, _interface.setup(rule, params))
 
     def update_fn(updates, state, params=None, **extra_args):
@@ -82,6 +92,7 @@ def transform(rule) -> _optax.GradientTransformationExtraArgs:
                 "(updates, state, params)"
             )
         params, grads = _values_of(params), _values_of(updates)
+        state = live.applied(state, params)
         new_state, results = _interface._stepped(state, params, (grads,), "transform(...).update")
         made: dict = {}
 
@@ -113,10 +124,41 @@ def _no_move(x):
     return jnp.negative(zeros) if jnp.issubdtype(zeros.dtype, jnp.inexact) else zeros
 
 
+def _nnx_variable_type():
+    nnx_module = sys.modules.get("flax.nnx")  # Flax is not a dependency: only seen once imported
+    return getattr(nnx_module, "Variable", None) if nnx_module is not None else None
+
+
+def _is_nnx_variable(x) -> bool:
+    variable = _nnx_variable_type()
+    return variable is not None and isinstance(x, variable)
+
+
+def _nnx_variable_like(variable, value):
+    """A new NNX `Variable` like `variable` (its kind, metadata, dtype and placement) holding
+    `value`: what `adjust` puts where `nnx.Optimizer` holds a hyperparameter, so the optimiser's
+    next update writes into it as into the old one, and a jitted step does not compile again."""
+    if isinstance(value, (bool, str)) or not (
+        isinstance(value, numbers.Number) or getattr(value, "shape", None) == ()
+    ):
+        raise TypeError(
+            f"adjust: this hyperparameter is held by Flax NNX (nnx.Optimizer) as a "
+            f"{type(variable).__name__} of a number; it takes a number, got {value!r}"
+        )
+    old = variable.get_value()
+    new = jnp.asarray(value, dtype=old.dtype)
+    if isinstance(old, jax.Array) and not isinstance(old, jax.core.Tracer):
+        new = jax.device_put(new, old.sharding)
+    return variable.copy(new)
+
+
+# `adjust(optimizer.opt_state, 1e-3)` on an nnx.Optimizer's state keeps Variables where they were
+_rule.HELD_VALUES.append((_is_nnx_variable, _nnx_variable_like))
+
+
 def _values_of(tree):
     """`tree` with each Flax NNX `Variable` replaced by its value (what `nnx.as_pure` does)."""
-    nnx_module = sys.modules.get("flax.nnx")
-    variable = getattr(nnx_module, "Variable", None) if nnx_module is not None else None
+    variable = _nnx_variable_type()
     if variable is None:
         return tree
 
@@ -126,3 +168,131 @@ def _values_of(tree):
     if not any(map(is_variable, jax.tree.leaves(tree, is_leaf=is_variable))):
         return tree
     return jax.tree.map(lambda v: v.get_value() if is_variable(v) else v, tree, is_leaf=is_variable)
+
+
+def _check_leaves(params) -> None:
+    """optax transformations take a tree of arrays: anything else (an Equinox module's activation
+    function, a string) is refused here, as optax's own `init` refuses it, and not at the first
+    update."""
+    for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
+        if not isinstance(x, (jax.Array, np.ndarray, np.generic, numbers.Number)):
+            raise TypeError(
+                f"optimisers.optax.transform(...).init: params holds a {type(x).__name__} at "
+                f"{jax.tree_util.keystr(path) or 'the root'}, not an array; optax transformations "
+                "take a tree of arrays. With Equinox, filter the model first: "
+                "init(eqx.filter(model, eqx.is_array)), and update(grads, state, "
+                "eqx.filter(model, eqx.is_array))"
+            )
+
+
+# --- hyperparameters held as JAX arrays ----------------------------------------------------------
+
+
+class _LiveHyperparameters:
+    """The hyperparameters that `transform`'s rule holds as JAX arrays, which `update` applies in
+    place of the State's: `optax.inject_hyperparams` builds the transformation again at every step
+    with its current values (traced under `jit`) and calls only that one's `update`, so these are
+    the values it means. Hyperparameters given as Python numbers live in the State, where
+    `adjust` changes them."""
+
+    def __init__(self, rule):
+        self.rule = rule
+        # None: not known yet (a rule function is asked at each Leaf's place, at the first update)
+        self.any = _holds_arrays(rule) if isinstance(rule, Rule) else None
+
+    def applied(self, state: State, params) -> State:
+        """`state` with each Leaf's rule holding the live values; `state` itself when none."""
+        if self.any is False:
+            return state
+        if isinstance(self.rule, Rule):
+            chosen = None
+        else:
+            places = _first_places(state.tree, params)
+            if places is None:
+                return state  # not the state of this model: the update says what is wrong
+            choose = _interface._rule_chooser(self.rule)
+            chosen = {key: choose(path, x) for key, (path, x) in places.items()}
+            if self.any is None:
+                self.any = any(map(_holds_arrays, chosen.values()))
+                if not self.any:
+                    return state
+        rules: dict = {}
+
+        def with_live(leaf):
+            fresh = self.rule if chosen is None else chosen[id(leaf)]
+            key = (id(leaf.rule), id(fresh))
+            if key not in rules:
+                rules[key] = _merged(leaf.rule, fresh)
+            rule = rules[key]
+            return leaf if rule is leaf.rule else leaf._successor(rule, leaf.state)
+
+        tree = map_leaves(with_live, state.tree)
+        return State(tree, state._keys)
+
+
+def _holds_arrays(value) -> bool:
+    if isinstance(value, Rule):
+        if not dataclasses.is_dataclass(value):
+            return False
+        return any(
+            _holds_arrays(getattr(value, f.name))
+            for f in dataclasses.fields(value)
+            if not f.metadata.get("static", False)
+        )
+    if isinstance(value, (tuple, list)):
+        return any(map(_holds_arrays, value))
+    return isinstance(value, jax.Array)  # tracers included
+
+
+def _merged(held, fresh):
+    """`held` (a rule in the State) with each hyperparameter that `fresh` holds as a JAX array
+    taken from `fresh`; `held` itself when there is none."""
+    if type(held) is not type(fresh):
+        raise TypeError(
+            f"optimisers.optax.transform(...).update: the state holds {held!r} where this "
+            f"transformation applies {type(fresh).__name__}; was the state made by another one?"
+        )
+    changes = {}
+    for f in dataclasses.fields(fresh):
+        if f.metadata.get("static", False):
+            continue
+        old = getattr(held, f.name)
+        new = _merged_value(old, getattr(fresh, f.name))
+        if new is not old:
+            changes[f.name] = new
+    if not changes:
+        return held
+    # built as unflattening builds rules: the values come from a rule that was validated
+    out = object.__new__(type(held))
+    for f in dataclasses.fields(held):
+        object.__setattr__(out, f.name, changes.get(f.name, getattr(held, f.name)))
+    return out
+
+
+def _merged_value(old, new):
+    if isinstance(new, Rule):
+        return _merged(old, new)
+    if isinstance(new, (tuple, list)) and isinstance(old, (tuple, list)) and len(old) == len(new):
+        items = [_merged_value(o, n) for o, n in zip(old, new)]
+        if all(a is b for a, b in zip(items, old)):
+            return old
+        return type(old)(items) if type(old) in (tuple, list) else type(old)(*items)
+    return new if isinstance(new, jax.Array) else old
+
+
+def _first_places(tree, model):
+    """`{id(leaf): (path, parameter)}` at each Leaf's first place; None when `model` does not
+    have the state's structure."""
+    places: dict = {}
+
+    def visit(snode, node, path) -> bool:
+        if isinstance(snode, Leaf):
+            places.setdefault(id(snode), (path, node))
+            return True
+        kind = kind_of(node)
+        if kind is None:
+            return False
+        children = dict(kind.children(node))
+        return all(k in children and visit(sub, children[k], path + (k,)) for k, sub in snode.items())
+
+    return places if visit(tree, model, ()) else None
