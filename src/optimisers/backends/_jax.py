@@ -50,7 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import _ops
-from .._rule import Rule
+from .._rule import Rule, _is_held
 from .._state import Leaf, State, flatten_state, is_scalar, scalar_key, unflatten_state
 from .._tree import NodeKind, format_path
 
@@ -383,7 +383,7 @@ def _encode(value, values: list, static: bool = False):
         return ("rule", type(value), tuple(fields))
     if type(value) in (tuple, list) or (isinstance(value, tuple) and hasattr(value, "_fields")):
         return ("seq", type(value), tuple(_encode(v, values, static) for v in value))
-    if not static and _is_numeric(value):
+    if not static and (_is_numeric(value) or _is_held(value)):  # held: a Flax Variable, say
         values.append(value)
         return _NUM
     return ("static", _Static(value))

@@ -1,0 +1,207 @@
+"""Flax with `optimisers.optax.transform` the ways Flax users work: changing the learning rate of
+an `nnx.Optimizer` (`adjust`, `inject_hyperparams`), abstract restore targets made with
+`jax.eval_shape` / `nnx.eval_shape`, and the optimiser made inside `nnx.jit`.
+
+References: the same Flax code driven by optax's `inject_hyperparams(optax.adam)`, and the same
+training run without the interruption (bit for bit).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+from flax import linen, nnx
+from flax.training import train_state
+
+import optimisers as opt
+from optimisers.optax import transform
+
+X = jax.random.normal(jax.random.key(1), (6, 3))
+Y = jax.random.normal(jax.random.key(2), (6, 2))
+
+
+class MLP(nnx.Module):
+    def __init__(self, rngs):
+        self.l1 = nnx.Linear(3, 4, rngs=rngs)
+        self.l2 = nnx.Linear(4, 2, rngs=rngs)
+
+    def __call__(self, x):
+        return self.l2(jax.nn.relu(self.l1(x)))
+
+
+def loss(model):
+    return jnp.mean((model(X) - Y) ** 2)
+
+
+def params_of(model):
+    return jax.tree.leaves(nnx.as_pure(nnx.state(model, nnx.Param)))
+
+
+def assert_close(a, b):
+    for x, y in zip(a, b, strict=True):
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
+
+
+def assert_bitwise(a, b):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        assert np.asarray(x).tobytes() == np.asarray(y).tobytes()
+
+
+def counted_step(traces):
+    @nnx.jit
+    def step(model, optimizer):
+        traces.append(1)
+        optimizer.update(model, nnx.grad(loss)(model))
+
+    return step
+
+
+def optax_reference(rates):
+    """`len(rates)` steps of optax's Adam, the rate changed in place before each step."""
+    model = MLP(nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.inject_hyperparams(optax.adam)(rates[0]), wrt=nnx.Param)
+    step = counted_step([])
+    for rate in rates:
+        optimizer.opt_state.hyperparams["learning_rate"][...] = rate
+        step(model, optimizer)
+    return params_of(model)
+
+
+RATES = [1e-2, 1e-2, 1e-3, 1e-3, 3e-3]
+
+
+@pytest.mark.parametrize("how", ["adjust_", "adjust"])
+def test_adjust_on_an_nnx_optimizer_changes_the_rate_without_recompiling(how):
+    model = MLP(nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, transform(opt.Adam(RATES[0])), wrt=nnx.Param)
+    traces = []
+    step = counted_step(traces)
+    for rate in RATES:
+        if how == "adjust_":
+            opt.adjust_(optimizer.opt_state, rate)
+        else:
+            optimizer.opt_state = opt.adjust(optimizer.opt_state, rate)
+        step(model, optimizer)
+    assert len(traces) == 1
+    assert_close(params_of(model), optax_reference(RATES))
+    eta = optimizer.opt_state["l2"]["bias"].rule.eta
+    assert isinstance(eta, nnx.Variable) and eta.get_value().dtype == jnp.float32
+    np.testing.assert_allclose(eta.get_value(), RATES[-1])
+
+
+def test_adjust_on_part_of_an_nnx_optimizer_and_a_refused_value():
+    model = MLP(nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, transform(opt.Adam(1e-2)), wrt=nnx.Param)
+    opt.adjust_(optimizer.opt_state["l1"], beta=(0.8, 0.99))
+    state = optimizer.opt_state
+    assert [float(b.get_value()) for b in state["l1"]["kernel"].rule.beta] == [
+        np.float32(0.8),
+        np.float32(0.99),
+    ]
+    assert float(state["l2"]["kernel"].rule.beta[0].get_value()) == np.float32(0.9)  # not adjusted
+    counted_step([])(model, optimizer)  # the optimiser still updates
+
+    before = state["l1"]["kernel"].rule
+    with pytest.raises(TypeError, match="held by Flax NNX"):
+        opt.adjust_(state, eta="fast")
+    assert state["l1"]["kernel"].rule is before  # nothing changed
+
+
+def test_inject_hyperparams_in_an_nnx_optimizer_equals_optax():
+    model = MLP(nnx.Rngs(0))
+    tx = optax.inject_hyperparams(lambda learning_rate: transform(opt.Adam(learning_rate)))(RATES[0])
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    traces = []
+    step = counted_step(traces)
+    for rate in RATES:
+        optimizer.opt_state.hyperparams["learning_rate"][...] = rate
+        step(model, optimizer)
+    assert len(traces) == 1
+    assert_close(params_of(model), optax_reference(RATES))
+
+
+def test_optimizer_made_inside_nnx_jit():
+    @nnx.jit
+    def create():
+        model = MLP(nnx.Rngs(0))
+        return model, nnx.Optimizer(model, transform(opt.Adam(1e-2)), wrt=nnx.Param)
+
+    model, optimizer = create()
+    ref_model = MLP(nnx.Rngs(0))
+    ref = nnx.Optimizer(ref_model, transform(opt.Adam(1e-2)), wrt=nnx.Param)
+    step = counted_step([])
+    for _ in range(3):
+        step(model, optimizer)
+        step(ref_model, ref)
+    assert_bitwise(nnx.state((model, optimizer)), nnx.state((ref_model, ref)))
+
+
+# --- abstract restore targets -----------------------------------------------------------------------
+
+
+def test_nnx_eval_shape_target_restores_an_optimizer(tmp_path):
+    tx = transform(opt.AdamW(1e-2, lambd=1e-3))
+
+    def create(seed):
+        model = MLP(nnx.Rngs(seed))
+        return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+    step = counted_step([])
+    model, optimizer = create(0)
+    for _ in range(3):
+        step(model, optimizer)
+    path = (tmp_path / "nnx").absolute()
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(path, nnx.state((model, optimizer)))
+
+    graphdef, target = nnx.split(nnx.eval_shape(lambda: create(1)))
+    assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(target))
+    with ocp.StandardCheckpointer() as ckptr:
+        restored_model, restored = nnx.merge(graphdef, ckptr.restore(path, target))
+    assert isinstance(restored.opt_state, opt.State)
+    for _ in range(3):
+        step(model, optimizer)
+        step(restored_model, restored)
+    assert_bitwise(nnx.state((restored_model, restored)), nnx.state((model, optimizer)))
+
+
+class LinenMLP(linen.Module):
+    @linen.compact
+    def __call__(self, x):
+        return linen.Dense(2)(jax.nn.relu(linen.Dense(4)(x)))
+
+
+def test_linen_eval_shape_target_restores_a_train_state(tmp_path):
+    net = LinenMLP()
+
+    tx = transform(opt.Adam(1e-2))  # made once: a TrainState holds it as static data
+
+    def create_train_state(seed=0):
+        params = net.init(jax.random.key(seed), X)
+        return train_state.TrainState.create(apply_fn=net.apply, params=params, tx=tx)
+
+    @jax.jit
+    def step(ts):
+        grads = jax.grad(lambda p: jnp.mean((ts.apply_fn(p, X) - Y) ** 2))(ts.params)
+        return ts.apply_gradients(grads=grads)
+
+    ts = create_train_state()
+    for _ in range(3):
+        ts = step(ts)
+    path = (tmp_path / "linen").absolute()
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(path, ts)
+
+    target = jax.eval_shape(create_train_state)
+    assert jax.tree.structure(target) == jax.tree.structure(ts)
+    with ocp.StandardCheckpointer() as ckptr:
+        restored = ckptr.restore(path, target)
+    assert isinstance(restored.opt_state, opt.State) and int(restored.step) == 3
+    for _ in range(3):
+        ts, restored = step(ts), step(restored)
+    assert_bitwise(restored.params, ts.params)
+    assert_bitwise(restored.opt_state, ts.opt_state)
