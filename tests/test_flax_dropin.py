@@ -178,7 +178,7 @@ class LinenMLP(linen.Module):
 def test_linen_eval_shape_target_restores_a_train_state(tmp_path):
     net = LinenMLP()
 
-    tx = transform(opt.Adam(1e-2))  # made once: a TrainState holds it as static data
+    tx = transform(opt.Adam(1e-2))  # made once: a TrainState holds it as static data (jit's key)
 
     def create_train_state(seed=0):
         params = net.init(jax.random.key(seed), X)
