@@ -8,6 +8,8 @@ training run without the interruption (bit for bit).
 
 from __future__ import annotations
 
+import textwrap
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,6 +20,7 @@ from flax import linen, nnx
 from flax.training import train_state
 
 import optimisers as opt
+from _host_devices import run_on_host_devices
 from optimisers.optax import transform
 
 X = jax.random.normal(jax.random.key(1), (6, 3))
@@ -205,3 +208,62 @@ def test_linen_eval_shape_target_restores_a_train_state(tmp_path):
         ts, restored = step(ts), step(restored)
     assert_bitwise(restored.params, ts.params)
     assert_bitwise(restored.opt_state, ts.opt_state)
+
+
+# --- sharded initialisation ---------------------------------------------------------------------------
+
+SHARDED_INIT = textwrap.dedent(
+    """
+    import jax, jax.numpy as jnp, numpy as np, optax
+    from flax import nnx
+    import optimisers as opt
+
+    mesh = jax.make_mesh((2, 4), ("data", "model"))
+
+
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            init = nnx.with_partitioning(nnx.initializers.lecun_normal(), (None, "model"))
+            self.l1 = nnx.Linear(8, 16, kernel_init=init, rngs=rngs)
+            self.l2 = nnx.Linear(16, 2, rngs=rngs)
+
+        def __call__(self, x):
+            return self.l2(jnp.tanh(self.l1(x)))
+
+
+    def trained(tx):
+        @nnx.jit
+        def create():  # Flax's sharded initialisation
+            model = Model(nnx.Rngs(0))
+            optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+            state = nnx.state(optimizer)
+            nnx.update(optimizer, jax.lax.with_sharding_constraint(state, nnx.get_partition_spec(state)))
+            return model, optimizer
+
+        @nnx.jit
+        def step(model, optimizer):
+            optimizer.update(model, nnx.grad(lambda m: jnp.sum(m(jnp.ones((4, 8))) ** 2))(model))
+
+        model, optimizer = create()
+        for _ in range(3):
+            step(model, optimizer)
+        return model, optimizer
+
+
+    with jax.set_mesh(mesh):
+        model, optimizer = trained(opt.optax.transform(opt.Adam(1e-2)))
+        ref_model, _ = trained(optax.adam(1e-2))
+    kernel = optimizer.opt_state["l1"]["kernel"]
+    for moment in kernel.state[:2]:  # the optimiser state is sharded like its parameter
+        assert moment.get_value().sharding.spec == model.l1.kernel.get_value().sharding.spec
+        assert moment.get_value().sharding.spec == jax.sharding.PartitionSpec(None, "model")
+    for a, b in zip(jax.tree.leaves(nnx.state(model)), jax.tree.leaves(nnx.state(ref_model))):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    print("ok")
+    """
+)
+
+
+def test_sharded_init_inside_nnx_jit_shards_the_state_like_its_parameters():
+    proc = run_on_host_devices(SHARDED_INIT, 8)
+    assert proc.stdout.strip().endswith("ok")

@@ -33,7 +33,7 @@ import optax as _optax
 
 from . import _interface, _rule
 from ._rule import NewValue, Rule
-from ._state import Leaf, State, map_leaves
+from ._state import Leaf, State, flatten_state, map_leaves, unflatten_state
 from ._tree import kind_of
 
 __all__ = ["transform"]
@@ -70,13 +70,16 @@ def transform(rule) -> _optax.GradientTransformationExtraArgs:
     live = _LiveHyperparameters(rule)
 
     def init_fn(params):
-        params = _values_of(params)
+        variables, params = params, _values_of(params)
         _check_leaves(params)
         # numbers (step counters, hyperparameters) as JAX arrays, as in optax's states: Flax
         # stores and writes back array leaves only, and jit traces them. Under jit, eval_shape
         # or vmap this works as eagerly: ties are found by identity among the arrays the traced
         # function holds (see the docstring of `transform`)
-        return jax.tree.map(jnp.asarray, _interface.setup(rule, params))
+        state = jax.tree.map(jnp.asarray, _interface.setup(rule, params))
+        if variables is not params:
+            _annotate_sharded(state, variables, params)
+        return state
 
     def update_fn(updates, state, params=None, **extra_args):
         del extra_args
@@ -154,6 +157,27 @@ def _nnx_variable_like(variable, value):
 
 # `adjust(optimizer.opt_state, 1e-3)` on an nnx.Optimizer's state keeps Variables where they were
 _rule.HELD_VALUES.append((_is_nnx_variable, _nnx_variable_like))
+
+
+def _annotate_sharded(state: State, variables, params) -> None:
+    """Hold each state array shaped like its parameter in a copy of the parameter's NNX
+    `Variable` when that declares a sharding, as in optax's states (its tree maps keep
+    `Variable`s): `nnx.Optimizer` then gives the array the parameter's sharding annotation,
+    which Flax's sharded initialisation reads (`nnx.get_partition_spec`)."""
+    variable = _nnx_variable_type()
+    sharded = {
+        id(v.get_value()): v
+        for v in jax.tree.leaves(variables, is_leaf=lambda x: isinstance(x, variable))
+        if isinstance(v, variable) and v.get_metadata().get("out_sharding") is not None
+    }
+    places = _first_places(state.tree, params) if sharded else None
+    for leaf in state.leaves() if places else ():
+        v = sharded.get(id(places[id(leaf)][1]))
+        if v is not None:
+            parts: list = []
+            spec = flatten_state(leaf.state, parts)
+            held = [v.copy(p) if getattr(p, "shape", None) == v.shape else p for p in parts]
+            leaf.state = unflatten_state(spec, iter(held))
 
 
 def _values_of(tree):
