@@ -244,8 +244,37 @@ def fused_apply(rule, state, x, dx):
             x_, dx_, m_, v_ = x.to_local(), dx.to_local(), m.to_local(), v.to_local()
         else:
             x_, dx_, m_, v_ = x, dx, m, v
-        _run_fused(*found, rule, [x_], [dx_.contiguous()], [m_], [v_], t + 1)
+        if not _dense(x_):
+            return None  # (a clone is dense; a DTensor's local shard might not be)
+        m_kernel, v_kernel = _laid_out_like(m_, x_), _laid_out_like(v_, x_)
+        _run_fused(*found, rule, [x_], [_laid_out_like(dx_, x_)], [m_kernel], [v_kernel], t + 1)
+        for mine, used in ((m_, m_kernel), (v_, v_kernel)):
+            if used is not mine:
+                mine.copy_(used)
     return (m, v, t + 1), NewValue(x)
+
+
+def _dense(x) -> bool:
+    """Do `x`'s elements fill its memory without gaps or overlaps, in some order of its
+    dimensions (contiguous, channels_last, a transposed matrix)? Size-1 dimensions do not count."""
+    expected = 1
+    for size, stride in sorted(zip(x.shape, x.stride()), key=lambda p: p[1]):
+        if size == 1:
+            continue
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _laid_out_like(t, x):
+    """`t`, or a copy of it, with the strides of dense `x`. torch's fused kernels walk every
+    tensor of a step in memory order, so the gradient and moments must be laid out as the
+    parameter is, or one element's step would use another's gradient (a channels_last weight
+    with a contiguous gradient)."""
+    if t.stride() == x.stride():
+        return t
+    return torch.empty_like(x).copy_(t)
 
 
 def _check_sharded_state(state, x):
