@@ -30,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from . import _ops
+from . import _ops, _precision
 from ._rule import NewValue
 from ._state import flatten_state, unflatten_state
 
@@ -243,7 +243,7 @@ class Group:
         first = self.leaves[0].rule.rules[0]
         off = getattr(self.b, "no_grad", None)
         with off() if off is not None else contextlib.nullcontext():
-            return [first.gradient_factor(dx) for dx in dxs]
+            return [first.gradient_factor(_precision.widened(dx)) for dx in dxs]
 
     def step(self, xs, dxs, factors=None):
         """Update every member in place: `xs`, `dxs` are the parameters and summed gradients.
@@ -311,9 +311,9 @@ class Group:
         parts = [buf[lo:hi] if a else s for a, buf, s in zip(self.array_at, self.buffers, self.scalars)]
         state = unflatten_state(self.spec, iter(parts))
         if factors is None:
-            new_state, step = rule.apply(state, x, dx)
+            new_state, step = _precision.run(rule.apply, state, x, dx)
         else:  # a scaled group's chunk lies within one member (no packing)
-            new_state, step = rule.apply_scaled(state, x, dx, factors[i])
+            new_state, step = _precision.run(rule.apply_scaled, state, x, dx, factors[i])
         new_parts: list = []
         flatten_state(new_state, new_parts)
         if not write:
@@ -373,7 +373,7 @@ def pure_step(rule, state, x, dx):
     array_at = [b.is_buffer(p) for p in parts]
     if n <= chunk or not all(p.shape == x.shape and ok(p) for p, a in zip(parts, array_at) if a):
         return None
-    factor = rule.rules[0].gradient_factor(dx) if scaled else None
+    factor = rule.rules[0].gradient_factor(_precision.widened(dx)) if scaled else None
     flat_x, flat_dx = x.reshape(-1), dx.reshape(-1)
     flat_parts = [p.reshape(-1) if a else p for p, a in zip(parts, array_at)]
     new_x = _ops.copy(x)
@@ -385,9 +385,11 @@ def pure_step(rule, state, x, dx):
         sub = [p[lo:hi] if a else p for p, a in zip(flat_parts, array_at)]
         chunk_state = unflatten_state(spec, iter(sub))
         if factor is None:
-            new_state, step = rule.apply(chunk_state, flat_x[lo:hi], flat_dx[lo:hi])
+            new_state, step = _precision.run(rule.apply, chunk_state, flat_x[lo:hi], flat_dx[lo:hi])
         else:
-            new_state, step = rule.apply_scaled(chunk_state, flat_x[lo:hi], flat_dx[lo:hi], factor)
+            new_state, step = _precision.run(
+                rule.apply_scaled, chunk_state, flat_x[lo:hi], flat_dx[lo:hi], factor
+            )
         new_parts: list = []
         if flatten_state(new_state, new_parts) != spec:
             return None  # (before anything is returned: the caller takes the whole-array path)

@@ -17,7 +17,7 @@ import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from . import _compile, _engine, _ops
+from . import _compile, _engine, _ops, _precision
 from ._rule import NewValue, Rule
 from ._state import (
     Leaf,
@@ -398,7 +398,7 @@ def _compute(found: dict[int, _Contribution], tree, skip=frozenset(), pure=False
                         results[key] = result
                         continue
                 if result is None:
-                    result = rule.apply(c.leaf.state, c.x, dx)
+                    result = _precision.run(rule.apply, c.leaf.state, c.x, dx)
             _check_step(rule, result, c.x)
             if pure:
                 result = (result[0], _new_value(c.x, result[1]))

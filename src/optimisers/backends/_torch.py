@@ -185,12 +185,17 @@ def numel(x) -> int:
     return x.numel()
 
 
+_FUSED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+
 def _fused_kernel(rule, x):
     """torch's own fused kernel and weight decay for `rule` on `x`, where their maths is ours:
-    Adam, and AdamW with `couple=True` (decay scaled by the learning rate), in float32/float64."""
+    Adam, and AdamW with `couple=True` (decay scaled by the learning rate). For float16 and
+    bfloat16 the kernel computes in float32 and stores in the parameter's dtype, as every update
+    does (see `optimisers._precision`)."""
     from .._rules import Adam, AdamW
 
-    if x.dtype not in (torch.float32, torch.float64) or x.device.type not in ("cpu", "cuda"):
+    if x.dtype not in _FUSED_DTYPES or x.device.type not in ("cpu", "cuda"):
         return None
     if type(rule) is Adam:
         return torch._fused_adam_, 0.0
