@@ -294,8 +294,9 @@ class Adam(_AdamFamily):
     `step = η · (m/(1−β₁ᵗ)) / (√(v/(1−β₂ᵗ)) + ε)`.
 
     Defaults: `eta=0.001, beta=(0.9, 0.999), epsilon=1e-8`. PyTorch: `torch.optim.Adam(lr=eta,
-    betas=beta, eps=epsilon)`; optax: `optax.adam(eta, b1, b2, eps)`. On PyTorch tensors (CPU/CUDA, float64, float32, float16,
-    bfloat16) both `update` and `update_` run torch's own fused Adam kernel (same maths, its rounding).
+    betas=beta, eps=epsilon)`; optax: `optax.adam(eta, b1, b2, eps)`. On PyTorch tensors
+    (CPU/CUDA, float64 down to bfloat16) both `update` and `update_` run torch's own fused Adam
+    kernel (same maths, its rounding).
     """
 
     def apply(self, state, x, dx):
