@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import optimisers as opt
+import optimisers.torch as opt_torch
 from optimisers import _engine
 from optimisers._state import flatten_state, leaf_paths
 
@@ -223,3 +224,22 @@ def test_jax_jit_matches_eager(name):
     difference = np.abs(_as_float64(model["w"]) - _as_float64(eager["w"]))
     assert difference.max() <= ulp and np.mean(difference > 0) < 0.05
     assert model["w"].dtype == eager["w"].dtype == DTYPES[name][0]
+
+
+@pytest.mark.parametrize("name", list(DTYPES))
+@pytest.mark.parametrize("rule", ["Adam", "AdamW"])
+def test_torch_adapter_takes_torch_fused_steps(rule, name):
+    """Through `optimisers.torch.Optimizer`, Adam and AdamW on half-precision parameters run
+    torch's own fused kernel: torch.optim's fused numbers exactly, moments in the parameter's
+    dtype as torch keeps them."""
+    ours, theirs, _ = CASES[rule]
+    expected = train_torch(theirs, name, fused=True)
+    x, gs = _inputs(DTYPES[name][0])
+    p = torch.nn.Parameter(_to("torch", x, name))
+    optimizer = opt_torch.Optimizer([p], ours())
+    for g in gs:
+        p.grad = _to("torch", g, name)
+        optimizer.step()
+    assert torch.equal(p.detach(), expected)
+    moments = [v for v in optimizer.state[p].values() if isinstance(v, torch.Tensor) and v.dim() > 0]
+    assert moments and all(m.dtype == p.dtype for m in moments)
