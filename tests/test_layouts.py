@@ -24,6 +24,8 @@ from torch import nn
 
 import optimisers as opt
 from _torch_models import one_thread
+from optimisers import _engine
+from optimisers._state import flatten_state, leaf_paths
 from optimisers.torch import Optimizer
 
 STEPS = 4
@@ -333,3 +335,103 @@ def test_numpy_update_in_place_writes_the_callers_strided_array():
     state, new = opt.update_(state, model, {"w": np.ones((40, 30))})
     assert new["w"] is w and w.flags.f_contiguous
     assert not np.array_equal(w, before)
+
+
+# --- the update engine: strided parameters stepped in place, in memory order ------------------
+
+
+def _strided_torch_params():
+    torch.manual_seed(0)
+    big = torch.randn(8, 4, 3, 3).contiguous(memory_format=torch.channels_last)  # several chunks
+    small = torch.randn(3, 2, 2, 2).contiguous(memory_format=torch.channels_last)  # packed
+    flipped = torch.randn(4, 3).t()  # packed, transposed
+    bias = torch.randn(5)
+    return [nn.Parameter(t) for t in (big, small, flipped, bias)]
+
+
+def _engine_run(rule, params, grads, path, engine, monkeypatch):
+    with monkeypatch.context() as m:
+        m.setattr(_engine, "CHUNK_SCALE", 1024)  # chunks of a few hundred elements
+        if not engine:
+            m.setattr(_engine, "select", lambda state, found: [])
+        state = opt.setup(rule, params)
+        for g in grads:
+            state, params = getattr(opt, path)(state, params, g)
+    return state, params
+
+
+@pytest.mark.parametrize("name", list(RULES))
+def test_torch_engine_steps_strided_parameters_like_the_per_parameter_path(name, monkeypatch):
+    params = _strided_torch_params()
+    grads = [[torch.randn_like(p) for p in params] for _ in range(STEPS)]  # laid out as each parameter
+    strides = [p.stride() for p in params]
+    state, got = _engine_run(
+        RULES[name](), [nn.Parameter(p.detach().clone()) for p in params], grads, "update_", True, monkeypatch
+    )
+    leaves = [leaf for _, leaf in leaf_paths(state.tree)]
+    assert all(leaf._group is not None for leaf in leaves)  # every parameter went through the engine
+    assert [p.stride() for p in got] == strides
+    for leaf, p in zip(leaves, got):
+        parts = [s for s in _arrays(leaf.state)]
+        assert all(s.stride() == p.stride() for s in parts if s.shape == p.shape)  # state laid out alike
+    _, reference = _engine_run(
+        RULES[name](),
+        [nn.Parameter(p.detach().clone()) for p in params],
+        grads,
+        "update_",
+        False,
+        monkeypatch,
+    )
+    _, pure = _engine_run(
+        RULES[name](), [nn.Parameter(p.detach().clone()) for p in params], grads, "update", True, monkeypatch
+    )
+    contiguous = [nn.Parameter(p.detach().contiguous()) for p in params]
+    _, plain = _engine_run(
+        RULES[name](),
+        contiguous,
+        [[g.contiguous() for g in gs] for gs in grads],
+        "update_",
+        True,
+        monkeypatch,
+    )
+    for a, b, c, d in zip(got, reference, pure, plain, strict=True):
+        assert torch.equal(a, b) and torch.equal(a, c)
+        _assert_same(name, a.detach(), d.detach())
+
+
+@pytest.mark.parametrize("name", list(RULES))
+def test_numpy_engine_steps_strided_parameters_like_the_per_parameter_path(name, monkeypatch):
+    rng = np.random.default_rng(0)
+    params = [
+        np.asfortranarray(rng.standard_normal((30, 20))),  # several chunks
+        rng.standard_normal((6, 5)).T,  # packed, transposed view
+        rng.standard_normal((2, 3, 4)).transpose(2, 0, 1),  # packed, permuted
+        rng.standard_normal(7),
+    ]
+    assert [p.flags.c_contiguous for p in params] == [False, False, False, True]
+    grads = [[rng.standard_normal(p.shape) for p in params] for _ in range(STEPS)]  # C order
+
+    def fresh():
+        return [p.copy(order="K") for p in params]
+
+    state, got = _engine_run(RULES[name](), fresh(), grads, "update_", True, monkeypatch)
+    assert all(leaf._group is not None for _, leaf in leaf_paths(state.tree))
+    assert [p.strides for p in got] == [p.strides for p in params]
+    _, reference = _engine_run(RULES[name](), fresh(), grads, "update_", False, monkeypatch)
+    _, pure = _engine_run(RULES[name](), fresh(), grads, "update", True, monkeypatch)
+    _, plain = _engine_run(
+        RULES[name](), [np.ascontiguousarray(p) for p in params], grads, "update_", True, monkeypatch
+    )
+    for a, b, c, d in zip(got, reference, pure, plain, strict=True):
+        np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(a, c)
+        if name in REDUCES:
+            np.testing.assert_allclose(a, d, rtol=1e-12, atol=1e-14)
+        else:
+            np.testing.assert_array_equal(a, d)
+
+
+def _arrays(state) -> list:
+    parts: list = []
+    flatten_state(state, parts)
+    return [p for p in parts if getattr(p, "dim", lambda: 0)() > 0]

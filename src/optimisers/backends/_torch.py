@@ -173,7 +173,7 @@ def engine_ok(x) -> bool:
     return (
         isinstance(x, torch.Tensor)
         and x.layout is torch.strided
-        and x.is_contiguous()
+        and (x.is_contiguous() or _dense(x))  # channels_last, transposed: stepped in memory order
         and x.dim() > 0
         and x.numel() > 0
         and not x.is_inference()
@@ -183,6 +183,39 @@ def engine_ok(x) -> bool:
 
 def numel(x) -> int:
     return x.numel()
+
+
+def memory_order(x):
+    """None for a row-major `x`; else the order of its dimensions from the outermost in memory to
+    the innermost, so that `x.permute(order)` is row-major (for a dense `x`: `engine_ok`)."""
+    if x.is_contiguous():
+        return None
+    return tuple(sorted(range(x.dim()), key=lambda d: -x.stride(d)))
+
+
+def flat_in(t, order):
+    """`t`'s elements as one dimension, in the memory order `order` of a parameter: a view of a
+    tensor laid out as that parameter (of the parameter itself), else a copy."""
+    return t.reshape(-1) if order is None else t.permute(order).reshape(-1)
+
+
+def shaped_in(flat, shape, order):
+    """A view of the 1-D `flat` with `shape`, its elements in memory order `order`."""
+    if order is None:
+        return flat.reshape(shape)
+    inverse = sorted(range(len(order)), key=order.__getitem__)
+    return flat.view([shape[d] for d in order]).permute(inverse)
+
+
+def laid_out_like(t, x):
+    """`t`, or a copy of it, with the strides of dense `x`. torch's fused kernels walk every
+    tensor of a step in memory order, so the gradient and moments must be laid out as the
+    parameter is, or one element's step would use another's gradient (a channels_last weight
+    with a contiguous gradient); the update engine's chunks read them in memory order too."""
+    if t.stride() == x.stride():
+        return t
+    with torch.no_grad():
+        return torch.empty_like(x).copy_(t)
 
 
 _FUSED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
@@ -251,8 +284,8 @@ def fused_apply(rule, state, x, dx):
             x_, dx_, m_, v_ = x, dx, m, v
         if not _dense(x_):
             return None  # (a clone is dense; a DTensor's local shard might not be)
-        m_kernel, v_kernel = _laid_out_like(m_, x_), _laid_out_like(v_, x_)
-        _run_fused(*found, rule, [x_], [_laid_out_like(dx_, x_)], [m_kernel], [v_kernel], t + 1)
+        m_kernel, v_kernel = laid_out_like(m_, x_), laid_out_like(v_, x_)
+        _run_fused(*found, rule, [x_], [laid_out_like(dx_, x_)], [m_kernel], [v_kernel], t + 1)
         for mine, used in ((m_, m_kernel), (v_, v_kernel)):
             if used is not mine:
                 mine.copy_(used)
@@ -271,15 +304,6 @@ def _dense(x) -> bool:
         expected *= size
     return True
 
-
-def _laid_out_like(t, x):
-    """`t`, or a copy of it, with the strides of dense `x`. torch's fused kernels walk every
-    tensor of a step in memory order, so the gradient and moments must be laid out as the
-    parameter is, or one element's step would use another's gradient (a channels_last weight
-    with a contiguous gradient)."""
-    if t.stride() == x.stride():
-        return t
-    return torch.empty_like(x).copy_(t)
 
 
 def _check_sharded_state(state, x):
@@ -313,7 +337,7 @@ def fused_group_step(group, rule, xs, dxs) -> bool:
         return False
     t = group.scalars[2] + 1
     with torch.no_grad():
-        grads = [g.contiguous() for g in dxs]
+        grads = [laid_out_like(g, x) for g, x in zip(dxs, xs)]
         _run_fused(*found, rule, xs, grads, group.member_parts(0), group.member_parts(1), t)
     group.scalars = [None, None, t]
     return True
