@@ -697,20 +697,27 @@ def test_clip_norm_throws_on_a_non_finite_norm(bad, shown):
 
 
 def test_float16_epsilon_floor_keeps_adam_finite():
+    """The floor matters where a rule's maths meets float16 arrays: `apply` called directly
+    (updates run it in float32, see test_half_precision.py)."""
     assert np.float16(1e-8) == 0  # without the floor, √v + ε would be 0 below
     g = np.full(3, 1e-4, np.float16)
     assert not np.any(g.astype(np.float16) ** 2)  # |g|² underflows, so v = 0
-    model = {"w": np.zeros(3, np.float16)}
-    state = opt.setup(Adam(), model)
-    state, model = opt.update(state, model, {"w": g})
-    assert model["w"].dtype == np.float16 and np.all(np.isfinite(model["w"]))
+    x = np.zeros(3, np.float16)
+    _, step = Adam().apply(Adam().init(x), x, g)
+    assert step.dtype == np.float16 and np.all(np.isfinite(step))
     # step = η·m̂/(0 + ε₁₆) with ε₁₆ = float16(1e-7) ≈ 1.19e-7: about 0.84, give or take the
     # coarse rounding of η·m̂ ≈ 1e-7, a float16 subnormal
-    assert np.all((-1.5 < model["w"]) & (model["w"] < -0.5))
+    assert np.all((0.5 < step) & (step < 1.5))
     # an explicit zero epsilon is kept (and then divides by zero, as asked)
     with np.errstate(divide="ignore", invalid="ignore"):
-        _, model = opt.update(opt.setup(Adam(epsilon=0.0), model), model, {"w": g})
-    assert not np.all(np.isfinite(model["w"]))
+        _, step = Adam(epsilon=0.0).apply(Adam().init(x), x, g)
+    assert not np.all(np.isfinite(step))
+    # an update computes in float32, where v does not underflow: Adam's first step is
+    # η·g/(|g| + ε), just under η
+    model = {"w": x}
+    _, model = opt.update(opt.setup(Adam(), model), model, {"w": g})
+    gv = float(g[0])
+    np.testing.assert_array_equal(model["w"], np.full(3, -1e-3 * gv / (gv + 1e-8), np.float16))
 
 
 def test_radam_in_float16_over_the_rectified_steps():

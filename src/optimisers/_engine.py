@@ -30,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from . import _ops
+from . import _ops, _precision
 from ._rule import NewValue
 from ._state import flatten_state, unflatten_state
 
@@ -39,7 +39,11 @@ from ._state import flatten_state, unflatten_state
 # part that is an array shaped like the parameter), `ENGINE_CHUNK` (elements per chunk),
 # `ENGINE_THREADS` (run chunks in our threads, for NumPy whose ufuncs release the GIL; PyTorch
 # parallelises each op itself) and optionally `engine_start()` (called before its first group is
-# made).
+# made). Parameters may have any dense layout (channels_last, transposed): the backend's
+# `memory_order(x)` says in which order of dimensions its memory holds the elements (None: row
+# major), and every array of a member (parameter, gradient, state) is read in that order
+# (`flat_in`; `laid_out_like` lays a gradient out as its parameter once per step), so chunks are
+# views of the parameter's memory and the state views (`shaped_in`) have the parameter's layout.
 CHUNK_SCALE = 1  # tests shrink chunks to exercise packing and splitting on small models
 MIN_CHUNK = 1 << 14  # elements: below this, the Python cost per chunk outweighs its work
 _POOL: ThreadPoolExecutor | None = None
@@ -100,6 +104,7 @@ class Group:
         self.leaves = leaves  # their rule is read from the first at each step: adjust_ may change it
         self.dtype, self.device = xs[0].dtype, getattr(xs[0], "device", None)
         self.shapes = [x.shape for x in xs]
+        self.orders = [b.memory_order(x) for x in xs]
         self.offsets = np.concatenate([[0], np.cumsum(self.sizes)]).astype(int).tolist()
         per_leaf = []
         for leaf in leaves:
@@ -111,7 +116,7 @@ class Group:
         self.array_at = [b.is_buffer(p) for p in first]
         self.scalars = [None if a else p for a, p in zip(self.array_at, first)]
         self.buffers = [
-            b.concat([parts[k].reshape(-1) for parts in per_leaf]) if a else None
+            b.concat([b.flat_in(parts[k], o) for parts, o in zip(per_leaf, self.orders)]) if a else None
             for k, a in enumerate(self.array_at)
         ]
         for i, leaf in enumerate(leaves):
@@ -137,8 +142,9 @@ class Group:
     def _parts(self, i, own):
         """Leaf `i`'s state parts: views of the buffers for arrays, its own values for scalars."""
         lo, hi = self.offsets[i], self.offsets[i + 1]
+        shape, order, shaped_in = self.shapes[i], self.orders[i], self.b.shaped_in
         return [
-            b[lo:hi].reshape(self.shapes[i]) if a else p
+            shaped_in(b[lo:hi], shape, order) if a else p
             for a, b, p in zip(self.array_at, self.buffers, own)
         ]
 
@@ -197,13 +203,14 @@ class Group:
         the group now (no gradient, frozen, reshaped, converted (a torch module's `.double()` or
         `.to(device)` swaps its parameters' data in place), not writable in place)."""
         engine_ok, dtype, device = self.b.engine_ok, self.dtype, self.device
+        memory_order = self.b.memory_order
         members = []
-        for leaf, shape in zip(self.leaves, self.shapes):
+        for leaf, shape, order in zip(self.leaves, self.shapes, self.orders):
             c = found.get(id(leaf))
             if c is None or not c.grads or c.copies or leaf.frozen:
                 return None
             x = c.x
-            if x.shape != shape or x.dtype != dtype or not engine_ok(x):
+            if x.shape != shape or x.dtype != dtype or not engine_ok(x) or memory_order(x) != order:
                 return None
             if device is not None and x.device != device:
                 return None
@@ -220,7 +227,7 @@ class Group:
             # summed in place only when each gradient fits the parameter as it is (what the
             # backend's astype hands back unchanged), so that the sum equals `dx()` bit for bit
             if len(grads) == 1 or not all(c.fitted(g) is g for g in grads):
-                out.append(c.dx())
+                out.append(self.b.laid_out_like(c.dx(), x))  # chunks read it in x's memory order
                 continue
             buf = self._sums.get(i)
             if buf is None:
@@ -243,7 +250,7 @@ class Group:
         first = self.leaves[0].rule.rules[0]
         off = getattr(self.b, "no_grad", None)
         with off() if off is not None else contextlib.nullcontext():
-            return [first.gradient_factor(dx) for dx in dxs]
+            return [first.gradient_factor(_precision.widened(dx)) for dx in dxs]
 
     def step(self, xs, dxs, factors=None):
         """Update every member in place: `xs`, `dxs` are the parameters and summed gradients.
@@ -302,18 +309,23 @@ class Group:
         if chunk[0] == "big":
             _, i, start, stop = chunk
             lo, hi = self.offsets[i] + start, self.offsets[i] + stop
-            x = xs[i].reshape(-1)[start:stop]  # a view: parameters here are contiguous
-            dx = dxs[i].reshape(-1)[start:stop]
+            x = b.flat_in(xs[i], self.orders[i])[start:stop]  # a view: parameters here are dense
+            dx = b.flat_in(dxs[i], self.orders[i])[start:stop]
         else:
             _, i, j, _ = chunk
             lo, hi = self.offsets[i], self.offsets[j]
-            x, dx = b.concat_flat(xs[i:j]), b.concat_flat(dxs[i:j])
+            orders = self.orders[i:j]
+            if any(o is not None for o in orders):
+                x = b.concat([b.flat_in(v, o) for v, o in zip(xs[i:j], orders)])
+                dx = b.concat([b.flat_in(v, o) for v, o in zip(dxs[i:j], orders)])
+            else:
+                x, dx = b.concat_flat(xs[i:j]), b.concat_flat(dxs[i:j])
         parts = [buf[lo:hi] if a else s for a, buf, s in zip(self.array_at, self.buffers, self.scalars)]
         state = unflatten_state(self.spec, iter(parts))
         if factors is None:
-            new_state, step = rule.apply(state, x, dx)
+            new_state, step = _precision.run(rule.apply, state, x, dx)
         else:  # a scaled group's chunk lies within one member (no packing)
-            new_state, step = rule.apply_scaled(state, x, dx, factors[i])
+            new_state, step = _precision.run(rule.apply_scaled, state, x, dx, factors[i])
         new_parts: list = []
         flatten_state(new_state, new_parts)
         if not write:
@@ -337,8 +349,8 @@ class Group:
         setting = isinstance(step, NewValue)
         write = self.b.assign_ if setting else self.b.subtract_
         delta = step.value if setting else step
-        for v, (lo, hi) in zip(xs[i:j], bounds):
-            write(v if v.ndim == 1 else v.reshape(-1), delta[lo:hi])
+        for v, order, (lo, hi) in zip(xs[i:j], self.orders[i:j], bounds):
+            write(v if v.ndim == 1 else self.b.flat_in(v, order), delta[lo:hi])
 
 
 def independent(leaf, state):
@@ -373,21 +385,26 @@ def pure_step(rule, state, x, dx):
     array_at = [b.is_buffer(p) for p in parts]
     if n <= chunk or not all(p.shape == x.shape and ok(p) for p, a in zip(parts, array_at) if a):
         return None
-    factor = rule.rules[0].gradient_factor(dx) if scaled else None
-    flat_x, flat_dx = x.reshape(-1), dx.reshape(-1)
-    flat_parts = [p.reshape(-1) if a else p for p, a in zip(parts, array_at)]
+    factor = rule.rules[0].gradient_factor(_precision.widened(dx)) if scaled else None
+    order = b.memory_order(x)  # every array is read in the parameter's memory order
+    flat_x, flat_dx = b.flat_in(x, order), b.flat_in(dx, order)
+    flat_parts = [b.flat_in(p, order) if a else p for p, a in zip(parts, array_at)]
     new_x = _ops.copy(x)
-    flat_new_x = new_x.reshape(-1)
-    outs = [_ops.zeros_like(p).reshape(-1) if a else None for p, a in zip(flat_parts, array_at)]
+    if b.memory_order(new_x) != order:
+        return None  # a copy in another layout: its flat view would not be a view
+    flat_new_x = b.flat_in(new_x, order)
+    outs = [_ops.zeros_like(p) if a else None for p, a in zip(flat_parts, array_at)]
     scalars = None
     for lo in range(0, n, chunk):
         hi = min(n, lo + chunk)
         sub = [p[lo:hi] if a else p for p, a in zip(flat_parts, array_at)]
         chunk_state = unflatten_state(spec, iter(sub))
         if factor is None:
-            new_state, step = rule.apply(chunk_state, flat_x[lo:hi], flat_dx[lo:hi])
+            new_state, step = _precision.run(rule.apply, chunk_state, flat_x[lo:hi], flat_dx[lo:hi])
         else:
-            new_state, step = rule.apply_scaled(chunk_state, flat_x[lo:hi], flat_dx[lo:hi], factor)
+            new_state, step = _precision.run(
+                rule.apply_scaled, chunk_state, flat_x[lo:hi], flat_dx[lo:hi], factor
+            )
         new_parts: list = []
         if flatten_state(new_state, new_parts) != spec:
             return None  # (before anything is returned: the caller takes the whole-array path)
@@ -405,7 +422,7 @@ def pure_step(rule, state, x, dx):
             b.assign_(flat_new_x[lo:hi], step.value)
         elif step is not None:
             b.subtract_(flat_new_x[lo:hi], step)
-    merged = [o.reshape(x.shape) if a else s for a, o, s in zip(array_at, outs, scalars)]
+    merged = [b.shaped_in(o, x.shape, order) if a else s for a, o, s in zip(array_at, outs, scalars)]
     return unflatten_state(spec, iter(merged)), new_x
 
 

@@ -17,7 +17,7 @@ import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from . import _compile, _engine, _ops
+from . import _compile, _engine, _ops, _precision
 from ._rule import NewValue, Rule
 from ._state import (
     Leaf,
@@ -219,13 +219,15 @@ class _Contribution:
     """What one update gathered for a Leaf: the parameter at its first place, each place's
     gradient, and whether other places hold a different array object (equal copies)."""
 
-    __slots__ = ("leaf", "x", "grads", "copies")
+    __slots__ = ("leaf", "x", "grads", "copies", "places", "where")
 
     def __init__(self, leaf, x):
         self.leaf = leaf
         self.x = x
         self.grads: list = []
         self.copies = False
+        self.places = 1  # places of the Leaf visited so far
+        self.where: list = []  # for a tie: the place of each gradient (empty: all at the first)
 
     def dx(self):
         """The summed gradient, in the parameter's dtype (gradient arrays are never written)."""
@@ -257,6 +259,7 @@ def _gather(tree, model, grads, known=None) -> dict[int, _Contribution]:
                 f"{type(x).__name__} there; was the state set up for another model?"
             )
         entry = found.get(id(leaf))
+        place = 0
         if entry is None:
             if x.shape != leaf._shape:
                 _check_shape(leaf, x, path)
@@ -264,11 +267,18 @@ def _gather(tree, model, grads, known=None) -> dict[int, _Contribution]:
             if other is not leaf:
                 _untied_in_state(tree, other, path)
             entry = found[id(leaf)] = _Contribution(leaf, x)
-        elif x is not entry.x:
-            _check_copy(tree, entry, x, path)
-            entry.copies = True
+        else:
+            place, entry.places = entry.places, entry.places + 1
+            if x is not entry.x:
+                _check_copy(tree, entry, x, path)
+                entry.copies = True
         if grad is not None:
             _check_grad(grad, x, path)
+            if place:
+                if not entry.where:
+                    entry.where = [0] * len(entry.grads)  # those came from the first place
+                    tied.append(entry)
+                entry.where.append(place)
             entry.grads.append(grad)
 
     def visit(snode, node, grad, path):
@@ -318,11 +328,48 @@ def _gather(tree, model, grads, known=None) -> dict[int, _Contribution]:
 
     owner_of: dict[int, Leaf] = {}  # id(parameter) -> its Leaf: one array under two Leafs is refused
     owner = owner_of.setdefault
+    tied: list[_Contribution] = []  # Leafs with gradients from places after their first
     if isinstance(tree, Leaf):
         take(tree, model, grads, ())
     else:
         visit(tree, model, grads, ())
+    for entry in tied:
+        _check_each_place(tree, entry)
     return found
+
+
+def _check_each_place(tree, entry) -> None:
+    """Check each place's gradient of a tied Leaf as an untied one is checked, before they are
+    summed (a bool or str array would otherwise be summed into a number, or fail inside the sum),
+    naming that place. A gradient of another array type (a torch tensor for a NumPy parameter)
+    is converted as it would be alone, so that the sum is of the parameter's own kind; the rest
+    are summed as given, then converted once, as before."""
+    backend = _ops.backend(entry.x)
+    for i, (g, place) in enumerate(zip(entry.grads, entry.where)):
+        try:
+            fitted = entry.fitted(g)
+        except _ops.GradientError as e:
+            raise _ops.GradientError(
+                f"gradient at {format_path(_place_path(tree, entry.leaf, place))}: {e}; nothing was changed"
+            ) from None
+        if fitted is not g and _ops.backend(g) is not backend:
+            entry.grads[i] = fitted
+
+
+def _place_path(tree, leaf, place: int) -> tuple:
+    """The path of the `place`-th place of `leaf`, counted as `_gather` visits them (for error
+    messages only: a walk)."""
+    paths: list = []
+
+    def visit(node, path):
+        if node is leaf:
+            paths.append(path)
+        elif not isinstance(node, Leaf) and node:
+            for k, child in node.items():
+                visit(child, path + (k,))
+
+    visit(tree, ())
+    return paths[place] if place < len(paths) else ()
 
 
 def _untied_in_state(tree, other, path):
@@ -398,7 +445,7 @@ def _compute(found: dict[int, _Contribution], tree, skip=frozenset(), pure=False
                         results[key] = result
                         continue
                 if result is None:
-                    result = rule.apply(c.leaf.state, c.x, dx)
+                    result = _precision.run(rule.apply, c.leaf.state, c.x, dx)
             _check_step(rule, result, c.x)
             if pure:
                 result = (result[0], _new_value(c.x, result[1]))

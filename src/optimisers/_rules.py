@@ -9,6 +9,8 @@ Conventions shared by every rule here:
   the bias corrections `1−βᵗ`, RAdam's ρ) are computed in the hyperparameters' own precision
   (Python floats, or traced values under `jax.jit`) and cast last: in bfloat16, 0.999 rounds to 1,
   so `1 − bf16(β₂)` would be 0 where `bf16(1 − β₂)` is 0.001. (Optimisers.jl casts β first.)
+  The library's updates call `apply` for a float16/bfloat16 parameter with float32 copies of the
+  parameter, gradient and state (`optimisers._precision`), so the maths here meets float32 there.
 * State arrays have the parameter's dtype, except MixedPrecision's master copy (its `dtype`) and a
   running *maximum* of magnitudes (AdaMax, AMSGrad): complex numbers have no order, so for a complex
   parameter those arrays hold the real dtype. Step counters are Python ints counting completed
@@ -292,8 +294,9 @@ class Adam(_AdamFamily):
     `step = η · (m/(1−β₁ᵗ)) / (√(v/(1−β₂ᵗ)) + ε)`.
 
     Defaults: `eta=0.001, beta=(0.9, 0.999), epsilon=1e-8`. PyTorch: `torch.optim.Adam(lr=eta,
-    betas=beta, eps=epsilon)`; optax: `optax.adam(eta, b1, b2, eps)`. On float32/float64 PyTorch
-    tensors both `update` and `update_` run torch's own fused Adam kernel (same maths, its rounding).
+    betas=beta, eps=epsilon)`; optax: `optax.adam(eta, b1, b2, eps)`. On PyTorch tensors
+    (CPU/CUDA, float64 down to bfloat16) both `update` and `update_` run torch's own fused Adam
+    kernel (same maths, its rounding).
     """
 
     def apply(self, state, x, dx):
@@ -542,7 +545,7 @@ class AdamW(Rule):
     (torch's default weight decay is 0.01); optax: `optax.adamw(eta, b1, b2, eps,
     weight_decay=lambd)` (default 1e-4). Both are `couple=True`. Optimisers.jl casts ε without the
     float16 floor here; we apply the floor as in every other rule. With `couple=True`, on
-    float32/float64 PyTorch tensors both update paths run torch's own fused AdamW kernel.
+    PyTorch tensors (CPU/CUDA, float64 down to bfloat16) both update paths run torch's fused AdamW kernel.
     """
 
     elementwise = True

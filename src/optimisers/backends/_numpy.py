@@ -124,7 +124,57 @@ def raises_on_values() -> bool:
 
 
 def engine_ok(x) -> bool:
-    return type(x) is np.ndarray and x.flags.writeable and x.flags.c_contiguous and x.ndim > 0 and x.size > 0
+    return (
+        type(x) is np.ndarray
+        and x.flags.writeable
+        and (x.flags.c_contiguous or _dense(x))  # Fortran order, transposed: stepped in memory order
+        and x.ndim > 0
+        and x.size > 0
+    )
+
+
+def _dense(x) -> bool:
+    """Do `x`'s elements fill its memory without gaps or overlaps, at positive strides, in some
+    order of its dimensions? Size-1 dimensions do not count."""
+    expected = x.itemsize
+    for size, stride in sorted(zip(x.shape, x.strides), key=lambda p: p[1]):
+        if size == 1:
+            continue
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def memory_order(x):
+    """None for a row-major `x`; else the order of its dimensions from the outermost in memory to
+    the innermost, so that `x.transpose(order)` is row-major (for a dense `x`: `engine_ok`)."""
+    if x.flags.c_contiguous:
+        return None
+    return tuple(sorted(range(x.ndim), key=lambda d: -x.strides[d]))
+
+
+def flat_in(a, order):
+    """`a`'s elements as one dimension, in the memory order `order` of a parameter: a view of an
+    array laid out as that parameter (of the parameter itself), else a copy."""
+    return a.reshape(-1) if order is None else a.transpose(order).reshape(-1)
+
+
+def shaped_in(flat, shape, order):
+    """A view of the 1-D `flat` with `shape`, its elements in memory order `order`."""
+    if order is None:
+        return flat.reshape(shape)
+    inverse = sorted(range(len(order)), key=order.__getitem__)
+    return flat.reshape([shape[d] for d in order]).transpose(inverse)
+
+
+def laid_out_like(a, x):
+    """`a`, or a copy of it, with the strides of dense `x` (the engine reads both in memory order)."""
+    if isinstance(a, np.ndarray) and a.strides == x.strides:
+        return a
+    out = np.empty_like(x)
+    np.copyto(out, a, casting="unsafe")
+    return out
 
 
 def numel(x) -> int:

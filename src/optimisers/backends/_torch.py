@@ -173,7 +173,7 @@ def engine_ok(x) -> bool:
     return (
         isinstance(x, torch.Tensor)
         and x.layout is torch.strided
-        and x.is_contiguous()
+        and (x.is_contiguous() or _dense(x))  # channels_last, transposed: stepped in memory order
         and x.dim() > 0
         and x.numel() > 0
         and not x.is_inference()
@@ -185,12 +185,50 @@ def numel(x) -> int:
     return x.numel()
 
 
+def memory_order(x):
+    """None for a row-major `x`; else the order of its dimensions from the outermost in memory to
+    the innermost, so that `x.permute(order)` is row-major (for a dense `x`: `engine_ok`)."""
+    if x.is_contiguous():
+        return None
+    return tuple(sorted(range(x.dim()), key=lambda d: -x.stride(d)))
+
+
+def flat_in(t, order):
+    """`t`'s elements as one dimension, in the memory order `order` of a parameter: a view of a
+    tensor laid out as that parameter (of the parameter itself), else a copy."""
+    return t.reshape(-1) if order is None else t.permute(order).reshape(-1)
+
+
+def shaped_in(flat, shape, order):
+    """A view of the 1-D `flat` with `shape`, its elements in memory order `order`."""
+    if order is None:
+        return flat.reshape(shape)
+    inverse = sorted(range(len(order)), key=order.__getitem__)
+    return flat.view([shape[d] for d in order]).permute(inverse)
+
+
+def laid_out_like(t, x):
+    """`t`, or a copy of it, with the strides of dense `x`. torch's fused kernels walk every
+    tensor of a step in memory order, so the gradient and moments must be laid out as the
+    parameter is, or one element's step would use another's gradient (a channels_last weight
+    with a contiguous gradient); the update engine's chunks read them in memory order too."""
+    if t.stride() == x.stride():
+        return t
+    with torch.no_grad():
+        return torch.empty_like(x).copy_(t)
+
+
+_FUSED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+
 def _fused_kernel(rule, x):
     """torch's own fused kernel and weight decay for `rule` on `x`, where their maths is ours:
-    Adam, and AdamW with `couple=True` (decay scaled by the learning rate), in float32/float64."""
+    Adam, and AdamW with `couple=True` (decay scaled by the learning rate). For float16 and
+    bfloat16 the kernel computes in float32 and stores in the parameter's dtype, as every update
+    does (see `optimisers._precision`)."""
     from .._rules import Adam, AdamW
 
-    if x.dtype not in (torch.float32, torch.float64) or x.device.type not in ("cpu", "cuda"):
+    if x.dtype not in _FUSED_DTYPES or x.device.type not in ("cpu", "cuda"):
         return None
     if type(rule) is Adam:
         return torch._fused_adam_, 0.0
@@ -244,8 +282,28 @@ def fused_apply(rule, state, x, dx):
             x_, dx_, m_, v_ = x.to_local(), dx.to_local(), m.to_local(), v.to_local()
         else:
             x_, dx_, m_, v_ = x, dx, m, v
-        _run_fused(*found, rule, [x_], [dx_.contiguous()], [m_], [v_], t + 1)
+        if not _dense(x_):
+            return None  # (a clone is dense; a DTensor's local shard might not be)
+        m_kernel, v_kernel = laid_out_like(m_, x_), laid_out_like(v_, x_)
+        _run_fused(*found, rule, [x_], [laid_out_like(dx_, x_)], [m_kernel], [v_kernel], t + 1)
+        for mine, used in ((m_, m_kernel), (v_, v_kernel)):
+            if used is not mine:
+                mine.copy_(used)
     return (m, v, t + 1), NewValue(x)
+
+
+def _dense(x) -> bool:
+    """Do `x`'s elements fill its memory without gaps or overlaps, in some order of its
+    dimensions (contiguous, channels_last, a transposed matrix)? Size-1 dimensions do not count."""
+    expected = 1
+    for size, stride in sorted(zip(x.shape, x.stride()), key=lambda p: p[1]):
+        if size == 1:
+            continue
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
 
 
 def _check_sharded_state(state, x):
@@ -279,7 +337,7 @@ def fused_group_step(group, rule, xs, dxs) -> bool:
         return False
     t = group.scalars[2] + 1
     with torch.no_grad():
-        grads = [g.contiguous() for g in dxs]
+        grads = [laid_out_like(g, x) for g, x in zip(dxs, xs)]
         _run_fused(*found, rule, xs, grads, group.member_parts(0), group.member_parts(1), t)
     group.scalars = [None, None, t]
     return True
