@@ -686,7 +686,7 @@ def load_state_dict(state, d: Mapping, *, hyperparameters: str = "checkpoint") -
         }
         new_state = _rebuild_state(leaf.state, f"{name}/state", converted)
         new_leaf[id(leaf)] = new = leaf._successor(rule, new_state)
-        new.frozen = frozen  # the checkpoint's
+        new.frozen, new._owns = frozen, True  # the checkpoint's; its arrays were made just now
     return State(map_leaves(lambda leaf: new_leaf[id(leaf)], tree), getattr(state, "_keys", None))
 
 

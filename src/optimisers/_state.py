@@ -19,7 +19,7 @@ class Leaf:
     Place the same Leaf at several positions of a state tree to tie those parameters.
     """
 
-    __slots__ = ("rule", "_state", "frozen", "_group", "_shape", "_placed")
+    __slots__ = ("rule", "_state", "frozen", "_group", "_shape", "_placed", "_owns")
 
     def __init__(self, rule, state, frozen: bool = False):
         self.rule = rule
@@ -34,6 +34,10 @@ class Leaf:
         # different arrays, which the next update makes equal. Otherwise other values at a tied
         # place mean the model changed after setup, and an update refuses them.
         self._placed = False
+        # its state's arrays are its own alone (made for it by setup, a copy or a load): the
+        # update engine may keep them as its buffers and step them in place instead of copying
+        # them (arrays that a user assigned, or that another State shares, are copied)
+        self._owns = False
 
     def _successor(self, rule, state) -> Leaf:
         """A new Leaf with `rule` and `state`, frozen as this one is and knowing what it knows of
@@ -51,6 +55,7 @@ class Leaf:
     @state.setter
     def state(self, value):
         self._group = None  # a replaced state leaves the engine's buffers; the engine re-plans
+        self._owns = False
         self._state = value
 
     def __repr__(self) -> str:
@@ -65,6 +70,7 @@ class Leaf:
     def __setstate__(self, saved):
         self.rule, self._state, self.frozen, self._shape, self._placed = saved
         self._group = None
+        self._owns = True  # a copy's arrays are new
 
 
 def describe(value) -> str:

@@ -554,6 +554,7 @@ class Optimizer(torch.optim.Optimizer):
         for position, leaf in self._flat.tree.items():
             new = loaded.tree[position]
             leaf.rule, leaf.state, leaf.frozen = new.rule, new.state, new.frozen
+            leaf._owns = new._owns
         for g, entries in zip(self._groups, new_groups):
             g.entries = entries
             rule = next((leaf.rule for leaf in g.leaves if leaf is not None), g.rule)
