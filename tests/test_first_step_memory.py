@@ -88,7 +88,9 @@ def test_numpy_first_step_needs_no_more_than_a_steady_step(start):
     # two gradients at every step (made once); no copy of the state
     tied = model["embed"].nbytes
     assert kept - made <= tied + 0.05 * n, (kept - made) / n
-    assert peak - kept <= steady + 0.05 * n, ((peak - kept) / n, steady / n)
+    # beyond a steady step's temporaries (which vary with the threads' timing): small parameters'
+    # state packed a run at a time, and the plan; a copy of the state would be 2x
+    assert peak - kept <= steady + 0.2 * n, ((peak - kept) / n, steady / n)
 
 
 @pytest.mark.parametrize("start", ["setup", "deepcopy", "load"])
@@ -216,3 +218,21 @@ def test_a_deepcopy_steps_independently_of_its_original():
     for p, q in zip(before, arrays_of(state)):
         np.testing.assert_array_equal(p, q)
     assert not any(np.array_equal(p, q) for p, q in zip(before, arrays_of(copied)) if p.ndim > 0)
+
+
+def test_copies_that_share_arrays_do_not_step_each_other():
+    """A shallow copy of a Leaf, and two States copied together that shared arrays (one made
+    from the other by `adjust`), share arrays in the copy as well: stepping one in place must
+    not move the other."""
+    model, grads = model_and_grads()
+    original = opt.setup(opt.Adam(1e-3), model)
+    adjusted = opt.adjust(original, 2e-3)
+    pair = copy.deepcopy((original, adjusted))
+    shallow = copy.copy(pair[0]["mlp"])
+    for stepped, watched in [(pair[1], pair[0]), (opt.State({"mlp": shallow}), pair[0])]:
+        before = arrays_of(watched)
+        m = {"mlp": model["mlp"].copy()} if "embed" not in stepped.tree else copy.deepcopy(model)
+        g = grads()
+        opt.update_(stepped, m, {k: g[k] for k in m})
+        for p, q in zip(before, arrays_of(watched)):
+            np.testing.assert_array_equal(p, q)

@@ -72,6 +72,28 @@ class Leaf:
         self._group = None
         self._owns = True  # a copy's arrays are new
 
+    def __copy__(self):  # a shallow copy shares its arrays with this Leaf: neither owns them alone
+        new = self._successor(self.rule, self.state)
+        self._owns = False
+        return new
+
+    def __deepcopy__(self, memo):
+        import copy
+
+        new = memo[id(self)] = Leaf.__new__(Leaf)
+        new.__setstate__(copy.deepcopy(self.__getstate__(), memo))
+        # an array that another Leaf copied along with this one also holds (a State derived by
+        # `adjust` from this one, copied together with it) stays shared in the copy: not its own
+        holders = memo.setdefault("optimisers.Leaf arrays", {})
+        parts: list = []
+        flatten_state(new._state, parts)
+        for part in parts:
+            if getattr(part, "ndim", 0) > 0:
+                first = holders.setdefault(id(part), (new, part))[0]
+                if first is not new:
+                    first._owns = new._owns = False
+        return new
+
 
 def describe(value) -> str:
     """A compact view of a state value: arrays as dtype[shape], containers recursively."""
