@@ -106,6 +106,7 @@ class Group:
         per_leaf = [[] for _ in leaves]  # (only these lists hold the old arrays: see _take_state)
         for leaf, parts in zip(leaves, per_leaf):
             spec = flatten_state(leaf.state, parts)
+        del parts
         self.spec = spec
         self.array_at = [b.is_buffer(p) for p in per_leaf[0]]
         self.scalars = [None if a else p for a, p in zip(self.array_at, per_leaf[0])]
