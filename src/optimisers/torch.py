@@ -274,6 +274,7 @@ class _StateView(MutableMapping):
             where = f"parameter {self._optimizer._leaf_of[id(p)][2]}"
             raise CheckpointError(str(e).replace(format_path(()), where)) from None
         leaf.state, leaf.frozen = new.state, new.frozen
+        leaf._owns = new._owns  # converted copies: the engine may keep them
 
     def __delitem__(self, p):
         raise TypeError("the optimiser state of a parameter cannot be deleted; load another one instead")
