@@ -341,8 +341,9 @@ class Group:
             _, i, j, _ = chunk
             start, stop = 0, self.offsets[j] - self.offsets[i]  # the run's own buffer, whole
             x, dx = b.concat_flat(xs[i:j]), b.concat_flat(dxs[i:j])
-        buffers = [buf[i] if a else None for a, buf in zip(self.array_at, self.buffers)]
-        parts = [buf[start:stop] if a else s for a, buf, s in zip(self.array_at, buffers, self.scalars)]
+        parts = [
+            buf[i][start:stop] if a else s for a, buf, s in zip(self.array_at, self.buffers, self.scalars)
+        ]
         state = unflatten_state(self.spec, iter(parts))
         if factors is None:
             new_state, step = rule.apply(state, x, dx)
