@@ -262,6 +262,18 @@ def _compare_rule(spec, rule, label, kind_problems, hyper_diffs):
         kind_problems.append(label)
 
 
+def _invalid_rule(spec, rule, restored: dict) -> str | None:
+    """Why the checkpoint's numbers make no valid `rule` (a negative learning rate, an infinite
+    epsilon: the rule's own checks say), or None; the rule made is kept in `restored`."""
+    memo = (id(rule), id(spec))
+    if memo not in restored:
+        try:
+            restored[memo] = _restore_rule(spec, rule)
+        except (ValueError, TypeError, OverflowError) as e:
+            return str(e)[:200] or type(e).__name__
+    return None
+
+
 def _restore_rule(spec, rule):
     """`rule` with the numbers of `spec` (already checked to be the same kind of rule)."""
     if isinstance(rule, Rule):
@@ -362,7 +374,21 @@ def _incompatible(value, like) -> str | None:
         n = _number(value)
         if n is not None and n < 0:
             return f"{n} in the checkpoint, but a step counter cannot be negative"
+        top = _counter_max(like)
+        if n is not None and n > top:
+            return f"{n} in the checkpoint, more than a step counter here holds ({top})"
     return None
+
+
+def _counter_max(like) -> int:
+    """The largest count `like` holds: its integer dtype's maximum (a jitted run's int32), and for
+    a Python int that of int64 (what torch and NumPy convert a counter to)."""
+    if isinstance(like, int):
+        return np.iinfo(np.int64).max
+    try:
+        return int(np.iinfo(np.dtype(_value_dtype(like))).max)
+    except (TypeError, ValueError):
+        return np.iinfo(np.int64).max
 
 
 def _to_numpy(value, dtype: str | None = None) -> np.ndarray:
@@ -598,6 +624,7 @@ def load_state_dict(state, d: Mapping, *, hyperparameters: str = "checkpoint") -
     plans: dict[str, tuple] = {}  # name -> (spec, frozen, {key: value})
     hyper_problems: list[str] = []
     parsed: dict[str, Any] = {}  # rule text -> spec (most parameters share a rule)
+    restored: dict[tuple, Any] = {}  # (id(rule), id(spec)) -> the rule with the checkpoint's numbers
     compared: dict[tuple, tuple] = {}  # (rule text, id(rule)) -> (kinds, diffs)
     for name, leaf in leaf_at.items():
         if theirs.get(name) != name:
@@ -626,6 +653,11 @@ def load_state_dict(state, d: Mapping, *, hyperparameters: str = "checkpoint") -
                 f"{_encode(leaf.rule)}" + (f" (they differ at {', '.join(where[:3])})" if where else "")
             )
             continue
+        if diffs and hyperparameters == "checkpoint":
+            why = _invalid_rule(spec, leaf.rule, restored)
+            if why:
+                problems.append(f"{rule_key}: the checkpoint's hyperparameters are not valid ({why})")
+                continue
         if diffs and hyperparameters == "check":
             for label, theirs_v, ours_v in diffs:
                 if _same_in_float32(theirs_v, ours_v):
@@ -671,7 +703,7 @@ def load_state_dict(state, d: Mapping, *, hyperparameters: str = "checkpoint") -
         )
 
     # build: every check passed, so this only converts
-    rules: dict[tuple, Any] = {}
+    rules = restored
     new_leaf: dict[int, Leaf] = {}
     for name, leaf in leaf_at.items():
         spec, frozen, values = plans[name]
@@ -686,7 +718,7 @@ def load_state_dict(state, d: Mapping, *, hyperparameters: str = "checkpoint") -
         }
         new_state = _rebuild_state(leaf.state, f"{name}/state", converted)
         new_leaf[id(leaf)] = new = leaf._successor(rule, new_state)
-        new.frozen = frozen  # the checkpoint's
+        new.frozen, new._owns = frozen, True  # the checkpoint's; its arrays were made just now
     return State(map_leaves(lambda leaf: new_leaf[id(leaf)], tree), getattr(state, "_keys", None))
 
 

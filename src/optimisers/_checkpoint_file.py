@@ -62,6 +62,7 @@ FILE_FORMAT = 2
 _META_V1 = {"format", "entries", "dtypes"}  # the metadata of files written by v0.1
 _META_V2 = _META_V1 | {"file_format", "arrays", "sha256"}
 _NPY_HEADER_MAX = 4096  # an .npy header as NumPy writes it for our arrays is ~128 bytes
+_MEMBER_BYTES = 4096  # central-directory bytes per archive member: 46 and its name (a state key)
 _TMP_TAG = ".optimisers-"
 _STALE_TMP = r"[a-z0-9_]{8}\.tmp"  # tempfile.mkstemp's 8 random characters
 
@@ -239,15 +240,18 @@ def save(path, state) -> None:
 # --- reading -------------------------------------------------------------------------------------
 
 
-def _budget(state) -> tuple[int, int]:
-    """The most array bytes and metadata bytes a checkpoint of `state` can reasonably hold: twice
-    the state's arrays (a checkpoint of another dtype is reported, not refused unread) plus room
-    for small entries, and a metadata text proportional to the number of entries."""
+def _budget(state) -> tuple[int, int, int]:
+    """The most array bytes, metadata bytes and archive members a checkpoint of `state` can
+    reasonably hold: twice the state's arrays (a checkpoint of another dtype is reported, not
+    refused unread) plus room for small entries, a metadata text proportional to the number of
+    entries, and twice as many archive members as the state has entries (a checkpoint of a somewhat
+    different model is reported entry by entry, not refused unread)."""
     items = []
     for _, leaf in _places(_tree_of(state, "load")):
         _state_items(leaf.state, "", items)
     nbytes = sum(int(getattr(v, "nbytes", 0)) for _, v in items if _is_array(v))
-    return 2 * nbytes + 64 * len(items) + (1 << 20), 4096 * (len(items) + 16) + (1 << 20)
+    meta_budget = 4096 * (len(items) + 16) + (1 << 20)
+    return 2 * nbytes + 64 * len(items) + (1 << 20), meta_budget, 2 * len(items) + 64
 
 
 def _reject(why: str):
@@ -368,9 +372,62 @@ def _check_names(found, declared: dict | None) -> None:
         )
 
 
-def _read_npz(f, budget: int, meta_budget: int) -> tuple[dict, dict, dict | None]:
-    """Check names and declared sizes of every member, read the metadata, check it, and only
-    then read (and decompress) the arrays."""
+def _check_directory(f, members: int) -> None:
+    """Bound the archive's central directory before `zipfile` reads it whole and makes an object
+    per member: at most `members` members, and at most `_MEMBER_BYTES` of directory each."""
+    end = zipfile._EndRecData(f)  # what ZipFile itself reads first (zip64 included)
+    if end is None:
+        return  # not a zip archive: ZipFile says so
+    count, size = end[zipfile._ECD_ENTRIES_TOTAL], end[zipfile._ECD_SIZE]
+    if count > members:
+        _reject(f"the archive holds {count} members, far more than a checkpoint of this state ({members})")
+    if size > members * _MEMBER_BYTES:
+        _reject(f"the archive's directory takes {size} bytes, more than {members} members need")
+    f.seek(0)
+
+
+def _read_npy(m, size: int, key: str, want: tuple | None, kinds: str) -> np.ndarray:
+    """The array in the `.npy` member open as `m` (`size` bytes), its header checked before its
+    data is allocated: a dtype of one of `kinds`, `want` (dtype, shape) where the metadata
+    declares one, and exactly as many data bytes as the member holds after the header (so the
+    header cannot claim more than the checked member size)."""
+    try:
+        version = np.lib.format.read_magic(m)
+        if version not in ((1, 0), (2, 0)):
+            _reject(f".npy format version {version}, which NumPy does not write for these arrays")
+        read_header = (
+            np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+        )
+        shape, fortran, dtype = read_header(m, max_header_size=_NPY_HEADER_MAX)
+    except (ValueError, CheckpointError) as e:  # (CheckpointError is a ValueError)
+        _reject(f"{key}: not an .npy array of a checkpoint ({str(e)[:160]})")
+    if dtype.hasobject or dtype.kind not in kinds:
+        _reject(f"{key}: its .npy header declares dtype {str(dtype)[:40]}, not an array of a checkpoint")
+    if want is not None and (dtype.str, tuple(shape)) != (want[0].str, want[1]):
+        _reject(
+            f"{key}: its .npy header declares {dtype.str} {tuple(shape)}, "
+            f"the metadata {want[0].str} {want[1]}"
+        )
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes != size - m.tell():
+        _reject(f"{key}: its .npy header declares {nbytes} bytes of data, the member holds {size - m.tell()}")
+    data = bytearray(nbytes)
+    view, done = memoryview(data), 0
+    while done < nbytes:  # in pieces: one read of the whole would hold it twice
+        piece = m.read(min(1 << 20, nbytes - done))
+        if not piece:
+            _reject(f"{key}: the member ends before its data does")
+        view[done : done + len(piece)] = piece
+        done += len(piece)
+    flat = np.frombuffer(data, dtype=dtype)
+    return flat.reshape(shape[::-1]).T if fortran else flat.reshape(shape)
+
+
+def _read_npz(f, budget: int, meta_budget: int, members_max: int) -> tuple[dict, dict, dict | None]:
+    """Check the member count, the names and declared sizes of every member, read the metadata,
+    check it, and only then read (and decompress) the arrays, each checked against its
+    declaration before it is allocated."""
+    _check_directory(f, members_max)
     with zipfile.ZipFile(f) as z:
         infos = z.infolist()
         names = [i.filename for i in infos]
@@ -392,7 +449,7 @@ def _read_npz(f, budget: int, meta_budget: int) -> tuple[dict, dict, dict | None
         if total > budget:
             _reject(f"its arrays declare {total} bytes, far more than this state holds")
         with z.open(meta_info) as m:
-            text = np.lib.format.read_array(m, allow_pickle=False)
+            text = _read_npy(m, meta_info.file_size, META_KEY, None, "U")
         if text.shape != () or text.dtype.kind != "U":
             _reject(f"its {META_KEY!r} entry is not text")
         meta, declared = _meta_of(text.item(), budget)
@@ -404,12 +461,13 @@ def _read_npz(f, budget: int, meta_budget: int) -> tuple[dict, dict, dict | None
                     _reject(f"{key}: {info.file_size} bytes in the archive, {nbytes} declared")
         arrays = {}
         for key, info in members.items():
+            want = declared[key] if declared is not None else None
             with z.open(info) as m:
-                arrays[key] = np.lib.format.read_array(m, allow_pickle=False)
+                arrays[key] = _read_npy(m, info.file_size, key, want, "biufc")
     return meta, declared, arrays
 
 
-def _read_safetensors(f, budget: int, meta_budget: int) -> tuple[dict, dict | None, dict]:
+def _read_safetensors(f, budget: int, meta_budget: int, members_max: int) -> tuple[dict, dict | None, dict]:
     """Check the header (sizes, names, metadata) before reading the data."""
     from safetensors.numpy import load as st_load
 
@@ -425,6 +483,8 @@ def _read_safetensors(f, budget: int, meta_budget: int) -> tuple[dict, dict | No
     header = _json(f.read(n))
     if not isinstance(header, dict):
         _reject("its header is not a JSON object")
+    if len(header) > members_max:
+        _reject(f"its header lists {len(header)} entries, far more than a checkpoint of this state")
     extra = header.pop("__metadata__", None)
     if not isinstance(extra, dict) or META_KEY not in extra:
         _not_ours(header)
@@ -461,7 +521,7 @@ def _verify(meta: dict, declared: dict | None, arrays: dict) -> None:
 def _read(path: str, state) -> dict:
     """The state dict stored at `path`, verified; every problem with the file's content is a
     `CheckpointError` (an `OSError` only when the file cannot be opened)."""
-    budget, meta_budget = _budget(state)
+    budget, meta_budget, members_max = _budget(state)
     read = _read_safetensors if _is_safetensors(path) else _read_npz
     if read is _read_safetensors:
         try:
@@ -472,7 +532,7 @@ def _read(path: str, state) -> dict:
             ) from None
     with open(path, "rb") as f:
         try:
-            meta, declared, arrays = read(f, budget, meta_budget)
+            meta, declared, arrays = read(f, budget, meta_budget, members_max)
             _verify(meta, declared, arrays)
         except CheckpointError as e:
             raise CheckpointError(f"{path}: {e}") from None

@@ -1,11 +1,13 @@
 """The fast path of `update_`: elementwise rules run over flat group buffers.
 
 Leafs that share a rule object, backend, dtype, device and scalar state (step counters) form a
-group whose state arrays live in one flat buffer per state position; each Leaf's state is a view
-into them. A step runs the rule's own `apply` on cache-sized chunks of the buffers (for NumPy in
-parallel threads, since ufuncs release the GIL), writes the new state back into the chunk and
-subtracts the step from the parameter in place. Small parameters are packed into shared chunks,
-so a model of thousands of tiny arrays costs a few calls per chunk instead of a dozen per array.
+group whose state arrays the engine holds as 1-D buffers: a large parameter's own state arrays,
+raveled, and one buffer per state position for each run of small parameters packed together;
+each Leaf's state is a view into them. A step runs the rule's own `apply` on cache-sized chunks of
+the buffers (for NumPy in parallel threads, since ufuncs release the GIL), writes the new state
+back into the chunk and subtracts the step from the parameter in place. Small parameters are
+packed into shared chunks, so a model of thousands of tiny arrays costs a few calls per chunk
+instead of a dozen per array.
 
 Only rules that declare `elementwise = True` are grouped: their update of each element depends
 only on that element and on scalars shared by the group, so a chunk computes exactly what the
@@ -106,23 +108,15 @@ class Group:
         self.shapes = [x.shape for x in xs]
         self.orders = [b.memory_order(x) for x in xs]
         self.offsets = np.concatenate([[0], np.cumsum(self.sizes)]).astype(int).tolist()
-        per_leaf = []
-        for leaf in leaves:
-            parts: list = []
+        per_leaf = [[] for _ in leaves]  # (only these lists hold the old arrays: see _take_state)
+        for leaf, parts in zip(leaves, per_leaf):
             spec = flatten_state(leaf.state, parts)
-            per_leaf.append(parts)
+        del parts
         self.spec = spec
-        first = per_leaf[0]
-        self.array_at = [b.is_buffer(p) for p in first]
-        self.scalars = [None if a else p for a, p in zip(self.array_at, first)]
-        self.buffers = [
-            b.concat([b.flat_in(parts[k], o) for parts, o in zip(per_leaf, self.orders)]) if a else None
-            for k, a in enumerate(self.array_at)
-        ]
-        for i, leaf in enumerate(leaves):
-            leaf._state = unflatten_state(self.spec, iter(self._parts(i, per_leaf[i])))
-            leaf._group = self
+        self.array_at = [b.is_buffer(p) for p in per_leaf[0]]
+        self.scalars = [None if a else p for a, p in zip(self.array_at, per_leaf[0])]
         self.chunks = self._plan_chunks()
+        self.buffers = self._take_state(leaves, per_leaf, xs)
         self.has_runs = any(c[0] == "run" for c in self.chunks)
         self._member_parts: dict[int, list] = {}
         self._sums: dict[int, object] = {}  # member -> its summed-gradient buffer (tied members)
@@ -139,14 +133,58 @@ class Group:
         smallest = max(4, MIN_CHUNK // CHUNK_SCALE)
         return max(smallest, min(largest, total // (16 * workers)))
 
-    def _parts(self, i, own):
-        """Leaf `i`'s state parts: views of the buffers for arrays, its own values for scalars."""
-        lo, hi = self.offsets[i], self.offsets[i + 1]
-        shape, order, shaped_in = self.shapes[i], self.orders[i], self.b.shaped_in
-        return [
-            shaped_in(b[lo:hi], shape, order) if a else p
-            for a, b, p in zip(self.array_at, self.buffers, own)
-        ]
+    def _take_state(self, leaves, per_leaf, xs):
+        """The members' state arrays in the form the chunks read, for each array part a dict
+        from a big member or a packed run (by its first member) to a 1-D array, and each member's
+        state made views of them. A big member whose arrays are its own (`Leaf._owns`: made by
+        setup, a copy or a load) keeps them (raveled views, no copy: a copy of the whole state at
+        once was the first step's peak); a run's small members are copied into one buffer, a run
+        at a time, and their old arrays are let go before the next run is copied. Arrays that
+        another State may share, or that are not contiguous, not writable, or share memory with
+        another member's state or a parameter, are copied (steps write the buffers in place)."""
+        b, array_at = self.b, self.array_at
+        buffers = [{} if a else None for a in array_at]
+        seen = set(b.memory_owners(xs))
+        for chunk in self.chunks:
+            i = chunk[1]
+            if chunk[0] == "big":
+                if per_leaf[i] is None:  # taken at its first chunk
+                    continue
+                mine = leaves[i]._owns or leaves[i]._group is not None  # (engine buffers already)
+                order = self.orders[i]
+                flats = [
+                    self._own(p, seen, mine, order) if a else None for p, a in zip(per_leaf[i], array_at)
+                ]
+                members = [i]
+            else:
+                j = chunk[2]
+                members = list(range(i, j))
+                flats = [
+                    b.concat([b.flat_in(per_leaf[m][k], self.orders[m]) for m in members]) if a else None
+                    for k, a in enumerate(array_at)
+                ]
+            for k, flat in enumerate(flats):
+                if flat is not None:
+                    buffers[k][i] = flat
+            for m in members:
+                lo, hi = self.offsets[m] - self.offsets[i], self.offsets[m + 1] - self.offsets[i]
+                parts = [
+                    b.shaped_in(f[lo:hi], self.shapes[m], self.orders[m]) if a else p
+                    for a, f, p in zip(array_at, flats, per_leaf[m])
+                ]
+                per_leaf[m] = None  # the old arrays go as soon as the member holds the new ones
+                leaves[m]._state = unflatten_state(self.spec, iter(parts))
+                leaves[m]._group = self
+        return buffers
+
+    def _own(self, p, seen, mine, order):
+        """`p` raveled in its parameter's memory order `order`: a view of it where the step may
+        write it in place (it is laid out as the parameter), else a copy."""
+        b = self.b
+        owner = b.memory_owners([p])[0]
+        keep = mine and owner not in seen and b.engine_ok(p) and b.memory_order(p) == order
+        seen.add(owner)
+        return b.flat_in(p, order) if keep else b.concat([b.flat_in(p, order)])
 
     def _plan_chunks(self):
         """("big", i, a, b): elements a..b of leaf i; ("run", i, j, bounds): small leaves i..j-1
@@ -308,19 +346,20 @@ class Group:
         b = self.b
         if chunk[0] == "big":
             _, i, start, stop = chunk
-            lo, hi = self.offsets[i] + start, self.offsets[i] + stop
             x = b.flat_in(xs[i], self.orders[i])[start:stop]  # a view: parameters here are dense
             dx = b.flat_in(dxs[i], self.orders[i])[start:stop]
         else:
             _, i, j, _ = chunk
-            lo, hi = self.offsets[i], self.offsets[j]
+            start, stop = 0, self.offsets[j] - self.offsets[i]  # the run's own buffer, whole
             orders = self.orders[i:j]
             if any(o is not None for o in orders):
                 x = b.concat([b.flat_in(v, o) for v, o in zip(xs[i:j], orders)])
                 dx = b.concat([b.flat_in(v, o) for v, o in zip(dxs[i:j], orders)])
             else:
                 x, dx = b.concat_flat(xs[i:j]), b.concat_flat(dxs[i:j])
-        parts = [buf[lo:hi] if a else s for a, buf, s in zip(self.array_at, self.buffers, self.scalars)]
+        parts = [
+            buf[i][start:stop] if a else s for a, buf, s in zip(self.array_at, self.buffers, self.scalars)
+        ]
         state = unflatten_state(self.spec, iter(parts))
         if factors is None:
             new_state, step = _precision.run(rule.apply, state, x, dx)

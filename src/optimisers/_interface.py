@@ -85,7 +85,7 @@ def setup(rule, model) -> State:
         if is_param(node):
             r = choose(path, node)
             result = Leaf(r, r.init(node))
-            result._shape = tuple(node.shape)
+            result._shape, result._owns = tuple(node.shape), True
             arrays.append((path, node))
         else:
             kind = kind_of(node)

@@ -19,7 +19,7 @@ class Leaf:
     Place the same Leaf at several positions of a state tree to tie those parameters.
     """
 
-    __slots__ = ("rule", "_state", "frozen", "_group", "_shape", "_placed")
+    __slots__ = ("rule", "_state", "frozen", "_group", "_shape", "_placed", "_owns")
 
     def __init__(self, rule, state, frozen: bool = False):
         self.rule = rule
@@ -34,6 +34,10 @@ class Leaf:
         # different arrays, which the next update makes equal. Otherwise other values at a tied
         # place mean the model changed after setup, and an update refuses them.
         self._placed = False
+        # its state's arrays are its own alone (made for it by setup, a copy or a load): the
+        # update engine may keep them as its buffers and step them in place instead of copying
+        # them (arrays that a user assigned, or that another State shares, are copied)
+        self._owns = False
 
     def _successor(self, rule, state) -> Leaf:
         """A new Leaf with `rule` and `state`, frozen as this one is and knowing what it knows of
@@ -51,6 +55,7 @@ class Leaf:
     @state.setter
     def state(self, value):
         self._group = None  # a replaced state leaves the engine's buffers; the engine re-plans
+        self._owns = False
         self._state = value
 
     def __repr__(self) -> str:
@@ -65,6 +70,29 @@ class Leaf:
     def __setstate__(self, saved):
         self.rule, self._state, self.frozen, self._shape, self._placed = saved
         self._group = None
+        self._owns = True  # a copy's arrays are new
+
+    def __copy__(self):  # a shallow copy shares its arrays with this Leaf: neither owns them alone
+        new = self._successor(self.rule, self.state)
+        self._owns = False
+        return new
+
+    def __deepcopy__(self, memo):
+        import copy
+
+        new = memo[id(self)] = Leaf.__new__(Leaf)
+        new.__setstate__(copy.deepcopy(self.__getstate__(), memo))
+        # an array that another Leaf copied along with this one also holds (a State derived by
+        # `adjust` from this one, copied together with it) stays shared in the copy: not its own
+        holders = memo.setdefault("optimisers.Leaf arrays", {})
+        parts: list = []
+        flatten_state(new._state, parts)
+        for part in parts:
+            if getattr(part, "ndim", 0) > 0:
+                first = holders.setdefault(id(part), (new, part))[0]
+                if first is not new:
+                    first._owns = new._owns = False
+        return new
 
 
 def describe(value) -> str:

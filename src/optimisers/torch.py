@@ -274,6 +274,7 @@ class _StateView(MutableMapping):
             where = f"parameter {self._optimizer._leaf_of[id(p)][2]}"
             raise CheckpointError(str(e).replace(format_path(()), where)) from None
         leaf.state, leaf.frozen = new.state, new.frozen
+        leaf._owns = new._owns  # converted copies: the engine may keep them
 
     def __delitem__(self, p):
         raise TypeError("the optimiser state of a parameter cannot be deleted; load another one instead")
@@ -554,6 +555,7 @@ class Optimizer(torch.optim.Optimizer):
         for position, leaf in self._flat.tree.items():
             new = loaded.tree[position]
             leaf.rule, leaf.state, leaf.frozen = new.rule, new.state, new.frozen
+            leaf._owns = new._owns
         for g, entries in zip(self._groups, new_groups):
             g.entries = entries
             rule = next((leaf.rule for leaf in g.leaves if leaf is not None), g.rule)
