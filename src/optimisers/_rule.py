@@ -22,6 +22,15 @@ class NewValue(NamedTuple):
     value: Any
 
 
+class Scheduled(NamedTuple):
+    """The state of a rule with a scheduled hyperparameter: `count`, the number of steps taken
+    (the schedules are evaluated at it, 0 on the first step, as optax does), and `state`, the
+    rule's own state."""
+
+    count: Any
+    state: Any
+
+
 def _concrete(value):
     """A float for a concrete number, None for a traced or otherwise opaque value."""
     try:
@@ -39,15 +48,26 @@ def _is_number(value) -> bool:
     return getattr(value, "shape", None) == ()
 
 
+def _is_schedule(value) -> bool:
+    """A callable of the step count standing for a hyperparameter (a class is not one)."""
+    return callable(value) and not isinstance(value, type)
+
+
 def _check_field(rule: str, name: str, value, default):
-    """Check `value` against the type of the field's default, converting ints to floats."""
+    """Check `value` against the type of the field's default, converting ints to floats. A float
+    field may also hold a schedule."""
     if isinstance(default, bool):
         if not isinstance(value, bool):
             raise TypeError(f"{rule}: {name} must be True or False, got {value!r}")
         return value
     if isinstance(default, float):
+        if _is_schedule(value):
+            return value
         if isinstance(value, complex) or not _is_number(value):
-            raise TypeError(f"{rule}: {name} must be a real number, got {value!r}")
+            raise TypeError(
+                f"{rule}: {name} must be a real number or a schedule (a callable of the step "
+                f"count), got {value!r}"
+            )
         return float(value) if isinstance(value, numbers.Integral) else value
     if isinstance(default, int):
         if not isinstance(value, numbers.Integral) or isinstance(value, bool):
@@ -108,6 +128,9 @@ class Rule:
         own = cls.__dict__.get("init")
         if callable(own) and not getattr(own, "_checks_its_argument", False):
             cls.init = _checked_init(own)
+        own = cls.__dict__.get("apply")
+        if callable(own) and not getattr(own, "_evaluates_schedules", False):
+            cls.apply = _scheduled_apply(own)
 
     #: Fields that may be infinite (ClipNorm's p = inf is the max-norm); for every other number,
     #: an infinite value is refused like NaN: it would turn every parameter into inf or NaN.
@@ -134,7 +157,7 @@ class Rule:
     def init(self, x):
         """The initial state for parameter array `x`."""
         _check_one_array(self, x)
-        return None
+        return Scheduled(0, None) if scheduled_fields(self) else None
 
     init._checks_its_argument = True
 
@@ -147,6 +170,14 @@ class Rule:
     def apply(self, state, x, dx):
         """`(new_state, step)` for parameter `x` with gradient `dx`; `x_new = x - step`."""
         raise NotImplementedError(f"{type(self).__name__} must define apply(state, x, dx)")
+
+    def with_counters(self, state):
+        """`state` with a step count for each schedule: a rule given a schedule by `adjust`
+        after `setup` counts its steps from then on. Rules that hold other rules' states (chains,
+        wrappers) override it to reach those."""
+        if type(state) is not Scheduled and scheduled_fields(self):
+            return Scheduled(0, state)
+        return state
 
     def hyperparameters(self) -> tuple[str, ...]:
         """The names `adjust` accepts for this rule."""
@@ -182,10 +213,93 @@ def _checked_init(init):
     @functools.wraps(init)
     def checked(self, x):
         _check_one_array(self, x)
+        names = scheduled_fields(self)
+        if names:  # the state counts steps for the schedules; init sees their values at step 0
+            return Scheduled(0, init(at_step(self, names, 0), x))
         return init(self, x)
 
     checked._checks_its_argument = True
     return checked
+
+
+# --- schedules as hyperparameters ---------------------------------------------------------------
+
+_SCHEDULABLE: dict[type, tuple[str, ...]] = {}  # rule class -> its fields that may hold schedules
+
+
+def scheduled_fields(rule) -> tuple[str, ...]:
+    """The names of `rule`'s own fields that hold a schedule (in a tuple field: any element)."""
+    cls = type(rule)
+    names = _SCHEDULABLE.get(cls)
+    if names is None:
+        names = ()
+        if dataclasses.is_dataclass(cls):
+            names = tuple(
+                f.name
+                for f in dataclasses.fields(cls)
+                if isinstance(f.default, (float, tuple)) and not isinstance(f.default, bool)
+            )
+        _SCHEDULABLE[cls] = names
+    return tuple(n for n in names if _holds_schedule(getattr(rule, n, None)))
+
+
+def _holds_schedule(value) -> bool:
+    if isinstance(value, tuple):
+        return any(map(_holds_schedule, value))
+    return _is_schedule(value)
+
+
+def has_schedules(rule) -> bool:
+    """Does `rule`, or a rule inside it (a chain's member, a wrapper's rule), hold a schedule?"""
+    if scheduled_fields(rule):
+        return True
+    if not dataclasses.is_dataclass(rule):
+        return False
+    for f in dataclasses.fields(rule):
+        value = getattr(rule, f.name, None)
+        inner = value if isinstance(value, tuple) else (value,)
+        if any(isinstance(r, Rule) and has_schedules(r) for r in inner):
+            return True
+    return False
+
+
+def _value_at(value, count):
+    if isinstance(value, tuple):
+        return tuple(_value_at(v, count) for v in value)
+    if not _is_schedule(value):
+        return value
+    out = value(count)
+    # eagerly (a Python count) a plain float, whatever array type the schedule returns (an optax
+    # schedule gives a JAX array), so that it serves NumPy and PyTorch parameters too
+    return float(out) if type(count) is int else out
+
+
+def at_step(rule, names, count):
+    """A copy of `rule` with the schedules in fields `names` replaced by their values at `count`
+    (made without validation: under `jax.jit` the values are traced)."""
+    new = object.__new__(type(rule))
+    for f in dataclasses.fields(rule):
+        value = getattr(rule, f.name)
+        object.__setattr__(new, f.name, _value_at(value, count) if f.name in names else value)
+    return new
+
+
+def _scheduled_apply(apply):
+    """`apply` for a rule that may hold schedules: evaluated at the state's count, which it
+    advances. A state without a count (the rule was given a schedule by `adjust` after `setup`)
+    starts counting then; a rule adjusted back to numbers keeps counting."""
+
+    @functools.wraps(apply)
+    def wrapped(self, state, x, dx):
+        names = scheduled_fields(self)
+        if not names and type(state) is not Scheduled:
+            return apply(self, state, x, dx)
+        count, inner = state if type(state) is Scheduled else (0, state)
+        inner, step = apply(at_step(self, names, count) if names else self, inner, x, dx)
+        return Scheduled(count + 1, inner), step
+
+    wrapped._evaluates_schedules = True
+    return wrapped
 
 
 def check_range(rule: Rule, name: str, low: float, high: float, *, high_open: bool = False):
