@@ -8,9 +8,10 @@ Importing this module registers `State` and `Leaf` as JAX pytrees (DESIGN 4.7):
   `jax.jit` even though array identity does not.
 * A rule's numeric hyperparameters (floats, tuples of floats, 0-d arrays) are pytree leaves, traced
   under `jit`, so `adjust` between jitted calls does not recompile. Bools, ints (`AccumGrad.n`),
-  dtypes and other objects are static; nested rules (`OptimiserChain`, `MixedPrecision`) are
-  handled recursively. A dataclass field with `metadata={"static": True}` is static whatever its
-  value (use it for a float that decides the shape of the computation, such as a norm's `p`).
+  dtypes, schedules (callables) and other objects are static; nested rules (`OptimiserChain`,
+  `MixedPrecision`) are handled recursively. A dataclass field with `metadata={"static": True}`
+  is static whatever its value (use it for a float that decides the shape of the computation,
+  such as a norm's `p`).
 * One form, one compile: what `jit` keys its cache on (the tree structure, each leaf's dtype and
   weak type) is the same after `setup` and after any number of updates and adjusts. So every
   hyperparameter and every scalar state part (step counter) is handed to JAX in a normal form: a
@@ -30,7 +31,9 @@ Importing this module registers `State` and `Leaf` as JAX pytrees (DESIGN 4.7):
   frozen Leafs stay one leaf per Leaf from `setup` on. Only a step in which some Leafs of a rule
   get no gradient splits their counters (one more compile, once).
 * Key paths are `DictKey`s at the State's level, as orbax needs to rebuild a tree from them:
-  `"rules"` (each distinct rule's numbers), `"scalars"` (the shared counters), then one entry per
+  `"rules"` (each distinct rule's numbers, by field name: `['rules'][0]['eta']`), `"scalars"` (the
+  shared counters, each named: `['scalars'][0]['count']`), so that optax's name-based tools
+  (`optax.tree_utils.tree_get(state, "eta")`, `tree_set`) find them; then one entry per
   Leaf with other state, named by its parameter path (`"decoder.layers.0.w"`; a name taken twice,
   "rules" or "scalars", or one that orbax, joining keys with dots, would read as a rule's entry
   ("rules.0", whose first part reads "rules.0.0"), gets a `#n` suffix).
@@ -44,6 +47,7 @@ from __future__ import annotations
 import dataclasses
 import numbers
 import operator
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -423,6 +427,50 @@ def _rule_from(desc, values):
     return _decode(desc, iter(values))
 
 
+def _has_numbers(desc) -> bool:
+    if desc == _NUM:
+        return True
+    if desc[0] == "seq":
+        return any(_has_numbers(d) for d in desc[2])
+    return desc[0] == "rule" and any(_has_numbers(d) for _, d in desc[2])
+
+
+def _named(desc, values):
+    """A rule's numbers as a pytree keyed by name, laid out as `desc` says: a dict from field name
+    to value for a rule (fields without numbers left out), a tuple for a tuple (None for an entry
+    without numbers), so that `optax.tree_utils.tree_get(state, "eta")` finds them."""
+    if desc == _NUM:
+        return next(values)
+    if desc[0] == "seq":
+        return tuple(_named(d, values) if _has_numbers(d) else None for d in desc[2])
+    if desc[0] == "rule":
+        return {name: _named(d, values) for name, d in desc[2] if _has_numbers(d)}
+    return None
+
+
+def _unnamed(desc, named, out: list) -> list:
+    """Inverse of `_named`: the numbers in `desc`'s order, appended to `out`."""
+    if desc == _NUM:
+        out.append(named)
+    elif desc[0] == "seq":
+        for d, n in zip(desc[2], named):
+            if _has_numbers(d):
+                _unnamed(d, n, out)
+    elif desc[0] == "rule":
+        for name, d in desc[2]:
+            if _has_numbers(d):
+                _unnamed(d, named[name], out)
+    return out
+
+
+def _map_named(fn, named):
+    if type(named) is dict:
+        return {k: _map_named(fn, v) for k, v in named.items()}
+    if type(named) is tuple:
+        return tuple(_map_named(fn, v) for v in named)
+    return None if named is None else fn(named)
+
+
 # --- the normal form of scalar leaves ----------------------------------------------------------
 
 _NORMAL_DTYPE: dict = {}  # (dtype, x64) -> the dtype of that kind that a leaf gets
@@ -506,7 +554,7 @@ def _state_parts(state: State, with_keys: bool = True):
                     r = rule_num[id(node.rule)] = len(rule_descs)
                     desc, values = _rule_parts(node.rule)
                     rule_descs.append(desc)
-                    rule_values.append(_normal_all(values))
+                    rule_values.append(_named(desc, iter(_normal_all(values))))
                 j = leaf_num[id(node)] = len(found)
                 found.append((node, path, r))
             return j
@@ -526,15 +574,17 @@ def _state_parts(state: State, with_keys: bool = True):
     layout = _kept_layout(made.layout if made else None, flat, groups) or _layout_by_value(flat, groups)
     n_slots = 1 + max((s for _, slots in layout for s in slots if s is not None), default=-1)
     scalars: list = [None] * n_slots
+    slot_names: list = [None] * n_slots
     leaf_meta, leaf_children = [], []
     names = _leaf_names([path for _, path, _ in found]) if with_keys else None
     for j, ((leaf, _, r), (spec, slots), (_, parts)) in enumerate(zip(found, layout, flat)):
         own = []
-        for slot, p in zip(slots, parts):
+        for slot, p, part_name in zip(slots, parts, _part_names(spec)):
             if slot is None:
                 own.append(p)
             else:
                 scalars[slot] = p
+                slot_names[slot] = part_name
         leaf_meta.append((r, bool(leaf.frozen), spec, slots))
         if own:
             key = jax.tree_util.DictKey(names[j]) if with_keys else None
@@ -544,12 +594,37 @@ def _state_parts(state: State, with_keys: bool = True):
     scalars = _normal_all(scalars)
     place = _host_scalar_placement(leaf_children)
     if place is not None:
-        rule_values = [tuple(map(place, values)) for values in rule_values]
+        rule_values = [_map_named(place, values) for values in rule_values]
         scalars = tuple(map(place, scalars))
     head = [(tu.DictKey(_RULES), tuple(rule_values))] if rule_values else []
     if scalars:
-        head.append((tu.DictKey(_SCALARS), scalars))
+        head.append((tu.DictKey(_SCALARS), tuple({n: v} for n, v in zip(slot_names, scalars))))
     return head + leaf_children, aux
+
+
+_PART_NAMES: dict = {}  # a state's structure -> the name of each of its parts
+
+
+def _part_names(spec) -> tuple:
+    """The key each part of a state of this structure gets among the shared scalars: the field
+    of the NamedTuple that holds it (`Scheduled.count`), else "count" (a rule's scalar state is
+    its step counter, as optax's `count`)."""
+    names = _PART_NAMES.get(spec)
+    if names is None:
+        out: list = []
+
+        def visit(spec, name):
+            if spec is None:
+                out.append(name)
+                return
+            cls, specs = spec
+            fields = getattr(cls, "_fields", None)
+            for i, sub in enumerate(specs):
+                visit(sub, fields[i] if fields else "count")
+
+        visit(spec, "count")
+        names = _PART_NAMES[spec] = tuple(out)
+    return names
 
 
 def _host_scalar_placement(leaf_children):
@@ -627,6 +702,8 @@ def _kept_layout(layout, flat, groups):
 
 
 def _state_flatten_with_keys(state):
+    if not _FLAX_REGISTERED:
+        register_flax_serialization()
     return _state_parts(state)
 
 
@@ -681,10 +758,12 @@ def _state_unflatten(aux, children):
     head = 0
     rules: list = []
     if rule_descs:
-        rules = [_rule_from(d, v) for d, v in zip(rule_descs, children[0])]
+        values = [_unnamed(d, v, []) for d, v in zip(rule_descs, children[0])]
+        rules = [_rule_from(d, v) for d, v in zip(rule_descs, values)]
         head = 1
     has_scalars = any(slot is not None for meta in leaf_meta for slot in meta[3])
-    scalars = children[head] if has_scalars else ()
+    named_scalars = children[head] if has_scalars else ()
+    scalars = [next(iter(named.values())) for named in named_scalars]
     own_of = iter(children[head + has_scalars :])
     leaves = []
     for r, frozen, spec, slots in leaf_meta:
@@ -709,9 +788,9 @@ def _state_unflatten(aux, children):
     root_is_leaf = isinstance(state.tree, Leaf)
     # flattening this State again gives these children, with the scalar ones in normal form
     if rule_descs:
-        children[0] = tuple(map(_normal_all, children[0]))
+        children[0] = tuple(_named(d, iter(_normal_all(v))) for d, v in zip(rule_descs, values))
     if has_scalars:
-        children[head] = _normal_all(children[head])
+        children[head] = tuple({k: _normal(v) for k, v in named.items()} for named in named_scalars)
     state._pytree = _Unflattened(aux, children, layout, state.tree, [] if root_is_leaf else dicts, leaves)
     return state
 
@@ -730,7 +809,7 @@ def _leaf_flatten_with_keys(leaf):
     desc, values = _rule_parts(leaf.rule)
     tu = jax.tree_util
     children = [
-        (tu.GetAttrKey("rule"), _normal_all(values)),
+        (tu.GetAttrKey("rule"), _named(desc, iter(_normal_all(values)))),
         (tu.GetAttrKey("state"), _normal_state(leaf.state)),
     ]
     return children, (desc, bool(leaf.frozen))
@@ -743,8 +822,8 @@ def _leaf_flatten(leaf):
 
 def _leaf_unflatten(aux, children):
     desc, frozen = aux
-    values, st = children
-    return Leaf(_rule_from(desc, values), st, frozen)
+    named, st = children
+    return Leaf(_rule_from(desc, _unnamed(desc, named, [])), st, frozen)
 
 
 def _register():
@@ -757,6 +836,83 @@ def _register():
             tu.register_pytree_with_keys(cls, fk, unf, fl)
         except ValueError:  # already registered (module reloaded)
             pass
+    register_flax_serialization()
+
+
+# --- flax.serialization (msgpack `to_bytes` / `from_bytes` of a TrainState) ---------------------
+
+_FLAX_REGISTERED = False
+
+
+def register_flax_serialization() -> None:
+    """Teach `flax.serialization` the State and the Leaf, if Flax is imported (importing it here
+    would cost every JAX user a second; `import flax` loads `flax.serialization`, and this runs
+    again when a State is flattened and when `optimisers.optax.transform` inits).
+
+    A State's state dict is its pytree children by key (`"rules"`, `"scalars"`, one entry per
+    parameter path), so msgpack holds the numbers; restoring takes the structure (rules, ties,
+    frozen flags) from the target, as Flax restores everything."""
+    global _FLAX_REGISTERED
+    if _FLAX_REGISTERED:
+        return
+    serialization = sys.modules.get("flax.serialization")
+    if serialization is None or not hasattr(serialization, "register_serialization_state"):
+        return
+    _FLAX_REGISTERED = True
+    serialization.register_serialization_state(State, _state_to_dict, _state_from_dict, override=True)
+    serialization.register_serialization_state(Leaf, _leaf_to_dict, _leaf_from_dict, override=True)
+
+
+def _children_to_dict(keyed) -> dict:
+    to_state_dict = sys.modules["flax.serialization"].to_state_dict
+    return {_key_of(k): to_state_dict(child) for k, child in keyed}
+
+
+def _children_from_dict(keyed, saved, what: str) -> list:
+    serialization = sys.modules["flax.serialization"]
+    if not isinstance(saved, dict):
+        raise ValueError(
+            f"flax.serialization: expected the state dict of an optimisers {what} at "
+            f"{serialization.current_path()}, got a {type(saved).__name__}"
+        )
+    names = [_key_of(k) for k, _ in keyed]
+    if set(names) != set(saved):
+        missing = sorted(set(map(str, names)) - set(map(str, saved)))
+        extra = sorted(set(map(str, saved)) - set(map(str, names)))
+        raise ValueError(
+            f"flax.serialization: the saved optimisers {what} at {serialization.current_path()} does "
+            f"not match the target (missing: {missing or 'none'}; unexpected: {extra or 'none'}); "
+            "restore into a state made by the same setup (same model, rule and ties)"
+        )
+    return [
+        serialization.from_state_dict(child, saved[name], name=str(name))
+        for name, (_, child) in zip(names, keyed)
+    ]
+
+
+def _state_to_dict(state) -> dict:
+    keyed, _ = _state_parts(state)
+    return _children_to_dict(keyed)
+
+
+def _state_from_dict(target, saved) -> State:
+    keyed, aux = _state_parts(target)
+    children = _children_from_dict(keyed, saved, "State")
+    restored = _state_unflatten(aux, children)
+    restored._keys = target._keys
+    return restored
+
+
+def _leaf_to_dict(leaf) -> dict:
+    keyed, _ = _leaf_flatten_with_keys(leaf)
+    return _children_to_dict(keyed)
+
+
+def _leaf_from_dict(target, saved) -> Leaf:
+    keyed, aux = _leaf_flatten_with_keys(target)
+    restored = _leaf_unflatten(aux, _children_from_dict(keyed, saved, "Leaf"))
+    restored._shape, restored._placed = target._shape, target._placed
+    return restored
 
 
 _register()
