@@ -15,6 +15,8 @@ import math
 import numbers
 from typing import Any, ClassVar, NamedTuple
 
+import numpy as np
+
 
 class NewValue(NamedTuple):
     """A step that sets the parameter to `value` instead of subtracting from it."""
@@ -185,9 +187,78 @@ class Rule:
 
     def adjust(self, **hyper) -> Rule:
         """A copy with the named hyperparameters replaced; names this rule lacks are ignored
-        (the tree-level `adjust` reports names that no rule in the tree has)."""
+        (the tree-level `adjust` reports names that no rule in the tree has).
+
+        In a stacked state (an ensemble of states stacked along a first axis for `jax.vmap`)
+        every number is an array with one entry per member; such a rule takes an array of that
+        shape (one value per member) or a number (the same for every member)."""
         own = {k: v for k, v in hyper.items() if k in self.hyperparameters()}
-        return dataclasses.replace(self, **own) if own else self
+        if not own:
+            return self
+        if any(map(_is_stacked, own.values())) or any(_is_stacked(getattr(self, k)) for k in own):
+            return _adjusted_stacked(self, own)
+        return dataclasses.replace(self, **own)
+
+
+def _is_stacked(value) -> bool:
+    """An array of hyperparameters, one per member of a stacked (vmapped) ensemble of states."""
+    if isinstance(value, tuple):
+        return any(map(_is_stacked, value))
+    return bool(getattr(value, "ndim", 0))
+
+
+def _shape(value):
+    if isinstance(value, tuple):
+        return tuple(map(_shape, value))
+    return tuple(getattr(value, "shape", ()))
+
+
+def _member(value, i):
+    if isinstance(value, tuple):
+        return tuple(_member(v, i) for v in value)
+    return value[i] if getattr(value, "ndim", 0) else value
+
+
+def _like_stacked(value, old):
+    """`value` for a field that holds `old`: a number where `old` is an array of members is
+    repeated for each member (as an array of `old`'s dtype, which vmap can map over)."""
+    if isinstance(old, tuple) and isinstance(value, tuple):
+        return tuple(_like_stacked(v, o) for v, o in zip(value, old))
+    if getattr(old, "ndim", 0) and not getattr(value, "ndim", 0) and isinstance(value, numbers.Real):
+        return np.full(old.shape, value, dtype=np.dtype(old.dtype))
+    return value
+
+
+def _adjusted_stacked(rule, own):
+    """`rule.adjust(**own)` for a rule of a stacked state: the new values must have the shape of
+    the old ones (a number is repeated); each member's values are checked as one rule's."""
+    name = type(rule).__name__
+    own = {k: _like_stacked(v, getattr(rule, k)) for k, v in own.items()}
+    for k, v in own.items():
+        old = getattr(rule, k)
+        if _shape(v) != _shape(old):
+            raise ValueError(
+                f"{name}: {k} has shape {_shape(v)} where this rule's {k} has shape {_shape(old)}. "
+                "An array of hyperparameters (one value per member) is for a stacked state (states "
+                "stacked along a first axis for jax.vmap), and must have the shape of the "
+                "hyperparameter it replaces"
+            )
+    fields = {f.name: own.get(f.name, getattr(rule, f.name)) for f in dataclasses.fields(rule) if f.init}
+    n = min(len(v) for v in _values(fields.values()) if getattr(v, "ndim", 0))
+    for i in range(n):  # each member's numbers pass the rule's own checks
+        dataclasses.replace(rule, **{k: _member(v, i) for k, v in fields.items()})
+    new = object.__new__(type(rule))
+    for f in dataclasses.fields(rule):
+        object.__setattr__(new, f.name, fields.get(f.name, getattr(rule, f.name)))
+    return new
+
+
+def _values(values):
+    for v in values:
+        if isinstance(v, tuple):
+            yield from _values(v)
+        else:
+            yield v
 
 
 def _not_a_transformation(rule) -> str:
