@@ -42,8 +42,9 @@ def transform(rule) -> _optax.GradientTransformationExtraArgs:
     * `init(params)` is `optimisers.setup(rule, params)`: tied arrays (the same object at several
       places) share one optimiser state. Call it outside `jax.jit`, where arrays still have their
       identity. NNX `Variable`s (an `nnx.State`, as `nnx.Optimizer` hands it) are read as their
-      values. The State's numbers (step counters, hyperparameters) are made JAX arrays, as in
-      optax's own states, so Flax stores and updates them and `jit` traces them.
+      values. The State's numbers (step counters, hyperparameters) stay as `setup` makes them,
+      so that an eager `update` computes exactly what an eager `optimisers.update` does; JAX
+      sees them as 0-d arrays (leaves), so Flax stores and updates them and `jit` traces them.
     * `update(updates, state, params)` returns `(updates, new_state)` such that
       `optax.apply_updates(params, updates)` is the model `optimisers.update(state, params,
       updates)` returns, bit for bit (see the module docstring for `MixedPrecision`). `params` is
@@ -64,9 +65,7 @@ def transform(rule) -> _optax.GradientTransformationExtraArgs:
                     "(jit, eval_shape, ...): traced arrays have lost their identity, so tied weights "
                     "cannot be found. Call init eagerly, outside jit, and pass its state in."
                 )
-        # numbers (step counters, hyperparameters) as JAX arrays, as in optax's states: Flax
-        # stores and writes back array leaves only, and jit traces them
-        return jax.tree.map(jnp.asarray, _interface.setup(rule, params))
+        return _interface.setup(rule, params)
 
     def update_fn(updates, state, params=None, **extra_args):
         del extra_args
