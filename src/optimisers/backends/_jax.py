@@ -45,6 +45,8 @@ and with placeholder objects.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import gc
 import numbers
 import operator
 import sys
@@ -532,6 +534,25 @@ def _share_group(rule, frozen):
     return (id(rule), frozen) if getattr(rule, "elementwise", False) else None
 
 
+def _without_gc(fn):
+    """`fn` run with the cyclic garbage collector paused. Flattening or building a State of
+    thousands of Leafs makes tens of thousands of small tuples, which set off collections that
+    each walk the whole heap (every array, every Leaf): they cost more than the work itself."""
+
+    @functools.wraps(fn)
+    def paused(*args, **kwargs):
+        if not gc.isenabled():
+            return fn(*args, **kwargs)
+        gc.disable()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            gc.enable()
+
+    return paused
+
+
+@_without_gc
 def _state_parts(state: State, with_keys: bool = True):
     """`(keyed children, aux)`. Children, all keyed by `DictKey`: `"rules"`, each distinct rule's
     numeric hyperparameters; `"scalars"`, each scalar state part (step counter) once however many
@@ -562,7 +583,10 @@ def _state_parts(state: State, with_keys: bool = True):
         if d is not None:
             return ("ref", d)
         dict_num[id(node)] = len(dict_num)
-        return ("dict", tuple((k, skeleton(v, path + (k,))) for k, v in node.items()))
+        items = []
+        for k, v in node.items():
+            items.append((k, skeleton(v, path + (k,) if with_keys else None)))
+        return ("dict", tuple(items))
 
     skel = skeleton(state.tree, ())
     flat, groups = [], []
@@ -589,7 +613,8 @@ def _state_parts(state: State, with_keys: bool = True):
         if own:
             key = jax.tree_util.DictKey(names[j]) if with_keys else None
             leaf_children.append((key, tuple(own)))
-    aux = (skel, tuple(rule_descs), tuple(leaf_meta))
+    has_scalars = bool(n_slots)
+    aux = (skel, tuple(rule_descs), tuple(leaf_meta), has_scalars)
     tu = jax.tree_util
     scalars = _normal_all(scalars)
     place = _host_scalar_placement(leaf_children)
@@ -720,22 +745,34 @@ _GET_STATE, _GET_RULE, _GET_FROZEN = (operator.attrgetter(a) for a in ("_state",
 
 class _Unflattened:
     """What `_state_unflatten` made a State from. Under `jit` every step flattens the State that
-    the previous step's unflatten made; while its dicts still hold the same Leafs and those the
-    same rule, state and frozen flag, flattening it gives back these children and aux, checked in
-    a few C-level passes instead of a Python walk over every Leaf (4000 Leafs: 1 ms, not 50)."""
+    the previous step's unflatten made. Its tree is built only when something asks for it (the
+    update, `state["w"]`): until then, flattening it gives back these children and aux at once.
+    Once built, while its dicts still hold the same Leafs and those the same rule, state and
+    frozen flag, it still does, checked in a few C-level passes instead of a Python walk over
+    every Leaf (4000 Leafs: 1 ms, not 50)."""
 
-    def __init__(self, aux, children, layout, root, dicts, leaves):
-        self.aux, self.children, self.layout, self.root = aux, children, layout, root
+    def __init__(self, aux, children):
+        self.aux, self.children = aux, children
+        self.root = None  # the tree, once built
+
+    @property
+    def layout(self):
+        return tuple((spec, slots) for _, _, spec, slots in self.aux[2])
+
+    def built(self, root, dicts, leaves) -> None:
+        self.root = root
         self.dicts = [(d, tuple(d), tuple(d.values())) for d in dicts]
         self.leaves = leaves
         self.states = list(map(_GET_STATE, leaves))
         self.rules = list(map(_GET_RULE, leaves))
         self.frozen = list(map(_GET_FROZEN, leaves))
         # a list in a state could change in place, unseen by an identity check
-        self.cacheable = all(_tuples_only(spec) for spec in {spec for spec, _ in layout})
+        self.cacheable = all(_tuples_only(spec) for spec in {meta[2] for meta in self.aux[2]})
 
     def fits(self, state) -> bool:
-        if not self.cacheable or state.tree is not self.root:
+        if state._build is not None:  # its tree not built yet: nothing in it can have changed
+            return True
+        if self.root is None or not self.cacheable or state.tree is not self.root:
             return False
         for d, keys, values in self.dicts:
             if len(d) != len(keys) or tuple(d) != keys or not all(map(operator.is_, d.values(), values)):
@@ -753,18 +790,32 @@ def _tuples_only(spec) -> bool:
 
 
 def _state_unflatten(aux, children):
-    skel, rule_descs, leaf_meta = aux
+    """A State whose tree is built on first use (`_build_tree`); flattening it before then gives
+    back these children (the scalar ones in normal form) and aux."""
+    _, rule_descs, _, has_scalars = aux
     children = list(children)
     head = 0
-    rules: list = []
+    values: list = []
     if rule_descs:
         values = [_unnamed(d, v, []) for d, v in zip(rule_descs, children[0])]
-        rules = [_rule_from(d, v) for d, v in zip(rule_descs, values)]
+        children[0] = tuple(_named(d, iter(_normal_all(v))) for d, v in zip(rule_descs, values))
         head = 1
-    has_scalars = any(slot is not None for meta in leaf_meta for slot in meta[3])
     named_scalars = children[head] if has_scalars else ()
     scalars = [next(iter(named.values())) for named in named_scalars]
-    own_of = iter(children[head + has_scalars :])
+    if has_scalars:
+        children[head] = tuple({k: _normal(v) for k, v in named.items()} for named in named_scalars)
+    own = children[head + has_scalars :]  # as given: the tree holds these very objects
+    made = _Unflattened(aux, children)
+    state = State._lazy(functools.partial(_build_tree, aux, values, scalars, own, made))
+    state._pytree = made
+    return state
+
+
+@_without_gc
+def _build_tree(aux, values, scalars, own_children, made):
+    skel, rule_descs, leaf_meta, _ = aux
+    rules = [_rule_from(d, v) for d, v in zip(rule_descs, values)]
+    own_of = iter(own_children)
     leaves = []
     for r, frozen, spec, slots in leaf_meta:
         own = iter(next(own_of)) if None in slots else iter(())
@@ -783,16 +834,9 @@ def _state_unflatten(aux, children):
             out[k] = build(sub)
         return out
 
-    state = State(build(skel))
-    layout = tuple((spec, slots) for _, _, spec, slots in leaf_meta)
-    root_is_leaf = isinstance(state.tree, Leaf)
-    # flattening this State again gives these children, with the scalar ones in normal form
-    if rule_descs:
-        children[0] = tuple(_named(d, iter(_normal_all(v))) for d, v in zip(rule_descs, values))
-    if has_scalars:
-        children[head] = tuple({k: _normal(v) for k, v in named.items()} for named in named_scalars)
-    state._pytree = _Unflattened(aux, children, layout, state.tree, [] if root_is_leaf else dicts, leaves)
-    return state
+    root = build(skel)
+    made.built(root, [] if isinstance(root, Leaf) else dicts, leaves)
+    return root
 
 
 # --- Leaf alone as a pytree --------------------------------------------------------------------
