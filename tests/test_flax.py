@@ -67,7 +67,8 @@ def test_nnx_optimizer_step_equals_update_bit_for_bit():
     model = MLP(nnx.Rngs(0))
     optimizer = nnx.Optimizer(model, transform(opt.AdamW(1e-2, lambd=0.1)), wrt=nnx.Param)
     params = params_of(model)
-    state = jax.tree.map(jnp.asarray, opt.setup(opt.AdamW(1e-2, lambd=0.1), params))
+    # the State as nnx.Optimizer holds it: its pytree leaves (numbers as 0-d float32 arrays)
+    state = jax.tree.map(lambda v: v, opt.setup(opt.AdamW(1e-2, lambd=0.1), params))
     for _ in range(3):
         grads = nnx.grad(loss)(model)
         state, params = opt.update(state, params, nnx.as_pure(nnx.state(grads, nnx.Param)))

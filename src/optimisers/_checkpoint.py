@@ -34,9 +34,11 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from . import schedules
 from ._rule import Rule
 from ._state import Leaf, State, describe, map_leaves
 from ._tree import format_path
+from .schedules import Schedule
 
 FORMAT = "optimisers.state_dict.v1"
 FORMAT_KEY = "__format__"
@@ -151,6 +153,28 @@ def _rule_fields(rule) -> list[str]:
     return []
 
 
+def _is_described(x) -> bool:
+    """A rule or a schedule: stored as its class name and fields, restored from them."""
+    return isinstance(x, Rule) or (isinstance(x, Schedule) and dataclasses.is_dataclass(x))
+
+
+def _check_storable(value, label):
+    """A hyperparameter that is a callable other than a schedule of `optimisers.schedules` (a
+    lambda, an optax schedule) cannot be written as data: refuse it when saving, not loading."""
+    if _is_described(value):
+        for k in _rule_fields(value):
+            _check_storable(getattr(value, k), f"{label}.{k}")
+    elif isinstance(value, (tuple, list)):
+        for i, v in enumerate(value):
+            _check_storable(v, f"{label}[{i}]")
+    elif callable(value) and _dtype_name(value) is None:
+        raise TypeError(
+            f"{label} is {value!r}, which a checkpoint cannot store: only numbers and the "
+            "schedules of optimisers.schedules (Cosine, Linear, Join, ...) are saved as data. Use "
+            "one of those, or adjust the hyperparameter to a number before saving."
+        )
+
+
 def _dtype_name(x) -> str | None:
     """The name of a dtype-like object (NumPy dtype or scalar type, torch dtype), else None."""
     if isinstance(x, np.dtype):
@@ -182,7 +206,7 @@ def _encode(x) -> str:
     if isinstance(x, _Spec):
         inner = ", ".join(f"{k}={_encode(v)}" for k, v in x.fields.items())
         return f"{x.name}({inner})"
-    if isinstance(x, Rule):
+    if _is_described(x):
         inner = ", ".join(f"{k}={_encode(getattr(x, k))}" for k in _rule_fields(x))
         return f"{type(x).__name__}({inner})"
     if isinstance(x, (tuple, list)):
@@ -236,7 +260,14 @@ def _same_in_float32(a, b) -> bool:
 def _compare_rule(spec, rule, label, kind_problems, hyper_diffs):
     """Walk the checkpoint's rule `spec` beside the state's `rule`: a different class, field set or
     non-numeric field is a different kind of rule; numbers that differ are hyperparameter changes."""
-    if isinstance(rule, Rule):
+    if isinstance(rule, Schedule) and _encode(spec) != _encode(rule):
+        # another schedule is another value of the hyperparameter, not another kind of rule
+        if _schedule_from(spec) is None:
+            kind_problems.append(label)
+        else:
+            hyper_diffs.append((label, _encode(spec), _encode(rule)))
+        return
+    if _is_described(rule):
         fields = _rule_fields(rule)
         if not isinstance(spec, _Spec) or spec.name != type(rule).__name__ or set(spec.fields) != set(fields):
             kind_problems.append(label)
@@ -274,9 +305,36 @@ def _invalid_rule(spec, rule, restored: dict) -> str | None:
     return None
 
 
+def _schedule_from(spec):
+    """The schedule of `optimisers.schedules` that `spec` describes, or None if it describes none."""
+    if isinstance(spec, tuple) and not isinstance(spec, _Spec):
+        items = [_schedule_from(s) if isinstance(s, _Spec) else s for s in spec]
+        return None if any(i is None for i in items) else tuple(items)
+    if not isinstance(spec, _Spec):
+        return None
+    cls = getattr(schedules, spec.name, None)
+    if not (isinstance(cls, type) and issubclass(cls, Schedule) and dataclasses.is_dataclass(cls)):
+        return None
+    fields = {}
+    for k, v in spec.fields.items():
+        fields[k] = _schedule_from(v) if isinstance(v, (_Spec, tuple)) and _has_spec(v) else v
+        if fields[k] is None and v is not None:
+            return None
+    try:
+        return cls(**fields)
+    except (TypeError, ValueError):
+        return None
+
+
+def _has_spec(v) -> bool:
+    return isinstance(v, _Spec) or (isinstance(v, tuple) and any(map(_has_spec, v)))
+
+
 def _restore_rule(spec, rule):
     """`rule` with the numbers of `spec` (already checked to be the same kind of rule)."""
-    if isinstance(rule, Rule):
+    if isinstance(rule, Schedule):
+        return rule if _encode(spec) == _encode(rule) else _schedule_from(spec)
+    if _is_described(rule):
         changes = {}
         for k in _rule_fields(rule):
             old = getattr(rule, k)
@@ -501,6 +559,7 @@ def state_dict(state) -> dict:
             d[f"{name}/tied_to"] = first[id(leaf)]
             continue
         first[id(leaf)] = name
+        _check_storable(leaf.rule, f"{name}: {type(leaf.rule).__name__}")
         d[f"{name}/rule"] = _encode(leaf.rule)
         d[f"{name}/frozen"] = bool(leaf.frozen)
         for key, value in _state_items(leaf.state, f"{name}/state", []):

@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from . import _compile, _engine, _ops, _precision
-from ._rule import NewValue, Rule
+from ._rule import NewValue, Rule, has_schedules
 from ._state import (
     Leaf,
     State,
@@ -755,7 +755,9 @@ def adjust(tree, eta=None, **hyper):
     rules = _adjusted_rules(leaves, eta, hyper, "adjust")
 
     def fresh(leaf):
-        return leaf._successor(rules[id(leaf.rule)], _engine.independent(leaf, leaf.state))
+        rule = rules[id(leaf.rule)]
+        state = _engine.independent(leaf, leaf.state)
+        return leaf._successor(rule, rule.with_counters(state) if has_schedules(rule) else state)
 
     if isinstance(tree, Leaf):
         return fresh(tree)
@@ -769,7 +771,12 @@ def adjust_(tree, eta=None, **hyper):
     leaves = _leaves_of(tree, "adjust_")
     rules = _adjusted_rules(leaves, eta, hyper, "adjust_")
     for leaf in leaves:
-        leaf.rule = rules[id(leaf.rule)]
+        leaf.rule = rule = rules[id(leaf.rule)]
+        if has_schedules(rule):  # a schedule needs a step count in the state
+            state = leaf.state
+            counted = rule.with_counters(state)
+            if counted is not state:
+                leaf.state = counted
     return tree
 
 

@@ -15,11 +15,22 @@ import math
 import numbers
 from typing import Any, ClassVar, NamedTuple
 
+import numpy as np
+
 
 class NewValue(NamedTuple):
     """A step that sets the parameter to `value` instead of subtracting from it."""
 
     value: Any
+
+
+class Scheduled(NamedTuple):
+    """The state of a rule with a scheduled hyperparameter: `count`, the number of steps taken
+    (the schedules are evaluated at it, 0 on the first step, as optax does), and `state`, the
+    rule's own state."""
+
+    count: Any
+    state: Any
 
 
 def _concrete(value):
@@ -39,15 +50,26 @@ def _is_number(value) -> bool:
     return getattr(value, "shape", None) == ()
 
 
+def _is_schedule(value) -> bool:
+    """A callable of the step count standing for a hyperparameter (a class is not one)."""
+    return callable(value) and not isinstance(value, type)
+
+
 def _check_field(rule: str, name: str, value, default):
-    """Check `value` against the type of the field's default, converting ints to floats."""
+    """Check `value` against the type of the field's default, converting ints to floats. A float
+    field may also hold a schedule."""
     if isinstance(default, bool):
         if not isinstance(value, bool):
             raise TypeError(f"{rule}: {name} must be True or False, got {value!r}")
         return value
     if isinstance(default, float):
+        if _is_schedule(value):
+            return value
         if isinstance(value, complex) or not _is_number(value):
-            raise TypeError(f"{rule}: {name} must be a real number, got {value!r}")
+            raise TypeError(
+                f"{rule}: {name} must be a real number or a schedule (a callable of the step "
+                f"count), got {value!r}"
+            )
         return float(value) if isinstance(value, numbers.Integral) else value
     if isinstance(default, int):
         if not isinstance(value, numbers.Integral) or isinstance(value, bool):
@@ -108,6 +130,9 @@ class Rule:
         own = cls.__dict__.get("init")
         if callable(own) and not getattr(own, "_checks_its_argument", False):
             cls.init = _checked_init(own)
+        own = cls.__dict__.get("apply")
+        if callable(own) and not getattr(own, "_evaluates_schedules", False):
+            cls.apply = _scheduled_apply(own)
 
     #: Fields that may be infinite (ClipNorm's p = inf is the max-norm); for every other number,
     #: an infinite value is refused like NaN: it would turn every parameter into inf or NaN.
@@ -134,7 +159,7 @@ class Rule:
     def init(self, x):
         """The initial state for parameter array `x`."""
         _check_one_array(self, x)
-        return None
+        return Scheduled(0, None) if scheduled_fields(self) else None
 
     init._checks_its_argument = True
 
@@ -148,16 +173,93 @@ class Rule:
         """`(new_state, step)` for parameter `x` with gradient `dx`; `x_new = x - step`."""
         raise NotImplementedError(f"{type(self).__name__} must define apply(state, x, dx)")
 
+    def with_counters(self, state):
+        """`state` with a step count for each schedule: a rule given a schedule by `adjust`
+        after `setup` counts its steps from then on. Rules that hold other rules' states (chains,
+        wrappers) override it to reach those."""
+        if type(state) is not Scheduled and scheduled_fields(self):
+            return Scheduled(0, state)
+        return state
+
     def hyperparameters(self) -> tuple[str, ...]:
         """The names `adjust` accepts for this rule."""
         return tuple(f.name for f in dataclasses.fields(self))
 
     def adjust(self, **hyper) -> Rule:
         """A copy with the named hyperparameters replaced; names this rule lacks are ignored
-        (the tree-level `adjust` reports names that no rule in the tree has)."""
+        (the tree-level `adjust` reports names that no rule in the tree has).
+
+        In a stacked state (an ensemble of states stacked along a first axis for `jax.vmap`)
+        every number is an array with one entry per member; such a rule takes an array of that
+        shape (one value per member) or a number (the same for every member)."""
         names = self.hyperparameters()
         own = {k: _held_like(getattr(self, k), v) for k, v in hyper.items() if k in names}
-        return dataclasses.replace(self, **own) if own else self
+        if not own:
+            return self
+        if any(map(_is_stacked, own.values())) or any(_is_stacked(getattr(self, k)) for k in own):
+            return _adjusted_stacked(self, own)
+        return dataclasses.replace(self, **own)
+
+
+def _is_stacked(value) -> bool:
+    """An array of hyperparameters, one per member of a stacked (vmapped) ensemble of states."""
+    if isinstance(value, tuple):
+        return any(map(_is_stacked, value))
+    return bool(getattr(value, "ndim", 0))
+
+
+def _shape(value):
+    if isinstance(value, tuple):
+        return tuple(map(_shape, value))
+    return tuple(getattr(value, "shape", ()))
+
+
+def _member(value, i):
+    if isinstance(value, tuple):
+        return tuple(_member(v, i) for v in value)
+    return value[i] if getattr(value, "ndim", 0) else value
+
+
+def _like_stacked(value, old):
+    """`value` for a field that holds `old`: a number where `old` is an array of members is
+    repeated for each member (as an array of `old`'s dtype, which vmap can map over)."""
+    if isinstance(old, tuple) and isinstance(value, tuple):
+        return tuple(_like_stacked(v, o) for v, o in zip(value, old))
+    if getattr(old, "ndim", 0) and not getattr(value, "ndim", 0) and isinstance(value, numbers.Real):
+        return np.full(old.shape, value, dtype=np.dtype(old.dtype))
+    return value
+
+
+def _adjusted_stacked(rule, own):
+    """`rule.adjust(**own)` for a rule of a stacked state: the new values must have the shape of
+    the old ones (a number is repeated); each member's values are checked as one rule's."""
+    name = type(rule).__name__
+    own = {k: _like_stacked(v, getattr(rule, k)) for k, v in own.items()}
+    for k, v in own.items():
+        old = getattr(rule, k)
+        if _shape(v) != _shape(old):
+            raise ValueError(
+                f"{name}: {k} has shape {_shape(v)} where this rule's {k} has shape {_shape(old)}. "
+                "An array of hyperparameters (one value per member) is for a stacked state (states "
+                "stacked along a first axis for jax.vmap), and must have the shape of the "
+                "hyperparameter it replaces"
+            )
+    fields = {f.name: own.get(f.name, getattr(rule, f.name)) for f in dataclasses.fields(rule) if f.init}
+    n = min(len(v) for v in _values(fields.values()) if getattr(v, "ndim", 0))
+    for i in range(n):  # each member's numbers pass the rule's own checks
+        dataclasses.replace(rule, **{k: _member(v, i) for k, v in fields.items()})
+    new = object.__new__(type(rule))
+    for f in dataclasses.fields(rule):
+        object.__setattr__(new, f.name, fields.get(f.name, getattr(rule, f.name)))
+    return new
+
+
+def _values(values):
+    for v in values:
+        if isinstance(v, tuple):
+            yield from _values(v)
+        else:
+            yield v
 
 
 #: `(is_held, held_like)` pairs that adapters register, for hyperparameters that a framework holds
@@ -204,10 +306,93 @@ def _checked_init(init):
     @functools.wraps(init)
     def checked(self, x):
         _check_one_array(self, x)
+        names = scheduled_fields(self)
+        if names:  # the state counts steps for the schedules; init sees their values at step 0
+            return Scheduled(0, init(at_step(self, names, 0), x))
         return init(self, x)
 
     checked._checks_its_argument = True
     return checked
+
+
+# --- schedules as hyperparameters ---------------------------------------------------------------
+
+_SCHEDULABLE: dict[type, tuple[str, ...]] = {}  # rule class -> its fields that may hold schedules
+
+
+def scheduled_fields(rule) -> tuple[str, ...]:
+    """The names of `rule`'s own fields that hold a schedule (in a tuple field: any element)."""
+    cls = type(rule)
+    names = _SCHEDULABLE.get(cls)
+    if names is None:
+        names = ()
+        if dataclasses.is_dataclass(cls):
+            names = tuple(
+                f.name
+                for f in dataclasses.fields(cls)
+                if isinstance(f.default, (float, tuple)) and not isinstance(f.default, bool)
+            )
+        _SCHEDULABLE[cls] = names
+    return tuple(n for n in names if _holds_schedule(getattr(rule, n, None)))
+
+
+def _holds_schedule(value) -> bool:
+    if isinstance(value, tuple):
+        return any(map(_holds_schedule, value))
+    return _is_schedule(value)
+
+
+def has_schedules(rule) -> bool:
+    """Does `rule`, or a rule inside it (a chain's member, a wrapper's rule), hold a schedule?"""
+    if scheduled_fields(rule):
+        return True
+    if not dataclasses.is_dataclass(rule):
+        return False
+    for f in dataclasses.fields(rule):
+        value = getattr(rule, f.name, None)
+        inner = value if isinstance(value, tuple) else (value,)
+        if any(isinstance(r, Rule) and has_schedules(r) for r in inner):
+            return True
+    return False
+
+
+def _value_at(value, count):
+    if isinstance(value, tuple):
+        return tuple(_value_at(v, count) for v in value)
+    if not _is_schedule(value):
+        return value
+    out = value(count)
+    # eagerly (a Python count) a plain float, whatever array type the schedule returns (an optax
+    # schedule gives a JAX array), so that it serves NumPy and PyTorch parameters too
+    return float(out) if type(count) is int else out
+
+
+def at_step(rule, names, count):
+    """A copy of `rule` with the schedules in fields `names` replaced by their values at `count`
+    (made without validation: under `jax.jit` the values are traced)."""
+    new = object.__new__(type(rule))
+    for f in dataclasses.fields(rule):
+        value = getattr(rule, f.name)
+        object.__setattr__(new, f.name, _value_at(value, count) if f.name in names else value)
+    return new
+
+
+def _scheduled_apply(apply):
+    """`apply` for a rule that may hold schedules: evaluated at the state's count, which it
+    advances. A state without a count (the rule was given a schedule by `adjust` after `setup`)
+    starts counting then; a rule adjusted back to numbers keeps counting."""
+
+    @functools.wraps(apply)
+    def wrapped(self, state, x, dx):
+        names = scheduled_fields(self)
+        if not names and type(state) is not Scheduled:
+            return apply(self, state, x, dx)
+        count, inner = state if type(state) is Scheduled else (0, state)
+        inner, step = apply(at_step(self, names, count) if names else self, inner, x, dx)
+        return Scheduled(count + 1, inner), step
+
+    wrapped._evaluates_schedules = True
+    return wrapped
 
 
 def check_range(rule: Rule, name: str, low: float, high: float, *, high_open: bool = False):

@@ -36,7 +36,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from . import _ops as ops
-from ._rule import NewValue, Rule, _concrete, check_range
+from ._rule import NewValue, Rule, _concrete, check_range, has_schedules
 from ._state import flatten_state, unflatten_state
 
 # --- helpers -----------------------------------------------------------------------------------
@@ -824,6 +824,7 @@ class OptimiserChain(Rule):
         return (
             len(rules) > 1
             and hasattr(rules[0], "gradient_factor")
+            and not has_schedules(rules[0])  # its factor is computed outside `apply`
             and all(getattr(rule, "elementwise", False) for rule in rules[1:])
         )
 
@@ -844,6 +845,10 @@ class OptimiserChain(Rule):
 
     def init(self, x):
         return tuple(rule.init(x) for rule in self.rules)
+
+    def with_counters(self, state):
+        new = tuple(rule.with_counters(s) for rule, s in zip(self.rules, state))
+        return state if all(a is b for a, b in zip(new, state)) else new
 
     def apply(self, state, x, dx):
         return self.apply_scaled(state, x, dx, None)
@@ -978,6 +983,11 @@ class MixedPrecision(_Wrapper):
         master = ops.cast(x, self.dtype)
         return master, self.rule.init(master)
 
+    def with_counters(self, state):
+        master, inner = state
+        new = self.rule.with_counters(inner)
+        return state if new is inner else (master, new)
+
     def apply(self, state, x, dx):
         master, inner = state
         inner, step = self.rule.apply(inner, master, ops.astype(dx, master))
@@ -1012,6 +1022,11 @@ class SkipNonFinite(_Wrapper):
 
     def init(self, x):
         return self.rule.init(x), 0
+
+    def with_counters(self, state):
+        inner, skipped = state
+        new = self.rule.with_counters(inner)
+        return state if new is inner else (new, skipped)
 
     def apply(self, state, x, dx):
         inner, skipped = state

@@ -117,21 +117,45 @@ class State:
     places it, so `state["b"] = state["a"]` ties `b` to `a`.
     """
 
-    __slots__ = ("tree", "_plan", "_pytree", "_keys", "__weakref__")  # weakly keyed: _interface._lock
+    # weakly keyed: _interface._lock
+    __slots__ = ("_tree", "_build", "_plan", "_pytree", "_keys", "__weakref__")
 
     def __init__(self, tree: Any = None, keys: dict | None = None):
-        self.tree = {} if tree is None else tree
+        self._tree = {} if tree is None else tree
+        self._build = None  # for a State built on first use: what builds its tree
         self._plan = None  # the update engine's groups, made by the first update_
         self._pytree = None  # what a pytree backend (JAX) made this State from, if it did
         # path -> every child key the model had there at setup, for containers that also held
         # things not trained (an update looks for new parameters only under new keys)
         self._keys = keys
 
+    @property
+    def tree(self):
+        """The state tree: a dict from child key to sub-tree per container, a Leaf per parameter."""
+        build = self._build
+        if build is not None:  # a pytree backend's unflatten (JAX): the Leafs are made when used
+            self._build = None
+            self._tree = build()
+        return self._tree
+
+    @tree.setter
+    def tree(self, value):
+        self._build = None
+        self._tree = value
+
+    @classmethod
+    def _lazy(cls, build) -> State:
+        """A State whose tree `build()` makes when it is first asked for."""
+        state = cls.__new__(cls)
+        state._tree, state._build, state._plan, state._pytree, state._keys = None, build, None, None, None
+        return state
+
     def __getstate__(self):  # the engine's plan and JAX's flattening are caches, made again
         return (self.tree, self._keys)
 
     def __setstate__(self, saved):
         (self.tree, self._keys), self._plan, self._pytree = saved, None, None
+        self._build = None
 
     def __getitem__(self, key):
         if isinstance(self.tree, Leaf):

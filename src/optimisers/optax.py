@@ -72,11 +72,10 @@ def transform(rule) -> _optax.GradientTransformationExtraArgs:
     def init_fn(params):
         variables, params = params, _values_of(params)
         _check_leaves(params)
-        # numbers (step counters, hyperparameters) as JAX arrays, as in optax's states: Flax
-        # stores and writes back array leaves only, and jit traces them. Under jit, eval_shape
-        # or vmap this works as eagerly: ties are found by identity among the arrays the traced
-        # function holds (see the docstring of `transform`)
-        state = jax.tree.map(jnp.asarray, _interface.setup(rule, params))
+        # under jit, eval_shape or vmap this works as eagerly: ties are found by identity among
+        # the arrays the traced function holds (see the docstring of `transform`). The numbers
+        # stay as setup makes them, so eager updates equal `optimisers.update` bit for bit
+        state = _interface.setup(rule, params)
         if variables is not params:
             _annotate_sharded(state, variables, params)
         return state

@@ -8,9 +8,10 @@ Importing this module registers `State` and `Leaf` as JAX pytrees (DESIGN 4.7):
   `jax.jit` even though array identity does not.
 * A rule's numeric hyperparameters (floats, tuples of floats, 0-d arrays) are pytree leaves, traced
   under `jit`, so `adjust` between jitted calls does not recompile. Bools, ints (`AccumGrad.n`),
-  dtypes and other objects are static; nested rules (`OptimiserChain`, `MixedPrecision`) are
-  handled recursively. A dataclass field with `metadata={"static": True}` is static whatever its
-  value (use it for a float that decides the shape of the computation, such as a norm's `p`).
+  dtypes, schedules (callables) and other objects are static; nested rules (`OptimiserChain`,
+  `MixedPrecision`) are handled recursively. A dataclass field with `metadata={"static": True}`
+  is static whatever its value (use it for a float that decides the shape of the computation,
+  such as a norm's `p`).
 * One form, one compile: what `jit` keys its cache on (the tree structure, each leaf's dtype and
   weak type) is the same after `setup` and after any number of updates and adjusts. So every
   hyperparameter and every scalar state part (step counter) is handed to JAX in a normal form: a
@@ -30,7 +31,9 @@ Importing this module registers `State` and `Leaf` as JAX pytrees (DESIGN 4.7):
   frozen Leafs stay one leaf per Leaf from `setup` on. Only a step in which some Leafs of a rule
   get no gradient splits their counters (one more compile, once).
 * Key paths are `DictKey`s at the State's level, as orbax needs to rebuild a tree from them:
-  `"rules"` (each distinct rule's numbers), `"scalars"` (the shared counters), then one entry per
+  `"rules"` (each distinct rule's numbers, by field name: `['rules'][0]['eta']`), `"scalars"` (the
+  shared counters, each named: `['scalars'][0]['count']`), so that optax's name-based tools
+  (`optax.tree_utils.tree_get(state, "eta")`, `tree_set`) find them; then one entry per
   Leaf with other state, named by its parameter path (`"decoder.layers.0.w"`; a name taken twice,
   "rules" or "scalars", or one that orbax, joining keys with dots, would read as a rule's entry
   ("rules.0", whose first part reads "rules.0.0"), gets a `#n` suffix).
@@ -42,8 +45,11 @@ and with placeholder objects.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import gc
 import numbers
 import operator
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -423,6 +429,50 @@ def _rule_from(desc, values):
     return _decode(desc, iter(values))
 
 
+def _has_numbers(desc) -> bool:
+    if desc == _NUM:
+        return True
+    if desc[0] == "seq":
+        return any(_has_numbers(d) for d in desc[2])
+    return desc[0] == "rule" and any(_has_numbers(d) for _, d in desc[2])
+
+
+def _named(desc, values):
+    """A rule's numbers as a pytree keyed by name, laid out as `desc` says: a dict from field name
+    to value for a rule (fields without numbers left out), a tuple for a tuple (None for an entry
+    without numbers), so that `optax.tree_utils.tree_get(state, "eta")` finds them."""
+    if desc == _NUM:
+        return next(values)
+    if desc[0] == "seq":
+        return tuple(_named(d, values) if _has_numbers(d) else None for d in desc[2])
+    if desc[0] == "rule":
+        return {name: _named(d, values) for name, d in desc[2] if _has_numbers(d)}
+    return None
+
+
+def _unnamed(desc, named, out: list) -> list:
+    """Inverse of `_named`: the numbers in `desc`'s order, appended to `out`."""
+    if desc == _NUM:
+        out.append(named)
+    elif desc[0] == "seq":
+        for d, n in zip(desc[2], named):
+            if _has_numbers(d):
+                _unnamed(d, n, out)
+    elif desc[0] == "rule":
+        for name, d in desc[2]:
+            if _has_numbers(d):
+                _unnamed(d, named[name], out)
+    return out
+
+
+def _map_named(fn, named):
+    if type(named) is dict:
+        return {k: _map_named(fn, v) for k, v in named.items()}
+    if type(named) is tuple:
+        return tuple(_map_named(fn, v) for v in named)
+    return None if named is None else fn(named)
+
+
 # --- the normal form of scalar leaves ----------------------------------------------------------
 
 _NORMAL_DTYPE: dict = {}  # (dtype, x64) -> the dtype of that kind that a leaf gets
@@ -484,6 +534,25 @@ def _share_group(rule, frozen):
     return (id(rule), frozen) if getattr(rule, "elementwise", False) else None
 
 
+def _without_gc(fn):
+    """`fn` run with the cyclic garbage collector paused. Flattening or building a State of
+    thousands of Leafs makes tens of thousands of small tuples, which set off collections that
+    each walk the whole heap (every array, every Leaf): they cost more than the work itself."""
+
+    @functools.wraps(fn)
+    def paused(*args, **kwargs):
+        if not gc.isenabled():
+            return fn(*args, **kwargs)
+        gc.disable()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            gc.enable()
+
+    return paused
+
+
+@_without_gc
 def _state_parts(state: State, with_keys: bool = True):
     """`(keyed children, aux)`. Children, all keyed by `DictKey`: `"rules"`, each distinct rule's
     numeric hyperparameters; `"scalars"`, each scalar state part (step counter) once however many
@@ -506,7 +575,7 @@ def _state_parts(state: State, with_keys: bool = True):
                     r = rule_num[id(node.rule)] = len(rule_descs)
                     desc, values = _rule_parts(node.rule)
                     rule_descs.append(desc)
-                    rule_values.append(_normal_all(values))
+                    rule_values.append(_named(desc, iter(_normal_all(values))))
                 j = leaf_num[id(node)] = len(found)
                 found.append((node, path, r))
             return j
@@ -514,7 +583,10 @@ def _state_parts(state: State, with_keys: bool = True):
         if d is not None:
             return ("ref", d)
         dict_num[id(node)] = len(dict_num)
-        return ("dict", tuple((k, skeleton(v, path + (k,))) for k, v in node.items()))
+        items = []
+        for k, v in node.items():
+            items.append((k, skeleton(v, path + (k,) if with_keys else None)))
+        return ("dict", tuple(items))
 
     skel = skeleton(state.tree, ())
     flat, groups = [], []
@@ -526,30 +598,58 @@ def _state_parts(state: State, with_keys: bool = True):
     layout = _kept_layout(made.layout if made else None, flat, groups) or _layout_by_value(flat, groups)
     n_slots = 1 + max((s for _, slots in layout for s in slots if s is not None), default=-1)
     scalars: list = [None] * n_slots
+    slot_names: list = [None] * n_slots
     leaf_meta, leaf_children = [], []
     names = _leaf_names([path for _, path, _ in found]) if with_keys else None
     for j, ((leaf, _, r), (spec, slots), (_, parts)) in enumerate(zip(found, layout, flat)):
         own = []
-        for slot, p in zip(slots, parts):
+        for slot, p, part_name in zip(slots, parts, _part_names(spec)):
             if slot is None:
                 own.append(p)
             else:
                 scalars[slot] = p
+                slot_names[slot] = part_name
         leaf_meta.append((r, bool(leaf.frozen), spec, slots))
         if own:
             key = jax.tree_util.DictKey(names[j]) if with_keys else None
             leaf_children.append((key, tuple(own)))
-    aux = (skel, tuple(rule_descs), tuple(leaf_meta))
+    has_scalars = bool(n_slots)
+    aux = (skel, tuple(rule_descs), tuple(leaf_meta), has_scalars)
     tu = jax.tree_util
     scalars = _normal_all(scalars)
     place = _host_scalar_placement(leaf_children)
     if place is not None:
-        rule_values = [tuple(map(place, values)) for values in rule_values]
+        rule_values = [_map_named(place, values) for values in rule_values]
         scalars = tuple(map(place, scalars))
     head = [(tu.DictKey(_RULES), tuple(rule_values))] if rule_values else []
     if scalars:
-        head.append((tu.DictKey(_SCALARS), scalars))
+        head.append((tu.DictKey(_SCALARS), tuple({n: v} for n, v in zip(slot_names, scalars))))
     return head + leaf_children, aux
+
+
+_PART_NAMES: dict = {}  # a state's structure -> the name of each of its parts
+
+
+def _part_names(spec) -> tuple:
+    """The key each part of a state of this structure gets among the shared scalars: the field
+    of the NamedTuple that holds it (`Scheduled.count`), else "count" (a rule's scalar state is
+    its step counter, as optax's `count`)."""
+    names = _PART_NAMES.get(spec)
+    if names is None:
+        out: list = []
+
+        def visit(spec, name):
+            if spec is None:
+                out.append(name)
+                return
+            cls, specs = spec
+            fields = getattr(cls, "_fields", None)
+            for i, sub in enumerate(specs):
+                visit(sub, fields[i] if fields else "count")
+
+        visit(spec, "count")
+        names = _PART_NAMES[spec] = tuple(out)
+    return names
 
 
 def _host_scalar_placement(leaf_children):
@@ -627,6 +727,8 @@ def _kept_layout(layout, flat, groups):
 
 
 def _state_flatten_with_keys(state):
+    if not _FLAX_REGISTERED:
+        register_flax_serialization()
     return _state_parts(state)
 
 
@@ -643,22 +745,34 @@ _GET_STATE, _GET_RULE, _GET_FROZEN = (operator.attrgetter(a) for a in ("_state",
 
 class _Unflattened:
     """What `_state_unflatten` made a State from. Under `jit` every step flattens the State that
-    the previous step's unflatten made; while its dicts still hold the same Leafs and those the
-    same rule, state and frozen flag, flattening it gives back these children and aux, checked in
-    a few C-level passes instead of a Python walk over every Leaf (4000 Leafs: 1 ms, not 50)."""
+    the previous step's unflatten made. Its tree is built only when something asks for it (the
+    update, `state["w"]`): until then, flattening it gives back these children and aux at once.
+    Once built, while its dicts still hold the same Leafs and those the same rule, state and
+    frozen flag, it still does, checked in a few C-level passes instead of a Python walk over
+    every Leaf (4000 Leafs: 1 ms, not 50)."""
 
-    def __init__(self, aux, children, layout, root, dicts, leaves):
-        self.aux, self.children, self.layout, self.root = aux, children, layout, root
+    def __init__(self, aux, children):
+        self.aux, self.children = aux, children
+        self.root = None  # the tree, once built
+
+    @property
+    def layout(self):
+        return tuple((spec, slots) for _, _, spec, slots in self.aux[2])
+
+    def built(self, root, dicts, leaves) -> None:
+        self.root = root
         self.dicts = [(d, tuple(d), tuple(d.values())) for d in dicts]
         self.leaves = leaves
         self.states = list(map(_GET_STATE, leaves))
         self.rules = list(map(_GET_RULE, leaves))
         self.frozen = list(map(_GET_FROZEN, leaves))
         # a list in a state could change in place, unseen by an identity check
-        self.cacheable = all(_tuples_only(spec) for spec in {spec for spec, _ in layout})
+        self.cacheable = all(_tuples_only(spec) for spec in {meta[2] for meta in self.aux[2]})
 
     def fits(self, state) -> bool:
-        if not self.cacheable or state.tree is not self.root:
+        if state._build is not None:  # its tree not built yet: nothing in it can have changed
+            return True
+        if self.root is None or not self.cacheable or state.tree is not self.root:
             return False
         for d, keys, values in self.dicts:
             if len(d) != len(keys) or tuple(d) != keys or not all(map(operator.is_, d.values(), values)):
@@ -676,16 +790,32 @@ def _tuples_only(spec) -> bool:
 
 
 def _state_unflatten(aux, children):
-    skel, rule_descs, leaf_meta = aux
+    """A State whose tree is built on first use (`_build_tree`); flattening it before then gives
+    back these children (the scalar ones in normal form) and aux."""
+    _, rule_descs, _, has_scalars = aux
     children = list(children)
     head = 0
-    rules: list = []
+    values: list = []
     if rule_descs:
-        rules = [_rule_from(d, v) for d, v in zip(rule_descs, children[0])]
+        values = [_unnamed(d, v, []) for d, v in zip(rule_descs, children[0])]
+        children[0] = tuple(_named(d, iter(_normal_all(v))) for d, v in zip(rule_descs, values))
         head = 1
-    has_scalars = any(slot is not None for meta in leaf_meta for slot in meta[3])
-    scalars = children[head] if has_scalars else ()
-    own_of = iter(children[head + has_scalars :])
+    named_scalars = children[head] if has_scalars else ()
+    scalars = [next(iter(named.values())) for named in named_scalars]
+    if has_scalars:
+        children[head] = tuple({k: _normal(v) for k, v in named.items()} for named in named_scalars)
+    own = children[head + has_scalars :]  # as given: the tree holds these very objects
+    made = _Unflattened(aux, children)
+    state = State._lazy(functools.partial(_build_tree, aux, values, scalars, own, made))
+    state._pytree = made
+    return state
+
+
+@_without_gc
+def _build_tree(aux, values, scalars, own_children, made):
+    skel, rule_descs, leaf_meta, _ = aux
+    rules = [_rule_from(d, v) for d, v in zip(rule_descs, values)]
+    own_of = iter(own_children)
     leaves = []
     for r, frozen, spec, slots in leaf_meta:
         own = iter(next(own_of)) if None in slots else iter(())
@@ -704,16 +834,9 @@ def _state_unflatten(aux, children):
             out[k] = build(sub)
         return out
 
-    state = State(build(skel))
-    layout = tuple((spec, slots) for _, _, spec, slots in leaf_meta)
-    root_is_leaf = isinstance(state.tree, Leaf)
-    # flattening this State again gives these children, with the scalar ones in normal form
-    if rule_descs:
-        children[0] = tuple(map(_normal_all, children[0]))
-    if has_scalars:
-        children[head] = _normal_all(children[head])
-    state._pytree = _Unflattened(aux, children, layout, state.tree, [] if root_is_leaf else dicts, leaves)
-    return state
+    root = build(skel)
+    made.built(root, [] if isinstance(root, Leaf) else dicts, leaves)
+    return root
 
 
 # --- Leaf alone as a pytree --------------------------------------------------------------------
@@ -730,7 +853,7 @@ def _leaf_flatten_with_keys(leaf):
     desc, values = _rule_parts(leaf.rule)
     tu = jax.tree_util
     children = [
-        (tu.GetAttrKey("rule"), _normal_all(values)),
+        (tu.GetAttrKey("rule"), _named(desc, iter(_normal_all(values)))),
         (tu.GetAttrKey("state"), _normal_state(leaf.state)),
     ]
     return children, (desc, bool(leaf.frozen))
@@ -743,8 +866,8 @@ def _leaf_flatten(leaf):
 
 def _leaf_unflatten(aux, children):
     desc, frozen = aux
-    values, st = children
-    return Leaf(_rule_from(desc, values), st, frozen)
+    named, st = children
+    return Leaf(_rule_from(desc, _unnamed(desc, named, [])), st, frozen)
 
 
 def _register():
@@ -757,6 +880,83 @@ def _register():
             tu.register_pytree_with_keys(cls, fk, unf, fl)
         except ValueError:  # already registered (module reloaded)
             pass
+    register_flax_serialization()
+
+
+# --- flax.serialization (msgpack `to_bytes` / `from_bytes` of a TrainState) ---------------------
+
+_FLAX_REGISTERED = False
+
+
+def register_flax_serialization() -> None:
+    """Teach `flax.serialization` the State and the Leaf, if Flax is imported (importing it here
+    would cost every JAX user a second; `import flax` loads `flax.serialization`, and this runs
+    again when a State is flattened and when `optimisers.optax.transform` inits).
+
+    A State's state dict is its pytree children by key (`"rules"`, `"scalars"`, one entry per
+    parameter path), so msgpack holds the numbers; restoring takes the structure (rules, ties,
+    frozen flags) from the target, as Flax restores everything."""
+    global _FLAX_REGISTERED
+    if _FLAX_REGISTERED:
+        return
+    serialization = sys.modules.get("flax.serialization")
+    if serialization is None or not hasattr(serialization, "register_serialization_state"):
+        return
+    _FLAX_REGISTERED = True
+    serialization.register_serialization_state(State, _state_to_dict, _state_from_dict, override=True)
+    serialization.register_serialization_state(Leaf, _leaf_to_dict, _leaf_from_dict, override=True)
+
+
+def _children_to_dict(keyed) -> dict:
+    to_state_dict = sys.modules["flax.serialization"].to_state_dict
+    return {_key_of(k): to_state_dict(child) for k, child in keyed}
+
+
+def _children_from_dict(keyed, saved, what: str) -> list:
+    serialization = sys.modules["flax.serialization"]
+    if not isinstance(saved, dict):
+        raise ValueError(
+            f"flax.serialization: expected the state dict of an optimisers {what} at "
+            f"{serialization.current_path()}, got a {type(saved).__name__}"
+        )
+    names = [_key_of(k) for k, _ in keyed]
+    if set(names) != set(saved):
+        missing = sorted(set(map(str, names)) - set(map(str, saved)))
+        extra = sorted(set(map(str, saved)) - set(map(str, names)))
+        raise ValueError(
+            f"flax.serialization: the saved optimisers {what} at {serialization.current_path()} does "
+            f"not match the target (missing: {missing or 'none'}; unexpected: {extra or 'none'}); "
+            "restore into a state made by the same setup (same model, rule and ties)"
+        )
+    return [
+        serialization.from_state_dict(child, saved[name], name=str(name))
+        for name, (_, child) in zip(names, keyed)
+    ]
+
+
+def _state_to_dict(state) -> dict:
+    keyed, _ = _state_parts(state)
+    return _children_to_dict(keyed)
+
+
+def _state_from_dict(target, saved) -> State:
+    keyed, aux = _state_parts(target)
+    children = _children_from_dict(keyed, saved, "State")
+    restored = _state_unflatten(aux, children)
+    restored._keys = target._keys
+    return restored
+
+
+def _leaf_to_dict(leaf) -> dict:
+    keyed, _ = _leaf_flatten_with_keys(leaf)
+    return _children_to_dict(keyed)
+
+
+def _leaf_from_dict(target, saved) -> Leaf:
+    keyed, aux = _leaf_flatten_with_keys(target)
+    restored = _leaf_unflatten(aux, _children_from_dict(keyed, saved, "Leaf"))
+    restored._shape, restored._placed = target._shape, target._placed
+    return restored
 
 
 _register()
