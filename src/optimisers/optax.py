@@ -150,7 +150,10 @@ def _nnx_variable_like(variable, value):
         )
     old = variable.get_value()
     new = jnp.asarray(value, dtype=old.dtype)
-    if isinstance(old, jax.Array) and not isinstance(old, jax.core.Tracer):
+    # placed as the old value was: committed to its devices when it was, and left uncommitted
+    # otherwise (jit compiles again for a committed argument where it had an uncommitted one,
+    # and once more for the outputs, which that argument commits)
+    if isinstance(old, jax.Array) and not isinstance(old, jax.core.Tracer) and old.committed:
         new = jax.device_put(new, old.sharding)
     return variable.copy(new)
 
