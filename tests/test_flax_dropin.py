@@ -135,6 +135,8 @@ def test_adjust_on_part_of_an_nnx_optimizer_and_a_refused_value():
     before = state["l1"]["kernel"].rule
     with pytest.raises(TypeError, match="held by Flax NNX"):
         opt.adjust_(state, eta="fast")
+    with pytest.raises(TypeError, match=r"got a Optimizer; pass its \.opt_state"):
+        opt.adjust_(optimizer, 1e-3)
     assert state["l1"]["kernel"].rule is before  # nothing changed
 
 

@@ -155,6 +155,18 @@ def test_adjust_changes_a_rate_given_as_an_array_to_a_transformation_kept_for_th
     np.testing.assert_allclose(s_ours["w"].rule.eta, 0.01)
 
 
+def test_adjust_on_the_wrapper_of_a_state_says_where_the_state_is():
+    params = model()
+    injected = optax.inject_hyperparams(lambda learning_rate: transform(opt.Adam(learning_rate)))
+    state = injected(learning_rate=0.1).init(params)
+    with pytest.raises(TypeError, match=r"inject_hyperparams' state: its \.inner_state"):
+        opt.adjust(state, 0.01)
+    chained = optax.chain(optax.clip(1.0), transform(opt.Adam(0.1))).init(params)
+    with pytest.raises(TypeError, match="optax.chain state is a tuple"):
+        opt.adjust_(chained, 0.01)
+    assert chained[1]["w"].rule.eta == 0.1  # nothing changed
+
+
 # --- init under jit, eval_shape, vmap ---------------------------------------------------------------
 
 
