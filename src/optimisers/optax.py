@@ -47,8 +47,9 @@ def transform(rule) -> _optax.GradientTransformationExtraArgs:
       places) share one optimiser state. It works under `jax.jit`, `jax.eval_shape` and
       `jax.vmap` as eagerly, ties found by identity among the arrays the traced function holds:
       a model built inside the function keeps its ties, but JAX hands each argument leaf its own
-      tracer, so a tie between arguments is not seen (an eager update with that model refuses
-      the state). NNX `Variable`s (an `nnx.State`, as `nnx.Optimizer` hands it) are read as
+      tracer, so a tie between arguments is not seen: an eager update with that model refuses
+      the state, a jitted one trains the places apart. Close over the model instead
+      (`jax.jit(lambda: tx.init(params))()`): closed-over arrays keep their identity. NNX `Variable`s (an `nnx.State`, as `nnx.Optimizer` hands it) are read as
       their values. A leaf that is not an array (an Equinox module's function) is a `TypeError`.
       The State's numbers (step counters, hyperparameters) are made JAX arrays, as in optax's
       own states, so Flax stores and updates them and `jit` traces them.
