@@ -49,10 +49,11 @@ def transform(rule) -> _optax.GradientTransformationExtraArgs:
       a model built inside the function keeps its ties, but JAX hands each argument leaf its own
       tracer, so a tie between arguments is not seen: an eager update with that model refuses
       the state, a jitted one trains the places apart. Close over the model instead
-      (`jax.jit(lambda: tx.init(params))()`): closed-over arrays keep their identity. NNX `Variable`s (an `nnx.State`, as `nnx.Optimizer` hands it) are read as
-      their values. A leaf that is not an array (an Equinox module's function) is a `TypeError`.
-      The State's numbers (step counters, hyperparameters) are made JAX arrays, as in optax's
-      own states, so Flax stores and updates them and `jit` traces them.
+      (`jax.jit(lambda: tx.init(params))()`): closed-over arrays keep their identity. NNX
+      `Variable`s (an `nnx.State`, as `nnx.Optimizer` hands it) are read as their values. A
+      leaf that is not an array (an Equinox module's function) is a `TypeError`. The State's
+      numbers (step counters, hyperparameters) are made JAX arrays, as in optax's own states,
+      so Flax stores and updates them and `jit` traces them.
     * `update(updates, state, params)` returns `(updates, new_state)` such that
       `optax.apply_updates(params, updates)` is the model `optimisers.update(state, params,
       updates)` returns, bit for bit (see the module docstring for `MixedPrecision`). `params` is
