@@ -131,6 +131,42 @@ def test_a_rule_with_python_numbers_keeps_adjust():
     np.testing.assert_allclose(updates["w"], -jnp.float32(0.5) * g["w"], rtol=1e-7)
 
 
+@pytest.mark.parametrize("jit", [True, False])
+def test_adjust_changes_a_rate_given_as_an_array_to_a_transformation_kept_for_the_run(jit):
+    # a transformation that made the state with its own init holds starting values: its array
+    # rate must not undo adjust at every update (inject_hyperparams builds a new one each step)
+    ours = transform(opt.Adam(jnp.asarray(0.1)))
+    theirs = optax.inject_hyperparams(optax.adam)(learning_rate=0.1)
+
+    def step(tx, p, s):
+        updates, s = tx.update(jax.grad(loss)(p), s, p)
+        return optax.apply_updates(p, updates), s
+
+    step = jax.jit(step, static_argnums=0) if jit else step
+    p_ours, p_theirs = model(), model()
+    s_ours, s_theirs = ours.init(p_ours), theirs.init(p_theirs)
+    for i in range(6):
+        if i == 3:
+            s_ours = opt.adjust(s_ours, 0.01)
+            s_theirs.hyperparams["learning_rate"] = jnp.asarray(0.01)
+        p_ours, s_ours = step(ours, p_ours, s_ours)
+        p_theirs, s_theirs = step(theirs, p_theirs, s_theirs)
+    assert_close(p_ours, p_theirs)
+    np.testing.assert_allclose(s_ours["w"].rule.eta, 0.01)
+
+
+def test_adjust_on_the_wrapper_of_a_state_says_where_the_state_is():
+    params = model()
+    injected = optax.inject_hyperparams(lambda learning_rate: transform(opt.Adam(learning_rate)))
+    state = injected(learning_rate=0.1).init(params)
+    with pytest.raises(TypeError, match=r"inject_hyperparams' state: its \.inner_state"):
+        opt.adjust(state, 0.01)
+    chained = optax.chain(optax.clip(1.0), transform(opt.Adam(0.1))).init(params)
+    with pytest.raises(TypeError, match="optax.chain state is a tuple"):
+        opt.adjust_(chained, 0.01)
+    assert chained[1]["w"].rule.eta == 0.1  # nothing changed
+
+
 # --- init under jit, eval_shape, vmap ---------------------------------------------------------------
 
 
@@ -190,6 +226,9 @@ def test_a_tie_between_arguments_is_not_seen_under_jit_and_an_eager_update_says_
     assert state["v"] is not state["u"]
     with pytest.raises(ValueError, match="one array at"):
         tx.update(jax.grad(tied_loss)(params), state, params)
+    # closed over instead of passed, the arrays keep their identity: the tie is found
+    state = jax.jit(lambda: tx.init(params))()
+    assert state["v"] is state["u"]
 
 
 @pytest.mark.parametrize(
@@ -229,6 +268,11 @@ def test_an_unfiltered_equinox_module_fails_at_init_and_a_filtered_one_trains():
         tx.init(net)
     with pytest.raises(TypeError):
         optax.adam(1e-2).init(net)  # optax refuses it at init too
+    # the state of the filtered module with the unfiltered one at update: the same message
+    state = tx.init(eqx.filter(net, eqx.is_array))
+    grads = jax.tree.map(jnp.ones_like, eqx.filter(net, eqx.is_array))
+    with pytest.raises(TypeError, match=r"update: params holds a .* at \.activation.*eqx\.filter"):
+        tx.update(grads, state, net)
 
     x = jnp.ones((5, 3))
 

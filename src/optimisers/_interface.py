@@ -716,8 +716,23 @@ def _leaves_of(tree, name):
         return [leaf for _, leaf in leaf_paths(tree.tree)]
     raise TypeError(
         f"{name} expects optimiser state (a State from setup, a part of one such as "
-        f"state['encoder'], or a Leaf), got a {type(tree).__name__}; did you pass the model?"
+        f"state['encoder'], or a Leaf), got a {type(tree).__name__}; {_state_hint(tree)}"
     )
+
+
+def _state_hint(tree) -> str:
+    """Where the State is, for the containers optax and Flax users hold it in."""
+    if hasattr(tree, "opt_state"):  # nnx.Optimizer, flax's TrainState
+        return "pass its .opt_state"
+    if hasattr(tree, "hyperparams") and hasattr(tree, "inner_state"):
+        return (
+            "this is optax.inject_hyperparams' state: its .inner_state is the State, and a "
+            "hyperparameter it injects is changed in its .hyperparams (it rebuilds the rule "
+            "from those at every step)"
+        )
+    if isinstance(tree, tuple) and any(isinstance(x, State) for x in tree):
+        return "an optax.chain state is a tuple: adjust its entry that is a State"
+    return "did you pass the model?"
 
 
 def _adjusted_rules(leaves, eta, hyper, name) -> dict[int, Rule]:

@@ -47,11 +47,14 @@ def transform(rule) -> _optax.GradientTransformationExtraArgs:
       places) share one optimiser state. It works under `jax.jit`, `jax.eval_shape` and
       `jax.vmap` as eagerly, ties found by identity among the arrays the traced function holds:
       a model built inside the function keeps its ties, but JAX hands each argument leaf its own
-      tracer, so a tie between arguments is not seen (an eager update with that model refuses
-      the state). NNX `Variable`s (an `nnx.State`, as `nnx.Optimizer` hands it) are read as
-      their values. A leaf that is not an array (an Equinox module's function) is a `TypeError`.
-      The State's numbers (step counters, hyperparameters) are made JAX arrays, as in optax's
-      own states, so Flax stores and updates them and `jit` traces them.
+      tracer, so a tie between arguments is not seen: an eager update with that model refuses
+      the state, a jitted one trains the places apart. Close over the model instead
+      (`jax.jit(lambda: tx.init(params))()`): closed-over arrays keep their identity. NNX
+      `Variable`s (an `nnx.State`, as `nnx.Optimizer` hands it) are read as their values. A
+      leaf that is not an array (an Equinox module's function) is a `TypeError`. The State's
+      numbers (step counters, hyperparameters) stay as `setup` makes them, so that an eager
+      `update` computes exactly what an eager `optimisers.update` does; JAX sees them as 0-d
+      arrays (leaves), so Flax stores and updates them and `jit` traces them.
     * `update(updates, state, params)` returns `(updates, new_state)` such that
       `optax.apply_updates(params, updates)` is the model `optimisers.update(state, params,
       updates)` returns, bit for bit (see the module docstring for `MixedPrecision`). `params` is
@@ -60,22 +63,26 @@ def transform(rule) -> _optax.GradientTransformationExtraArgs:
 
     The state is an `optimisers.State`, so `optimisers.adjust(state, 1e-4)` changes the learning
     rate (inside `optax.chain`, adjust the chain's entry for this transformation). A
-    hyperparameter that `rule` holds as a JAX array is applied by every `update` instead of the
-    State's: that is how `optax.inject_hyperparams(lambda learning_rate:
-    transform(Adam(learning_rate)))(learning_rate=schedule)` hands over each step's value (traced
-    under `jit`, so nothing compiles again). Change such a value where it comes from
-    (inject_hyperparams' `state.hyperparams`), not with `adjust`.
+    transformation built for an update without having made a state with its own `init` applies
+    the hyperparameters that `rule` holds as JAX arrays instead of the State's: that is how
+    `optax.inject_hyperparams(lambda learning_rate:
+    transform(Adam(learning_rate)))(learning_rate=schedule)` hands over each step's value, with a
+    new transformation at every step (traced under `jit`, so nothing compiles again). Change such
+    a value where it comes from (inject_hyperparams' `state.hyperparams`), not with `adjust`. A
+    transformation kept for the whole run (`nnx.Optimizer`'s, a `TrainState`'s) hands its values
+    to the states its `init` makes, as starting values that `adjust` changes.
     """
     _interface._rule_chooser(rule)  # a State, an optax transformation, a class: fail now
     live = _LiveHyperparameters(rule)
 
     def init_fn(params):
         variables, params = params, _values_of(params)
-        _check_leaves(params)
+        _check_leaves(params, "init")
         # under jit, eval_shape or vmap this works as eagerly: ties are found by identity among
         # the arrays the traced function holds (see the docstring of `transform`). The numbers
         # stay as setup makes them, so eager updates equal `optimisers.update` bit for bit
         state = _interface.setup(rule, params)
+        live.made_states = True
         if variables is not params:
             _annotate_sharded(state, variables, params)
         return state
@@ -112,10 +119,17 @@ def transform(rule) -> _optax.GradientTransformationExtraArgs:
             return made[key]
 
         rebuilt = _interface._rebuild(state.tree, params, place)
-        # a place the state does not cover (an integer array, say) came back as itself: it gets
-        # an update that leaves it as it is
-        out = jax.tree.map(lambda u, p: _no_move(p) if u is p else u, rebuilt, params)
-        return out, new_state
+
+        def unmoved(u, p):
+            # a place the state does not cover (an integer array, say) came back as itself: it
+            # gets an update that leaves it as it is
+            if u is not p:
+                return u
+            if not _is_array(p):
+                _check_leaves(params, "update")  # an unfiltered Equinox module: say where
+            return _no_move(p)
+
+        return jax.tree.map(unmoved, rebuilt, params), new_state
 
     return _optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -149,7 +163,10 @@ def _nnx_variable_like(variable, value):
         )
     old = variable.get_value()
     new = jnp.asarray(value, dtype=old.dtype)
-    if isinstance(old, jax.Array) and not isinstance(old, jax.core.Tracer):
+    # placed as the old value was: committed to its devices when it was, and left uncommitted
+    # otherwise (jit compiles again for a committed argument where it had an uncommitted one,
+    # and once more for the outputs, which that argument commits)
+    if isinstance(old, jax.Array) and not isinstance(old, jax.core.Tracer) and old.committed:
         new = jax.device_put(new, old.sharding)
     return variable.copy(new)
 
@@ -193,14 +210,18 @@ def _values_of(tree):
     return jax.tree.map(lambda v: v.get_value() if is_variable(v) else v, tree, is_leaf=is_variable)
 
 
-def _check_leaves(params) -> None:
+def _is_array(x) -> bool:
+    return isinstance(x, (jax.Array, np.ndarray, np.generic, numbers.Number))
+
+
+def _check_leaves(params, call: str) -> None:
     """optax transformations take a tree of arrays: anything else (an Equinox module's activation
-    function, a string) is refused here, as optax's own `init` refuses it, and not at the first
-    update."""
+    function, a string) is refused at `init`, as optax's own `init` refuses it, and not at the
+    first update."""
     for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
-        if not isinstance(x, (jax.Array, np.ndarray, np.generic, numbers.Number)):
+        if not _is_array(x):
             raise TypeError(
-                f"optimisers.optax.transform(...).init: params holds a {type(x).__name__} at "
+                f"optimisers.optax.transform(...).{call}: params holds a {type(x).__name__} at "
                 f"{jax.tree_util.keystr(path) or 'the root'}, not an array; optax transformations "
                 "take a tree of arrays. With Equinox, filter the model first: "
                 "init(eqx.filter(model, eqx.is_array)), and update(grads, state, "
@@ -216,16 +237,19 @@ class _LiveHyperparameters:
     place of the State's: `optax.inject_hyperparams` builds the transformation again at every step
     with its current values (traced under `jit`) and calls only that one's `update`, so these are
     the values it means. Hyperparameters given as Python numbers live in the State, where
-    `adjust` changes them."""
+    `adjust` changes them; so do arrays of a transformation that made states with its own `init`
+    (one kept for the whole run): they were those states' starting values, and applying them at
+    every update would silently undo `adjust`."""
 
     def __init__(self, rule):
         self.rule = rule
+        self.made_states = False  # set by init
         # None: not known yet (a rule function is asked at each Leaf's place, at the first update)
         self.any = _holds_arrays(rule) if isinstance(rule, Rule) else None
 
     def applied(self, state: State, params) -> State:
         """`state` with each Leaf's rule holding the live values; `state` itself when none."""
-        if self.any is False:
+        if self.any is False or self.made_states:
             return state
         if isinstance(self.rule, Rule):
             chosen = None
