@@ -622,6 +622,10 @@ class Optimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        _eager_step(self)
+        return loss
+
+    def _step(self):
         undo = self._sync()
         born: list[int] = []
         try:
@@ -645,7 +649,6 @@ class Optimizer(torch.optim.Optimizer):
                 self._forget(born)
             self._undo(undo)
             raise
-        return loss
 
     def train(self):
         """For trainers that call it (rules here have no train/eval modes): does nothing."""
@@ -789,3 +792,11 @@ class Optimizer(torch.optim.Optimizer):
         )
         d["optimiser_state"] = self.optimiser_state
         return d
+
+
+# Under torch.compile the step runs eagerly, as the library's update does (see optimisers._compile):
+# its Python bookkeeping (group entries, state made at a first gradient) traced by dynamo would
+# become guards that fail from one step to the next.
+@torch.compiler.disable(recursive=True)
+def _eager_step(optimizer: Optimizer) -> None:
+    optimizer._step()
