@@ -28,7 +28,19 @@ from ._rule import Rule
 from ._state import Leaf, State
 from ._tree import format_path
 
-__all__ = ["Optimizer"]
+__all__ = [
+    "Optimizer",
+    "SGD",
+    "Adam",
+    "AdamW",
+    "RMSprop",
+    "Adagrad",
+    "Adadelta",
+    "Adamax",
+    "NAdam",
+    "RAdam",
+    "Rprop",
+]
 
 # torch.optim's names for hyperparameters this library spells differently: where the rule has the
 # field they mean the same, a group shows both names, kept equal (as "beta" and "betas")
@@ -773,8 +785,8 @@ class Optimizer(torch.optim.Optimizer):
         self._ready([p for p in loaded.tree if p not in self._flat.tree])
         for g, entries in zip(self._groups, new_groups):
             g.entries = entries
-            rule = next((leaf.rule for leaf in g.leaves if leaf is not None and id(leaf) in
-                         {id(v) for v in self._flat.tree.values()}), g.rule)
+            ready = {id(leaf) for leaf in self._flat.tree.values()}
+            rule = next((leaf.rule for leaf in g.leaves if leaf is not None and id(leaf) in ready), g.rule)
             for leaf in g.leaves:
                 if leaf is not None:
                     leaf.rule = rule
@@ -800,3 +812,18 @@ class Optimizer(torch.optim.Optimizer):
 @torch.compiler.disable(recursive=True)
 def _eager_step(optimizer: Optimizer) -> None:
     optimizer._step()
+
+
+# torch.optim's classes by name (imported last: they build on Optimizer)
+from ._torch_dropins import (  # noqa: E402
+    SGD,
+    Adadelta,
+    Adagrad,
+    Adam,
+    Adamax,
+    AdamW,
+    NAdam,
+    RAdam,
+    RMSprop,
+    Rprop,
+)
