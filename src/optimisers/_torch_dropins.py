@@ -131,7 +131,7 @@ class _DropIn(Optimizer):
         entries = {"params": params, **h, **carried}
         if names is not None:
             entries["param_names"] = names
-        return _Group(entries, params, leaves, rule, dict(h))
+        return _Group(entries, params, leaves, rule, dict(h), any(p.is_complex() for p in params))
 
     def _unknown_message(self, where: str, key) -> str:
         return f"{where}: unknown key {key!r}; torch.optim.{type(self).__name__} takes " + ", ".join(
@@ -161,6 +161,9 @@ class _DropIn(Optimizer):
             h = g.seen
             maximize = h.get("maximize", False)
             decay = h.get("weight_decay", 0) if self._l2 and not self._decoupled(h) else 0
+            if not (maximize or isinstance(decay, torch.Tensor) or decay != 0 or g.has_complex):
+                start += len(g.params)
+                continue  # the gradients as they are (AdamW's usual case): no pass over them
             for j, p in enumerate(g.params):
                 grad = grads.get(start + j)
                 if grad is None:

@@ -168,6 +168,7 @@ class _Group:
     leaves: list
     rule: Any
     seen: dict
+    has_complex: bool = False  # a drop-in class trains complex parameters as real views
 
 
 def _check_rule(rule, where: str):
@@ -418,6 +419,7 @@ class Optimizer(torch.optim.Optimizer):
         self._leaf_of: dict[int, tuple] = {}  # id(tensor) -> (tensor, Leaf, position)
         self._leaf_at: dict[int, Leaf] = {}  # position -> Leaf (with state or not yet)
         self._model: dict = {}  # position -> tensor, every parameter
+        self._trained: list = []  # (position, tensor) of every parameter a rule can train
         self._module_tree = None  # a module's whole state tree (Leafs without state included)
         self.optimiser_state: State = self._flat
         if isinstance(params, torch.Tensor):
@@ -515,6 +517,7 @@ class Optimizer(torch.optim.Optimizer):
             if leaf is not None:
                 self._leaf_at[start + j] = leaf
                 self._leaf_of[id(p)] = (p, leaf, start + j)
+                self._trained.append((start + j, p))
         self._groups.append(g)
         self.param_groups.append(g.entries)
 
@@ -641,20 +644,14 @@ class Optimizer(torch.optim.Optimizer):
         undo = self._sync()
         born: list[int] = []
         try:
-            grads = {}
-            for i, p in self._model.items():
-                g = p.grad
-                if g is not None and i in self._leaf_at:
-                    grads[i] = g
+            grads = {i: p.grad for i, p in self._trained if p.grad is not None}
             if grads:
                 grads = self._gradients(grads)
                 born = self._initialise(grads)
                 model = self._live
-                for i, p in model.items():
-                    if type(p) is not torch.Tensor and not p.requires_grad and isinstance(p, nn.Parameter):
-                        # frozen by the user after its state was made: stepped through a view
-                        model = dict(model) if model is self._live else model
-                        model[i] = p.detach()
+                frozen = [i for i, p in model.items() if not p.requires_grad and isinstance(p, nn.Parameter)]
+                if frozen:  # frozen by the user after its state was made: stepped through a view
+                    model = {**model, **{i: model[i].detach() for i in frozen}}
                 update_(self._flat, model, grads)
         except BaseException:
             if born:
