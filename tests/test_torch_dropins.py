@@ -434,3 +434,40 @@ def test_hf_trainer_optimizer_cls_and_kwargs_equals_torch_adamw(tmp_path):
     assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]  # HF's decay / no-decay groups
     for (name, x), (_, y) in zip(model.named_parameters(), reference.named_parameters(), strict=True):
         assert torch.equal(x, y), name
+
+
+# --- the generic adapter takes torch's names where they mean the rule's fields ----------------------
+
+
+def test_the_generic_optimizer_takes_torchs_names_for_the_same_fields():
+    ours, ref = _pair()
+    opt = ot.Optimizer(
+        _groups(ours, decay=0.1), optimisers.AdamW(), lr=1e-2, eps=1e-6, betas=(0.8, 0.9), maximize=True
+    )
+    torch_opt = torch.optim.AdamW(
+        _groups(ref, decay=0.1), lr=1e-2, eps=1e-6, betas=(0.8, 0.9), maximize=True, fused=True
+    )
+    assert opt._groups[0].rule == optimisers.AdamW(1e-2, (0.8, 0.9), 0.1, 1e-6)
+    first = opt.param_groups[0]
+    assert first["weight_decay"] == first["lambd"] == 0.1 and first["eps"] == first["epsilon"] == 1e-6
+    _train(ours, opt, steps=3)
+    _train(ref, torch_opt, steps=3)
+    for o in (opt, torch_opt):  # a change under torch's name reaches the rule, and both names agree
+        o.param_groups[0]["weight_decay"] = 0.3
+    _train(ours, opt, steps=3)
+    _train(ref, torch_opt, steps=3)
+    assert opt.param_groups[0]["lambd"] == 0.3 and opt._groups[0].rule.lambd == 0.3
+    _assert_same(ours, ref, exact=True)
+
+
+def test_a_copied_optimizer_finds_its_parameters_state_and_trains_like_the_original():
+    ours = make_gpt()
+    opt = ot.Adam(ours.parameters(), lr=1e-2)
+    _train(ours, opt, steps=2)
+    twin = copy.deepcopy({"model": ours, "opt": opt})  # one memo: the copy's groups hold its model's tensors
+    twin_model, twin_opt = twin["model"], twin["opt"]
+    assert list(twin_opt.param_groups[0]["params"])[0] is list(twin_model.parameters())[0]
+    assert torch.equal(twin_opt.state[twin_model.pos]["exp_avg"], opt.state[ours.pos]["exp_avg"])
+    _train(ours, opt, steps=2)
+    _train(twin_model, twin_opt, steps=2)
+    _assert_same(ours, twin_model, exact=True)

@@ -802,6 +802,13 @@ class Optimizer(torch.optim.Optimizer):
         d["optimiser_state"] = self.optimiser_state
         return d
 
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        # a copy (deepcopy, pickle) holds new tensors: find each one's Leaf by its new identity
+        self._leaf_of = {id(self._model[i]): (self._model[i], leaf, i) for i, leaf in self._leaf_at.items()}
+        self._live = {i: self._engine_view(self._model[i]) for i in self._flat.tree}
+        self._flat._plan = None
+
 
 # Under torch.compile the step runs eagerly, as the library's update does (see optimisers._compile):
 # its Python bookkeeping (group entries, state made at a first gradient) traced by dynamo would
