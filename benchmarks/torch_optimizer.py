@@ -94,6 +94,31 @@ def measure(values, device, rounds: int) -> dict[str, float]:
     return {name: statistics.median(t) * 1e3 for name, t in times.items()}
 
 
+def state_bytes(optimizer) -> int:
+    """Bytes of the parameter-shaped tensors in `optimizer.state` (step counters left out)."""
+    return sum(
+        v.numel() * v.element_size()
+        for entry in optimizer.state_dict()["state"].values()
+        for v in entry.values()
+        if isinstance(v, torch.Tensor) and v.dim() > 0
+    )
+
+
+def frozen_backbone_state(values, device) -> dict[str, int]:
+    """Optimiser state after one step on the GPT-2-shaped model with everything but the last
+    block and ln_f frozen, all parameters handed to the optimizer (`model.parameters()`)."""
+    out = {}
+    for name, make in implementations(device).items():
+        params = _params(values, device)
+        for p in params[:-14]:
+            p.requires_grad_(False)
+            p.grad = None
+        optimizer = make(params)
+        optimizer.step()
+        out[name] = state_bytes(optimizer)
+    return out
+
+
 def profile(values, device, top: int) -> str:
     opt = ot.Optimizer(_params(values, device), optimisers.AdamW(LR, lambd=DECAY))
     for _ in range(3):
@@ -130,6 +155,11 @@ def main(argv=None) -> None:
         fused = medians["torch.optim.AdamW fused"]
         for name, ms in medians.items():
             print(f"{model:<36} {name:<28} {ms:>10.3f} {ms / fused:>8.2f}")
+    values = models["GPT-2-shaped (148 tensors, 16.2M)"]
+    memory = frozen_backbone_state(values, device)
+    print(f"\noptimiser state, GPT-2-shaped with all but its last block frozen ({'x fused':>8})")
+    for name, size in memory.items():
+        print(f"{name:<28} {size / 2**20:>10.2f} MiB {size / memory['torch.optim.AdamW fused']:>8.2f}")
     if args.profile:
         for model, values in models.items():
             print(f"\ncProfile of Optimizer(ps, AdamW).step() x 20, {model}:")
