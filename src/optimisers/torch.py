@@ -1,10 +1,13 @@
-"""`optimisers.torch.Optimizer`: any rule of this library as a `torch.optim.Optimizer`.
+"""`optimisers.torch.Optimizer`: any rule of this library as a `torch.optim.Optimizer`; and
+torch.optim's classes by name (`optimisers.torch.AdamW`, `SGD`, ...), defined in `_torch_dropins`
+on top of it.
 
 The adapter is a thin layer over the library's core. Each trained tensor has one `Leaf` (made by
 `optimisers.setup`, so a module's ties, paths and per-parameter rule functions work as everywhere
 else); a step hands the `.grad` fields to `optimisers.update_`; `param_groups` entries are synced
 into the Leafs' rules (`Rule.adjust`) when they change; `state_dict` / `load_state_dict` are the
-library's, keyed by parameter position as torch.optim does.
+library's, keyed by parameter position as torch.optim does. As in torch.optim, a parameter's
+state is made at its first gradient (its Leaf is set up without state until then).
 
 Imported only on demand (`optimisers.torch` or `import optimisers.torch`): `import optimisers`
 never imports torch.
