@@ -236,3 +236,58 @@ def test_copies_that_share_arrays_do_not_step_each_other():
         opt.update_(stepped, m, {k: g[k] for k in m})
         for p, q in zip(before, arrays_of(watched)):
             np.testing.assert_array_equal(p, q)
+
+
+def _torch_peak(call):
+    """Peak bytes the torch allocator held during `call()` above what it held before."""
+    from torch.profiler import ProfilerActivity, profile
+
+    gc.collect()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        call()
+    level = peak = 0
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    for e in sorted(events, key=lambda e: e.start_ns()):
+        level += e.nbytes()
+        peak = max(peak, level)
+    assert events
+    return peak
+
+
+@pytest.mark.parametrize("kind", ["adapter", "dropin"])
+@pytest.mark.parametrize("start", ["first-gradient", "load"])
+def test_torch_optimizer_first_step_keeps_the_state_it_makes(kind, start):
+    """The adapter makes a parameter's state at its first gradient, and a load decodes copies: in
+    both cases the engine takes those arrays as its buffers instead of copying them again."""
+    torch = pytest.importorskip("torch")
+    import optimisers.torch as ot
+
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(512, 512)), torch.nn.Parameter(torch.randn(512, 384))]
+    params += [torch.nn.Parameter(torch.randn(256)) for _ in range(64)]
+    n = sum(p.numel() * p.element_size() for p in params)
+
+    def make():
+        if kind == "adapter":
+            return ot.Optimizer(params, opt.Adam(1e-3))
+        return ot.AdamW(params, lr=1e-3)
+
+    def step(optimizer):
+        for p in params:
+            p.grad = torch.randn_like(p)
+        optimizer.step()
+
+    optimizer = make()
+    if start == "load":
+        step(optimizer)
+        saved = copy.deepcopy(optimizer.state_dict())
+        optimizer = make()
+        optimizer.load_state_dict(saved)
+        del saved
+        made = 0
+    else:
+        made = 2 * n  # Adam's two moments, made by this step
+    for p in params:
+        p.grad = torch.randn_like(p)
+    peak = _torch_peak(optimizer.step)
+    assert peak - made <= 0.25 * n, (peak - made) / n
