@@ -337,3 +337,40 @@ def test_load_state_dict_into_an_nnx_optimizer_refuses_a_mismatch_and_changes_no
     with pytest.raises(opt.CheckpointError, match=wrong):
         opt.load_state_dict(state, d)
     assert optimizer.opt_state is state
+
+
+@pytest.mark.parametrize("suffix", [".npz", ".safetensors"])
+def test_save_and_load_of_an_nnx_optimizer_state_file(tmp_path, suffix):
+    """The file's load budget counts the arrays an nnx.Optimizer holds in Variables: a model
+    whose state is over a mebibyte still loads."""
+
+    class Wide(nnx.Module):
+        def __init__(self, rngs):
+            self.l1 = nnx.Linear(3, 512, rngs=rngs)
+            self.l2 = nnx.Linear(512, 512, rngs=rngs)  # 2 MiB of Adam state
+            self.l3 = nnx.Linear(512, 2, rngs=rngs)
+
+        def __call__(self, x):
+            return self.l3(jax.nn.relu(self.l2(jax.nn.relu(self.l1(x)))))
+
+    def create():
+        model = Wide(nnx.Rngs(0))
+        return model, nnx.Optimizer(model, transform(opt.Adam(1e-3)), wrt=nnx.Param)
+
+    @nnx.jit
+    def step(model, optimizer):
+        optimizer.update(model, nnx.grad(lambda m: jnp.mean((m(X) - Y) ** 2))(model))
+
+    model, optimizer = create()
+    for _ in range(2):
+        step(model, optimizer)
+    path = tmp_path / f"opt{suffix}"
+    opt.save(path, optimizer.opt_state)
+    restored_model, restored = create()
+    nnx.update(restored_model, nnx.state(model, nnx.Param))
+    restored.opt_state = opt.load(path, restored.opt_state)
+    restored.step.set_value(optimizer.step.get_value())
+    for _ in range(2):
+        step(model, optimizer)
+        step(restored_model, restored)
+    assert_bitwise(nnx.state((restored_model, restored)), nnx.state((model, optimizer)))
