@@ -543,9 +543,13 @@ def _convert_shared(value, like, shared: dict):
     """`_convert(value, like)`, made once for a counter object that several Leafs share (the
     update hands the Leafs of one rule one new counter) while the checkpoint gives them one
     value: the loaded State then flattens to the same pytree as the one it replaces (a jitted
-    step does not compile again), and in `nnx.Optimizer` they stay one Variable."""
-    n = None if isinstance(like, (bool, int, float, complex)) else _number(value)
-    if n is None or tuple(getattr(_unheld(like), "shape", ())) != ():
+    step does not compile again), and in `nnx.Optimizer` they stay one Variable. JAX arrays and
+    Variables only: optax steps them by making new ones, where an in-place step would advance a
+    shared NumPy or torch counter once per Leaf."""
+    held = _unheld(like)
+    functional = _is_variable(like) or type(held).__module__.startswith(("jax", "jaxlib"))
+    n = _number(value) if functional and tuple(getattr(held, "shape", (0,))) == () else None
+    if n is None:
         return _convert(value, like)
     key = (id(like), type(n), n)
     if key not in shared:
