@@ -234,3 +234,30 @@ def test_the_largest_counter_loads(tmp_path):
     path, m = edited(tmp_path, lambda e: e.update({"w/state/2": 2**63 - 1}))
     loaded = opt.load(path, opt.setup(opt.Adam(0.01), m))
     assert loaded["w"].state[2] == 2**63 - 1
+
+
+def safetensors_saved(tmp_path):
+    m = model()
+    state = opt.setup(opt.Adam(0.01), m)
+    state, m = opt.update(state, m, {k: np.ones_like(v) for k, v in m.items()})
+    path = tmp_path / "opt.safetensors"
+    opt.save(path, state)
+    return path, m
+
+
+def test_a_safetensors_header_that_claims_gigabytes_is_refused_unallocated(tmp_path):
+    path, m = safetensors_saved(tmp_path)
+    data = path.read_bytes()
+    path.write_bytes(struct.pack("<Q", 20 << 30) + data[8:])
+    load_refused(path, m, f"header declares {20 << 30} bytes")
+
+
+def test_a_safetensors_header_of_200k_tensors_is_refused_as_more_than_this_state_needs(tmp_path):
+    path, m = safetensors_saved(tmp_path)
+    data = path.read_bytes()
+    n = struct.unpack("<Q", data[:8])[0]
+    header = json.loads(data[8 : 8 + n])
+    header.update({f"x{i}": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]} for i in range(200_000)})
+    text = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(text)) + text + data[8 + n :])
+    load_refused(path, m, "more than a checkpoint of this state needs")

@@ -294,3 +294,83 @@ SHARDED_INIT = textwrap.dedent(
 def test_sharded_init_inside_nnx_jit_shards_the_state_like_its_parameters():
     proc = run_on_host_devices(SHARDED_INIT, 8)
     assert proc.stdout.strip().endswith("ok")
+
+
+# --- state_dict of an nnx.Optimizer -------------------------------------------------------------------
+
+
+def test_state_dict_of_an_nnx_optimizer_loads_into_a_fresh_one_and_continues_bit_for_bit():
+    """`nnx.Optimizer` holds every array and number of the state, and the rule's numbers, in Flax
+    Variables: the state dict holds their values, and loading puts them back in Variables."""
+    step = counted_step([])
+    model = MLP(nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, transform(opt.Adam(1e-2)), wrt=nnx.Param)
+    for _ in range(3):
+        step(model, optimizer)
+    opt.adjust_(optimizer.opt_state, 3e-3)  # the checkpoint's rate, not the fresh optimiser's
+    d = opt.state_dict(optimizer.opt_state)
+    assert not any(isinstance(v, nnx.Variable) for v in d.values())
+    assert d["l1.kernel/rule"].startswith(f"Adam(eta={float(np.float32(3e-3))!r},")
+
+    restored_model = MLP(nnx.Rngs(1))
+    nnx.update(restored_model, nnx.state(model, nnx.Param))
+    restored = nnx.Optimizer(restored_model, transform(opt.Adam(1e-2)), wrt=nnx.Param)
+    before = restored.opt_state
+    restored.opt_state = opt.load_state_dict(restored.opt_state, d)
+    assert isinstance(restored.opt_state["l1"]["kernel"].rule.eta, nnx.Variable)
+    assert isinstance(restored.opt_state["l1"]["kernel"].state[0], nnx.Variable)
+    assert float(before["l1"]["kernel"].rule.eta.get_value()) == np.float32(1e-2)  # left as it was
+    restored.step.set_value(optimizer.step.get_value())  # nnx.Optimizer's own count, not the state's
+    for _ in range(3):
+        step(model, optimizer)
+        step(restored_model, restored)
+    assert_bitwise(nnx.state((restored_model, restored)), nnx.state((model, optimizer)))
+
+
+def test_load_state_dict_into_an_nnx_optimizer_refuses_a_mismatch_and_changes_nothing():
+    model = MLP(nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, transform(opt.Adam(1e-2)), wrt=nnx.Param)
+    d = opt.state_dict(optimizer.opt_state)
+    d["l1.kernel/state/0"] = np.zeros((4, 3), np.float32)
+    state = optimizer.opt_state
+    wrong = r"l1\.kernel/state/0: shape \(4, 3\) in the checkpoint, \(3, 4\)"
+    with pytest.raises(opt.CheckpointError, match=wrong):
+        opt.load_state_dict(state, d)
+    assert optimizer.opt_state is state
+
+
+@pytest.mark.parametrize("suffix", [".npz", ".safetensors"])
+def test_save_and_load_of_an_nnx_optimizer_state_file(tmp_path, suffix):
+    """The file's load budget counts the arrays an nnx.Optimizer holds in Variables: a model
+    whose state is over a mebibyte still loads."""
+
+    class Wide(nnx.Module):
+        def __init__(self, rngs):
+            self.l1 = nnx.Linear(3, 512, rngs=rngs)
+            self.l2 = nnx.Linear(512, 512, rngs=rngs)  # 2 MiB of Adam state
+            self.l3 = nnx.Linear(512, 2, rngs=rngs)
+
+        def __call__(self, x):
+            return self.l3(jax.nn.relu(self.l2(jax.nn.relu(self.l1(x)))))
+
+    def create():
+        model = Wide(nnx.Rngs(0))
+        return model, nnx.Optimizer(model, transform(opt.Adam(1e-3)), wrt=nnx.Param)
+
+    @nnx.jit
+    def step(model, optimizer):
+        optimizer.update(model, nnx.grad(lambda m: jnp.mean((m(X) - Y) ** 2))(model))
+
+    model, optimizer = create()
+    for _ in range(2):
+        step(model, optimizer)
+    path = tmp_path / f"opt{suffix}"
+    opt.save(path, optimizer.opt_state)
+    restored_model, restored = create()
+    nnx.update(restored_model, nnx.state(model, nnx.Param))
+    restored.opt_state = opt.load(path, restored.opt_state)
+    restored.step.set_value(optimizer.step.get_value())
+    for _ in range(2):
+        step(model, optimizer)
+        step(restored_model, restored)
+    assert_bitwise(nnx.state((restored_model, restored)), nnx.state((model, optimizer)))

@@ -35,7 +35,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from . import schedules
-from ._rule import Rule
+from ._rule import Rule, _held_like
 from ._state import Leaf, State, describe, map_leaves
 from ._tree import format_path
 from .schedules import Schedule
@@ -88,6 +88,23 @@ def _places(tree) -> list[tuple[str, Leaf]]:
     return out
 
 
+def _nnx_variable_type():
+    nnx_module = sys.modules.get("flax.nnx")  # Flax is not a dependency: only seen once imported
+    return getattr(nnx_module, "Variable", None) if nnx_module is not None else None
+
+
+def _is_variable(x) -> bool:
+    """A Flax NNX `Variable`: `nnx.Optimizer` holds each array and number of its state, and each
+    number of the rule, in one."""
+    variable = _nnx_variable_type()
+    return variable is not None and isinstance(x, variable)
+
+
+def _unheld(x):
+    """The value a Flax NNX `Variable` holds; `x` itself for anything else."""
+    return x.get_value() if _is_variable(x) else x
+
+
 def _is_array(x) -> bool:
     root = type(x).__module__.partition(".")[0]
     return root in ("numpy", "torch", "jax", "jaxlib") and hasattr(x, "shape") and hasattr(x, "dtype")
@@ -97,7 +114,7 @@ def _state_items(value, key: str, out: list) -> list:
     """`(key, element)` for the arrays and numbers of one Leaf's state, in order."""
     if value is None:
         return out
-    if _is_array(value) or isinstance(value, (bool, int, float, complex)):
+    if _is_array(value) or isinstance(value, (bool, int, float, complex)) or _is_variable(value):
         out.append((key, value))
     elif isinstance(value, (tuple, list)):
         for i, v in enumerate(value):
@@ -117,7 +134,7 @@ def _rebuild_state(value, key: str, new: dict):
     """The state `value` with each element replaced by `new[key]`, containers rebuilt alike."""
     if value is None:
         return None
-    if _is_array(value) or isinstance(value, (bool, int, float, complex)):
+    if _is_array(value) or isinstance(value, (bool, int, float, complex)) or _is_variable(value):
         return new[key]
     if isinstance(value, (tuple, list)):
         items = [_rebuild_state(v, f"{key}/{i}", new) for i, v in enumerate(value)]
@@ -161,6 +178,7 @@ def _is_described(x) -> bool:
 def _check_storable(value, label):
     """A hyperparameter that is a callable other than a schedule of `optimisers.schedules` (a
     lambda, an optax schedule) cannot be written as data: refuse it when saving, not loading."""
+    value = _unheld(value)
     if _is_described(value):
         for k in _rule_fields(value):
             _check_storable(getattr(value, k), f"{label}.{k}")
@@ -187,7 +205,9 @@ def _dtype_name(x) -> str | None:
 
 
 def _number(x):
-    """A Python number for a number or a concrete 0-d array; None for anything else."""
+    """A Python number for a number or a concrete 0-d array (or a Flax Variable holding one); None
+    for anything else."""
+    x = _unheld(x)
     if isinstance(x, (bool, int, float)):
         return x
     if isinstance(x, np.generic) or (_is_array(x) and tuple(x.shape) == ()):
@@ -357,7 +377,7 @@ def _restore_rule(spec, rule):
         return type(rule)(items)
     n = _number(rule)
     if n is not None and not _same_number(spec, n):
-        return spec
+        return _held_like(rule, spec)  # in a Flax Variable where nnx.Optimizer held the old one
     return rule
 
 
@@ -472,7 +492,10 @@ def _to_numpy(value, dtype: str | None = None) -> np.ndarray:
 
 def _convert(value, like):
     """`value` as a fresh element of `like`'s kind: a Python number, or an array of `like`'s
-    backend, dtype, device (and JAX sharding and weak type)."""
+    backend, dtype, device (and JAX sharding and weak type), held in a Flax Variable like `like`'s
+    when `like` is one."""
+    if _is_variable(like):
+        return like.copy(_convert(value, like.get_value()))
     if isinstance(like, (bool, int, float, complex)):
         if isinstance(value, _RawBits):
             value = _to_numpy(value)
@@ -514,6 +537,24 @@ def _convert(value, like):
     )
     host = host.astype(like.dtype, copy=False)
     return jax.device_put(host, like.sharding)
+
+
+def _convert_shared(value, like, shared: dict):
+    """`_convert(value, like)`, made once for a counter object that several Leafs share (the
+    update hands the Leafs of one rule one new counter) while the checkpoint gives them one
+    value: the loaded State then flattens to the same pytree as the one it replaces (a jitted
+    step does not compile again), and in `nnx.Optimizer` they stay one Variable. JAX arrays and
+    Variables only: optax steps them by making new ones, where an in-place step would advance a
+    shared NumPy or torch counter once per Leaf."""
+    held = _unheld(like)
+    functional = _is_variable(like) or type(held).__module__.startswith(("jax", "jaxlib"))
+    n = _number(value) if functional and tuple(getattr(held, "shape", (0,))) == () else None
+    if n is None:
+        return _convert(value, like)
+    key = (id(like), type(n), n)
+    if key not in shared:
+        shared[key] = _convert(value, like)
+    return shared[key]
 
 
 def _text(value, key):
@@ -563,6 +604,7 @@ def state_dict(state) -> dict:
         d[f"{name}/rule"] = _encode(leaf.rule)
         d[f"{name}/frozen"] = bool(leaf.frozen)
         for key, value in _state_items(leaf.state, f"{name}/state", []):
+            value = _unheld(value)
             _check_concrete(value, key)
             if key in d:
                 raise ValueError(f"two state entries are both named {key!r}; rename a model key")
@@ -737,7 +779,7 @@ def load_state_dict(state, d: Mapping, *, hyperparameters: str = "checkpoint") -
             if key not in d:
                 problems.append(f"{key}: missing from the checkpoint (this state has {describe(like)})")
                 continue
-            why = _incompatible(d[key], like)
+            why = _incompatible(d[key], _unheld(like))
             if why:
                 problems.append(f"{key}: {why}")
             values[key] = d[key]
@@ -764,6 +806,7 @@ def load_state_dict(state, d: Mapping, *, hyperparameters: str = "checkpoint") -
     # build: every check passed, so this only converts
     rules = restored
     new_leaf: dict[int, Leaf] = {}
+    shared: dict[tuple, Any] = {}
     for name, leaf in leaf_at.items():
         spec, frozen, values = plans[name]
         rule = leaf.rule
@@ -773,7 +816,8 @@ def load_state_dict(state, d: Mapping, *, hyperparameters: str = "checkpoint") -
                 rules[memo] = _restore_rule(spec, leaf.rule)
             rule = rules[memo]
         converted = {
-            key: _convert(values[key], like) for key, like in _state_items(leaf.state, f"{name}/state", [])
+            key: _convert_shared(values[key], like, shared)
+            for key, like in _state_items(leaf.state, f"{name}/state", [])
         }
         new_state = _rebuild_state(leaf.state, f"{name}/state", converted)
         new_leaf[id(leaf)] = new = leaf._successor(rule, new_state)

@@ -48,6 +48,7 @@ from ._checkpoint import (
     _state_items,
     _to_numpy,
     _tree_of,
+    _unheld,
     load_state_dict,
     state_dict,
 )
@@ -249,7 +250,8 @@ def _budget(state) -> tuple[int, int, int]:
     items = []
     for _, leaf in _places(_tree_of(state, "load")):
         _state_items(leaf.state, "", items)
-    nbytes = sum(int(getattr(v, "nbytes", 0)) for _, v in items if _is_array(v))
+    values = [_unheld(v) for _, v in items]  # nnx.Optimizer holds its arrays in Flax Variables
+    nbytes = sum(int(getattr(v, "nbytes", 0)) for v in values if _is_array(v))
     meta_budget = 4096 * (len(items) + 16) + (1 << 20)
     return 2 * nbytes + 64 * len(items) + (1 << 20), meta_budget, 2 * len(items) + 64
 
@@ -476,8 +478,13 @@ def _read_safetensors(f, budget: int, meta_budget: int, members_max: int) -> tup
     if len(head) < 8:
         _reject("the file is shorter than a safetensors header")
     n = int.from_bytes(head, "little")
-    if n > size - 8 or n > meta_budget:
+    if n > size - 8:
         _reject(f"its header declares {n} bytes (the file has {size})")
+    if n > meta_budget:
+        _reject(
+            f"its header declares {n} bytes, more than a checkpoint of this state needs "
+            f"({meta_budget} at most): a checkpoint of another model?"
+        )
     if size - 8 - n > budget:
         _reject(f"it holds {size - 8 - n} bytes of arrays, far more than this state holds")
     header = _json(f.read(n))

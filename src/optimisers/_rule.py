@@ -51,8 +51,9 @@ def _is_number(value) -> bool:
 
 
 def _is_schedule(value) -> bool:
-    """A callable of the step count standing for a hyperparameter (a class is not one)."""
-    return callable(value) and not isinstance(value, type)
+    """A callable of the step count standing for a hyperparameter (a class is not one, nor a
+    number in a box of HELD_VALUES: a Flax Variable is callable)."""
+    return callable(value) and not isinstance(value, type) and not _is_held(value)
 
 
 def _check_field(rule: str, name: str, value, default):
