@@ -576,6 +576,7 @@ def _state_parts(state: State, with_keys: bool = True):
     leaf_num: dict[int, int] = {}
     found: list = []  # (Leaf, path, rule number), in skeleton order
     dict_num: dict[int, int] = {}
+    dicts: list = []  # the tree's dicts, in skeleton order
 
     def skeleton(node, path):
         if isinstance(node, Leaf):
@@ -594,6 +595,7 @@ def _state_parts(state: State, with_keys: bool = True):
         if d is not None:
             return ("ref", d)
         dict_num[id(node)] = len(dict_num)
+        dicts.append(node)
         items = []
         for k, v in node.items():
             items.append((k, skeleton(v, path + (k,) if with_keys else None)))
@@ -635,7 +637,21 @@ def _state_parts(state: State, with_keys: bool = True):
     head = [(tu.DictKey(_RULES), tuple(rule_values))] if rule_values else []
     if scalars:
         head.append((tu.DictKey(_SCALARS), tuple({n: v} for n, v in zip(slot_names, scalars))))
-    return head + leaf_children, aux
+    keyed = head + leaf_children
+    _remember(state, aux, keyed, with_keys, dicts, [leaf for leaf, _, _ in found])
+    return keyed, aux
+
+
+def _remember(state, aux, keyed, with_keys, dicts, leaves) -> None:
+    """Keep what flattening `state` gave, as `_state_unflatten` does for the States it makes:
+    `jit` flattens its arguments more than once per trace (for their structure, then again with
+    keys for their names), and each later call with the same State, unchanged, gives these back
+    at once instead of walking every Leaf again."""
+    made = _Unflattened(aux, [c for _, c in keyed])
+    root = state.tree
+    made.built(root, [] if isinstance(root, Leaf) else dicts, leaves)
+    made.keyed = keyed if with_keys else None
+    state._pytree = made
 
 
 _PART_NAMES: dict = {}  # a state's structure -> the name of each of its parts
@@ -740,6 +756,9 @@ def _kept_layout(layout, flat, groups):
 def _state_flatten_with_keys(state):
     if not _FLAX_REGISTERED:
         register_flax_serialization()
+    made = getattr(state, "_pytree", None)
+    if made is not None and made.keyed is not None and made.fits(state):
+        return made.keyed, made.aux
     return _state_parts(state)
 
 
@@ -747,7 +766,7 @@ def _state_flatten(state):
     made = getattr(state, "_pytree", None)
     if made is not None and made.fits(state):
         return made.children, made.aux
-    keyed, aux = _state_parts(state, with_keys=False)
+    keyed, aux = _state_parts(state)  # with keys: jit flattens again with keys, from the record
     return [c for _, c in keyed], aux
 
 
@@ -765,6 +784,7 @@ class _Unflattened:
     def __init__(self, aux, children):
         self.aux, self.children = aux, children
         self.root = None  # the tree, once built
+        self.keyed = None  # the children with their keys, once flattened with keys
 
     @property
     def layout(self):
