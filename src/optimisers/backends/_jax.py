@@ -753,6 +753,18 @@ def _kept_layout(layout, flat, groups):
     return layout
 
 
+def plan_flatten(state: State, x) -> None:
+    """At `setup`, for a model of JAX arrays (`x` one of them): flatten the new State once, so
+    that the first jitted step gets what it flattens to at once (plan once, at setup). Only a
+    cache: a State that cannot be flattened says so when something flattens it."""
+    if not isinstance(x, jax.Array) or _is_traced(x):
+        return
+    try:
+        _state_parts(state)
+    except Exception:  # noqa: BLE001 - reported by the flatten that needs it, where it is used
+        state._pytree = None
+
+
 def _state_flatten_with_keys(state):
     if not _FLAX_REGISTERED:
         register_flax_serialization()
