@@ -8,8 +8,9 @@ Rows (median milliseconds over `--repeats` runs after one warm-up; ratio = ours 
 measured in this run, on the same parameters: `--arrays` float32 arrays of 16 elements):
 
 - setup: `optimisers.setup(Adam(), params)` against `optax.adam(1e-3).init(params)`;
-- flatten (fresh): `jax.tree_util.tree_flatten` of a State that `setup` returned, never flattened
-  before (the first jitted call pays this);
+- setup includes planning the State's flatten (on JAX, `setup` flattens the new State once);
+- flatten (fresh): `jax.tree_util.tree_flatten` of a State that `setup` returned, not flattened
+  by anything since (the first jitted call pays this);
 - flatten (again): of that State once flattened before (it keeps what flattening gave while it
   is unchanged: a second call with it, or `jit` flattening it again for argument names);
 - flatten (after a step): of a State that `tree_unflatten` made (every later jitted call pays this);
