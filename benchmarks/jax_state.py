@@ -8,13 +8,17 @@ Rows (median milliseconds over `--repeats` runs after one warm-up; ratio = ours 
 measured in this run, on the same parameters: `--arrays` float32 arrays of 16 elements):
 
 - setup: `optimisers.setup(Adam(), params)` against `optax.adam(1e-3).init(params)`;
-- flatten (fresh): `jax.tree_util.tree_flatten` of the State that `setup` returned (the first
-  jitted call pays this);
+- setup includes planning the State's flatten (on JAX, `setup` flattens the new State once);
+- flatten (fresh): `jax.tree_util.tree_flatten` of a State that `setup` returned, not flattened
+  by anything since (the first jitted call pays this);
+- flatten (again): of that State once flattened before (it keeps what flattening gave while it
+  is unchanged: a second call with it, or `jit` flattening it again for argument names);
 - flatten (after a step): of a State that `tree_unflatten` made (every later jitted call pays this);
 - unflatten: `tree_unflatten(treedef, leaves)` (every jitted call pays it for its output, and
   once more under tracing);
 - trace: `jax.jit(step).trace(state, params, grads)` of one training step (Adam update and the new
-  parameters), without compiling.
+  parameters), without compiling, of a State that has been flattened before;
+- trace (fresh): the same, with a State fresh from `setup` (the first step of training).
 """
 
 from __future__ import annotations
@@ -47,6 +51,12 @@ def median_ms(fn, repeats: int) -> float:
     return statistics.median(times) * 1e3
 
 
+def first_flatten(init, repeats: int):
+    """Flattening, each run, a state that `init` made beforehand and nothing flattened yet."""
+    states = iter([init() for _ in range(repeats + 1)])
+    return lambda: jax.tree_util.tree_flatten(next(states))
+
+
 def rows(arrays: int, repeats: int) -> list[tuple[str, object, object]]:
     """`(name, our function, optax's function)` for each row."""
     keys = jax.random.split(jax.random.key(0), arrays)
@@ -72,11 +82,22 @@ def rows(arrays: int, repeats: int) -> list[tuple[str, object, object]]:
         # a fresh jit each time: tracing is what is measured, not the cache
         return lambda: jax.jit(step).trace(state, params, grads)
 
+    def trace_first(step, init):
+        # the first step of training: a State fresh from setup, never flattened before
+        states = iter([init() for _ in range(repeats + 1)])
+        return lambda: jax.jit(step).trace(next(states), params, grads)
+
     return [
         ("setup", lambda: opt.setup(opt.Adam(1e-3), params), lambda: tx.init(params)),
         (
             "flatten (fresh)",
-            lambda: jax.tree_util.tree_flatten(ours_state),  # not made by unflatten: nothing cached
+            # a State never flattened before (one per run, made beforehand): nothing kept yet
+            first_flatten(lambda: opt.setup(opt.Adam(1e-3), params), repeats),
+            first_flatten(lambda: tx.init(params), repeats),
+        ),
+        (
+            "flatten (again)",
+            lambda: jax.tree_util.tree_flatten(ours_state),  # from setup, flattened before
             lambda: jax.tree_util.tree_flatten(theirs_state),
         ),
         (
@@ -90,6 +111,11 @@ def rows(arrays: int, repeats: int) -> list[tuple[str, object, object]]:
             lambda: jax.tree_util.tree_unflatten(theirs_def, theirs_leaves),
         ),
         ("trace", trace(ours_step, ours_state), trace(theirs_step, theirs_state)),
+        (
+            "trace (fresh)",
+            trace_first(ours_step, lambda: opt.setup(opt.Adam(1e-3), params)),
+            trace_first(theirs_step, lambda: tx.init(params)),
+        ),
     ]
 
 

@@ -72,7 +72,7 @@ def setup(rule, model) -> State:
     overlap in memory (e.g. `W` and `W.T`), naming both paths.
     """
     if "jax" in sys.modules:  # registers State/Leaf as JAX pytrees before any jit sees them
-        from .backends import _jax  # noqa: F401
+        from .backends import _jax
     choose = _rule_chooser(rule)
     built: dict[int, Any] = {}  # id(model node) -> its state sub-tree (None: nothing trainable)
     arrays: list[tuple[tuple, Any]] = []
@@ -105,7 +105,10 @@ def setup(rule, model) -> State:
 
     tree = build(model, ())
     _check_overlaps(arrays)
-    return State(tree, keys)
+    state = State(tree, keys)
+    if arrays and "jax" in sys.modules:
+        _jax.plan_flatten(state, arrays[0][1])
+    return state
 
 
 def _check_overlaps(arrays):

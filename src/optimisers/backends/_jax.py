@@ -142,7 +142,18 @@ def epsilon(value, like):
 
 
 def zeros_like(x):
-    return jnp.zeros_like(x)
+    if not isinstance(x, jax.Array) or _is_traced(x) or x.weak_type or not jnp.issubdtype(x.dtype, np.number):
+        return jnp.zeros_like(x)  # tracers, weak types, bools and keys: the general path
+    sharding = x.sharding if x._committed else None
+    return _zeros_maker(x.shape, x.dtype, sharding)()
+
+
+@functools.lru_cache(maxsize=1024)
+def _zeros_maker(shape, dtype, sharding):
+    """A compiled function of no arguments that makes zeros where `zeros_like` puts them (on the
+    parameter's sharding if it is committed to one). `setup` makes state for thousands of arrays,
+    mostly of a few shapes; calling this costs a fraction of an eager `jnp.zeros_like`."""
+    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
 
 
 def full_like(x, value):
@@ -565,6 +576,7 @@ def _state_parts(state: State, with_keys: bool = True):
     leaf_num: dict[int, int] = {}
     found: list = []  # (Leaf, path, rule number), in skeleton order
     dict_num: dict[int, int] = {}
+    dicts: list = []  # the tree's dicts, in skeleton order
 
     def skeleton(node, path):
         if isinstance(node, Leaf):
@@ -583,6 +595,7 @@ def _state_parts(state: State, with_keys: bool = True):
         if d is not None:
             return ("ref", d)
         dict_num[id(node)] = len(dict_num)
+        dicts.append(node)
         items = []
         for k, v in node.items():
             items.append((k, skeleton(v, path + (k,) if with_keys else None)))
@@ -624,7 +637,21 @@ def _state_parts(state: State, with_keys: bool = True):
     head = [(tu.DictKey(_RULES), tuple(rule_values))] if rule_values else []
     if scalars:
         head.append((tu.DictKey(_SCALARS), tuple({n: v} for n, v in zip(slot_names, scalars))))
-    return head + leaf_children, aux
+    keyed = head + leaf_children
+    _remember(state, aux, keyed, with_keys, dicts, [leaf for leaf, _, _ in found])
+    return keyed, aux
+
+
+def _remember(state, aux, keyed, with_keys, dicts, leaves) -> None:
+    """Keep what flattening `state` gave, as `_state_unflatten` does for the States it makes:
+    `jit` flattens its arguments more than once per trace (for their structure, then again with
+    keys for their names), and each later call with the same State, unchanged, gives these back
+    at once instead of walking every Leaf again."""
+    made = _Unflattened(aux, [c for _, c in keyed])
+    root = state.tree
+    made.built(root, [] if isinstance(root, Leaf) else dicts, leaves)
+    made.keyed = keyed if with_keys else None
+    state._pytree = made
 
 
 _PART_NAMES: dict = {}  # a state's structure -> the name of each of its parts
@@ -726,9 +753,24 @@ def _kept_layout(layout, flat, groups):
     return layout
 
 
+def plan_flatten(state: State, x) -> None:
+    """At `setup`, for a model of JAX arrays (`x` one of them): flatten the new State once, so
+    that the first jitted step gets what it flattens to at once (plan once, at setup). Only a
+    cache: a State that cannot be flattened says so when something flattens it."""
+    if not isinstance(x, jax.Array) or _is_traced(x):
+        return
+    try:
+        _state_parts(state)
+    except Exception:  # noqa: BLE001 - reported by the flatten that needs it, where it is used
+        state._pytree = None
+
+
 def _state_flatten_with_keys(state):
     if not _FLAX_REGISTERED:
         register_flax_serialization()
+    made = getattr(state, "_pytree", None)
+    if made is not None and made.keyed is not None and made.fits(state):
+        return made.keyed, made.aux
     return _state_parts(state)
 
 
@@ -736,7 +778,7 @@ def _state_flatten(state):
     made = getattr(state, "_pytree", None)
     if made is not None and made.fits(state):
         return made.children, made.aux
-    keyed, aux = _state_parts(state, with_keys=False)
+    keyed, aux = _state_parts(state)  # with keys: jit flattens again with keys, from the record
     return [c for _, c in keyed], aux
 
 
@@ -754,6 +796,7 @@ class _Unflattened:
     def __init__(self, aux, children):
         self.aux, self.children = aux, children
         self.root = None  # the tree, once built
+        self.keyed = None  # the children with their keys, once flattened with keys
 
     @property
     def layout(self):
