@@ -366,8 +366,9 @@ def fused_group_step(group, rule, xs, dxs) -> bool:
         return False
     t = group.scalars[2] + 1
     with torch.no_grad():
-        grads = [laid_out_like(g, x) for g, x in zip(dxs, xs)]
-        _run_fused(*found, rule, xs, grads, group.member_parts(0), group.member_parts(1), t)
+        # `dxs` are laid out as their parameters already (the group's `gradients` and the
+        # engine's copies of aliased gradients keep the strides), as the kernel needs
+        _run_fused(*found, rule, xs, dxs, group.member_parts(0), group.member_parts(1), t)
     group.scalars = [None, None, t]
     return True
 
