@@ -120,6 +120,7 @@ class Group:
         self.has_runs = any(c[0] == "run" for c in self.chunks)
         self._member_parts: dict[int, list] = {}
         self._sums: dict[int, object] = {}  # member -> its summed-gradient buffer (tied members)
+        self._marks = None  # the members' `engine_marks` at their last full check
 
     @staticmethod
     def _chunk_size(b, total: int) -> int:
@@ -240,28 +241,50 @@ class Group:
         """Every member's contribution to this update, or None if some member cannot step in
         the group now (no gradient, frozen, reshaped, converted (a torch module's `.double()` or
         `.to(device)` swaps its parameters' data in place), not writable in place)."""
-        engine_ok, dtype, device = self.b.engine_ok, self.dtype, self.device
-        memory_order = self.b.memory_order
         members = []
-        for leaf, shape, order in zip(self.leaves, self.shapes, self.orders):
+        for leaf in self.leaves:
             c = found.get(id(leaf))
             if c is None or not c.grads or c.copies or leaf.frozen:
                 return None
-            x = c.x
-            if x.shape != shape or x.dtype != dtype or not engine_ok(x) or memory_order(x) != order:
-                return None
-            if device is not None and x.device != device:
-                return None
             members.append(c)
+        marks = getattr(self.b, "engine_marks", None)
+        if marks is None:
+            return members if self._fit([c.x for c in members]) else None
+        # the parameters as they were at the last full check (the usual step): nothing that
+        # check read has changed, so it is not redone per parameter
+        now = marks([c.x for c in members])
+        if now == self._marks:
+            return members
+        if not self._fit([c.x for c in members]):
+            return None
+        self._marks = now
         return members
+
+    def _fit(self, xs) -> bool:
+        """Is each parameter still as planned: its shape, dtype, device and memory order, and
+        fit for the engine (a `.data` swap or `.to()` may have changed any of them)?"""
+        engine_ok, dtype, device = self.b.engine_ok, self.dtype, self.device
+        memory_order = self.b.memory_order
+        for x, shape, order in zip(xs, self.shapes, self.orders):
+            if x.shape != shape or x.dtype != dtype or not engine_ok(x) or memory_order(x) != order:
+                return False
+            if device is not None and x.device != device:
+                return False
+        return True
 
     def gradients(self, members) -> list:
         """Each member's summed gradient. A member at several places (tied) sums its gradients
         into a buffer kept between steps: a fresh parameter-sized array every step is memory the
         kernel has to fault in again (on S2-tied's tied embedding, 1 ms a step on PyTorch)."""
         out = []
+        fits = getattr(self.b, "fit_as_they_are", None)  # one pass over the usual case
+        xs = [c.x for c in members]
+        fit = fits([c.grads[0] for c in members], xs, self.dtype, self.device) if fits else None
         for i, c in enumerate(members):
             grads, x = c.grads, c.x
+            if fit is not None and fit[i] and len(grads) == 1:
+                out.append(grads[0])
+                continue
             # summed in place only when each gradient fits the parameter as it is (what the
             # backend's astype hands back unchanged), so that the sum equals `dx()` bit for bit
             if len(grads) == 1 or not all(c.fitted(g) is g for g in grads):

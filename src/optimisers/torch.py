@@ -648,7 +648,7 @@ class Optimizer(torch.optim.Optimizer):
         undo = self._sync()
         born: list[int] = []
         try:
-            grads = {i: p.grad for i, p in self._trained if p.grad is not None}
+            grads = {i: g for i, p in self._trained if (g := p.grad) is not None}
             if grads:
                 grads = self._gradients(grads)
                 born = self._initialise(grads)

@@ -181,6 +181,35 @@ def engine_ok(x) -> bool:
     )
 
 
+_PLAIN = (torch.Tensor, nn.Parameter)
+
+
+def engine_marks(xs) -> list:
+    """For each tensor, what `engine_ok`, `memory_order` and the engine's dtype, device and shape
+    checks read of it: while the marks are unchanged, so are those checks' results. Another kind
+    of tensor (a DTensor, a subclass) gets a mark equal to nothing, so it is checked every time."""
+    return [
+        (x.data_ptr(), x.dtype, x.shape, x.stride(), x.device, x.is_inference())
+        if type(x) in _PLAIN
+        else object()
+        for x in xs
+    ]
+
+
+def fit_as_they_are(gs, xs, dtype, device) -> list:
+    """For each gradient, whether it already is what the engine steps its parameter with (of the
+    group's `dtype` and `device`): `astype` and `laid_out_like` would hand it back unchanged."""
+    return [
+        type(g) in _PLAIN
+        and g.layout is _STRIDED
+        and not g.requires_grad
+        and g.dtype == dtype
+        and g.device == device
+        and g.stride() == x.stride()
+        for g, x in zip(gs, xs)
+    ]
+
+
 def numel(x) -> int:
     return x.numel()
 
@@ -337,8 +366,9 @@ def fused_group_step(group, rule, xs, dxs) -> bool:
         return False
     t = group.scalars[2] + 1
     with torch.no_grad():
-        grads = [laid_out_like(g, x) for g, x in zip(dxs, xs)]
-        _run_fused(*found, rule, xs, grads, group.member_parts(0), group.member_parts(1), t)
+        # `dxs` are laid out as their parameters already (the group's `gradients` and the
+        # engine's copies of aliased gradients keep the strides), as the kernel needs
+        _run_fused(*found, rule, xs, dxs, group.member_parts(0), group.member_parts(1), t)
     group.scalars = [None, None, t]
     return True
 
