@@ -272,11 +272,13 @@ class Group:
                 return False
         return True
 
-    def gradients(self, members) -> list:
-        """Each member's summed gradient. A member at several places (tied) sums its gradients
-        into a buffer kept between steps: a fresh parameter-sized array every step is memory the
-        kernel has to fault in again (on S2-tied's tied embedding, 1 ms a step on PyTorch)."""
-        out = []
+    def gradients(self, members) -> tuple[list, list]:
+        """Each member's summed gradient, laid out as its parameter (what the chunks read), and
+        as it was given (what a scaled group's factor is computed on, as the per-Leaf and pure
+        paths compute it: a norm's rounding depends on the order it sums in). A member at several
+        places (tied) sums its gradients into a buffer kept between steps: a fresh
+        parameter-sized array every step is memory the kernel has to fault in again."""
+        out, given = [], []
         fits = getattr(self.b, "fit_as_they_are", None)  # one pass over the usual case
         xs = [c.x for c in members]
         fit = fits([c.grads[0] for c in members], xs, self.dtype, self.device) if fits else None
@@ -284,18 +286,22 @@ class Group:
             grads, x = c.grads, c.x
             if fit is not None and fit[i] and len(grads) == 1:
                 out.append(grads[0])
+                given.append(grads[0])
                 continue
             # summed in place only when each gradient fits the parameter as it is (what the
             # backend's astype hands back unchanged), so that the sum equals `dx()` bit for bit
             if len(grads) == 1 or not all(c.fitted(g) is g for g in grads):
-                out.append(self.b.laid_out_like(c.dx(), x))  # chunks read it in x's memory order
+                dx = c.dx()
+                out.append(self.b.laid_out_like(dx, x))  # chunks read it in x's memory order
+                given.append(dx)
                 continue
             buf = self._sums.get(i)
             if buf is None:
                 buf = self._sums[i] = _ops.zeros_like(x)
             self.b.sum_into(buf, grads)
             out.append(buf)
-        return out
+            given.append(buf)
+        return out, given
 
     def intact(self) -> bool:
         rule = self.leaves[0].rule
@@ -620,8 +626,8 @@ def execute(work) -> None:
     leaves every parameter and state as it was."""
     prepared = []
     for group, members in work:
-        dxs = group.gradients(members)
-        prepared.append((group, [c.x for c in members], dxs, group.factors(dxs)))
+        dxs, given = group.gradients(members)
+        prepared.append((group, [c.x for c in members], dxs, group.factors(given)))
     _unalias(prepared)
     for group, xs, dxs, factors in prepared:
         if not group.trusted():
