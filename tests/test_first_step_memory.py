@@ -93,11 +93,25 @@ def test_numpy_first_step_needs_no_more_than_a_steady_step(start):
     assert peak - kept <= steady + 0.2 * n, ((peak - kept) / n, steady / n)
 
 
+def _torch_peak(call):
+    """Peak bytes the torch allocator held during `call()` above what it held before."""
+    from torch.profiler import ProfilerActivity, profile
+
+    gc.collect()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        call()
+    level = peak = 0
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    for e in sorted(events, key=lambda e: e.start_ns()):
+        level += e.nbytes()
+        peak = max(peak, level)
+    assert events
+    return peak
+
+
 @pytest.mark.parametrize("start", ["setup", "deepcopy", "load"])
 def test_torch_first_step_peak_is_a_small_part_of_the_parameters(start):
     torch = pytest.importorskip("torch")
-    from torch.profiler import ProfilerActivity, profile
-
     model, grads = model_and_grads(torch.from_numpy)
     g = grads()
     n = param_bytes(model)
@@ -120,17 +134,10 @@ def test_torch_first_step_peak_is_a_small_part_of_the_parameters(start):
             holder[0] = opt.setup(opt.Adam(1e-3), holder[1])
         holder[0], holder[1] = opt.update_(holder[0], holder[1], g)
 
-    gc.collect()
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        first_step()
-    level = peak = 0
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-    for e in sorted(events, key=lambda e: e.start_ns()):
-        level += e.nbytes()
-        peak = max(peak, level)
+    peak = _torch_peak(first_step)
     made = state_bytes(holder[0]) if start == "setup" else 0
     made += model["embed"].nbytes  # the tied embedding's gradient-sum buffer, kept between steps
-    assert events and peak - made <= 0.25 * n, (peak - made) / n
+    assert peak - made <= 0.25 * n, (peak - made) / n
 
 
 # --- only arrays that no other State sees are stepped in place ------------------------------------
@@ -236,22 +243,6 @@ def test_copies_that_share_arrays_do_not_step_each_other():
         opt.update_(stepped, m, {k: g[k] for k in m})
         for p, q in zip(before, arrays_of(watched)):
             np.testing.assert_array_equal(p, q)
-
-
-def _torch_peak(call):
-    """Peak bytes the torch allocator held during `call()` above what it held before."""
-    from torch.profiler import ProfilerActivity, profile
-
-    gc.collect()
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        call()
-    level = peak = 0
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-    for e in sorted(events, key=lambda e: e.start_ns()):
-        level += e.nbytes()
-        peak = max(peak, level)
-    assert events
-    return peak
 
 
 @pytest.mark.parametrize("kind", ["adapter", "dropin"])
