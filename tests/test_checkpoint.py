@@ -16,8 +16,9 @@ import numpy as np
 import pytest
 
 import optimisers as opt
-from optimisers import _checkpoint, schedules
-from optimisers._state import leaf_paths
+import optimisers.checkpoints.state_dict as _checkpoint
+from optimisers import schedules
+from optimisers.core.state import leaf_paths
 
 SEED = 1234
 

@@ -286,7 +286,7 @@ def test_unknown_members_are_refused_before_any_array_is_read(saved, monkeypatch
     with zipfile.ZipFile(path, "a") as z:
         z.writestr("evil.npy", b"x")
     read = []
-    from optimisers import _checkpoint_file
+    import optimisers.checkpoints.files as _checkpoint_file
 
     original = _checkpoint_file._read_npy
     monkeypatch.setattr(

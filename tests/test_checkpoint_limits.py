@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import optimisers as opt
-from optimisers import _checkpoint_file
+import optimisers.checkpoints.files as _checkpoint_file
 
 META = "__optimisers__"
 HUGE = 5 << 30  # elements: 20 GiB of float32

@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import optimisers as opt
-from optimisers import _engine
+import optimisers.engine.groups as _engine
 
 ELEMENTWISE = [
     opt.Descent(0.1),
@@ -252,7 +252,7 @@ class _FakeLibc:
 
 @pytest.mark.parametrize("setting", [None, "default"])
 def test_numpy_engine_sets_malloc_thresholds_once_unless_told_not_to(setting, monkeypatch):
-    from optimisers.backends import _numpy
+    from optimisers.backends import numpy as _numpy
 
     calls: list = []
     monkeypatch.setattr(_numpy.ctypes, "CDLL", lambda name: _FakeLibc(calls))

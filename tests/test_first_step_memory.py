@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import optimisers as opt
-from optimisers._state import flatten_state
+from optimisers.core.state import flatten_state
 
 
 def model_and_grads(make=lambda a: a, seed=0):

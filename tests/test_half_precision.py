@@ -15,9 +15,9 @@ import pytest
 import torch
 
 import optimisers as opt
+import optimisers.engine.groups as _engine
 import optimisers.torch as opt_torch
-from optimisers import _engine
-from optimisers._state import flatten_state, leaf_paths
+from optimisers.core.state import flatten_state, leaf_paths
 
 jnp = pytest.importorskip("jax.numpy")
 ml_dtypes = pytest.importorskip("ml_dtypes")  # NumPy's bfloat16 (a dependency of JAX)

@@ -841,7 +841,7 @@ def test_update_returns_new_arrays_and_update_in_place_returns_the_new_model():
 
 
 def test_norm_and_cond_accept_traced_values():
-    from optimisers import _ops
+    import optimisers.ops as _ops
 
     x = jnp.array([3.0, -4.0, 0.0])
     for p in (2.0, 1.0, np.inf, -np.inf, 0.0, 3.0):

@@ -99,7 +99,7 @@ def test_a_jitted_step_from_a_state_flattened_before_matches_one_never_flattened
     ],
 )
 def test_state_zeros_are_zeros_like(x):
-    from optimisers.backends import _jax
+    from optimisers.backends import jax as _jax
 
     got, want = _jax.zeros_like(x), jnp.zeros_like(x)
     assert (got.dtype, got.shape, got.weak_type) == (want.dtype, want.shape, want.weak_type)

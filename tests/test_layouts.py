@@ -23,9 +23,9 @@ import torch
 from torch import nn
 
 import optimisers as opt
+import optimisers.engine.groups as _engine
 from _torch_models import one_thread
-from optimisers import _engine
-from optimisers._state import flatten_state, leaf_paths
+from optimisers.core.state import flatten_state, leaf_paths
 from optimisers.torch import Optimizer
 
 STEPS = 4

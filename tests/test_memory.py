@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 import optimisers as opt
-from optimisers import _engine
-from optimisers._state import flatten_state
+import optimisers.engine.groups as _engine
+from optimisers.core.state import flatten_state
 
 RULES = [
     opt.Adam(0.01),

@@ -17,7 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import optimisers as opt
-from optimisers import _engine, ops
+import optimisers.engine.groups as _engine
+from optimisers import ops
 
 torch = pytest.importorskip("torch")
 jax = pytest.importorskip("jax")

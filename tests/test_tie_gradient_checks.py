@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import optimisers as opt
-from optimisers._ops import GradientError
-from optimisers._tree import format_path
+from optimisers.core.tree import format_path
+from optimisers.ops import GradientError
 
 W = np.arange(6, dtype=np.float32).reshape(3, 2) / 10
 GOOD = np.ones((3, 2), np.float32)

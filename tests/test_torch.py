@@ -13,10 +13,10 @@ from torch import nn
 from torch.func import functional_call
 
 import optimisers as opt
+import optimisers.ops as _ops
 from _torch_models import batch, lm_loss, make_gpt, one_thread
-from optimisers import _ops
-from optimisers.backends import _numpy as npb
-from optimisers.backends import _torch as tb
+from optimisers.backends import numpy as npb
+from optimisers.backends import torch as tb
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 FLOATS = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
@@ -632,7 +632,7 @@ def test_destructure_is_differentiable_and_sums_tied_contributions():
 
 
 def test_plain_tensors_at_tied_parameter_slots_become_one_parameter():
-    from optimisers._tree import map_params
+    from optimisers.core.tree import map_params
 
     model = make_gpt()
     doubled = map_params(lambda p: p.detach() * 2, model)

@@ -194,5 +194,5 @@ def test_adapter_compiled_with_a_scheduler_does_not_recompile(compile_mode):
         assert torch.equal(compiled[name], eager[name]), name
     assert_close_to(compiled, torch_adamw())
     # the whole step: its forward and backward, compiled once; `optimizer.step` alone: nothing of
-    # it is traced (one graph break, see optimisers._compile)
+    # it is traced (one graph break, see optimisers.core.eager)
     assert counter.frame_count == (1 if compile_mode == "step_fn" else 0), counter.frame_count

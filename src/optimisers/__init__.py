@@ -5,14 +5,18 @@
     state, model = optimisers.update_(state, model, grads)   # in place
 """
 
-from . import ops, schedules
-from ._buffers import distinct_buffers
-from ._checkpoint import CheckpointError, load_state_dict, state_dict
-from ._checkpoint_file import load, save
-from ._destructure import destructure, trainables
-from ._interface import adjust, adjust_, freeze_, setup, thaw_, update, update_
-from ._rule import Rule
-from ._rules import (
+from optimisers import (
+    backends,  # noqa: F401  (registers the array backends with the core)
+    ops,
+    schedules,
+)
+from optimisers.checkpoints.files import load, save
+from optimisers.checkpoints.state_dict import CheckpointError, load_state_dict, state_dict
+from optimisers.core import dispatch as _dispatch
+from optimisers.core.rule import Rule
+from optimisers.core.state import Leaf, State
+from optimisers.core.tree import register
+from optimisers.rules.builtin import (
     AccumGrad,
     AdaBelief,
     AdaDelta,
@@ -38,9 +42,10 @@ from ._rules import (
     SkipNonFinite,
     WeightDecay,
 )
-from ._state import Leaf, State
-from ._torch_grads import grads
-from ._tree import register
+from optimisers.verbs.buffers import distinct_buffers
+from optimisers.verbs.destructure import destructure, trainables
+from optimisers.verbs.grads import grads
+from optimisers.verbs.interface import adjust, adjust_, freeze_, setup, thaw_, update, update_
 
 __version__ = "0.1.0"
 
@@ -93,11 +98,8 @@ __all__ = [
     "update_",
 ]
 
-import sys as _sys  # noqa: E402
-
-if "jax" in _sys.modules:  # jax imported first: register State/Leaf as pytrees now
-    from .backends import _jax as _jax_backend  # noqa: E402, F401
-del _sys
+# jax imported first: register State/Leaf as pytrees now
+_dispatch.loaded("jax")
 
 
 def __getattr__(name):

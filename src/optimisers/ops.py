@@ -1,4 +1,4 @@
-"""Backend-neutral maths for writing rules.
+"""The maths that rules are written in: the one array API of built-in and user-written rules alike.
 
 Each function picks NumPy, PyTorch or JAX (tracers included) from the type of its first array
 argument, so a rule written with these and Python operators serves every backend:
@@ -12,35 +12,23 @@ argument, so a rule written with these and Python operators serves every backend
 
 `scalar(h, x)` casts a hyperparameter to `x`'s dtype (do this for every hyperparameter, so float16
 parameters stay float16 and traced hyperparameters work under `jax.jit`); `epsilon(e, x)` does the
-same for an epsilon, in the real dtype with a float16 floor of 1e-7.
+same for an epsilon, in the real dtype with a float16 floor of 1e-7. A rule that needs an array
+operation not listed here adds it as one function below and one method per backend, named in
+`optimisers.backends.protocol.Backend`.
 """
 
-from ._ops import (
-    abs,
-    abs2,
-    astype,
-    cast,
-    clip,
-    cond,
-    copy,
-    epsilon,
-    full_like,
-    is_complex,
-    isfinite,
-    maximum,
-    minimum,
-    norm,
-    scalar,
-    sign,
-    sqrt,
-    where,
-    zeros_like,
-)
+from __future__ import annotations
+
+import numpy as np
+
+from optimisers.core.dispatch import backend
 
 __all__ = [
     "abs",
     "abs2",
+    "all_finite",
     "astype",
+    "backend",
     "cast",
     "clip",
     "cond",
@@ -52,9 +40,147 @@ __all__ = [
     "maximum",
     "minimum",
     "norm",
+    "same_values",
     "scalar",
     "sign",
     "sqrt",
     "where",
     "zeros_like",
+    "GradientError",
+    "check_gradient_dtype",
 ]
+
+
+# --- values a rule needs -----------------------------------------------------------------------
+
+
+def scalar(value, like):
+    """`value` as a scalar of `like`'s dtype (a hyperparameter cast at apply time)."""
+    return backend(like).scalar(value, like)
+
+
+def epsilon(value, like):
+    """`value` as a scalar of `like`'s real dtype; float16 gets a floor of 1e-7 unless `value == 0`,
+    since 1e-8 rounds to zero there and Adam-like rules would divide by zero."""
+    return backend(like).epsilon(value, like)
+
+
+def zeros_like(x):
+    return backend(x).zeros_like(x)
+
+
+def is_complex(x) -> bool:
+    """Whether `x` (an array of any backend, or a Python number) has a complex dtype. Generic:
+    reads the dtype (`torch.dtype.is_complex`, else NumPy's dtype kind), so backends need nothing."""
+    if isinstance(x, complex):
+        return True
+    dtype = getattr(x, "dtype", None)
+    if dtype is None:
+        return False
+    flag = getattr(dtype, "is_complex", None)  # torch.dtype
+    if isinstance(flag, bool):
+        return flag
+    return np.dtype(dtype).kind == "c"
+
+
+def full_like(x, value):
+    return backend(x).full_like(x, value)
+
+
+# --- elementwise maths -------------------------------------------------------------------------
+
+
+def sqrt(x):
+    return backend(x).sqrt(x)
+
+
+def abs(x):  # noqa: A001 - mirrors the array-API name
+    return backend(x).abs(x)
+
+
+def abs2(x):
+    """|x|², real even for complex `x`."""
+    return backend(x).abs2(x)
+
+
+def sign(x):
+    return backend(x).sign(x)
+
+
+def maximum(x, y):
+    return backend(x).maximum(x, y)
+
+
+def minimum(x, y):
+    return backend(x).minimum(x, y)
+
+
+def clip(x, low, high):
+    return backend(x).clip(x, low, high)
+
+
+def where(condition, x, y):
+    return backend(x).where(condition, x, y)
+
+
+def norm(x, p):
+    """The vector p-norm of all entries of `x` (p = 2, 1, inf, -inf, 0 or any other real)."""
+    return backend(x).norm(x, p)
+
+
+def isfinite(x):
+    """Python bool for a concrete scalar; None when the value is traced and cannot be inspected."""
+    return backend(x).isfinite(x)
+
+
+def same_values(x, y):
+    """Whether two arrays of one shape hold the same values (NaN equal to NaN): a Python bool,
+    or None when either is traced and cannot be read."""
+    return backend(x).same_values(x, y)
+
+
+def all_finite(x):
+    """Whether every entry of `x` is finite, as a 0-d boolean of `x`'s backend (traced under
+    `jit`, where `isfinite` cannot answer)."""
+    return backend(x).all_finite(x)
+
+
+def cond(predicate, if_true, if_false):
+    """`if_true()` or `if_false()` by a scalar predicate; traced predicates use the backend's own
+    conditional so both branches stay inside one compiled program."""
+    return backend(predicate).cond(predicate, if_true, if_false)
+
+
+def astype(x, like):
+    """`x` converted to `like`'s backend, dtype and device (no copy when it already matches).
+    Raises GradientError for values that are no gradient of `like` (complex for a real array,
+    bool, strings, objects; PyTorch: sparse or meta tensors)."""
+    return backend(like).astype(x, like)
+
+
+class GradientError(TypeError):
+    """A gradient that cannot be one for its parameter; the update adds where it was."""
+
+
+def check_gradient_dtype(dtype, like_dtype) -> None:
+    """Raise GradientError unless values of NumPy-style `dtype` can be the gradient of an array of
+    `like_dtype`: any real number for a real parameter (integers are converted), and complex
+    numbers only for a complex one."""
+    grad, param = np.dtype(dtype), np.dtype(like_dtype)
+    numeric = grad.kind in "fiu" or grad.name.startswith(("bfloat", "float"))  # ml_dtypes: kind V
+    if grad.kind == "c" and param.kind != "c":
+        raise GradientError(
+            f"a complex gradient ({grad}) for a real parameter ({param}): was the loss complex? "
+            "Take its real part, or make the parameter complex"
+        )
+    if not numeric and grad.kind != "c":
+        raise GradientError(f"a gradient of dtype {grad}, which is not a number, for a {param} parameter")
+
+
+def cast(x, dtype):
+    """A copy of `x` with the given dtype (a NumPy dtype, or the backend's own)."""
+    return backend(x).cast(x, dtype)
+
+
+def copy(x):
+    return backend(x).copy(x)

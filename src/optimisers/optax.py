@@ -31,10 +31,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax as _optax
 
-from . import _interface, _rule
-from ._rule import NewValue, Rule
-from ._state import Leaf, State, flatten_state, map_leaves, unflatten_state
-from ._tree import kind_of
+from optimisers.core import rule as _rule
+from optimisers.core.rule import NewValue, Rule
+from optimisers.core.state import Leaf, State, flatten_state, map_leaves, unflatten_state
+from optimisers.core.tree import kind_of
+from optimisers.verbs import interface as _interface
 
 __all__ = ["transform"]
 

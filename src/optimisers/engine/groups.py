@@ -24,7 +24,6 @@ path give the same numbers bit for bit.
 from __future__ import annotations
 
 import collections
-import contextlib
 import functools
 import itertools
 import os
@@ -32,9 +31,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from . import _ops, _precision
-from ._rule import NewValue
-from ._state import flatten_state, unflatten_state
+from optimisers import ops
+from optimisers.core.rule import NewValue
+from optimisers.core.state import flatten_state, unflatten_state
+from optimisers.engine import fast_paths, precision
 
 # Each backend that takes part says how: `engine_ok(x)` (a parameter it can step in place),
 # `numel`, `concat`, `concat_flat` (ravel and join), `copy_into`, `sum_into`, `is_buffer` (a state
@@ -84,18 +84,16 @@ def eligible(leaf, x) -> bool:
     rule = leaf.rule
     if not (getattr(rule, "elementwise", False) or _scaled(rule)) or leaf.frozen:
         return False
-    ok = getattr(_ops.backend(x), "engine_ok", None)
-    return ok is not None and ok(x)
+    b = ops.backend(x)
+    return b.IN_PLACE_ENGINE and b.engine_ok(x)
 
 
 class Group:
     """Leafs stepped together: one rule, one dtype, one set of scalar state values."""
 
     def __init__(self, leaves, xs):
-        self.b = b = _ops.backend(xs[0])
-        start = getattr(b, "engine_start", None)  # a backend's one-time preparation (NumPy: malloc)
-        if start is not None:
-            start()
+        self.b = b = ops.backend(xs[0])
+        b.engine_start()
         sizes = [b.numel(x) for x in xs]
         self.scaled = _scaled(leaves[0].rule)  # a factor per member: see `factors`
         self.chunk = self._chunk_size(b, sum(sizes))
@@ -247,12 +245,11 @@ class Group:
             if c is None or not c.grads or c.copies or leaf.frozen:
                 return None
             members.append(c)
-        marks = getattr(self.b, "engine_marks", None)
-        if marks is None:
-            return members if self._fit([c.x for c in members]) else None
         # the parameters as they were at the last full check (the usual step): nothing that
         # check read has changed, so it is not redone per parameter
-        now = marks([c.x for c in members])
+        now = self.b.engine_marks([c.x for c in members])
+        if now is None:
+            return members if self._fit([c.x for c in members]) else None
         if now == self._marks:
             return members
         if not self._fit([c.x for c in members]):
@@ -279,9 +276,9 @@ class Group:
         places (tied) sums its gradients into a buffer kept between steps: a fresh
         parameter-sized array every step is memory the kernel has to fault in again."""
         out, given = [], []
-        fits = getattr(self.b, "fit_as_they_are", None)  # one pass over the usual case
         xs = [c.x for c in members]
-        fit = fits([c.grads[0] for c in members], xs, self.dtype, self.device) if fits else None
+        # one pass over the usual case, where the backend has one
+        fit = self.b.fit_as_they_are([c.grads[0] for c in members], xs, self.dtype, self.device)
         for i, c in enumerate(members):
             grads, x = c.grads, c.x
             if fit is not None and fit[i] and len(grads) == 1:
@@ -297,7 +294,7 @@ class Group:
                 continue
             buf = self._sums.get(i)
             if buf is None:
-                buf = self._sums[i] = _ops.zeros_like(x)
+                buf = self._sums[i] = ops.zeros_like(x)
             self.b.sum_into(buf, grads)
             out.append(buf)
             given.append(buf)
@@ -315,9 +312,8 @@ class Group:
         if not self.scaled:
             return None
         first = self.leaves[0].rule.rules[0]
-        off = getattr(self.b, "no_grad", None)
-        with off() if off is not None else contextlib.nullcontext():
-            return [first.gradient_factor(_precision.widened(dx)) for dx in dxs]
+        with self.b.no_grad():
+            return [first.gradient_factor(precision.widened(dx)) for dx in dxs]
 
     def step(self, xs, dxs, factors=None):
         """Update every member in place: `xs`, `dxs` are the parameters and summed gradients.
@@ -327,13 +323,11 @@ class Group:
         in: that is Python work per parameter, and two threads taking turns at the GIL for it are
         slower than one."""
         rule = self.leaves[0].rule
-        fused = getattr(self.b, "fused_group_step", None)  # a backend's own kernel for this rule
-        if factors is None and fused is not None and fused(self, rule, xs, dxs):
+        if factors is None and self._step_fast(rule, xs, dxs):
             return
         chunks = self.chunks
-        off = getattr(self.b, "no_grad", None)  # PyTorch: the step is data, not a graph
         scalars = None
-        with off() if off is not None else contextlib.nullcontext():
+        with self.b.no_grad():  # PyTorch: the step is data, not a graph
             compute = functools.partial(self._chunk, rule, xs=xs, dxs=dxs, factors=factors)
             if len(chunks) > 1 and self.b.ENGINE_THREADS:
                 # packed runs hand their steps back to this thread: bound how many wait
@@ -346,13 +340,26 @@ class Group:
                     self._write_run(chunk, xs, run_step)
         self.scalars = scalars
 
+    def _step_fast(self, rule, xs, dxs) -> bool:
+        """Step every member with the backend's own kernel for `rule`, if it has one that takes
+        them; whether it did."""
+        found = fast_paths.find(self.b, rule)
+        if found is None or self.array_at != fast_paths.STATE_ARRAYS[found[0]]:
+            return False
+        _, kernel, args = found
+        arrays = [self.member_parts(k) for k, a in enumerate(self.array_at) if a]
+        t = self.scalars[-1] + 1
+        if not kernel.step_many(args, xs, dxs, *arrays, t):
+            return False
+        self.scalars = [None] * (len(self.scalars) - 1) + [t]
+        return True
+
     def rehearse(self, xs, dxs, factors=None) -> None:
         """Run the rule on every chunk without writing anything, checking what it returns: a
         rule that raises (or returns arrays that do not fit) on some chunk does so here, before
         `step` has written any chunk, so that a failed `update_` changes nothing."""
         rule = self.leaves[0].rule
-        off = getattr(self.b, "no_grad", None)
-        with off() if off is not None else contextlib.nullcontext():
+        with self.b.no_grad():
             check = functools.partial(self._chunk, rule, xs=xs, dxs=dxs, factors=factors, write=False)
             if len(self.chunks) > 1 and self.b.ENGINE_THREADS:
                 collections.deque(_pool().map(check, self.chunks), maxlen=0)
@@ -366,8 +373,7 @@ class Group:
         rules = rule.rules[1:] if self.scaled else (rule,)
         if not all(getattr(r, "never_raises", False) for r in rules):
             return False
-        strict = getattr(self.b, "raises_on_values", None)  # NumPy under np.seterr(all="raise")
-        return strict is None or not strict()
+        return not self.b.raises_on_values()  # NumPy under np.seterr(all="raise")
 
     def _chunk(self, rule, chunk, *, xs, dxs, factors=None, write=True):
         """Compute one chunk: `(new scalars, step)`, the step left to the caller for a packed run
@@ -391,9 +397,9 @@ class Group:
         ]
         state = unflatten_state(self.spec, iter(parts))
         if factors is None:
-            new_state, step = _precision.run(rule.apply, state, x, dx)
+            new_state, step = precision.run(rule.apply, state, x, dx)
         else:  # a scaled group's chunk lies within one member (no packing)
-            new_state, step = _precision.run(rule.apply_scaled, state, x, dx, factors[i])
+            new_state, step = precision.run(rule.apply_scaled, state, x, dx, factors[i])
         new_parts: list = []
         flatten_state(new_state, new_parts)
         if not write:
@@ -431,7 +437,7 @@ def independent(leaf, state):
     views = {id(p) for p, a in zip(own, leaf._group.array_at) if a}
     parts: list = []
     spec = flatten_state(state, parts)
-    return unflatten_state(spec, iter([_ops.copy(p) if id(p) in views else p for p in parts]))
+    return unflatten_state(spec, iter([ops.copy(p) if id(p) in views else p for p in parts]))
 
 
 def pure_step(rule, state, x, dx):
@@ -443,34 +449,33 @@ def pure_step(rule, state, x, dx):
     scaled = _scaled(rule)
     if not (getattr(rule, "elementwise", False) or scaled):
         return None
-    b = _ops.backend(x)
-    ok = getattr(b, "engine_ok", None)
-    if ok is None or not ok(x):
+    b = ops.backend(x)
+    if not (b.IN_PLACE_ENGINE and b.engine_ok(x)):
         return None
     n, chunk = b.numel(x), max(4, b.ENGINE_CHUNK // CHUNK_SCALE)
     parts: list = []
     spec = flatten_state(state, parts)
     array_at = [b.is_buffer(p) for p in parts]
-    if n <= chunk or not all(p.shape == x.shape and ok(p) for p, a in zip(parts, array_at) if a):
+    if n <= chunk or not all(p.shape == x.shape and b.engine_ok(p) for p, a in zip(parts, array_at) if a):
         return None
-    factor = rule.rules[0].gradient_factor(_precision.widened(dx)) if scaled else None
+    factor = rule.rules[0].gradient_factor(precision.widened(dx)) if scaled else None
     order = b.memory_order(x)  # every array is read in the parameter's memory order
     flat_x, flat_dx = b.flat_in(x, order), b.flat_in(dx, order)
     flat_parts = [b.flat_in(p, order) if a else p for p, a in zip(parts, array_at)]
-    new_x = _ops.copy(x)
+    new_x = ops.copy(x)
     if b.memory_order(new_x) != order:
         return None  # a copy in another layout: its flat view would not be a view
     flat_new_x = b.flat_in(new_x, order)
-    outs = [_ops.zeros_like(p) if a else None for p, a in zip(flat_parts, array_at)]
+    outs = [ops.zeros_like(p) if a else None for p, a in zip(flat_parts, array_at)]
     scalars = None
     for lo in range(0, n, chunk):
         hi = min(n, lo + chunk)
         sub = [p[lo:hi] if a else p for p, a in zip(flat_parts, array_at)]
         chunk_state = unflatten_state(spec, iter(sub))
         if factor is None:
-            new_state, step = _precision.run(rule.apply, chunk_state, flat_x[lo:hi], flat_dx[lo:hi])
+            new_state, step = precision.run(rule.apply, chunk_state, flat_x[lo:hi], flat_dx[lo:hi])
         else:
-            new_state, step = _precision.run(
+            new_state, step = precision.run(
                 rule.apply_scaled, chunk_state, flat_x[lo:hi], flat_dx[lo:hi], factor
             )
         new_parts: list = []
@@ -484,7 +489,7 @@ def pure_step(rule, state, x, dx):
         if scalars is None:
             scalars = [None if a else p for a, p in zip(array_at, new_parts)]
         value = step.value if isinstance(step, NewValue) else step
-        if value is not None and _ops.is_complex(value) and not _ops.is_complex(x):
+        if value is not None and ops.is_complex(value) and not ops.is_complex(x):
             return None  # a step that cannot be written: the whole-array path reports it
         if isinstance(step, NewValue):
             b.assign_(flat_new_x[lo:hi], step.value)
@@ -505,9 +510,8 @@ def _as_initialised(leaf, x, parts=None) -> bool:
     if parts is None:
         parts = []
         flatten_state(leaf.state, parts)
-    b = _ops.backend(x)
-    off = getattr(b, "no_grad", None)
-    with off() if off is not None else contextlib.nullcontext():
+    b = ops.backend(x)
+    with b.no_grad():
         fresh: list = []
         flatten_state(leaf.rule.init(x.reshape(-1)[:1]), fresh)  # a one-element probe: cheap
     if len(fresh) != len(parts):
@@ -528,7 +532,7 @@ class Plan:
         self.converted: list = []  # left out until the per-Leaf path has promoted their state
         by_key: dict = {}
         for leaf, x in entries:
-            b = _ops.backend(x)
+            b = ops.backend(x)
             parts: list = []
             spec = flatten_state(leaf.state, parts)
             if not all(p.shape == x.shape for p in parts if b.is_buffer(p)):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _ops
-from ._tree import map_params, params
+from optimisers import ops
+from optimisers.core.tree import map_params, params
 
 
 def trainables(model, path: bool = False) -> list:
@@ -24,7 +24,7 @@ def destructure(model):
     Differentiable with JAX and PyTorch: gradients through `rebuild` sum over tied places.
     """
     arrays = params(model)
-    flat = _ops.backend(arrays[0]).flatten(arrays) if arrays else np.zeros(0, np.float32)
+    flat = ops.backend(arrays[0]).flatten(arrays) if arrays else np.zeros(0, np.float32)
     offsets = {}
     total = 0
     for x in arrays:
@@ -39,7 +39,7 @@ def destructure(model):
                 f"got length {length}"
             )
         return map_params(
-            lambda x: _ops.backend(new_flat).unflatten_one(new_flat, offsets[id(x)], x), model
+            lambda x: ops.backend(new_flat).unflatten_one(new_flat, offsets[id(x)], x), model
         )
 
     rebuild.__doc__ = f"Rebuild the model from a flat vector of length {total}."

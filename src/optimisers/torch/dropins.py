@@ -19,11 +19,11 @@ from typing import Any, ClassVar
 
 import torch
 
-from ._checkpoint import CheckpointError
-from ._rules import Adam as _Adam
-from ._rules import AdamW as _AdamW
-from ._rules import Descent
-from ._torch_rules import (
+from optimisers.checkpoints.state_dict import CheckpointError
+from optimisers.rules.builtin import Adam as _Adam
+from optimisers.rules.builtin import AdamW as _AdamW
+from optimisers.rules.builtin import Descent
+from optimisers.rules.torch_named import (
     TorchAdadelta,
     TorchAdagrad,
     TorchAdamax,
@@ -34,7 +34,7 @@ from ._torch_rules import (
     TorchRprop,
     TorchSGD,
 )
-from .torch import (
+from optimisers.torch.optimizer import (
     _CARRIED,
     _SCHEDULER_KEYS,
     Optimizer,

@@ -34,11 +34,11 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import schedules
-from ._rule import Rule, _held_like
-from ._state import Leaf, State, describe, map_leaves
-from ._tree import format_path
-from .schedules import Schedule
+from optimisers import schedules
+from optimisers.core.rule import Rule, _held_like
+from optimisers.core.state import Leaf, State, describe, map_leaves
+from optimisers.core.tree import format_path
+from optimisers.schedules import Schedule
 
 FORMAT = "optimisers.state_dict.v1"
 FORMAT_KEY = "__format__"

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from . import _ops as ops
-from ._rule import Rule, check_range
-from ._rules import _cast, _nonnegative
+from optimisers import ops
+from optimisers.core.rule import Rule, check_range
+from optimisers.rules.builtin import _cast, _nonnegative
 
 
 def _decay(rule, x, step):

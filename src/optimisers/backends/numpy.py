@@ -2,13 +2,31 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import platform
 
 import numpy as np
 
-from .. import _ops
+from optimisers import ops
+
+# --- how the update treats NumPy (see optimisers.backends.protocol) ---------------------------
+
+no_grad = contextlib.nullcontext  # no autograd
+SHARE_SCALAR_STATE = False
+IN_PLACE_ENGINE = True
+FAST_PATHS: dict = {}  # no kernels of its own: the engine's chunks are NumPy's fast path
+
+
+def engine_marks(xs):
+    """No cheap marks: the engine checks each array every step."""
+    return None
+
+
+def fit_as_they_are(gs, xs, dtype, device):
+    """No one-pass test: the engine converts each gradient as needed."""
+    return None
 
 try:  # NumPy >= 2
     from numpy.lib.array_utils import byte_bounds as _byte_bounds
@@ -315,7 +333,7 @@ def astype(x, like):
     if dtype is not like.dtype:
         if dtype is None or not isinstance(dtype, np.dtype):
             x = np.asarray(x)
-        _ops.check_gradient_dtype(x.dtype, like.dtype)
+        ops.check_gradient_dtype(x.dtype, like.dtype)
     return np.asarray(x, dtype=like.dtype)
 
 
@@ -340,3 +358,8 @@ def flatten(arrays):
 def unflatten_one(flat, start, like):
     size = like.size
     return flat[start : start + size].reshape(like.shape).astype(like.dtype, copy=True)
+
+
+def node_kind(obj):
+    """NumPy has no containers of its own."""
+    return None

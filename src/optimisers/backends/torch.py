@@ -1,6 +1,6 @@
 """PyTorch tensors and `torch.nn.Module`s.
 
-Imported only when the user's model holds torch objects (`optimisers._ops.backend` looks it up from
+Imported only when the user's model holds torch objects (`optimisers.ops.backend` looks it up from
 a tensor's type, `optimisers._tree` only when torch is already in `sys.modules`).
 
 Conventions that differ from NumPy:
@@ -18,18 +18,20 @@ from __future__ import annotations
 import copy as _copy
 import functools
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import NamedTuple
 
 import numpy as np
 import torch
 from torch import nn
 
-from .. import _compile, _ops
-from .._rule import NewValue
-from .._state import flatten_state
-from .._tree import NodeKind, format_path
+from optimisers import ops
+from optimisers.core import eager
+from optimisers.core.rule import NewValue
+from optimisers.core.state import flatten_state
+from optimisers.core.tree import NodeKind, format_path
 
-_compile.install(torch.compiler.is_compiling, torch.compiler.disable)
+eager.install(torch.compiler.is_compiling, torch.compiler.disable)
 
 # float16's smallest useful epsilon (Optimisers.jl's floor): Float16(1e-7) == 2**-23
 _FLOAT16_EPS = float(np.float16(1e-7))
@@ -122,6 +124,17 @@ def shares_memory(x, y) -> bool:
 # `optimisers._interface` runs every rule's `apply` inside this: the maths of a step is data, and
 # optimiser state must never hold an autograd graph (it would grow with every step)
 no_grad = torch.no_grad
+SHARE_SCALAR_STATE = False
+IN_PLACE_ENGINE = True
+
+
+def engine_start() -> None:
+    """Nothing to prepare: torch's caching allocator reuses freed temporaries."""
+
+
+def raises_on_values() -> bool:
+    """torch's maths never raises on infinities or NaN."""
+    return False
 
 
 def subtract_(x, step):
@@ -250,26 +263,18 @@ def laid_out_like(t, x):
 _FUSED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
-def _fused_kernel(rule, x):
-    """torch's own fused kernel and weight decay for `rule` on `x`, where their maths is ours:
-    Adam, and AdamW with `couple=True` (decay scaled by the learning rate). For float16 and
-    bfloat16 the kernel computes in float32 and stores in the parameter's dtype, as every update
-    does (see `optimisers._precision`)."""
-    from .._rules import Adam, AdamW
-
+def _fused_kernel(args, x):
+    """torch's fused Adam or AdamW kernel for `x`, or None where it has none. For float16 and
+    bfloat16 it computes in float32 and stores in the parameter's dtype, as every update does
+    (see `optimisers.engine.precision`)."""
     if x.dtype not in _FUSED_DTYPES or x.device.type not in ("cpu", "cuda"):
         return None
-    if type(rule) is Adam:
-        return torch._fused_adam_, 0.0
-    if type(rule) is AdamW and rule.couple:
-        return torch._fused_adamw_, float(rule.lambd)
-    return None
+    return torch._fused_adamw_ if args.decoupled else torch._fused_adam_
 
 
-def _run_fused(kernel, decay, rule, xs, dxs, ms, vs, t):
+def _run_fused(kernel, args, xs, dxs, ms, vs, t):
     """One fused step on lists of tensors, in place; `t` counts steps including this one."""
     steps = [torch.tensor(float(t), dtype=torch.float32, device=xs[0].device)] * len(xs)
-    beta1, beta2 = (float(b) for b in rule.beta)
     kernel(
         xs,
         dxs,
@@ -278,23 +283,24 @@ def _run_fused(kernel, decay, rule, xs, dxs, ms, vs, t):
         [],
         steps,
         amsgrad=False,
-        lr=float(rule.eta),
-        beta1=beta1,
-        beta2=beta2,
-        weight_decay=decay,
-        eps=float(rule.epsilon),
+        lr=args.lr,
+        beta1=args.beta1,
+        beta2=args.beta2,
+        weight_decay=args.weight_decay,
+        eps=args.epsilon,
         maximize=False,
         grad_scale=None,
         found_inf=None,
     )
 
 
-def fused_apply(rule, state, x, dx):
-    """`rule.apply` through torch's fused kernel on copies, or None where there is none. Both the
-    pure and the in-place update use the kernel, so they agree bit for bit."""
+def _adam_apply(args, state, x, dx):
+    """An Adam step `(m, v, t)` -> `(new state, NewValue)` through torch's fused kernel on
+    copies, or None where it has none. Both the pure and the in-place update use the kernel, so
+    they agree bit for bit."""
     if is_dtensor(x):
         _check_sharded_state(state, x)
-    found = _fused_kernel(rule, x)
+    found = _fused_kernel(args, x)
     if found is None or getattr(dx, "is_sparse", False):
         return None
     m, v, t = state
@@ -314,7 +320,7 @@ def fused_apply(rule, state, x, dx):
         if not _dense(x_):
             return None  # (a clone is dense; a DTensor's local shard might not be)
         m_kernel, v_kernel = laid_out_like(m_, x_), laid_out_like(v_, x_)
-        _run_fused(*found, rule, [x_], [laid_out_like(dx_, x_)], [m_kernel], [v_kernel], t + 1)
+        _run_fused(found, args, [x_], [laid_out_like(dx_, x_)], [m_kernel], [v_kernel], t + 1)
         for mine, used in ((m_, m_kernel), (v_, v_kernel)):
             if used is not mine:
                 mine.copy_(used)
@@ -359,18 +365,24 @@ def _same_sharding(x, *others) -> bool:
     )
 
 
-def fused_group_step(group, rule, xs, dxs) -> bool:
-    """Step an engine group of Adam/AdamW parameters with one fused call; False if not possible."""
-    found = _fused_kernel(rule, xs[0])
-    if found is None or group.array_at != [True, True, False]:
+def _adam_step_many(args, xs, dxs, ms, vs, t) -> bool:
+    """Adam steps of many parameters in place with one fused call (`t` counts this step);
+    False where the kernel cannot take them. `dxs` are laid out as their parameters."""
+    found = _fused_kernel(args, xs[0])
+    if found is None:
         return False
-    t = group.scalars[2] + 1
     with torch.no_grad():
-        # `dxs` are laid out as their parameters already (the group's `gradients` and the
-        # engine's copies of aliased gradients keep the strides), as the kernel needs
-        _run_fused(*found, rule, xs, dxs, group.member_parts(0), group.member_parts(1), t)
-    group.scalars = [None, None, t]
+        _run_fused(found, args, xs, dxs, ms, vs, t)
     return True
+
+
+class _FastPath(NamedTuple):
+    apply: Callable  # (args, state, x, dx) -> (new state, NewValue) or None
+    step_many: Callable  # (args, xs, dxs, *state parts, t) -> whether it stepped them
+
+
+# torch's fused kernels, named for optimisers.engine.fast_paths
+FAST_PATHS = {"adam": _FastPath(_adam_apply, _adam_step_many)}
 
 
 def concat(tensors):
@@ -517,7 +529,7 @@ def astype(x, like):
         _check_gradient_tensor(x, like)
         return x.detach().to(dtype=like.dtype, device=like.device)
     x = np.asarray(x)
-    _ops.check_gradient_dtype(x.dtype, np.float64 if not like.is_complex() else np.complex128)
+    ops.check_gradient_dtype(x.dtype, np.float64 if not like.is_complex() else np.complex128)
     return torch.as_tensor(x, dtype=like.dtype, device=like.device)
 
 
@@ -526,20 +538,20 @@ _STRIDED = torch.strided
 
 def _check_gradient_tensor(x, like) -> None:
     if x.layout is not _STRIDED and like.layout is _STRIDED:
-        raise _ops.GradientError(
+        raise ops.GradientError(
             f"a {x.layout} gradient: rules step dense arrays, so densify it first (.to_dense()), "
             "or train this parameter with torch.optim.SparseAdam; nn.Embedding(sparse=False) "
             "gives dense gradients"
         )
     if x.is_meta and not like.is_meta:
-        raise _ops.GradientError("a gradient on the meta device, which holds no values")
+        raise ops.GradientError("a gradient on the meta device, which holds no values")
     if x.is_complex() and not like.is_complex():
-        raise _ops.GradientError(
+        raise ops.GradientError(
             f"a complex gradient ({x.dtype}) for a real parameter ({like.dtype}): was the loss "
             "complex? Take its real part, or make the parameter complex"
         )
     if x.dtype is torch.bool:
-        raise _ops.GradientError(f"a gradient of dtype {x.dtype}, which is not a number")
+        raise ops.GradientError(f"a gradient of dtype {x.dtype}, which is not a number")
 
 
 def _torch_dtype(dtype):

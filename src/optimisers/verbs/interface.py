@@ -10,16 +10,16 @@ An update runs in three phases so that a failed call changes nothing:
 
 from __future__ import annotations
 
-import contextlib
-import sys
 import threading
 import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from . import _compile, _engine, _ops, _precision
-from ._rule import NewValue, Rule, has_schedules
-from ._state import (
+from optimisers import ops
+from optimisers.core import dispatch
+from optimisers.core.eager import eager_under_compile
+from optimisers.core.rule import NewValue, Rule, has_schedules
+from optimisers.core.state import (
     Leaf,
     State,
     flatten_state,
@@ -29,7 +29,9 @@ from ._state import (
     scalar_key,
     unflatten_state,
 )
-from ._tree import format_path, is_param, kind_of, params, trainable_children
+from optimisers.core.tree import format_path, is_param, kind_of, params, trainable_children
+from optimisers.engine import fast_paths, precision
+from optimisers.engine import groups as engine
 
 # --- setup -------------------------------------------------------------------------------------
 
@@ -71,8 +73,7 @@ def setup(rule, model) -> State:
     gets the rule chosen at its first path. Raises ValueError when two distinct writable arrays
     overlap in memory (e.g. `W` and `W.T`), naming both paths.
     """
-    if "jax" in sys.modules:  # registers State/Leaf as JAX pytrees before any jit sees them
-        from .backends import _jax
+    jax = dispatch.loaded("jax")  # registers State/Leaf as JAX pytrees before any jit sees them
     choose = _rule_chooser(rule)
     built: dict[int, Any] = {}  # id(model node) -> its state sub-tree (None: nothing trainable)
     arrays: list[tuple[tuple, Any]] = []
@@ -106,8 +107,8 @@ def setup(rule, model) -> State:
     tree = build(model, ())
     _check_overlaps(arrays)
     state = State(tree, keys)
-    if arrays and "jax" in sys.modules:
-        _jax.plan_flatten(state, arrays[0][1])
+    if arrays and jax is not None:
+        jax.plan_flatten(state, arrays[0][1])
     return state
 
 
@@ -115,7 +116,7 @@ def _check_overlaps(arrays):
     """Distinct writable arrays sharing memory would be written twice by an in-place update."""
     spans = []
     for path, x in arrays:
-        b = _ops.backend(x)
+        b = ops.backend(x)
         if b.writable(x):
             start, stop = b.memory_span(x)
             if stop > start:
@@ -125,7 +126,7 @@ def _check_overlaps(arrays):
     for start, stop, path, x in spans:
         open_spans = [s for s in open_spans if s[1] > start]
         for _, _, other_path, other in open_spans:
-            if _ops.backend(x).shares_memory(x, other):
+            if ops.backend(x).shares_memory(x, other):
                 raise ValueError(
                     f"parameters at {format_path(other_path)} and {format_path(path)} are distinct "
                     "arrays over the same memory (a view such as W.T?); an in-place update would "
@@ -245,8 +246,8 @@ class _Contribution:
     def fitted(self, g):
         """`g` as a gradient of the parameter (the same object when it already is one)."""
         try:
-            return _ops.astype(g, self.x)
-        except _ops.GradientError as e:
+            return ops.astype(g, self.x)
+        except ops.GradientError as e:
             e.leaf = self.leaf  # the update says where
             raise
 
@@ -347,15 +348,15 @@ def _check_each_place(tree, entry) -> None:
     naming that place. A gradient of another array type (a torch tensor for a NumPy parameter)
     is converted as it would be alone, so that the sum is of the parameter's own kind; the rest
     are summed as given, then converted once, as before."""
-    backend = _ops.backend(entry.x)
+    backend = ops.backend(entry.x)
     for i, (g, place) in enumerate(zip(entry.grads, entry.where)):
         try:
             fitted = entry.fitted(g)
-        except _ops.GradientError as e:
-            raise _ops.GradientError(
+        except ops.GradientError as e:
+            raise ops.GradientError(
                 f"gradient at {format_path(_place_path(tree, entry.leaf, place))}: {e}; nothing was changed"
             ) from None
-        if fitted is not g and _ops.backend(g) is not backend:
+        if fitted is not g and ops.backend(g) is not backend:
             entry.grads[i] = fitted
 
 
@@ -394,7 +395,7 @@ def _check_copy(tree, entry, x, path):
             f"tied to a parameter of shape {tuple(first.shape)} in the optimiser state; "
             "the model changed after setup. Run setup again; nothing was changed"
         )
-    if not entry.leaf._placed and _ops.same_values(x, first) is False:  # None: traced (jit)
+    if not entry.leaf._placed and ops.same_values(x, first) is False:  # None: traced (jit)
         raise ValueError(
             f"the parameters at {format_path(_path_of(tree, entry.leaf))} and {format_path(path)} "
             "share one Leaf of the optimiser state (they are tied), but the model holds different "
@@ -437,22 +438,24 @@ def _compute(found: dict[int, _Contribution], tree, skip=frozenset(), pure=False
         if c.leaf.frozen or not c.grads or key in skip:
             continue
         rule = c.leaf.rule
-        fused = getattr(_ops.backend(c.x), "fused_apply", None)  # a backend's own kernel, if any
+        fast = fast_paths.find(ops.backend(c.x), rule)  # a backend's own kernel, if any
         try:
             dx = c.dx()
-            with _grad_off(c.x):
-                result = fused(rule, c.leaf.state, c.x, dx) if fused is not None else None
+            # rules compute data, not graphs: a step that uses the parameter (WeightDecay, AdamW)
+            # must not leave state holding an autograd graph that grows every step
+            with ops.backend(c.x).no_grad():
+                result = fast[1].apply(fast[2], c.leaf.state, c.x, dx) if fast is not None else None
                 if result is None and pure:
-                    result = _engine.pure_step(rule, c.leaf.state, c.x, dx)
+                    result = engine.pure_step(rule, c.leaf.state, c.x, dx)
                     if result is not None:
                         results[key] = result
                         continue
                 if result is None:
-                    result = _precision.run(rule.apply, c.leaf.state, c.x, dx)
+                    result = precision.run(rule.apply, c.leaf.state, c.x, dx)
             _check_step(rule, result, c.x)
             if pure:
                 result = (result[0], _new_value(c.x, result[1]))
-        except _ops.GradientError as e:
+        except ops.GradientError as e:
             raise _located(e, tree) from None
         except Exception as e:
             if hasattr(e, "add_note"):  # Python >= 3.11: say where, keeping the exception's type
@@ -466,7 +469,7 @@ def _compute(found: dict[int, _Contribution], tree, skip=frozenset(), pure=False
 def _located(e, tree) -> Exception:
     """A gradient error from the compute phase, saying where (nothing was written yet)."""
     where = format_path(_path_of(tree, e.leaf)) if getattr(e, "leaf", None) is not None else "?"
-    return _ops.GradientError(f"gradient at {where}: {e}; nothing was changed")
+    return ops.GradientError(f"gradient at {where}: {e}; nothing was changed")
 
 
 def _check_step(rule, result, x) -> None:
@@ -484,7 +487,7 @@ def _check_step(rule, result, x) -> None:
             f"{type(rule).__name__}.apply returned a step of shape {tuple(shape)} for a parameter of "
             f"shape {tuple(x.shape)}"
         )
-    if getattr(value, "dtype", None) != x.dtype and _ops.is_complex(value) and not _ops.is_complex(x):
+    if getattr(value, "dtype", None) != x.dtype and ops.is_complex(value) and not ops.is_complex(x):
         raise TypeError(
             f"{type(rule).__name__}.apply returned a complex step for a real parameter "
             f"(dtype {x.dtype}); was the state set up for a complex parameter?"
@@ -502,10 +505,10 @@ def _path_of(tree, leaf) -> tuple:
 def _new_value(x, step):
     """The parameter after `step`, as a new array."""
     if step is None:
-        return _ops.copy(x)
+        return ops.copy(x)
     if isinstance(step, NewValue):
-        return _ops.backend(x).replaced(x, step.value)
-    return _ops.backend(x).subtract(x, step)
+        return ops.backend(x).replaced(x, step.value)
+    return ops.backend(x).subtract(x, step)
 
 
 def _share_scalar_state(found, results) -> None:
@@ -523,7 +526,7 @@ def _share_scalar_state(found, results) -> None:
         c = found[key]
         if not getattr(c.leaf.rule, "elementwise", False):
             continue
-        if not getattr(_ops.backend(c.x), "SHARE_SCALAR_STATE", False):
+        if not ops.backend(c.x).SHARE_SCALAR_STATE:
             continue
         old: list = []
         flatten_state(c.leaf.state, old)
@@ -538,14 +541,6 @@ def _share_scalar_state(found, results) -> None:
             for i in scalar_at:
                 new[i] = shared[i]
             results[key] = (unflatten_state(spec, iter(new)), step)
-
-
-def _grad_off(x):
-    """Rules compute data, not graphs: a backend with autograd (PyTorch) provides `no_grad`, so
-    that a step using the parameter (WeightDecay, AdamW) does not leave optimiser state holding
-    an autograd graph that grows every step."""
-    off = getattr(_ops.backend(x), "no_grad", None)
-    return off() if off is not None else contextlib.nullcontext()
 
 
 def _check_args(state, grads, name):
@@ -581,11 +576,10 @@ def _lock(state: State):
         return found[1]
 
 
+@eager_under_compile
 def update(state: State, model, *grads):
     """One optimisation step, pure: returns `(new_state, new_model)` and leaves the caller's state,
     model and gradients exactly as they were. Every trainable array of the result is new."""
-    if _compile.tracing():  # under torch.compile: run eagerly, see optimisers._compile
-        return _compile.EAGER["update"](state, model, *grads)
     _check_args(state, grads, "update")
     with _lock(state):
         return _update(state, model, grads)
@@ -600,7 +594,7 @@ def _update(state: State, model, grads: tuple):
         key = id(leaf)
         if key not in values:
             moved = results.get(key)
-            values[key] = moved[1] if moved else _ops.copy(x)
+            values[key] = moved[1] if moved else ops.copy(x)
         return values[key]
 
     return _next_state(state, results), _rebuild(state.tree, model, place)
@@ -612,7 +606,7 @@ def _next_state(state: State, results: dict) -> State:
 
     def leaf_of(leaf):
         moved = results.get(id(leaf))
-        return leaf._successor(leaf.rule, _engine.independent(leaf, moved[0] if moved else leaf.state))
+        return leaf._successor(leaf.rule, engine.independent(leaf, moved[0] if moved else leaf.state))
 
     return State(map_leaves(leaf_of, state.tree), state._keys)
 
@@ -626,12 +620,11 @@ def _stepped(state: State, model, grads: tuple, name: str):
     return _next_state(state, results), results
 
 
+@eager_under_compile
 def update_(state: State, model, *grads):
     """One optimisation step in place: mutates the state's Leafs and writes every writable
     parameter in place. Returns `(state, model)`; use the returned model, since immutable arrays
     (JAX) are replaced by new ones. Gives the same numbers as `update`, bit for bit."""
-    if _compile.tracing():  # under torch.compile: run eagerly, see optimisers._compile
-        return _compile.EAGER["update_"](state, model, *grads)
     _check_args(state, grads, "update_")
     with _lock(state):
         return _update_(state, model, grads)
@@ -639,12 +632,12 @@ def update_(state: State, model, *grads):
 
 def _update_(state: State, model, grads: tuple):
     found = _gather(state.tree, model, grads[0], state._keys)
-    work = _engine.select(state, found)
+    work = engine.select(state, found)
     in_engine = {id(leaf) for group, _ in work for leaf in group.leaves}
     results = _compute(found, state.tree, skip=in_engine)  # may raise: nothing written yet
     try:
-        _engine.execute(work)  # checks everything before it writes
-    except _ops.GradientError as e:
+        engine.execute(work)  # checks everything before it writes
+    except ops.GradientError as e:
         raise _located(e, state.tree) from None
     for key, (new_state, _) in results.items():
         found[key].leaf.state = new_state
@@ -659,7 +652,7 @@ def _update_(state: State, model, grads: tuple):
         if moved is None or moved[1] is None:
             return x
         step = moved[1]
-        b = _ops.backend(x)
+        b = ops.backend(x)
         first = written.get(id(leaf))
         if first is not None:
             if first is x:
@@ -763,18 +756,17 @@ def _all_names(rule) -> tuple[str, ...]:
     return rule.hyperparameters()
 
 
+@eager_under_compile
 def adjust(tree, eta=None, **hyper):
     """A copy of the state (or part of it, or a Leaf) with hyperparameters changed and optimiser
     state kept: `adjust(state, 0.01)` sets the learning rate, `adjust(state, beta=(0.8, 0.99))`
     any named hyperparameter. A name that no rule in the tree has is an error."""
-    if _compile.tracing():  # under torch.compile: run eagerly, see optimisers._compile
-        return _compile.EAGER["adjust"](tree, eta, **hyper)
     leaves = _leaves_of(tree, "adjust")
     rules = _adjusted_rules(leaves, eta, hyper, "adjust")
 
     def fresh(leaf):
         rule = rules[id(leaf.rule)]
-        state = _engine.independent(leaf, leaf.state)
+        state = engine.independent(leaf, leaf.state)
         return leaf._successor(rule, rule.with_counters(state) if has_schedules(rule) else state)
 
     if isinstance(tree, Leaf):
@@ -782,10 +774,9 @@ def adjust(tree, eta=None, **hyper):
     return State(map_leaves(fresh, tree.tree), tree._keys)
 
 
+@eager_under_compile
 def adjust_(tree, eta=None, **hyper):
     """Like `adjust`, but changes the Leafs in place; returns `tree`."""
-    if _compile.tracing():  # under torch.compile: run eagerly, see optimisers._compile
-        return _compile.EAGER["adjust_"](tree, eta, **hyper)
     leaves = _leaves_of(tree, "adjust_")
     rules = _adjusted_rules(leaves, eta, hyper, "adjust_")
     for leaf in leaves:

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _ops
-from ._state import flatten_state, unflatten_state
+from optimisers import ops
+from optimisers.core.state import flatten_state, unflatten_state
 
 _NARROW = frozenset({"float16", "bfloat16"})
 
@@ -28,7 +28,7 @@ def narrow(x) -> bool:
 
 def widened(x):
     """A float32 copy of a float16/bfloat16 array; anything else as it is."""
-    return _ops.cast(x, np.float32) if narrow(x) else x
+    return ops.cast(x, np.float32) if narrow(x) else x
 
 
 def run(method, state, x, dx, *extra):
@@ -49,5 +49,5 @@ def run(method, state, x, dx, *extra):
 
 def _as_before(new, old):
     if narrow(old) and getattr(new, "dtype", None) != old.dtype:
-        return _ops.astype(new, old)
+        return ops.astype(new, old)
     return new

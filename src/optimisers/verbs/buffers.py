@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from . import _ops
-from ._tree import _is_array, kind_of
+from optimisers import ops
+from optimisers.core.tree import _is_array, kind_of
 
 
 def distinct_buffers(model):
@@ -36,7 +36,7 @@ def distinct_buffers(model):
     def visit(node):
         if _is_array(node):
             if id(node) in seen:
-                return _ops.copy(node)
+                return ops.copy(node)
             seen.add(id(node))
             return node
         kind = kind_of(node)

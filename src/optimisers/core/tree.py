@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import sys
 from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any, NamedTuple
 
-from . import _ops
+from optimisers.core import dispatch
 
 Path = tuple
 
@@ -113,12 +112,11 @@ def _find_kind(obj) -> NodeKind | None:
         if base in _REGISTRY:
             return _REGISTRY[base]
     if isinstance(obj, Mapping):
-        if isinstance(obj, MutableMapping) and not isinstance(obj, dict) and "jax" in sys.modules:
+        jax = dispatch.loaded("jax")
+        if jax is not None and isinstance(obj, MutableMapping) and not isinstance(obj, dict):
             # a mutable mapping that JAX flattens (Flax's nnx.State) is rebuilt by its own
             # unflatten: a shallow copy of nnx.State shares its storage with the caller's
-            from .backends import _jax
-
-            kind = _jax.node_kind(obj)
+            kind = jax.node_kind(obj)
             if kind is not None:
                 return kind
         return MAPPING
@@ -128,17 +126,9 @@ def _find_kind(obj) -> NodeKind | None:
         return LIST
     if dataclasses.is_dataclass(obj):
         return DATACLASS
-    # Framework containers, consulted only when the framework is already imported by the user.
-    if "torch" in sys.modules:
-        from .backends import _torch
-
-        kind = _torch.node_kind(obj)
-        if kind is not None:
-            return kind
-    if "jax" in sys.modules:
-        from .backends import _jax
-
-        kind = _jax.node_kind(obj)
+    # framework containers, asked only of the frameworks the user has imported
+    for backend in dispatch.loaded_backends():
+        kind = backend.node_kind(obj)
         if kind is not None:
             return kind
     return None
@@ -158,8 +148,7 @@ def kind_of(obj) -> NodeKind | None:
 
 def _is_array(x) -> bool:
     # Only array libraries' own types can be arrays; this keeps containers away from their backends.
-    root = type(x).__module__.partition(".")[0]
-    return root in ("numpy", "torch", "jax", "jaxlib") and _ops.backend(x).is_array(x)
+    return dispatch.is_array_library(dispatch.library_of(type(x))) and dispatch.backend(x).is_array(x)
 
 
 _PARAM_CHECK: dict[type, Callable | None] = {}
@@ -171,8 +160,7 @@ def is_param(x) -> bool:
     try:
         check = _PARAM_CHECK[t]
     except KeyError:
-        root = t.__module__.partition(".")[0]
-        check = _ops.backend(x).is_param if root in ("numpy", "torch", "jax", "jaxlib") else None
+        check = dispatch.backend(x).is_param if dispatch.is_array_library(dispatch.library_of(t)) else None
         _PARAM_CHECK[t] = check
     return check is not None and check(x)
 

@@ -23,27 +23,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._checkpoint import FORMAT, FORMAT_KEY, CheckpointError, _encode
-from ._checkpoint import load_state_dict as _load_state_dict
-from ._checkpoint import state_dict as _state_dict
-from ._interface import setup, update_
-from ._rule import Rule
-from ._state import Leaf, State
-from ._tree import format_path
+from optimisers.checkpoints.state_dict import FORMAT, FORMAT_KEY, CheckpointError, _encode
+from optimisers.checkpoints.state_dict import load_state_dict as _load_state_dict
+from optimisers.checkpoints.state_dict import state_dict as _state_dict
+from optimisers.core.rule import Rule
+from optimisers.core.state import Leaf, State
+from optimisers.core.tree import format_path
+from optimisers.verbs.interface import setup, update_
 
-__all__ = [
-    "Optimizer",
-    "SGD",
-    "Adam",
-    "AdamW",
-    "RMSprop",
-    "Adagrad",
-    "Adadelta",
-    "Adamax",
-    "NAdam",
-    "RAdam",
-    "Rprop",
-]
+__all__ = ["Optimizer"]
 
 # torch.optim's names for hyperparameters this library spells differently: where the rule has the
 # field they mean the same, a group shows both names, kept equal (as "beta" and "betas")
@@ -219,7 +207,7 @@ class _Deferred(Rule):
 def _lazy_setup(rule, model) -> State:
     """`optimisers.setup` (paths, ties, rule functions, the check for tensors that overlap in
     memory) with each Leaf's rule chosen but its state not made."""
-    from ._interface import _rule_chooser
+    from optimisers.verbs.interface import _rule_chooser
 
     choose = _rule_chooser(rule)
     state = setup(lambda path, x: _Deferred(choose(path, x)), model)
@@ -239,7 +227,7 @@ def _setup_list(rule, params):
 def _from_module(module, rule, overrides) -> tuple[list[_Group], State]:
     """Groups for a module: `setup` makes the Leafs (ties, paths, rule functions); parameters
     whose rules are equal form one group, which then shares one rule object."""
-    from ._destructure import trainables
+    from optimisers.verbs.destructure import trainables
 
     state = _lazy_setup(rule, module)
     groups: list[_Group] = []
@@ -823,17 +811,3 @@ class Optimizer(torch.optim.Optimizer):
 def _eager_step(optimizer: Optimizer) -> None:
     optimizer._step()
 
-
-# torch.optim's classes by name (imported last: they build on Optimizer)
-from ._torch_dropins import (  # noqa: E402
-    SGD,
-    Adadelta,
-    Adagrad,
-    Adam,
-    Adamax,
-    AdamW,
-    NAdam,
-    RAdam,
-    RMSprop,
-    Rprop,
-)

@@ -35,9 +35,9 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from . import _ops as ops
-from ._rule import NewValue, Rule, _concrete, check_range, has_schedules
-from ._state import flatten_state, unflatten_state
+from optimisers import ops
+from optimisers.core.rule import NewValue, Rule, _concrete, check_range, has_schedules
+from optimisers.core.state import flatten_state, unflatten_state
 
 # --- helpers -----------------------------------------------------------------------------------
 

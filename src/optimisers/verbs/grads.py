@@ -6,10 +6,11 @@ model through the generic tree layer and only reads attributes.
 
 from __future__ import annotations
 
-from . import _compile
-from ._tree import format_path, is_param, kind_of, trainable_children
+from optimisers.core.eager import eager_under_compile
+from optimisers.core.tree import format_path, is_param, kind_of, trainable_children
 
 
+@eager_under_compile
 def grads(model):
     """The gradient tree of `model` (an `nn.Module`, or any tree of tensors) after `backward()`.
 
@@ -23,8 +24,6 @@ def grads(model):
         loss.backward()
         state, model = optimisers.update_(state, model, optimisers.grads(model))
     """
-    if _compile.tracing():  # under torch.compile: run eagerly, see optimisers._compile
-        return _compile.EAGER["grads"](model)
     seen: set[int] = set()
 
     def visit(node, path):

@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from ._checkpoint import (
+from optimisers.checkpoints.state_dict import (
     FORMAT,
     META_KEY,
     CheckpointError,
@@ -52,7 +52,7 @@ from ._checkpoint import (
     load_state_dict,
     state_dict,
 )
-from ._state import State
+from optimisers.core.state import State
 
 try:  # only to release a temporary file's lock; without it, stray files are not removed
     import fcntl

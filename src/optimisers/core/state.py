@@ -10,7 +10,7 @@ from __future__ import annotations
 import numbers
 from typing import Any
 
-from ._tree import format_path
+from optimisers.core.tree import format_path
 
 
 class Leaf:

@@ -44,6 +44,7 @@ and with placeholder objects.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import gc
@@ -55,10 +56,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import _ops
-from .._rule import Rule, _is_held
-from .._state import Leaf, State, flatten_state, is_scalar, scalar_key, unflatten_state
-from .._tree import NodeKind, format_path
+from optimisers import ops
+from optimisers.core.rule import Rule, _is_held
+from optimisers.core.state import Leaf, State, flatten_state, is_scalar, scalar_key, unflatten_state
+from optimisers.core.tree import NodeKind, format_path
+
+# --- how the update treats JAX (see optimisers.backends.protocol) -----------------------------
+
+no_grad = contextlib.nullcontext  # gradients are functions' results, never recorded on arrays
+SHARE_SCALAR_STATE = True  # one step count per group: fewer traced values under jit
+IN_PLACE_ENGINE = False  # arrays are immutable: updates are pure, traced and fused by XLA
+FAST_PATHS: dict = {}
 
 _Tracer = jax.core.Tracer
 _FLOAT16 = np.dtype(np.float16)
@@ -66,8 +74,6 @@ _FLOAT16_EPS_FLOOR = float(np.float16(1e-7))
 
 
 # see the module docstring; read by optimisers._interface
-SHARE_SCALAR_STATE = True
-
 
 def _is_traced(x) -> bool:
     return isinstance(x, _Tracer)
@@ -238,10 +244,10 @@ def astype(x, like):
     if isinstance(x, jax.Array):
         if x.dtype == like.dtype:
             return x
-        _ops.check_gradient_dtype(x.dtype, like.dtype)
+        ops.check_gradient_dtype(x.dtype, like.dtype)
         return x.astype(like.dtype)
     x = np.asarray(x)
-    _ops.check_gradient_dtype(x.dtype, like.dtype)
+    ops.check_gradient_dtype(x.dtype, like.dtype)
     if not _is_traced(like) and isinstance(like, jax.Array):
         # put host data where the parameter lives, so sharded parameters get sharded gradients
         return jax.device_put(np.asarray(x, dtype=like.dtype), like.sharding)

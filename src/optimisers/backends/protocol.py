@@ -1,0 +1,105 @@
+"""The written contract of a backend: what the library asks of an array library.
+
+A backend is a module of functions (`optimisers.backends.numpy`, `.torch`, `.jax`; `.scalar` for
+Python numbers), registered with the core in `optimisers/backends/__init__.py`. `Maths` is what
+`optimisers.ops` hands on to it, so every backend has it, the scalar one included; `Backend` is
+what the tree walk, the update and checkpoints need of an array library; `InPlaceEngine` is what
+the engine needs to step many parameters in place through flat chunks (NumPy and PyTorch: JAX
+arrays are immutable, so JAX sets `IN_PLACE_ENGINE = False` and the engine leaves it alone).
+`tests/test_backend_protocol.py` checks every backend against these classes: each name must be
+there, and each function must take the parameters named here.
+
+A new backend is one module that defines these names, plus one `dispatch.register` line in
+`optimisers/backends/__init__.py`. A new array operation for rules is one function in
+`optimisers.ops` and one function of that name in each backend, listed in `Maths`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
+from typing import Any, Protocol, runtime_checkable
+
+Array = Any
+
+
+@runtime_checkable
+class Maths(Protocol):
+    """The array maths that rules use through `optimisers.ops`."""
+
+    def sqrt(self, x: Array) -> Array: ...
+    def abs(self, x: Array) -> Array: ...
+    def abs2(self, x: Array) -> Array: ...  # |x|², real for complex x
+    def sign(self, x: Array) -> Array: ...
+    def maximum(self, x: Array, y: Array) -> Array: ...
+    def minimum(self, x: Array, y: Array) -> Array: ...
+    def clip(self, x: Array, low: Any, high: Any) -> Array: ...
+    def where(self, condition: Array, x: Array, y: Array) -> Array: ...
+    def isfinite(self, x: Array) -> bool | None: ...  # None: traced, cannot be read
+    def cond(self, predicate: Any, if_true: Callable, if_false: Callable) -> Any: ...
+    def scalar(self, value: Any, like: Array) -> Any: ...  # a hyperparameter in like's dtype
+    def epsilon(self, value: Any, like: Array) -> Any: ...  # the same, real, float16 floor 1e-7
+
+
+@runtime_checkable
+class Backend(Maths, Protocol):
+    """What the library needs of an array library beyond the maths."""
+
+    # the tree walk
+    def is_array(self, x: Any) -> bool: ...
+    def is_param(self, x: Any) -> bool: ...  # a trainable array: floating or complex
+    def node_kind(self, obj: Any) -> Any: ...  # a core.tree.NodeKind for the library's containers
+
+    # values a rule or an update makes
+    def zeros_like(self, x: Array) -> Array: ...
+    def full_like(self, x: Array, value: Any) -> Array: ...
+    def norm(self, x: Array, p: Any) -> Any: ...
+    def same_values(self, x: Array, y: Array) -> bool | None: ...
+    def all_finite(self, x: Array) -> Any: ...
+    def astype(self, x: Any, like: Array) -> Array: ...  # raises ops.GradientError for no gradient
+    def cast(self, x: Array, dtype: Any) -> Array: ...
+    def copy(self, x: Array) -> Array: ...
+    def flatten(self, arrays: list) -> Array: ...  # one 1-D array (destructure)
+    def unflatten_one(self, flat: Array, start: int, like: Array) -> Array: ...
+
+    # writing parameters
+    def writable(self, x: Array) -> bool: ...  # can be written in place
+    def memory_span(self, x: Array) -> Any: ...
+    def shares_memory(self, x: Array, y: Array) -> bool: ...
+    def subtract(self, x: Array, step: Array) -> Array: ...  # pure: a new parameter
+    def subtract_(self, x: Array, step: Array) -> Any: ...  # in place
+    def assign_(self, x: Array, value: Array) -> Any: ...
+    def replaced(self, x: Array, value: Array) -> Array: ...
+
+    # how the update treats this library
+    def no_grad(self) -> AbstractContextManager: ...  # rules compute data, not autograd graphs
+    SHARE_SCALAR_STATE: bool  # one step count per group of leaves (JAX: fewer traced values)
+    IN_PLACE_ENGINE: bool  # whether this module is also an InPlaceEngine
+    # A backend's own kernels for some rules, by name ("adam": see optimisers.engine.fast_paths,
+    # which maps rules to these names and arguments); empty where there are none.
+    FAST_PATHS: Mapping[str, Callable]
+
+
+@runtime_checkable
+class InPlaceEngine(Backend, Protocol):
+    """What the engine (optimisers.engine) needs to step parameters in place, chunk by chunk."""
+
+    ENGINE_CHUNK: int  # elements per chunk
+    ENGINE_THREADS: bool  # run chunks on our threads (NumPy's ufuncs release the GIL)
+
+    def engine_start(self) -> None: ...  # called before a group is built (NumPy: malloc settings)
+    def engine_ok(self, x: Array) -> bool: ...  # a parameter the engine can step in place
+    def engine_marks(self, xs: list) -> list | None: ...  # cheap marks that `engine_ok` & co. hold
+    def fit_as_they_are(self, gs: list, xs: list, dtype: Any, device: Any) -> list | None: ...
+    def raises_on_values(self) -> bool: ...  # maths raises on bad values (np.seterr(all="raise"))
+    def numel(self, x: Array) -> int: ...
+    def memory_order(self, x: Array) -> Any: ...
+    def flat_in(self, x: Array, order: Any) -> Array: ...  # a 1-D view in memory order
+    def shaped_in(self, flat: Array, shape: tuple, order: Any) -> Array: ...
+    def laid_out_like(self, t: Array, x: Array) -> Array: ...  # t with x's strides
+    def memory_owners(self, xs: list) -> list: ...
+    def concat(self, xs: list) -> Array: ...
+    def concat_flat(self, xs: list) -> Array: ...
+    def copy_into(self, dst: Array, src: Array) -> Any: ...
+    def sum_into(self, dst: Array, xs: list) -> Any: ...
+    def is_buffer(self, value: Any) -> bool: ...

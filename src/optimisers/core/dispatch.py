@@ -1,0 +1,76 @@
+"""Which backend serves a value.
+
+A table from array libraries (the top-level module that defines a value's type: `torch`, `jax`,
+`numpy`) to the backend modules that serve them. `optimisers.backends` fills it in when the
+package is imported; the table holds module names, and a backend module is imported on its first
+use, so `import optimisers` imports neither torch nor jax. The core asks this table and never
+imports a backend itself.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from types import ModuleType
+
+_SCALARS = (bool, int, float, complex)
+_MODULE_OF_LIBRARY: dict[str, str] = {}  # "torch" -> "optimisers.backends.torch"
+_FALLBACK = ""  # the module for every other type (NumPy's: it takes lists, NumPy scalars, ...)
+_SCALAR_MODULE = ""  # the module for Python numbers
+_BY_TYPE: dict[type, ModuleType] = {}
+
+
+def register(libraries: str | tuple[str, ...], module: str, *, fallback: bool = False) -> None:
+    """Serve values whose type comes from `libraries` with the backend module named `module`."""
+    global _FALLBACK
+    for library in (libraries,) if isinstance(libraries, str) else libraries:
+        _MODULE_OF_LIBRARY[library] = module
+    if fallback:
+        _FALLBACK = module
+    _BY_TYPE.clear()
+
+
+def register_scalars(module: str) -> None:
+    """Serve Python numbers (bool, int, float, complex) with the backend module named `module`."""
+    global _SCALAR_MODULE
+    _SCALAR_MODULE = module
+    _BY_TYPE.clear()
+
+
+def library_of(t: type) -> str:
+    return t.__module__.partition(".")[0]
+
+
+def is_array_library(library: str) -> bool:
+    """Whether types from `library` may be arrays (containers never are)."""
+    return library in _MODULE_OF_LIBRARY
+
+
+def backend(x) -> ModuleType:
+    """The backend module that handles values of `type(x)`."""
+    t = type(x)
+    found = _BY_TYPE.get(t)
+    if found is None:
+        library = library_of(t)
+        name = _MODULE_OF_LIBRARY.get(library)
+        if name is None:
+            # np.float64 subclasses float but is NumPy's
+            name = _SCALAR_MODULE if issubclass(t, _SCALARS) else _FALLBACK
+        found = importlib.import_module(name)
+        _BY_TYPE[t] = found
+    return found
+
+
+def loaded(library: str) -> ModuleType | None:
+    """The backend of `library` when the user has imported that library, else None (never imports
+    the library itself)."""
+    name = _MODULE_OF_LIBRARY.get(library)
+    if name is None or library not in sys.modules:
+        return None
+    return importlib.import_module(name)
+
+
+def loaded_backends() -> list[ModuleType]:
+    """The backends whose libraries the user has imported, in the order they were registered."""
+    names = dict.fromkeys(m for lib, m in _MODULE_OF_LIBRARY.items() if lib in sys.modules)
+    return [importlib.import_module(name) for name in names]

@@ -1,0 +1,35 @@
+"""PyTorch: the `torch.optim` adapter and drop-in classes.
+
+    from optimisers.torch import AdamW      # instead of: from torch.optim import AdamW
+
+`Optimizer(params, rule)` takes any rule of this library; the drop-in classes take torch.optim's
+signatures, defaults, group keys and `state[p]` keys.
+"""
+
+from optimisers.torch.dropins import (
+    SGD,
+    Adadelta,
+    Adagrad,
+    Adam,
+    Adamax,
+    AdamW,
+    NAdam,
+    RAdam,
+    RMSprop,
+    Rprop,
+)
+from optimisers.torch.optimizer import Optimizer
+
+__all__ = [
+    "Optimizer",
+    "SGD",
+    "Adam",
+    "AdamW",
+    "RMSprop",
+    "Adagrad",
+    "Adadelta",
+    "Adamax",
+    "NAdam",
+    "RAdam",
+    "Rprop",
+]
