@@ -44,7 +44,7 @@ try:
 except ImportError:  # run from a checkout that is not installed
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
     import optimisers as opt
-from optimisers.bench import _nest, make_shapes
+from optimisers.tools.bench import _nest, make_shapes
 
 RULES = {
     "Adam": lambda: opt.Adam(1e-3),

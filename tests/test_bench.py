@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from optimisers import bench
+from optimisers.tools import bench
 
 
 def test_bench_smallest_run_prints_table_and_writes_json(tmp_path, capsys):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from optimisers import cli
+from optimisers.tools import cli
 
 
 def test_bench_subcommand_reaches_the_benchmark(capsys):

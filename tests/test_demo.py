@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 import optimisers as opt
-from optimisers.cli import main
-from optimisers.demo import Config, DemoError, Progress, _models, _plot, parse_rule, run
+from optimisers.tools.cli import main
+from optimisers.tools.demo import Config, DemoError, Progress, _models, _plot, parse_rule, run
 
 
 def read_png(path) -> np.ndarray:

@@ -99,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--out", default=defaults.out, help="folder for the plot (default ./%(default)s)")
     sub.add_parser(
         "bench",
-        add_help=False,  # its own parser (optimisers.bench) reads the rest of the command line
+        add_help=False,  # its own parser (optimisers.tools.bench) reads the rest of the command line
         help="time one optimiser step against torch.optim and optax; see `optimisers bench --help`",
     )
     return parser
