@@ -1,7 +1,7 @@
-"""Run the side-by-side benchmark of issue 4: `python benchmarks/run.py [--quick] [--json PATH] ...`.
+"""Run the side-by-side benchmark: `python benchmarks/run.py [--quick] [--json PATH] ...`.
 
-A thin wrapper around `optimisers.tools.bench.main` (also `python -m optimisers.tools.bench`); see README.md here
-for what each column means.
+A thin wrapper around `optimisers bench` (`optimisers.tools.bench.main`, also
+`python -m optimisers.tools.bench`); see README.md here for what each column means.
 """
 
 import pathlib
