@@ -180,7 +180,7 @@ def test_readme_links_exist():
 
 def test_readme_quick_start_commands():
     text = (ROOT / "README.md").read_text(encoding="utf-8")
-    assert "pip install -e . && optimisers demo" in text
+    assert 'pip install -e ".[demo]" && optimisers demo' in text
     assert 'pip install -e ".[test]" && python3 -m pytest' in text
     ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
     assert "python3 -m pytest" in ci and "mkdocs build --strict" in ci
