@@ -37,6 +37,7 @@ def _panel(ax, title: str, tied, naive) -> None:
     ax.plot(steps, _finite(naive), color=ORANGE, linewidth=1.5, label="naive (two copies)")
     ax.plot(steps, _finite(tied), color=BLUE, linewidth=1.5, label="tied (optimisers)")
     ax.set_title(title)
+    ax.set_xlim(0, len(tied))  # every step, also those where a diverged run has no value
     ax.set_xlabel("step")
     ax.grid(True, color="0.9")
 
@@ -53,8 +54,8 @@ def training_plot(path, tied_loss, naive_loss, tied_drift, naive_drift, title: s
     _panel(loss_ax, "training loss", smooth(tied_loss, window), smooth(naive_loss, window))
     _panel(drift_ax, "max |embed - unembed|", tied_drift, naive_drift)
     top = np.nanmax(_finite(naive_drift), initial=0.0)
-    if top > 0:  # the drift starts at 0; without data above it, matplotlib picks the limits
-        drift_ax.set_ylim(0.0, 1.05 * top)
+    if top > 0:  # from just below 0, so that the tied run's line at 0 shows above the axis
+        drift_ax.set_ylim(-0.02 * top, 1.05 * top)
     handles, labels = loss_ax.get_legend_handles_labels()
     fig.legend(handles[::-1], labels[::-1], loc="outside lower center", ncols=2, frameon=False)
     fig.suptitle(title)
