@@ -44,7 +44,7 @@ try:
 except ImportError:  # run from a checkout that is not installed
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
     import optimisers as opt
-from optimisers.bench import _nest, make_shapes
+from optimisers.tools.bench.models import make_shapes, nest
 
 RULES = {
     "Adam": lambda: opt.Adam(1e-3),
@@ -68,8 +68,8 @@ def models(small: bool) -> dict[str, list[tuple[tuple, tuple]]]:
 
 def build(layout, make):
     rng = np.random.default_rng(0)
-    params = _nest([(p, make(rng.standard_normal(s).astype(np.float32))) for p, s in layout])
-    grads = _nest([(p, make(rng.standard_normal(s).astype(np.float32))) for p, s in layout])
+    params = nest([(p, make(rng.standard_normal(s).astype(np.float32))) for p, s in layout])
+    grads = nest([(p, make(rng.standard_normal(s).astype(np.float32))) for p, s in layout])
     return params, grads
 
 

@@ -1,17 +1,17 @@
-"""Run the side-by-side benchmark of issue 4: `python benchmarks/run.py [--quick] [--json PATH] ...`.
+"""Run the side-by-side benchmark: `python benchmarks/run.py [--quick] [--json PATH] ...`.
 
-A thin wrapper around `optimisers.bench.main` (also `python -m optimisers.bench`); see README.md here
-for what each column means.
+A thin wrapper around `optimisers bench` (`optimisers.tools.bench.main`, also
+`python -m optimisers.tools.bench`); see README.md here for what each column means.
 """
 
 import pathlib
 import sys
 
 try:
-    from optimisers.bench import main
+    from optimisers.tools.bench import main
 except ImportError:  # run from a checkout that is not installed
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "src"))
-    from optimisers.bench import main
+    from optimisers.tools.bench import main
 
 if __name__ == "__main__":
     raise SystemExit(main(sys.argv[1:]))

@@ -1,10 +1,12 @@
-"""`optimisers bench` is wired to the benchmark's own parser."""
+"""The `optimisers` command: `bench` is wired to the benchmark's own parser; `--version`."""
 
 from __future__ import annotations
 
+import importlib.metadata
+
 import pytest
 
-from optimisers import cli
+from optimisers.tools import cli
 
 
 def test_bench_subcommand_reaches_the_benchmark(capsys):
@@ -26,3 +28,10 @@ def test_top_level_help_lists_both_commands(capsys):
         cli.main(["--help"])
     out = capsys.readouterr().out
     assert "demo" in out and "bench" in out
+
+
+def test_version_is_the_installed_distributions(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out == f"optimisers {importlib.metadata.version('optimisers')}\n"

@@ -180,8 +180,11 @@ def test_readme_links_exist():
 
 def test_readme_quick_start_commands():
     text = (ROOT / "README.md").read_text(encoding="utf-8")
-    assert "pip install -e . && optimisers demo" in text
+    assert 'pip install -e ".[demo]" && optimisers demo' in text
     assert 'pip install -e ".[test]" && python3 -m pytest' in text
+    block = text.split("## Quick start", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    assert block.splitlines() == ['pip install -e ".[demo]" && optimisers demo',
+                                  'pip install -e ".[test]" && python3 -m pytest']
     ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
     assert "python3 -m pytest" in ci and "mkdocs build --strict" in ci
 

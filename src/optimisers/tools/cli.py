@@ -2,6 +2,8 @@
 
     optimisers demo [--backend numpy|torch|jax] [--steps N] [--rule RULE] [--lr LR] [--seed S]
                     [--out DIR]
+    optimisers bench [--quick] [--json PATH] [--backends ...] [--shapes ...] [--rules ...] ...
+    optimisers --version
 
 Bad options end with one line on stderr and exit status 2; `--help` lists everything.
 """
@@ -9,6 +11,7 @@ Bad options end with one line on stderr and exit status 2; `--help` lists everyt
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import sys
 
 
@@ -48,6 +51,16 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def installed_version() -> str:
+    """The version of the installed distribution (what pip installed), else the package's own."""
+    try:
+        return importlib.metadata.version("optimisers")
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout that is not installed
+        import optimisers
+
+        return optimisers.__version__
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .demo import BACKENDS, DEFAULT_RULE, Config
 
@@ -55,6 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="optimisers",
         description="Composable optimisation rules for whole models, with tied weights handled.",
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {installed_version()}")
     sub = parser.add_subparsers(dest="command", metavar="command", required=True)
     demo = sub.add_parser(
         "demo",
@@ -99,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--out", default=defaults.out, help="folder for the plot (default ./%(default)s)")
     sub.add_parser(
         "bench",
-        add_help=False,  # its own parser (optimisers.bench) reads the rest of the command line
+        add_help=False,  # its own parser (optimisers.tools.bench) reads the rest of the command line
         help="time one optimiser step against torch.optim and optax; see `optimisers bench --help`",
     )
     return parser

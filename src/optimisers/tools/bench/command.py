@@ -1,0 +1,273 @@
+"""`optimisers bench`: its options, and the run from the first measurement to the last line."""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import sys
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+import optimisers as opt
+
+from . import report
+from .bandwidth import measure_bandwidth
+from .implementations import BEST_PEER, IMPLS
+from .memory import can_reset_hwm
+from .models import (
+    ALL_BACKENDS,
+    ALL_RULES,
+    ALL_SHAPES,
+    BYTES_MODEL,
+    BYTES_PER_PARAM,
+    HYPERPARAMETERS,
+    make_data,
+    make_shapes,
+    reference,
+)
+from .timing import paired_peer_ratio, paired_tie_ratio, run_row
+
+
+def _csv(allowed):
+    def parse(text):
+        items = [s.strip() for s in text.split(",") if s.strip()]
+        bad = [s for s in items if s not in allowed]
+        if bad:
+            raise argparse.ArgumentTypeError(f"unknown {bad[0]!r}; choose from {', '.join(allowed)}")
+        return items
+
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="optimisers bench",
+        description="Time one optimiser step of optimisers against torch.optim, optax and a naive "
+        "NumPy loop, with the memory-bandwidth floor measured in the same run.",
+    )
+    p.add_argument("--quick", action="store_true",
+                   help="smaller shapes (S1 2048^2, S2 4 blocks of d=128, S3 100 tensors), fewer "
+                   "repeats: a smoke run")
+    p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    p.add_argument("--backends", type=_csv(ALL_BACKENDS), default=list(ALL_BACKENDS),
+                   help="comma-separated: numpy,torch,jax")
+    p.add_argument("--shapes", type=_csv(ALL_SHAPES), default=list(ALL_SHAPES),
+                   help="comma-separated: S1,S2,S2-tied,S3")
+    p.add_argument("--rules", type=_csv(ALL_RULES), default=list(ALL_RULES),
+                   help="comma-separated: adam,adamw,momentum")
+    p.add_argument("--repeats", type=int, default=None,
+                   help="timed steps per row (default 7, --quick 5; fast rows take more)")
+    p.add_argument("--compile-limit", type=float, default=None, metavar="S",
+                   help="after a JAX compile longer than S seconds, skip the other rows of the same "
+                   "library on that shape (default 20, --quick 5)")
+    p.add_argument("--bandwidth-mb", type=int, default=None, metavar="MIB",
+                   help="size of each bandwidth-test array (default 128, --quick 64; keep it well "
+                   "above the last-level cache)")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="print the top N cProfile entries of each optimisers row")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    opts = build_parser().parse_args(argv)
+    try:
+        return _run(opts)
+    finally:
+        gc.unfreeze()  # main() may run inside another program (the tests): leave the collector as found
+
+
+def _fill_defaults(opts) -> None:
+    """The defaults that depend on --quick, and whether RSS peaks can be measured here."""
+    if opts.repeats is None:
+        opts.repeats = 5 if opts.quick else 7
+    opts.repeats = max(1, opts.repeats)
+    opts.warmup = 1 if opts.quick else 2
+    if opts.compile_limit is None:
+        opts.compile_limit = 5.0 if opts.quick else 20.0
+    if opts.bandwidth_mb is None:
+        opts.bandwidth_mb = 64 if opts.quick else 128
+    opts.rss_ok = can_reset_hwm()
+
+
+def _versions(backends) -> dict:
+    versions = {"python": platform.python_version(), "numpy": np.__version__, "optimisers": opt.__version__}
+    for mod in ("torch", "jax", "optax"):
+        if ("torch" if mod == "torch" else "jax") in backends:
+            try:
+                versions[mod] = __import__(mod).__version__
+            except Exception as e:  # reported per row as well
+                versions[mod] = f"not importable ({e})"
+    return versions
+
+
+def _loadavg() -> tuple:
+    try:
+        return os.getloadavg()
+    except (AttributeError, OSError):  # not available on this platform
+        return (float("nan"),) * 3
+
+
+def _warm_up_imports(backends) -> None:
+    """Pay one-off start-up costs (imports, JAX's first compile, torch.optim's lazy imports) before
+    anything is timed, then freeze the objects alive so far out of the garbage collector: every
+    `gc.collect()` between rows then scans only what the benchmark made since."""
+    if "torch" in backends:
+        try:
+            import torch
+
+            torch.optim.Adam([torch.nn.Parameter(torch.zeros(1))])
+        except Exception:  # reported per row
+            pass
+    if "jax" in backends:
+        try:
+            import jax
+            import optax  # noqa: F401
+
+            jax.jit(lambda x: x + 1).lower(np.float32(0)).compile()
+        except Exception:  # reported per row
+            pass
+    gc.collect()
+    gc.freeze()
+
+
+@dataclass
+class _Run:
+    """Everything one run measured."""
+
+    opts: argparse.Namespace
+    threads: int
+    versions: dict
+    shapes: dict
+    bandwidth: dict = field(default_factory=dict)
+    rows: list = field(default_factory=list)
+    agreement: list = field(default_factory=list)
+    paired: list = field(default_factory=list)
+    paired_peers: list = field(default_factory=list)
+    summary: list = field(default_factory=list)
+
+
+def _time_every_row(run: _Run, impls: list, progress) -> None:
+    """Every implementation on every shape and rule; the bandwidth is measured again after each
+    shape, since other work on a shared machine easily halves one measurement."""
+    opts, compile_seen = run.opts, {}
+    floor_samples = [run.bandwidth["floor_gbs"]]
+    for name in opts.shapes:
+        data = make_data(run.shapes[name])
+        for rule in opts.rules:
+            ref = reference(rule, data)
+            group = []
+            for impl in impls:
+                progress(f"{name} {rule}: {impl.backend} {impl.name}")
+                group.append(run_row(impl, data, rule, ref, opts, compile_seen))
+                if "error" in group[-1]:
+                    progress(f"  n/a: {group[-1]['error']}")
+            run.rows += group
+            run.agreement.append(report.agreement_line(name, rule, group))
+        del data
+        gc.collect()
+        again = measure_bandwidth(opts.bandwidth_mb, run.threads, 3, kernels=("update",), one_thread=False)
+        floor_samples.append(again["floor_gbs"])
+    run.bandwidth["floor_samples_gbs"] = floor_samples
+    run.bandwidth["floor_gbs"] = max(floor_samples)
+
+
+def _time_pairs(run: _Run, impls: list, progress) -> None:
+    """The ratios worth a few percent, timed in alternation: S2-tied against S2 for each of ours,
+    and for Adam each of ours against its peer on S1 and S2."""
+    opts = run.opts
+    pairs = 6 if opts.quick else 15
+    ours = [i for i in impls if i.ours]
+    if "S2" in opts.shapes and "S2-tied" in opts.shapes:
+        for impl in ours:
+            for rule in opts.rules:
+                progress(f"S2-tied against S2, paired: {impl.backend} {impl.name} {rule}")
+                run.paired.append(paired_tie_ratio(impl, run.shapes, rule, pairs))
+    if "adam" not in opts.rules:
+        return
+    for impl in [i for i in ours if BEST_PEER[i.backend][0] == i.backend]:
+        peer = next((i for i in impls if (i.backend, i.name) == BEST_PEER[impl.backend]), None)
+        for name in [n for n in ("S1", "S2") if n in opts.shapes and peer is not None]:
+            progress(f"{name} adam against {peer.name}, paired: {impl.backend} {impl.name}")
+            run.paired_peers.append(paired_peer_ratio(impl, peer, run.shapes[name], "adam", pairs))
+
+
+def _print_report(run: _Run) -> None:
+    print("\n".join(report.header(run.opts, run.threads, run.versions, run.bandwidth, run.shapes)))
+    print()
+    print("\n".join(run.agreement))
+    print()
+    print(report.format_table(run.rows))
+    print()
+    print(report.COLUMNS_NOTE)
+    lines = report.paired_lines(run.paired, run.paired_peers)
+    if lines:
+        print("\n".join(lines))
+    lines = report.format_summary(run.summary)
+    if lines:
+        print()
+        print("\n".join(lines))
+    for r in [r for r in run.rows if r.get("profile")]:
+        print(f"\ncProfile, 3 steps, {r['backend']} {r['impl']} {r['shape']} {r['rule']} (by tottime):")
+        print(r["profile"].rstrip())
+
+
+def _write_json(run: _Run, elapsed: float, load: dict) -> None:
+    shapes = run.shapes
+    doc = {
+        "args": dict(vars(run.opts)),
+        "versions": run.versions,
+        "machine": {"arch": platform.machine(), "cores": run.threads, "platform": platform.platform()},
+        "bandwidth": run.bandwidth,
+        "bytes_per_param": BYTES_PER_PARAM,
+        "bytes_model": BYTES_MODEL,
+        "hyperparameters": HYPERPARAMETERS,
+        "shapes": {n: {"tensors": shapes[n].n_tensors, "places": shapes[n].n_places,
+                       "params": shapes[n].n_params, "layout": shapes[n].layout}
+                   for n in run.opts.shapes},
+        "agreement": run.agreement,
+        "rows": run.rows,
+        "paired_tie_ratios": run.paired,
+        "paired_peer_ratios": run.paired_peers,
+        "summary": run.summary,
+        "elapsed_s": elapsed,
+        "load_average": load,
+    }
+    with open(run.opts.json, "w") as f:
+        json.dump(doc, f, indent=1, default=str)
+    print(f"wrote {run.opts.json}")
+
+
+def _run(opts) -> int:
+    started = time.perf_counter()
+
+    def progress(msg):
+        print(f"[{time.perf_counter() - started:6.1f}s] {msg}", file=sys.stderr, flush=True)
+
+    _fill_defaults(opts)
+    run = _Run(opts, os.cpu_count() or 1, _versions(opts.backends), make_shapes(opts.quick))
+    _warm_up_imports(opts.backends)
+    load_start = _loadavg()
+    progress("measuring memory bandwidth")
+    run.bandwidth = measure_bandwidth(opts.bandwidth_mb, run.threads, 3 if opts.quick else 5)
+    impls = [i for i in IMPLS if i.backend in opts.backends]
+    _time_every_row(run, impls, progress)
+    _time_pairs(run, impls, progress)
+    report.fill_ratios(run.rows, run.bandwidth["floor_gbs"])
+    run.summary = report.summary(run.rows, run.paired, run.paired_peers)
+    _print_report(run)
+    elapsed = time.perf_counter() - started
+    load_end = _loadavg()
+    busy = max(load_start[0], load_end[0]) > run.threads + 0.5
+    print(
+        f"\ntotal time {elapsed:.0f} s; 1-minute load average {load_start[0]:.1f} at the start, "
+        f"{load_end[0]:.1f} at the end, on {run.threads} cores"
+        + ("  (the machine was busy with other work: timings are noisy)" if busy else "")
+    )
+    if opts.json:
+        _write_json(run, elapsed, {"start": load_start, "end": load_end})
+    return 0

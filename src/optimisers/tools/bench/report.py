@@ -1,0 +1,228 @@
+"""What the bench prints: the header (machine, bandwidth, shapes), the agreement lines, the table,
+the paired ratios, and a summary of `optimisers` against its peers."""
+
+from __future__ import annotations
+
+import platform
+
+from .bandwidth import KERNELS
+from .implementations import BEST_PEER, FALLBACK_PEER, IMPLS
+from .models import ATOL, BYTES_MODEL, BYTES_PER_PARAM, CHECK_STEPS, RTOL
+
+OURS = {impl.backend: impl.name for impl in IMPLS if impl.ours}
+_SHORT_PEER = {"torch.optim fused": "torch fused", "optax jit+donate": "optax j+d",
+               "naive NumPy loop": "naive np"}
+
+
+def header(opts, threads: int, versions: dict, bw: dict, shapes: dict) -> list[str]:
+    """The machine, the versions, the bandwidth measurements and the shapes with their floors."""
+    floor, samples = bw["floor_gbs"], bw["floor_samples_gbs"]
+    out = [
+        f"optimisers bench{' --quick' if opts.quick else ''}: {platform.machine()}, {threads} cores, "
+        + ", ".join(f"{k} {v}" for k, v in versions.items()),
+        "",
+        f"Bandwidth ({bw['array_mib']} MiB float32 arrays, {threads} threads, median/best of "
+        f"{bw['repeats']}):",
+        "  " + "   ".join(
+            f"{k} {bw[k + '_gbs_median']:5.1f} / {bw[k + '_gbs_best']:5.1f}" for k in KERNELS
+        ) + " GB/s",
+    ]
+    if threads != 1:
+        out.append("  1 thread: " + ", ".join(
+            f"{k} {bw[k + '_1t_gbs_median']:.1f} / {bw[k + '_1t_gbs_best']:.1f}" for k in KERNELS
+        ) + " GB/s")
+    out.append(
+        f"  floor bandwidth = {floor:.1f} GB/s: the best in-place update a += s*b with all threads, "
+        f"measured at the start and after each shape ({', '.join(f'{x:.1f}' for x in samples)})"
+    )
+    out.append("  (copy and triad also pay uncounted write-allocate reads; an optimiser step does not)")
+    out.append("  bytes per float32 parameter per step: "
+               + "; ".join(f"{k}: {v}" for k, v in BYTES_MODEL.items()))
+    for name in opts.shapes:
+        s = shapes[name]
+        floors = ", ".join(
+            f"{rule} {BYTES_PER_PARAM[rule] * s.n_params / floor / 1e6:.2f} ms" for rule in opts.rules
+        )
+        out.append(f"  {name:7} {s.n_tensors:5d} tensors, {s.n_places:5d} places, {s.n_params:>10,} "
+                   f"params ({s.layout}); floor: {floors}")
+    return out
+
+
+def agreement_line(shape: str, rule: str, group: list) -> str:
+    """How many rows of one (shape, rule) agree with the float64 reference, and the largest error."""
+    checked = [r for r in group if "agree" in r]
+    bad = [r for r in checked if not r["agree"]]
+    worst = max(checked, key=lambda r: r["max_abs_err"], default=None)
+    line = (
+        f"check {shape} {rule}: {len(checked) - len(bad)}/{len(checked)} implementations "
+        f"agree with the float64 reference after {CHECK_STEPS} steps "
+        f"(|err| <= {ATOL:g} + {RTOL:g}|x|)"
+    )
+    if worst is not None:
+        line += f"; largest |err| {worst['max_abs_err']:.1e} ({worst['backend']} {worst['impl']})"
+    if bad:
+        line += "; DISAGREE: " + ", ".join(
+            f"{r['backend']} {r['impl']} ({r.get('ties') or format(r['max_abs_err'], '.1e')})" for r in bad
+        )
+    return line
+
+
+def fill_ratios(rows: list, floor_gbs: float | None) -> None:
+    """Add each row's floor (`floor_ms`, `x_floor`) and its ratio to its peer (`peer`, `x_peer`)."""
+    by = {(r["backend"], r["impl"], r["shape"], r["rule"]): r for r in rows}
+    for r in rows:
+        if floor_gbs:
+            r["floor_ms"] = BYTES_PER_PARAM[r["rule"]] * r["params"] / (floor_gbs * 1e9) * 1e3
+            if "median_ms" in r:
+                r["x_floor"] = r["median_ms"] / r["floor_ms"]
+                r["x_floor_min"] = r["min_ms"] / r["floor_ms"]
+        if "median_ms" not in r:
+            continue
+        for backend, name in (BEST_PEER[r["backend"]], FALLBACK_PEER.get(r["backend"])):
+            peer = by.get((backend, name, r["shape"], r["rule"])) if name else None
+            if peer is not None and "median_ms" in peer:
+                r["peer"] = name
+                r["x_peer"] = r["median_ms"] / peer["median_ms"]
+                r["x_peer_min"] = r["min_ms"] / peer["min_ms"]
+                if "compile_s" in r and "compile_s" in peer:
+                    r["x_peer_compile"] = r["compile_s"] / peer["compile_s"]
+                break
+
+
+def _fmt(value, spec, width):
+    return (format(value, spec) if value is not None else "-").rjust(width)
+
+
+def _table_line(r: dict) -> str:
+    lead = f"{r['backend']:7} {r['impl']:26} {r['shape']:7} {r['rule']:8} "
+    if "median_ms" not in r:
+        why = f"skipped ({r['skipped']})" if "skipped" in r else f"n/a (error: {r.get('error')})"
+        return lead + why[:110]
+    extra = r.get("extra_bytes")
+    method = {"tracemalloc": "t", "rss-hwm": "r"}.get(r.get("extra_method"), "")
+    agree = "ok" if r["agree"] else f"DIFF {r['max_abs_err']:.1e}"
+    if r.get("ties"):
+        agree += ", " + r["ties"]
+    return (
+        lead
+        + f"{r['median_ms']:8.2f} {r['min_ms']:8.2f} {r['max_ms']:8.2f} {r['repeats']:3d} "
+        + _fmt(r.get("x_floor"), ".2f", 7) + " "
+        + _fmt(r.get("x_peer"), ".2f", 6) + " "
+        + f"{_SHORT_PEER.get(r.get('peer'), r.get('peer') or '-'):11} "
+        + _fmt(r.get("compile_s"), ".2f", 8) + " "
+        + _fmt(r.get("setup_ms"), ".1f", 7) + " "
+        + (_fmt(extra / 2**20, ".1f", 7) + method if extra is not None else _fmt(None, "", 8)) + " "
+        + _fmt(r.get("extra_x_params"), ".2f", 6) + " "
+        + agree
+    )
+
+
+def format_table(rows: list) -> str:
+    head = (
+        f"{'backend':7} {'impl':26} {'shape':7} {'rule':8} {'median':>8} {'min':>8} {'max':>8} "
+        f"{'n':>3} {'xfloor':>7} {'xpeer':>6} {'peer':11} {'compile':>8} {'setup':>7} "
+        f"{'extraMB':>8} {'xparam':>6} agree"
+    )
+    units = (
+        f"{'':7} {'':26} {'':7} {'':8} {'ms':>8} {'ms':>8} {'ms':>8} {'':>3} {'':>7} {'':>6} {'':11} "
+        f"{'s':>8} {'ms':>7} {'':>8} {'':>6}"
+    )
+    lines = [head, units.rstrip(), "-" * len(head)]
+    last = None
+    for r in rows:
+        group = (r["shape"], r["rule"])
+        if last is not None and group != last:
+            lines.append("")
+        last = group
+        lines.append(_table_line(r))
+    return "\n".join(lines)
+
+
+COLUMNS_NOTE = (
+    "xfloor: median / (bytes per param x params / floor bandwidth). xpeer: median / the peer's "
+    "median (same shape and rule). extraMB: peak memory above the step's start, t = tracemalloc "
+    "(NumPy allocations), r = RSS high-water mark; xparam: extraMB / parameter bytes."
+)
+
+
+def format_paired(title: str, results: list, label, detail) -> list[str]:
+    """Lines for a list of paired results; `label(p)` names one, `detail(p)` its medians."""
+    if not results:
+        return []
+    lines = [f"{title}, paired (the two stepped in alternation, median of the per-pair ratios; "
+             "medians in ms):"]
+    for p in results:
+        what = f"  {label(p)}:"
+        if "error" in p:
+            lines.append(f"{what} n/a: {p['error']}")
+        else:
+            lines.append(f"{what} {p['ratio_median']:.3f}  ({detail(p)}, {p['pairs']} pairs)")
+    return lines
+
+
+def paired_lines(paired: list, paired_peers: list) -> list[str]:
+    return format_paired(
+        "S2-tied / S2", paired,
+        lambda p: f"{p['backend']:7} {p['impl']:26} {p['rule']:9}",
+        lambda p: f"S2 {p['plain_ms']:.2f}, S2-tied {p['tied_ms']:.2f}",
+    ) + format_paired(
+        "optimisers / peer", paired_peers,
+        lambda p: f"{p['backend']:7} {p['shape']:7} {p['impl']} / {p['peer']}",
+        lambda p: f"ours {p['ours_ms']:.2f}, peer {p['peer_ms']:.2f}",
+    )
+
+
+# --- the summary -------------------------------------------------------------------------------
+
+
+def _against_peers(by: dict, paired_peers: list) -> list[dict]:
+    """Adam: each `optimisers` row over its peer's, the paired ratio where there is one."""
+    pair = {(p["backend"], p["shape"]): p for p in paired_peers if "ratio_median" in p}
+    out = []
+    for backend, impl in OURS.items():
+        for shape in ("S1", "S2", "S3"):
+            r = by.get((backend, impl, shape, "adam"))
+            if r is None or "x_peer" not in r:
+                continue
+            p = pair.get((backend, shape)) if r["peer"] == BEST_PEER[backend][1] else None
+            out.append({"what": f"{backend} {shape}: {impl} / {r['peer']}",
+                        "ratio": p["ratio_median"] if p else r["x_peer"],
+                        "ratio_of_minimums": None if p else r["x_peer_min"], "paired": p is not None})
+    return out
+
+
+def _tied_over_untied(by: dict, paired: list) -> list[dict]:
+    """Adam: each `optimisers` implementation on S2-tied over S2, the paired ratio where there is one."""
+    pair = {p["backend"]: p for p in paired if p["rule"] == "adam" and "ratio_median" in p}
+    out = []
+    for backend, impl in OURS.items():
+        tied, plain = by.get((backend, impl, "S2-tied", "adam")), by.get((backend, impl, "S2", "adam"))
+        what = f"{backend} S2-tied / S2: {impl}"
+        if backend in pair:
+            out.append({"what": what, "ratio": pair[backend]["ratio_median"], "ratio_of_minimums": None,
+                        "paired": True})
+        elif tied and plain:
+            out.append({"what": what, "ratio": tied["median_ms"] / plain["median_ms"],
+                        "ratio_of_minimums": tied["min_ms"] / plain["min_ms"], "paired": False})
+    return out
+
+
+def summary(rows: list, paired: list = (), paired_peers: list = ()) -> list[dict]:
+    """The Adam ratios a reader looks for first: `optimisers` over torch.optim fused / optax
+    jit+donate (the naive NumPy loop where torch did not run) per shape, and a tied model over the
+    same model untied. Each entry: `what`, `ratio` (of medians, or the paired median),
+    `ratio_of_minimums` (unpaired only) and `paired`."""
+    by = {(r["backend"], r["impl"], r["shape"], r["rule"]): r for r in rows
+          if r["rule"] == "adam" and "median_ms" in r}
+    return _against_peers(by, paired_peers) + _tied_over_untied(by, paired)
+
+
+def format_summary(entries: list) -> list[str]:
+    if not entries:
+        return []
+    lines = ["Adam, optimisers against the peers (ratio of medians [of minimums], or the paired median; "
+             "below 1 is faster):"]
+    for e in entries:
+        by_min = f"[{e['ratio_of_minimums']:.3g}]" if e["ratio_of_minimums"] is not None else ""
+        lines.append(f"  {e['what']:58} {e['ratio']:7.3g} {by_min:>8}{'  (paired)' if e['paired'] else ''}")
+    return lines

@@ -1,0 +1,204 @@
+"""Running one row of the bench (check, time, memory), and timing two runners in alternation."""
+
+from __future__ import annotations
+
+import cProfile
+import gc
+import io
+import pstats
+import statistics
+import time
+import traceback
+from typing import Any
+
+from .implementations import Impl, Runner
+from .memory import rss_extra, tracemalloc_extra
+from .models import CHECK_STEPS, Data, Shape, agrees, make_data
+
+
+def _error_line(e: Exception) -> str:
+    return (f"{type(e).__name__}: {e}".splitlines() or [type(e).__name__])[0][:300]
+
+
+def _step_times(step, repeats: int, warmup: int, quick: bool, est: float) -> list[float]:
+    """Seconds of `repeats` steps, each timed alone; fast steps take more repeats, slow ones fewer."""
+    if warmup:
+        t0 = time.perf_counter()
+        for _ in range(warmup):
+            step()
+        est = (time.perf_counter() - t0) / warmup
+    budget = 0.1 if quick else 0.25
+    if est * repeats < budget:  # fast steps: more repeats for a steadier median
+        repeats = min(50, max(repeats, int(budget / max(est, 1e-6))))
+    elif quick and est > 0.15:  # slow steps in --quick: fewer
+        repeats = min(repeats, 3)
+    elif est > 0.5:  # slow steps: the minimum of 5
+        repeats = min(repeats, 5)
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t)
+    return times
+
+
+def _profile(step, n: int, top: int) -> str:
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(n):
+        step()
+    prof.disable()
+    out = io.StringIO()
+    stats = pstats.Stats(prof, stream=out)
+    stats.strip_dirs().sort_stats("tottime").print_stats(top)
+    text = out.getvalue()
+    start = text.find("   ncalls")
+    return text[start:] if start >= 0 else text
+
+
+def _skip_reason(impl: Impl, shape: Shape, opts, compile_seen: dict) -> str | None:
+    """Why a JAX row is skipped: a compile of the same library on this shape took too long."""
+    if impl.jit_key is None:
+        return None
+    prior = compile_seen.get((impl.jit_key, shape.name))
+    if prior is None or prior[1] <= opts.compile_limit:
+        return None
+    return (f"{prior[0]} compile on {shape.name} took {prior[1]:.0f} s > --compile-limit "
+            f"{opts.compile_limit:g} s")
+
+
+def _check(runner: Runner, ref: list, row: dict) -> float:
+    """Run the check steps, record agreement with the reference; returns the last step's seconds."""
+    est = 0.0
+    for _ in range(CHECK_STEPS):
+        t0 = time.perf_counter()
+        runner.step()
+        est = time.perf_counter() - t0
+    got, ties = runner.fetch()
+    ok, worst = agrees(got, ref)
+    row["agree"] = ok and ties != "TIES BROKEN"
+    row["max_abs_err"] = worst
+    if ties is not None:
+        row["ties"] = ties
+    return est
+
+
+def _time_row(runner: Runner, est: float, opts, row: dict) -> None:
+    # the check steps warm up too; slow rows (a second per step) take no more
+    warmup = opts.warmup if est < 0.25 else 0
+    times = _step_times(runner.step, opts.repeats, warmup, opts.quick, est)
+    row["repeats"] = len(times)
+    row["times_ms"] = [t * 1e3 for t in times]
+    row["median_ms"] = statistics.median(times) * 1e3
+    row["min_ms"] = min(times) * 1e3
+    row["max_ms"] = max(times) * 1e3
+
+
+def _measure(impl: Impl, data: Data, rule: str, ref: list, opts, compile_seen: dict, row: dict) -> None:
+    runner = impl.make(data, rule)
+    if runner.compile_s is not None:
+        row["compile_s"] = runner.compile_s
+        compile_seen[(impl.jit_key, data.shape.name)] = (f"{impl.name} {rule}", runner.compile_s)
+    if runner.setup_s is not None:
+        row["setup_ms"] = runner.setup_s * 1e3
+    est = _check(runner, ref, row)
+    _time_row(runner, est, opts, row)
+    if opts.rss_ok:
+        row["extra_bytes_rss"] = rss_extra(runner.step)
+    if opts.profile and impl.ours:
+        row["profile"] = _profile(runner.step, 3, opts.profile)
+    del runner  # the tracemalloc copy below is built without this one alive
+    if impl.tracemalloc:
+        row["extra_bytes_tracemalloc"] = tracemalloc_extra(lambda d: impl.make(d, rule), data)
+
+
+def _add_extra_memory(row: dict, shape: Shape) -> None:
+    extra = row.get("extra_bytes_tracemalloc", row.get("extra_bytes_rss"))
+    if extra is not None:
+        row["extra_bytes"] = extra
+        row["extra_method"] = "tracemalloc" if "extra_bytes_tracemalloc" in row else "rss-hwm"
+        row["extra_x_params"] = extra / (4 * shape.n_params)
+
+
+def run_row(impl: Impl, data: Data, rule: str, ref: list, opts, compile_seen: dict) -> dict:
+    """One implementation on one shape and rule: checked against `ref`, timed, memory measured. A
+    row that raises is reported (`error`, `traceback`), not fatal."""
+    shape = data.shape
+    row: dict[str, Any] = {"backend": impl.backend, "impl": impl.name, "shape": shape.name, "rule": rule,
+                           "tensors": shape.n_tensors, "params": shape.n_params}
+    skipped = _skip_reason(impl, shape, opts, compile_seen)
+    if skipped is not None:
+        row["skipped"] = skipped
+        return row
+    wall, cpu = time.perf_counter(), time.process_time()
+    try:
+        _measure(impl, data, rule, ref, opts, compile_seen, row)
+    except Exception as e:
+        row["error"] = _error_line(e)
+        row["traceback"] = traceback.format_exc()
+    finally:
+        gc.collect()
+        row["row_wall_s"] = time.perf_counter() - wall
+        row["row_cpu_s"] = time.process_time() - cpu
+    _add_extra_memory(row, shape)
+    return row
+
+
+# --- paired ratios -------------------------------------------------------------------------------
+
+
+def _alternate(first, second, pairs: int) -> tuple[float, float, float]:
+    """Step two runners in alternation (which goes first alternates too): `(median of the
+    per-pair ratios second/first, median ms of first, median ms of second)`. On a shared machine
+    two rows timed a minute apart differ by more than a few percent, so the ratios that compare
+    `optimisers` with its peer are also measured this way."""
+    runners = (first, second)
+    for _ in range(2):
+        first.step()
+        second.step()
+    times: tuple[list, list] = ([], [])
+    for k in range(pairs):
+        for which in ((0, 1) if k % 2 == 0 else (1, 0)):
+            t = time.perf_counter()
+            runners[which].step()
+            times[which].append(time.perf_counter() - t)
+    ratios = [b / a for a, b in zip(*times)]
+    return statistics.median(ratios), statistics.median(times[0]) * 1e3, statistics.median(times[1]) * 1e3
+
+
+def _paired(result: dict, make_first, make_second, pairs: int, names: tuple[str, str]) -> dict:
+    """`result` with the paired ratio second/first and each side's median ms under `names`."""
+    first = second = None
+    try:
+        first, second = make_first(), make_second()
+        ratio, first_ms, second_ms = _alternate(first, second, pairs)
+        result.update({"pairs": pairs, "ratio_median": ratio, names[0]: first_ms, names[1]: second_ms})
+    except Exception as e:  # reported, not fatal
+        result["error"] = _error_line(e)
+    finally:
+        first = second = None
+        gc.collect()
+    return result
+
+
+def paired_tie_ratio(impl: Impl, shapes: dict, rule: str, pairs: int) -> dict:
+    """S2-tied against S2 for one implementation, timed in alternation."""
+    return _paired(
+        {"backend": impl.backend, "impl": impl.name, "rule": rule},
+        lambda: impl.make(make_data(shapes["S2"]), rule),
+        lambda: impl.make(make_data(shapes["S2-tied"]), rule),
+        pairs,
+        ("plain_ms", "tied_ms"),
+    )
+
+
+def paired_peer_ratio(impl: Impl, peer: Impl, shape: Shape, rule: str, pairs: int) -> dict:
+    """One implementation against its peer on one shape, timed in alternation."""
+    data = make_data(shape)
+    return _paired(
+        {"backend": impl.backend, "impl": impl.name, "peer": peer.name, "shape": shape.name, "rule": rule},
+        lambda: peer.make(data, rule),
+        lambda: impl.make(data, rule),
+        pairs,
+        ("peer_ms", "ours_ms"),
+    )
