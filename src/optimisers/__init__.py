@@ -42,10 +42,12 @@ from optimisers.rules.builtin import (
     SkipNonFinite,
     WeightDecay,
 )
+from optimisers.verbs.adjust import adjust, adjust_, freeze_, thaw_
 from optimisers.verbs.buffers import distinct_buffers
 from optimisers.verbs.destructure import destructure, trainables
 from optimisers.verbs.grads import grads
-from optimisers.verbs.interface import adjust, adjust_, freeze_, setup, thaw_, update, update_
+from optimisers.verbs.setup import setup
+from optimisers.verbs.update import update, update_
 
 __version__ = "0.1.0"
 

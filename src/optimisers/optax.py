@@ -35,7 +35,8 @@ from optimisers.core import rule as _rule
 from optimisers.core.rule import NewValue, Rule
 from optimisers.core.state import Leaf, State, flatten_state, map_leaves, unflatten_state
 from optimisers.core.tree import kind_of
-from optimisers.verbs import interface as _interface
+from optimisers.verbs.setup import rule_chooser, setup
+from optimisers.verbs.update import rebuild, stepped
 
 __all__ = ["transform"]
 
@@ -73,7 +74,7 @@ def transform(rule) -> _optax.GradientTransformationExtraArgs:
     transformation kept for the whole run (`nnx.Optimizer`'s, a `TrainState`'s) hands its values
     to the states its `init` makes, as starting values that `adjust` changes.
     """
-    _interface._rule_chooser(rule)  # a State, an optax transformation, a class: fail now
+    rule_chooser(rule)  # a State, an optax transformation, a class: fail now
     live = _LiveHyperparameters(rule)
 
     def init_fn(params):
@@ -82,7 +83,7 @@ def transform(rule) -> _optax.GradientTransformationExtraArgs:
         # under jit, eval_shape or vmap this works as eagerly: ties are found by identity among
         # the arrays the traced function holds (see the docstring of `transform`). The numbers
         # stay as setup makes them, so eager updates equal `optimisers.update` bit for bit
-        state = _interface.setup(rule, params)
+        state = setup(rule, params)
         live.made_states = True
         if variables is not params:
             _annotate_sharded(state, variables, params)
@@ -103,7 +104,7 @@ def transform(rule) -> _optax.GradientTransformationExtraArgs:
             )
         params, grads = _values_of(params), _values_of(updates)
         state = live.applied(state, params)
-        new_state, results = _interface._stepped(state, params, (grads,), "transform(...).update")
+        new_state, results = stepped(state, params, (grads,), "transform(...).update")
         made: dict = {}
 
         def place(leaf, x):
@@ -119,7 +120,7 @@ def transform(rule) -> _optax.GradientTransformationExtraArgs:
                     made[key] = jnp.broadcast_to(jnp.negative(step), x.shape)
             return made[key]
 
-        rebuilt = _interface._rebuild(state.tree, params, place)
+        rebuilt = rebuild(state.tree, params, place)
 
         def unmoved(u, p):
             # a place the state does not cover (an integer array, say) came back as itself: it
@@ -258,7 +259,7 @@ class _LiveHyperparameters:
             places = _first_places(state.tree, params)
             if places is None:
                 return state  # not the state of this model: the update says what is wrong
-            choose = _interface._rule_chooser(self.rule)
+            choose = rule_chooser(self.rule)
             chosen = {key: choose(path, x) for key, (path, x) in places.items()}
             if self.any is None:
                 self.any = any(map(_holds_arrays, chosen.values()))

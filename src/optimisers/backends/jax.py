@@ -546,7 +546,7 @@ _RULES, _SCALARS = "rules", "scalars"
 
 def _share_group(rule, frozen):
     """Leafs of one elementwise rule (and one frozen flag) may share scalar state: the update
-    hands them one new counter object (`_interface._share_scalar_state`), so flattening stores it
+    hands them one new counter object (`optimisers.verbs.compute.share_scalar_state`), so flattening stores it
     once. None: this Leaf keeps its own."""
     return (id(rule), frozen) if getattr(rule, "elementwise", False) else None
 

@@ -117,7 +117,7 @@ class State:
     places it, so `state["b"] = state["a"]` ties `b` to `a`.
     """
 
-    # weakly keyed: _interface._lock
+    # weakly keyed: optimisers.verbs.locks.lock
     __slots__ = ("_tree", "_build", "_plan", "_pytree", "_keys", "__weakref__")
 
     def __init__(self, tree: Any = None, keys: dict | None = None):
@@ -304,3 +304,11 @@ def scalar_key(part):
     so one can stand for the other; a checkpoint restores step 1000 as a new int per Leaf), or
     else the same object (arrays, tracers: comparing their values would mean reading them)."""
     return (type(part), part) if type(part) in _PLAIN_NUMBERS else id(part)
+
+
+def path_of(tree, leaf) -> tuple:
+    """The first path of `leaf` in a state tree (for error messages only: a walk)."""
+    for path, found in leaf_paths(tree):
+        if found is leaf:
+            return path
+    return ()

@@ -29,7 +29,8 @@ from optimisers.checkpoints.state_dict import state_dict as _state_dict
 from optimisers.core.rule import Rule
 from optimisers.core.state import Leaf, State
 from optimisers.core.tree import format_path
-from optimisers.verbs.interface import setup, update_
+from optimisers.verbs.setup import setup
+from optimisers.verbs.update import update_
 
 __all__ = ["Optimizer"]
 
@@ -207,7 +208,7 @@ class _Deferred(Rule):
 def _lazy_setup(rule, model) -> State:
     """`optimisers.setup` (paths, ties, rule functions, the check for tensors that overlap in
     memory) with each Leaf's rule chosen but its state not made."""
-    from optimisers.verbs.interface import _rule_chooser
+    from optimisers.verbs.setup import rule_chooser as _rule_chooser
 
     choose = _rule_chooser(rule)
     state = setup(lambda path, x: _Deferred(choose(path, x)), model)

@@ -1,0 +1,130 @@
+"""Compute, the second phase of an update: run each Leaf's rule once on the sum of its
+contributions, and check that each result fits its parameter, before anything is written.
+"""
+
+from __future__ import annotations
+
+from optimisers import ops
+from optimisers.core.rule import NewValue
+from optimisers.core.state import (
+    flatten_state,
+    is_scalar,
+    path_of,
+    scalar_key,
+    unflatten_state,
+)
+from optimisers.core.tree import format_path
+from optimisers.engine import fast_paths, precision
+from optimisers.engine import groups as engine
+from optimisers.verbs.gather import Contribution
+
+
+def compute(found: dict[int, Contribution], tree, skip=frozenset(), pure=False) -> dict[int, tuple]:
+    """Run each Leaf's rule once: `{id(leaf): (new_state, step)}` for Leafs that move. Each step
+    is checked to fit its parameter, so that writing the results cannot fail half way. With
+    `pure`, `{id(leaf): (new_state, new_value)}`: each step is applied to a new array at once,
+    so that no step outlives its Leaf's turn (and large parameters are stepped in chunks)."""
+    results = {}
+    for key, c in found.items():
+        if c.leaf.frozen or not c.grads or key in skip:
+            continue
+        rule = c.leaf.rule
+        fast = fast_paths.find(ops.backend(c.x), rule)  # a backend's own kernel, if any
+        try:
+            dx = c.dx()
+            # rules compute data, not graphs: a step that uses the parameter (WeightDecay, AdamW)
+            # must not leave state holding an autograd graph that grows every step
+            with ops.backend(c.x).no_grad():
+                result = fast[1].apply(fast[2], c.leaf.state, c.x, dx) if fast is not None else None
+                if result is None and pure:
+                    result = engine.pure_step(rule, c.leaf.state, c.x, dx)
+                    if result is not None:
+                        results[key] = result
+                        continue
+                if result is None:
+                    result = precision.run(rule.apply, c.leaf.state, c.x, dx)
+            _check_step(rule, result, c.x)
+            if pure:
+                result = (result[0], _new_value(c.x, result[1]))
+        except ops.GradientError as e:
+            raise located(e, tree) from None
+        except Exception as e:
+            if hasattr(e, "add_note"):  # Python >= 3.11: say where, keeping the exception's type
+                e.add_note(f"(while updating the parameter at {format_path(path_of(tree, c.leaf))})")
+            raise
+        results[key] = result
+    _share_scalar_state(found, results)
+    return results
+
+
+
+def located(e, tree) -> Exception:
+    """A gradient error from the compute phase, saying where (nothing was written yet)."""
+    where = format_path(path_of(tree, e.leaf)) if getattr(e, "leaf", None) is not None else "?"
+    return ops.GradientError(f"gradient at {where}: {e}; nothing was changed")
+
+
+
+def _check_step(rule, result, x) -> None:
+    """A rule's step must fit its parameter (its shape, or a scalar; no complex step for a real
+    parameter), or writing it in place would fail after other parameters were written."""
+    if not isinstance(result, tuple) or len(result) != 2:
+        raise TypeError(f"{type(rule).__name__}.apply must return (state, step), got {result!r:.80}")
+    step = result[1]
+    value = step.value if isinstance(step, NewValue) else step
+    if value is None:
+        return
+    shape = getattr(value, "shape", ())
+    if shape != x.shape and tuple(shape) != ():
+        raise ValueError(
+            f"{type(rule).__name__}.apply returned a step of shape {tuple(shape)} for a parameter of "
+            f"shape {tuple(x.shape)}"
+        )
+    if getattr(value, "dtype", None) != x.dtype and ops.is_complex(value) and not ops.is_complex(x):
+        raise TypeError(
+            f"{type(rule).__name__}.apply returned a complex step for a real parameter "
+            f"(dtype {x.dtype}); was the state set up for a complex parameter?"
+        )
+
+
+
+def _new_value(x, step):
+    """The parameter after `step`, as a new array."""
+    if step is None:
+        return ops.copy(x)
+    if isinstance(step, NewValue):
+        return ops.backend(x).replaced(x, step.value)
+    return ops.backend(x).subtract(x, step)
+
+
+
+def _share_scalar_state(found, results) -> None:
+    """Give Leafs of one elementwise rule that began this step with the same scalar state (step
+    counters, say: the same objects, or equal Python numbers) the same new objects, on backends
+    that ask for it (JAX).
+
+    An elementwise rule's scalar state cannot depend on array values (the engine's chunks rely on
+    that as well), so those values are equal anyway. Sharing the objects lets a State's pytree
+    store them once, and under `jit` thousands of per-Leaf scalar computations (t + 1, 1 - β^t)
+    become one: on 1000 Adam leaves of 256, compile time fell from 9.1 s to 5.7 s and the step
+    from 28 to 19 ms."""
+    first: dict = {}
+    for key, (new_state, step) in results.items():
+        c = found[key]
+        if not getattr(c.leaf.rule, "elementwise", False):
+            continue
+        if not ops.backend(c.x).SHARE_SCALAR_STATE:
+            continue
+        old: list = []
+        flatten_state(c.leaf.state, old)
+        new: list = []
+        spec = flatten_state(new_state, new)
+        scalar_at = tuple(i for i, p in enumerate(new) if is_scalar(p))
+        if not scalar_at:
+            continue
+        origin = (id(c.leaf.rule), spec, scalar_at, tuple(scalar_key(p) for p in old if is_scalar(p)))
+        shared = first.setdefault(origin, new)
+        if shared is not new:
+            for i in scalar_at:
+                new[i] = shared[i]
+            results[key] = (unflatten_state(spec, iter(new)), step)
