@@ -3,11 +3,16 @@
     state = optimisers.setup(optimisers.Adam(1e-3), model)
     state, model = optimisers.update(state, model, grads)    # pure
     state, model = optimisers.update_(state, model, grads)   # in place
+
+The public names are the ones below (`__all__`), plus the modules `ops` (maths for writing rules),
+`schedules`, and the integrations `optimisers.torch` and `optimisers.optax`. The subpackages are the
+library's layers (docs/architecture.md); their other names may change between versions.
 """
 
 from optimisers import (
     backends,  # noqa: F401  (registers the array backends with the core)
     ops,
+    rules,
     schedules,
 )
 from optimisers.checkpoints.files import load, save
@@ -16,32 +21,7 @@ from optimisers.core import dispatch as _dispatch
 from optimisers.core.rule import Rule
 from optimisers.core.state import Leaf, State
 from optimisers.core.tree import register
-from optimisers.rules.builtin import (
-    AccumGrad,
-    AdaBelief,
-    AdaDelta,
-    AdaGrad,
-    Adam,
-    AdaMax,
-    AdamW,
-    AMSGrad,
-    ClipGrad,
-    ClipNorm,
-    Descent,
-    Lion,
-    MixedPrecision,
-    Momentum,
-    NAdam,
-    Nesterov,
-    OAdam,
-    OptimiserChain,
-    RAdam,
-    RMSProp,
-    Rprop,
-    SignDecay,
-    SkipNonFinite,
-    WeightDecay,
-)
+from optimisers.rules import *  # noqa: F403  (every built-in rule, by name)
 from optimisers.verbs.adjust import adjust, adjust_, freeze_, thaw_
 from optimisers.verbs.buffers import distinct_buffers
 from optimisers.verbs.destructure import destructure, trainables
@@ -58,30 +38,7 @@ __all__ = [
     "save",
     "schedules",
     "state_dict",
-    "AccumGrad",
-    "AdaBelief",
-    "AdaDelta",
-    "AdaGrad",
-    "AdaMax",
-    "Adam",
-    "AdamW",
-    "AMSGrad",
-    "ClipGrad",
-    "ClipNorm",
-    "Descent",
-    "Lion",
-    "MixedPrecision",
-    "Momentum",
-    "NAdam",
-    "Nesterov",
-    "OAdam",
-    "OptimiserChain",
-    "RAdam",
-    "RMSProp",
-    "Rprop",
-    "SignDecay",
-    "SkipNonFinite",
-    "WeightDecay",
+    *rules.__all__,
     "Leaf",
     "Rule",
     "ops",

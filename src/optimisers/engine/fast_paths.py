@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from optimisers.rules.builtin import Adam, AdamW
+from optimisers.rules.adam import Adam, AdamW
 
 
 class AdamArgs(NamedTuple):

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from optimisers import ops
 from optimisers.core.rule import Rule, check_range
-from optimisers.rules.builtin import _cast, _nonnegative
+from optimisers.rules.common import cast, nonnegative
 
 
 def _decay(rule, x, step):
@@ -28,7 +28,7 @@ def _decay(rule, x, step):
     before the step)."""
     if rule.decoupled_decay == 0:
         return step
-    (scale,) = _cast(x, rule.eta * rule.decoupled_decay)
+    (scale,) = cast(x, rule.eta * rule.decoupled_decay)
     return step + scale * x
 
 
@@ -46,7 +46,7 @@ class TorchSGD(Rule):
     nesterov: bool = False
 
     def validate(self):
-        _nonnegative(self, "momentum")
+        nonnegative(self, "momentum")
         if self.nesterov and (self.momentum <= 0 or self.dampening != 0):
             raise ValueError("TorchSGD: Nesterov momentum requires a momentum and zero dampening")
 
@@ -55,7 +55,7 @@ class TorchSGD(Rule):
 
     def apply(self, state, x, dx):
         buf, t = state
-        mu, damp, lr = _cast(x, self.momentum, 1 - self.dampening, self.eta)
+        mu, damp, lr = cast(x, self.momentum, 1 - self.dampening, self.eta)
         buf = ops.copy(dx) if t == 0 else mu * buf + damp * dx
         direction = dx + mu * buf if self.nesterov else buf
         return (buf, 1), lr * direction
@@ -78,7 +78,7 @@ class TorchRMSprop(Rule):
     centered: bool = False
 
     def validate(self):
-        _nonnegative(self, "alpha", "eps", "momentum")
+        nonnegative(self, "alpha", "eps", "momentum")
 
     def init(self, x):
         extra = (ops.zeros_like(x),) * (int(self.centered) + int(self.momentum > 0))
@@ -86,7 +86,7 @@ class TorchRMSprop(Rule):
 
     def apply(self, state, x, dx):
         s, *rest, t = state
-        a, ca, eps, lr = _cast(x, self.alpha, 1 - self.alpha, self.eps, self.eta)
+        a, ca, eps, lr = cast(x, self.alpha, 1 - self.alpha, self.eps, self.eta)
         s = a * s + ca * dx * dx
         out = [s]
         if self.centered:
@@ -96,7 +96,7 @@ class TorchRMSprop(Rule):
         else:
             d = ops.sqrt(s) + eps
         if self.momentum > 0:
-            (mu,) = _cast(x, self.momentum)
+            (mu,) = cast(x, self.momentum)
             buf = mu * rest.pop(0) + dx / d
             out.append(buf)
             return (*out, t + 1), lr * buf
@@ -117,7 +117,7 @@ class TorchAdagrad(Rule):
     initial_accumulator_value: float = 0.0
 
     def validate(self):
-        _nonnegative(self, "lr_decay", "eps", "initial_accumulator_value")
+        nonnegative(self, "lr_decay", "eps", "initial_accumulator_value")
 
     def init(self, x):
         return ops.full_like(x, self.initial_accumulator_value), 0
@@ -125,7 +125,7 @@ class TorchAdagrad(Rule):
     def apply(self, state, x, dx):
         total, t = state
         t = t + 1
-        clr, eps = _cast(x, self.eta / (1 + (t - 1) * self.lr_decay), self.eps)
+        clr, eps = cast(x, self.eta / (1 + (t - 1) * self.lr_decay), self.eps)
         total = total + dx * dx
         return (total, t), clr * (dx / (ops.sqrt(total) + eps))
 
@@ -144,14 +144,14 @@ class TorchAdadelta(Rule):
 
     def validate(self):
         check_range(self, "rho", 0.0, 1.0)
-        _nonnegative(self, "eps")
+        nonnegative(self, "eps")
 
     def init(self, x):
         return ops.zeros_like(x), ops.zeros_like(x), 0
 
     def apply(self, state, x, dx):
         s, a, t = state
-        rho, crho, eps, lr = _cast(x, self.rho, 1 - self.rho, self.eps, self.eta)
+        rho, crho, eps, lr = cast(x, self.rho, 1 - self.rho, self.eps, self.eta)
         s = rho * s + crho * dx * dx
         delta = ops.sqrt(a + eps) / ops.sqrt(s + eps) * dx
         a = rho * a + crho * delta * delta
@@ -172,7 +172,7 @@ class TorchAdamax(Rule):
 
     def validate(self):
         check_range(self, "beta", 0.0, 1.0, high_open=True)
-        _nonnegative(self, "eps")
+        nonnegative(self, "eps")
 
     def init(self, x):
         return ops.zeros_like(x), ops.zeros_like(x), 0
@@ -181,7 +181,7 @@ class TorchAdamax(Rule):
         m, u, t = state
         t = t + 1
         b1, b2 = self.beta
-        cb1, cm, cb2, eps, clr = _cast(x, b1, 1 - b1, b2, self.eps, self.eta / (1 - b1**t))
+        cb1, cm, cb2, eps, clr = cast(x, b1, 1 - b1, b2, self.eps, self.eta / (1 - b1**t))
         m = cb1 * m + cm * dx
         u = ops.maximum(cb2 * u, ops.abs(dx) + eps)
         return (m, u, t), clr * (m / u)
@@ -205,7 +205,7 @@ class TorchNAdam(Rule):
 
     def validate(self):
         check_range(self, "beta", 0.0, 1.0, high_open=True)
-        _nonnegative(self, "eps", "momentum_decay", "decoupled_decay")
+        nonnegative(self, "eps", "momentum_decay", "decoupled_decay")
 
     def init(self, x):
         return ops.zeros_like(x), ops.zeros_like(x), 1.0, 0
@@ -217,8 +217,8 @@ class TorchNAdam(Rule):
         mu = b1 * (1.0 - 0.5 * 0.96 ** (t * self.momentum_decay))
         mu_next = b1 * (1.0 - 0.5 * 0.96 ** ((t + 1) * self.momentum_decay))
         product = product * mu
-        cb1, cm, cb2, cv, bc2, eps = _cast(x, b1, 1 - b1, b2, 1 - b2, 1 - b2**t, self.eps)
-        cg, cmom = _cast(
+        cb1, cm, cb2, cv, bc2, eps = cast(x, b1, 1 - b1, b2, 1 - b2, 1 - b2**t, self.eps)
+        cg, cmom = cast(
             x, self.eta * (1.0 - mu) / (1.0 - product), self.eta * mu_next / (1.0 - product * mu_next)
         )
         m = cb1 * m + cm * dx
@@ -244,7 +244,7 @@ class TorchRAdam(Rule):
 
     def validate(self):
         check_range(self, "beta", 0.0, 1.0, high_open=True)
-        _nonnegative(self, "eps", "decoupled_decay")
+        nonnegative(self, "eps", "decoupled_decay")
 
     def init(self, x):
         return ops.zeros_like(x), ops.zeros_like(x), 0
@@ -253,7 +253,7 @@ class TorchRAdam(Rule):
         m, v, t = state
         t = t + 1
         b1, b2 = self.beta
-        cb1, cm, cb2, cv, eps = _cast(x, b1, 1 - b1, b2, 1 - b2, self.eps)
+        cb1, cm, cb2, cv, eps = cast(x, b1, 1 - b1, b2, 1 - b2, self.eps)
         m = cb1 * m + cm * dx
         v = cb2 * v + cv * dx * dx
         bc1, bc2 = 1 - b1**t, 1 - b2**t
@@ -261,10 +261,10 @@ class TorchRAdam(Rule):
         rho = rho_inf - 2 * t * b2**t / bc2
         if rho > 5.0:
             rect = ((rho - 4) * (rho - 2) * rho_inf / ((rho_inf - 4) * (rho_inf - 2) * rho)) ** 0.5
-            (scale,) = _cast(x, self.eta * rect * bc2**0.5 / bc1)
+            (scale,) = cast(x, self.eta * rect * bc2**0.5 / bc1)
             step = scale * m / (ops.sqrt(v) + eps)
         else:
-            (scale,) = _cast(x, self.eta / bc1)
+            (scale,) = cast(x, self.eta / bc1)
             step = scale * m
         return (m, v, t), _decay(self, x, step)
 
@@ -283,14 +283,14 @@ class TorchRprop(Rule):
     step_sizes: tuple = (1e-6, 50.0)
 
     def validate(self):
-        _nonnegative(self, "etas", "step_sizes")
+        nonnegative(self, "etas", "step_sizes")
 
     def init(self, x):
         return ops.zeros_like(x), ops.full_like(x, self.eta), 0
 
     def apply(self, state, x, dx):
         prev, size, t = state
-        minus, plus, low, high = _cast(x, *self.etas, *self.step_sizes)
+        minus, plus, low, high = cast(x, *self.etas, *self.step_sizes)
         turn = ops.sign(dx * prev)
         size = ops.clip(ops.where(turn > 0, size * plus, ops.where(turn < 0, size * minus, size)), low, high)
         g = ops.where(turn < 0, ops.zeros_like(dx), dx)
@@ -312,7 +312,7 @@ class TorchAMSGrad(Rule):
 
     def validate(self):
         check_range(self, "beta", 0.0, 1.0, high_open=True)
-        _nonnegative(self, "eps", "decoupled_decay")
+        nonnegative(self, "eps", "decoupled_decay")
 
     def init(self, x):
         return ops.zeros_like(x), ops.zeros_like(x), ops.zeros_like(x), 0
@@ -321,8 +321,8 @@ class TorchAMSGrad(Rule):
         m, v, vmax, t = state
         t = t + 1
         b1, b2 = self.beta
-        cb1, cm, cb2, cv, eps = _cast(x, b1, 1 - b1, b2, 1 - b2, self.eps)
-        clr, root_bc2 = _cast(x, self.eta / (1 - b1**t), (1 - b2**t) ** 0.5)
+        cb1, cm, cb2, cv, eps = cast(x, b1, 1 - b1, b2, 1 - b2, self.eps)
+        clr, root_bc2 = cast(x, self.eta / (1 - b1**t), (1 - b2**t) ** 0.5)
         m = cb1 * m + cm * dx
         v = cb2 * v + cv * dx * dx
         vmax = ops.maximum(vmax, v)

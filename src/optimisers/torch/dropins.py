@@ -20,9 +20,9 @@ from typing import Any, ClassVar
 import torch
 
 from optimisers.checkpoints.state_dict import CheckpointError
-from optimisers.rules.builtin import Adam as _Adam
-from optimisers.rules.builtin import AdamW as _AdamW
-from optimisers.rules.builtin import Descent
+from optimisers.rules.adam import Adam as _Adam
+from optimisers.rules.adam import AdamW as _AdamW
+from optimisers.rules.sgd import Descent
 from optimisers.rules.torch_named import (
     TorchAdadelta,
     TorchAdagrad,

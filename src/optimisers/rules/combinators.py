@@ -1,0 +1,307 @@
+"""Rules built from other rules: chains, accumulation, mixed precision, skipping bad steps.
+
+The conventions every rule here follows are in `optimisers.rules`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from optimisers import ops
+from optimisers.core.rule import NewValue, Rule, _concrete, has_schedules
+from optimisers.core.state import flatten_state, unflatten_state
+from optimisers.rules.common import real_only
+
+__all__ = ["OptimiserChain", "AccumGrad", "MixedPrecision", "SkipNonFinite"]
+
+
+
+@dataclass(frozen=True, init=False, repr=False)
+class OptimiserChain(Rule):
+    """Apply several rules in sequence, each one's step being the next one's gradient:
+    `OptimiserChain(ClipGrad(1.0), WeightDecay(), Adam())`.
+
+    State: a tuple with each member's state. If a member returns `None` (do not move, e.g.
+    `AccumGrad` between its updates), the chain stops there: the parameter does not move and the
+    remaining members keep their old state. `OptimiserChain()` subtracts the raw gradient.
+    Chains nest. `MixedPrecision` may not be a member: it must wrap the whole chain
+    (`MixedPrecision(OptimiserChain(...))`).
+
+    `hyperparameters()` is the union of the members' names, and `adjust(name=value)` changes every
+    member that has `name`. optax: `optax.chain(...)`; in PyTorch one writes the chain by hand.
+    """
+
+    rules: tuple
+
+    def __init__(self, *rules):
+        object.__setattr__(self, "rules", tuple(rules))
+        self.__post_init__()
+
+    def validate(self):
+        for i, rule in enumerate(self.rules):
+            if isinstance(rule, type) and issubclass(rule, Rule):
+                raise TypeError(
+                    f"OptimiserChain: member {i} is the class {rule.__name__}; pass an instance, "
+                    f"e.g. {rule.__name__}()"
+                )
+            if not isinstance(rule, Rule):
+                raise TypeError(f"OptimiserChain: member {i} is {rule!r}, not an optimisers.Rule")
+            if isinstance(rule, MixedPrecision):
+                raise TypeError(
+                    "OptimiserChain: MixedPrecision cannot be a member of a chain; wrap the chain "
+                    "instead: MixedPrecision(OptimiserChain(...))"
+                )
+
+    @property
+    def elementwise(self):
+        return all(getattr(rule, "elementwise", False) for rule in self.rules)
+
+    @property
+    def never_raises(self):
+        return all(getattr(rule, "never_raises", False) for rule in self.rules)
+
+    @property
+    def scaled_elementwise(self):
+        """A first member that scales the whole gradient by one factor (`ClipNorm`: it has a
+        `gradient_factor`), then elementwise members: `update_`'s engine computes the factor per
+        parameter first and runs `apply_scaled` in chunks."""
+        rules = self.rules
+        return (
+            len(rules) > 1
+            and hasattr(rules[0], "gradient_factor")
+            and not has_schedules(rules[0])  # its factor is computed outside `apply`
+            and all(getattr(rule, "elementwise", False) for rule in rules[1:])
+        )
+
+    def __repr__(self):
+        return f"OptimiserChain({', '.join(repr(r) for r in self.rules)})"
+
+    def hyperparameters(self):
+        names: dict[str, None] = {}
+        for rule in self.rules:
+            names.update(dict.fromkeys(rule.hyperparameters()))
+        return tuple(names)
+
+    def adjust(self, **hyper):
+        new = tuple(rule.adjust(**hyper) for rule in self.rules)
+        if all(a is b for a, b in zip(new, self.rules)):
+            return self
+        return OptimiserChain(*new)
+
+    def init(self, x):
+        return tuple(rule.init(x) for rule in self.rules)
+
+    def with_counters(self, state):
+        new = tuple(rule.with_counters(s) for rule, s in zip(self.rules, state))
+        return state if all(a is b for a, b in zip(new, state)) else new
+
+    def apply(self, state, x, dx):
+        return self.apply_scaled(state, x, dx, None)
+
+    def apply_scaled(self, state, x, dx, factor):
+        """`apply`, where a `factor` given is the first member's `gradient_factor` of the whole
+        gradient (of which `dx` may be a chunk): exactly what that member's `apply` computes."""
+        states = list(state)
+        last = len(self.rules) - 1
+        for i, rule in enumerate(self.rules):
+            if i == 0 and factor is not None:
+                dx = factor * dx  # as ClipNorm.apply: the state unchanged
+                continue
+            states[i], dx = rule.apply(states[i], x, dx)
+            if dx is None:
+                break
+            if isinstance(dx, NewValue) and i < last:
+                raise TypeError(
+                    f"OptimiserChain: {type(rule).__name__} sets the parameter's value, so it must "
+                    "be the last member of a chain"
+                )
+        return tuple(states), dx
+
+
+
+@dataclass(frozen=True)
+class AccumGrad(Rule):
+    """Accumulate the gradients of `n` calls and act once: the parameter moves on every n-th call,
+    by the mean of the last `n` gradients, and is left alone on the others.
+
+    State `(acc, k)`: the running mean so far and the number of gradients in it. Each call:
+    `k ← k+1`; `acc ← g/n` if `k = 1`, else `acc ← acc + g/n`; if `k = n`, `step = acc` and `k ← 0`,
+    otherwise no step. First in a chain, e.g. `OptimiserChain(AccumGrad(4), Adam())`, the rules
+    after it see the mean gradient once every `n` calls and keep their state in between.
+
+    Not compatible with `jax.jit` (the counter decides in Python whether to step). optax:
+    `optax.MultiSteps(opt, every_k_schedule=n)`; PyTorch: call `optimizer.step()` every n
+    backward passes (with the loss divided by n).
+    """
+
+    elementwise = True
+    never_raises = True
+
+    n: int
+
+    def validate(self):
+        n = self.n
+        if isinstance(n, bool) or not (isinstance(n, numbers.Integral) or getattr(n, "shape", None) == ()):
+            raise TypeError(f"AccumGrad: n must be a positive integer, got {n!r}")
+        value = _concrete(n)
+        if value is not None and not (value >= 1 and value == int(value)):
+            raise ValueError(f"AccumGrad: n must be a positive integer, got {n!r}")
+
+    def init(self, x):
+        return ops.zeros_like(x), 0
+
+    def apply(self, state, x, dx):
+        acc, k = state
+        k = k + 1
+        share = dx / ops.scalar(self.n, x)
+        acc = share if k == 1 else acc + share
+        if k >= self.n:
+            return (acc, 0), acc
+        return (acc, k), None
+
+
+
+def _dtype_name(dtype) -> str:
+    try:
+        return np.dtype(dtype).name
+    except TypeError:
+        return repr(dtype)
+
+
+
+class _Wrapper(Rule):
+    """A rule around another rule, its `rule` field, whose hyperparameters it shows as its own:
+    `hyperparameters()` and `adjust` forward to the inner rule."""
+
+    def validate(self):
+        if not isinstance(self.rule, Rule):
+            raise TypeError(f"{type(self).__name__}: rule must be an optimisers.Rule, got {self.rule!r}")
+
+    def hyperparameters(self):
+        return self.rule.hyperparameters()
+
+    def adjust(self, **hyper):
+        rule = self.rule.adjust(**hyper)
+        return self if rule is self.rule else dataclasses.replace(self, rule=rule)
+
+
+
+@dataclass(frozen=True, repr=False)
+class MixedPrecision(_Wrapper):
+    """Keep a master copy of each parameter in a wider `dtype` (float32 by default) and let `rule`
+    train it; the parameter (e.g. float16) is set to the master copy rounded to its own dtype
+    after every step (Micikevicius et al., "Mixed Precision Training", 2018).
+
+    State `(master, inner)`: `master` is a copy of `x` in `dtype` and `inner = rule.init(master)`.
+    Each step: `(inner, step) = rule.apply(inner, master, g)` with `g` converted to `dtype`;
+    `master ← master − step`; the parameter becomes `master` converted to its dtype.
+
+    Defaults: `dtype=numpy.float32` (a NumPy dtype, or the backend's own such as `torch.float32`).
+    `hyperparameters()` and `adjust` forward to `rule`; the dtype stays. It cannot be a member of
+    an `OptimiserChain`; wrap the chain instead. PyTorch's AMP (`torch.autocast`) keeps float32
+    parameters and casts activations instead; optax has no wrapper.
+    """
+
+    rule: Rule
+    dtype: Any = np.float32
+
+    def validate(self):
+        super().validate()
+        try:
+            dtype = np.dtype(self.dtype)
+        except TypeError:
+            if getattr(self.dtype, "is_floating_point", False):  # torch.float32 and friends
+                return
+            raise TypeError(f"MixedPrecision: dtype must be a floating dtype, got {self.dtype!r}") from None
+        if not (dtype.kind == "f" or dtype.name.startswith(("bfloat", "float"))):
+            raise ValueError(f"MixedPrecision: dtype must be a real floating dtype, got {dtype}")
+
+    @property
+    def elementwise(self):
+        return getattr(self.rule, "elementwise", False)
+
+    @property
+    def never_raises(self):
+        return getattr(self.rule, "never_raises", False)
+
+    def __repr__(self):
+        return f"MixedPrecision({self.rule!r}, dtype={_dtype_name(self.dtype)})"
+
+    def init(self, x):
+        real_only(self, x)
+        master = ops.cast(x, self.dtype)
+        return master, self.rule.init(master)
+
+    def with_counters(self, state):
+        master, inner = state
+        new = self.rule.with_counters(inner)
+        return state if new is inner else (master, new)
+
+    def apply(self, state, x, dx):
+        master, inner = state
+        inner, step = self.rule.apply(inner, master, ops.astype(dx, master))
+        if step is None:
+            return (master, inner), None
+        if isinstance(step, NewValue):
+            master = ops.astype(step.value, master)
+        else:
+            master = ops.astype(master - step, master)
+        return (master, inner), NewValue(ops.astype(master, x))
+
+
+
+@dataclass(frozen=True, repr=False)
+class SkipNonFinite(_Wrapper):
+    """Let `rule` step only on gradients that are finite everywhere: a gradient holding an inf or
+    NaN is skipped (the parameter and `rule`'s state stay as they were) and counted.
+
+    State `(inner, skipped)`: `rule`'s state and how many steps were skipped so far. Each step:
+    if every entry of `g` is finite, `(inner, step) = rule.apply(inner, x, g)`; otherwise no step,
+    and `skipped ← skipped + 1`. Without it, one NaN gradient turns Adam's moments (and so every
+    later step) into NaN. The check is per parameter, on the sum of a tied parameter's places;
+    under `jax.jit` both outcomes are computed and one is selected, in one compiled program.
+    `hyperparameters()` and `adjust` forward to `rule`. optax: `optax.apply_if_finite(opt,
+    max_consecutive_errors)`, which checks the whole update tree at once (and gives up after that
+    many); PyTorch's `GradScaler` skips the whole `optimizer.step()` on inf/NaN gradients.
+    """
+
+    rule: Rule
+
+    def __repr__(self):
+        return f"SkipNonFinite({self.rule!r})"
+
+    def init(self, x):
+        return self.rule.init(x), 0
+
+    def with_counters(self, state):
+        inner, skipped = state
+        new = self.rule.with_counters(inner)
+        return state if new is inner else (new, skipped)
+
+    def apply(self, state, x, dx):
+        inner, skipped = state
+        finite = ops.isfinite(dx)
+        if finite is True:
+            inner, step = self.rule.apply(inner, x, dx)
+            return (inner, skipped), step
+        if finite is False:
+            return (inner, skipped + 1), None
+        # traced (under jax.jit): no Python branch on array values, so select between both
+        ok = ops.all_finite(dx)
+        new_inner, step = self.rule.apply(inner, x, dx)
+        old_parts: list = []
+        flatten_state(inner, old_parts)
+        new_parts: list = []
+        spec = flatten_state(new_inner, new_parts)
+        kept = [ops.where(ok, n, o) for n, o in zip(new_parts, old_parts)]
+        if isinstance(step, NewValue):
+            step = NewValue(ops.where(ok, step.value, x))
+        elif step is not None:
+            step = ops.where(ok, step, ops.zeros_like(step))
+        skipped = ops.where(ok, skipped, skipped + 1)
+        return (unflatten_state(spec, iter(kept)), skipped), step

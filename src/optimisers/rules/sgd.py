@@ -1,0 +1,91 @@
+"""Gradient descent, with and without momentum.
+
+The conventions every rule here follows are in `optimisers.rules`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from optimisers import ops
+from optimisers.core.rule import Rule, check_range
+from optimisers.rules.common import cast
+
+__all__ = ["Descent", "Momentum", "Nesterov"]
+
+
+
+@dataclass(frozen=True)
+class Descent(Rule):
+    """Plain gradient descent: `x ← x − η·g`.
+
+    Defaults: `eta=0.1`. PyTorch: `torch.optim.SGD(lr=eta)`; optax: `optax.sgd(eta)`.
+    """
+
+    elementwise = True
+    never_raises = True
+
+    eta: float = 0.1
+
+    def apply(self, state, x, dx):
+        return state, ops.scalar(self.eta, x) * dx
+
+
+
+@dataclass(frozen=True)
+class _MomentumFamily(Rule):
+    """The fields, check and velocity state shared by Momentum and Nesterov."""
+
+    elementwise = True
+    never_raises = True
+
+    eta: float = 0.01
+    rho: float = 0.9
+
+    def validate(self):
+        check_range(self, "rho", 0.0, 1.0)
+
+    def init(self, x):
+        return ops.zeros_like(x)
+
+
+
+@dataclass(frozen=True)
+class Momentum(_MomentumFamily):
+    """Gradient descent with (heavy-ball) momentum (Polyak, 1964).
+
+    State: velocity `v = 0`. Each step: `v ← ρ·v + η·g`, `step = v`.
+
+    Defaults: `eta=0.01, rho=0.9`. PyTorch: `torch.optim.SGD(lr=eta, momentum=rho)`; optax:
+    `optax.sgd(eta, momentum=rho)`. Those keep η *outside* the velocity (`v ← ρv + g`,
+    `step = ηv`); the two agree while η is constant, but after `adjust` changes η here the old
+    velocity keeps the old learning rate (as in Optimisers.jl).
+    """
+
+    def apply(self, state, x, dx):
+        eta, rho = cast(x, self.eta, self.rho)
+        v = rho * state + eta * dx
+        return v, v
+
+
+
+@dataclass(frozen=True)
+class Nesterov(_MomentumFamily):
+    """Gradient descent with Nesterov momentum (Nesterov, 1983; Sutskever et al., 2013).
+
+    State: `v = 0`, a displacement (it has the sign of `x_new − x`). Each step, with the old `v`:
+    `step = (1+ρ)·η·g − ρ²·v`, then `v ← ρ·v − η·g`.
+
+    Defaults: `eta=0.001, rho=0.9`. PyTorch: `torch.optim.SGD(lr=eta, momentum=rho,
+    nesterov=True)`; optax: `optax.sgd(eta, momentum=rho, nesterov=True)`. Same steps while η is
+    constant (they keep η outside the velocity; see `Momentum`).
+    """
+
+    eta: float = 0.001
+
+    def apply(self, state, x, dx):
+        eta, rho = self.eta, self.rho
+        cg, cv = cast(x, (1 + rho) * eta, rho * rho)
+        step = cg * dx - cv * state
+        eta, rho = cast(x, eta, rho)
+        return rho * state - eta * dx, step
