@@ -9,7 +9,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import optimisers as opt
-import optimisers.engine.groups as _engine
+import optimisers.engine.group as _engine_group
+import optimisers.engine.plan as _engine_plan
+from optimisers.core.state import flatten_state
 
 ELEMENTWISE = [
     opt.Descent(0.1),
@@ -27,7 +29,7 @@ SCALED = [
 @pytest.fixture(autouse=True)
 def tiny_chunks(monkeypatch):
     # small chunks so that a test-sized model exercises packed runs, split arrays and threads
-    monkeypatch.setattr(_engine, "CHUNK_SCALE", 1024)
+    monkeypatch.setattr(_engine_group, "CHUNK_SCALE", 1024)
 
 
 def make_model(seed=0):
@@ -81,8 +83,8 @@ def assert_same(m1, m2, s1, s2):
         np.testing.assert_array_equal(as_numpy(a), as_numpy(b))
     for l1, l2 in zip(s1.leaves(), s2.leaves()):
         p1, p2 = [], []
-        _engine.flatten_state(l1.state, p1)
-        _engine.flatten_state(l2.state, p2)
+        flatten_state(l1.state, p1)
+        flatten_state(l2.state, p2)
         for a, b in zip(p1, p2):
             np.testing.assert_array_equal(as_numpy(a), as_numpy(b))
 
@@ -223,7 +225,7 @@ def test_torch_parameter_converted_after_setup_leaves_its_group(rule, replan, mo
         state = opt.setup(rule, params)
         with monkeypatch.context() as m:
             if not engine:
-                m.setattr(_engine, "select", lambda state, found: [])
+                m.setattr(_engine_plan, "select", lambda state, found: [])
             for step in range(4):
                 if step == 2:
                     params[1].data = params[1].data.double()
@@ -300,7 +302,7 @@ def _events_run(backend, rule, shapes, dtype, events, seed, engine, monkeypatch)
     state = opt.setup(rule, model)
     with monkeypatch.context() as m:
         if not engine:
-            m.setattr(_engine, "select", lambda state, found: [])
+            m.setattr(_engine_plan, "select", lambda state, found: [])
         for event in events:
             grads = {k: array(rng.standard_normal(v.shape).astype(np.float32)) for k, v in model.items()}
             if event == "freeze":
@@ -364,7 +366,7 @@ def test_a_clipnorm_that_raises_leaves_every_group_as_it_was():
     parts_before = []
     for leaf in state.leaves():
         parts: list = []
-        _engine.flatten_state(leaf.state, parts)
+        flatten_state(leaf.state, parts)
         parts_before.append([np.array(p, copy=True) for p in parts])
     grads = random_grads(model, rng)
     grads["f64"] = grads["f64"].copy()
@@ -375,6 +377,6 @@ def test_a_clipnorm_that_raises_leaves_every_group_as_it_was():
         np.testing.assert_array_equal(x, old)
     for leaf, old in zip(state.leaves(), parts_before):
         parts: list = []
-        _engine.flatten_state(leaf.state, parts)
+        flatten_state(leaf.state, parts)
         for p, q in zip(parts, old):
             np.testing.assert_array_equal(p, q)

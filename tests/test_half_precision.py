@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import optimisers as opt
-import optimisers.engine.groups as _engine
+import optimisers.engine.group as _engine_group
 import optimisers.torch as opt_torch
 from optimisers.core.state import flatten_state, leaf_paths
 
@@ -165,7 +165,7 @@ def test_adam_first_step_is_at_most_the_learning_rate(backend, name):
 def test_state_stays_in_the_parameters_dtype_and_both_paths_agree(rule, name, backend, monkeypatch):
     """Pure and in place, through the engine's chunks (several per parameter here) and the
     per-Leaf path alike: the same numbers bit for bit, state in the parameter's dtype."""
-    monkeypatch.setattr(_engine, "CHUNK_SCALE", 1024)
+    monkeypatch.setattr(_engine_group, "CHUNK_SCALE", 1024)
     make = CASES[rule][0]
     pure_state, pure = train_ours(make(), backend, name, "update")
     state, model = train_ours(make(), backend, name, "update_")

@@ -23,7 +23,8 @@ import torch
 from torch import nn
 
 import optimisers as opt
-import optimisers.engine.groups as _engine
+import optimisers.engine.group as _engine_group
+import optimisers.engine.plan as _engine_plan
 from _torch_models import one_thread
 from optimisers.core.state import flatten_state, leaf_paths
 from optimisers.torch import Optimizer
@@ -351,9 +352,9 @@ def _strided_torch_params():
 
 def _engine_run(rule, params, grads, path, engine, monkeypatch):
     with monkeypatch.context() as m:
-        m.setattr(_engine, "CHUNK_SCALE", 1024)  # chunks of a few hundred elements
+        m.setattr(_engine_group, "CHUNK_SCALE", 1024)  # chunks of a few hundred elements
         if not engine:
-            m.setattr(_engine, "select", lambda state, found: [])
+            m.setattr(_engine_plan, "select", lambda state, found: [])
         state = opt.setup(rule, params)
         for g in grads:
             state, params = getattr(opt, path)(state, params, g)

@@ -12,7 +12,9 @@ import numpy as np
 import pytest
 
 import optimisers as opt
-import optimisers.engine.groups as _engine
+import optimisers.engine.chunked as _engine_chunked
+import optimisers.engine.group as _engine_group
+from optimisers.core.rule import NewValue
 from optimisers.core.state import flatten_state
 
 RULES = [
@@ -31,7 +33,7 @@ def whole_array_step(rule, state, x, g):
     new_state, step = rule.apply(state, x, g)
     if step is None:
         return new_state, x.copy()
-    if isinstance(step, opt._rule.NewValue):
+    if isinstance(step, NewValue):
         return new_state, np.asarray(step.value).astype(x.dtype)
     return new_state, (x - step).astype(x.dtype)
 
@@ -44,16 +46,16 @@ def parts_of(state):
 
 @pytest.mark.parametrize("rule", RULES, ids=repr)
 def test_pure_update_in_chunks_gives_the_whole_array_numbers(rule, monkeypatch):
-    monkeypatch.setattr(_engine, "CHUNK_SCALE", 1024)  # 256-element chunks: 5 and a ragged tail
+    monkeypatch.setattr(_engine_group, "CHUNK_SCALE", 1024)  # 256-element chunks: 5 and a ragged tail
     taken = []
-    real = _engine.pure_step
+    real = _engine_chunked.pure_step
 
     def spy(*args):
         result = real(*args)
         taken.append(result is not None)
         return result
 
-    monkeypatch.setattr(_engine, "pure_step", spy)
+    monkeypatch.setattr(_engine_chunked, "pure_step", spy)
     rng = np.random.default_rng(0)
     x = rng.standard_normal((37, 29)).astype(np.float32)
     x_orig = x.copy()
@@ -77,7 +79,7 @@ def test_pure_update_in_chunks_gives_the_whole_array_numbers(rule, monkeypatch):
 @pytest.mark.parametrize("rule", RULES[:5], ids=repr)
 def test_torch_pure_update_in_chunks_gives_the_whole_array_numbers(rule, monkeypatch):
     torch = pytest.importorskip("torch")
-    monkeypatch.setattr(_engine, "CHUNK_SCALE", 1024)
+    monkeypatch.setattr(_engine_group, "CHUNK_SCALE", 1024)
     rng = np.random.default_rng(0)
     x0 = rng.standard_normal((37, 29)).astype(np.float32)
     x = torch.from_numpy(x0.copy())
@@ -92,7 +94,7 @@ def test_torch_pure_update_in_chunks_gives_the_whole_array_numbers(rule, monkeyp
 
 
 def test_update_and_update_agree_bit_for_bit_on_a_chunked_parameter(monkeypatch):
-    monkeypatch.setattr(_engine, "CHUNK_SCALE", 1024)
+    monkeypatch.setattr(_engine_group, "CHUNK_SCALE", 1024)
     rng = np.random.default_rng(1)
     rule = opt.OptimiserChain(opt.ClipNorm(2.0), opt.WeightDecay(0.01), opt.Adam(0.01))
     a = {"w": rng.standard_normal((40, 30)).astype(np.float32), "b": np.zeros(7, np.float32)}

@@ -73,7 +73,7 @@ _FLOAT16 = np.dtype(np.float16)
 _FLOAT16_EPS_FLOOR = float(np.float16(1e-7))
 
 
-# see the module docstring; read by optimisers._interface
+# see the module docstring; read by optimisers.verbs
 
 def _is_traced(x) -> bool:
     return isinstance(x, _Tracer)

@@ -100,7 +100,7 @@ def subtract(x, step):
     return np.subtract(x, step, out=np.empty_like(x), casting="unsafe")
 
 
-# --- what the update engine asks (see optimisers._engine) ---------------------------------------
+# --- what the update engine asks (see optimisers.engine.group) ---------------------------------------
 
 ENGINE_CHUNK = 1 << 18  # 1 MiB of float32: measured best of 16K..4M elements on S1-S3 (2 cores)
 ENGINE_THREADS = True  # ufuncs release the GIL, so chunks run on all cores

@@ -1,7 +1,7 @@
 """PyTorch tensors and `torch.nn.Module`s.
 
-Imported only when the user's model holds torch objects (`optimisers.ops.backend` looks it up from
-a tensor's type, `optimisers._tree` only when torch is already in `sys.modules`).
+Imported only when the user's model holds torch objects (`optimisers.core.dispatch` looks it up
+from a tensor's type, and for `nn.Module`s only when torch is already in `sys.modules`).
 
 Conventions that differ from NumPy:
 - hyperparameters are Python floats (complex for complex tensors): torch kernels keep the tensor's
@@ -121,7 +121,7 @@ def shares_memory(x, y) -> bool:
     return a0 < b1 and b0 < a1
 
 
-# `optimisers._interface` runs every rule's `apply` inside this: the maths of a step is data, and
+# `optimisers.verbs.compute` runs every rule's `apply` inside this: the maths of a step is data, and
 # optimiser state must never hold an autograd graph (it would grow with every step)
 no_grad = torch.no_grad
 SHARE_SCALAR_STATE = False
@@ -173,7 +173,7 @@ def subtract(x, step):
     return _fresh_like(out, x)
 
 
-# --- what the update engine asks (see optimisers._engine) ---------------------------------------
+# --- what the update engine asks (see optimisers.engine.group) ---------------------------------------
 
 ENGINE_CHUNK = 1 << 17  # torch parallelises each op itself; chunks bound temporaries (512 KiB each)
 ENGINE_THREADS = False

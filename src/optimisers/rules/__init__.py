@@ -1,5 +1,5 @@
 """The optimisation rules. Each is a frozen dataclass of hyperparameters with `init` and `apply`
-(see `_rule.Rule`); the maths uses `_ops`, so one formula serves every backend.
+(see `optimisers.Rule`); the maths uses `optimisers.ops`, so one formula serves every backend.
 
 Conventions shared by every rule here:
 
@@ -10,7 +10,7 @@ Conventions shared by every rule here:
   (Python floats, or traced values under `jax.jit`) and cast last: in bfloat16, 0.999 rounds to 1,
   so `1 − bf16(β₂)` would be 0 where `bf16(1 − β₂)` is 0.001. (Optimisers.jl casts β first.)
   The library's updates call `apply` for a float16/bfloat16 parameter with float32 copies of the
-  parameter, gradient and state (`optimisers._precision`), so the maths here meets float32 there.
+  parameter, gradient and state (`optimisers.engine.precision`), so the maths here meets float32 there.
 * State arrays have the parameter's dtype, except MixedPrecision's master copy (its `dtype`) and a
   running *maximum* of magnitudes (AdaMax, AMSGrad): complex numbers have no order, so for a complex
   parameter those arrays hold the real dtype. Step counters are Python ints counting completed

@@ -805,7 +805,7 @@ class Optimizer(torch.optim.Optimizer):
         self._flat._plan = None
 
 
-# Under torch.compile the step runs eagerly, as the library's update does (see optimisers._compile):
+# Under torch.compile the step runs eagerly, as the library's update does (see optimisers.core.eager):
 # its Python bookkeeping (group entries, state made at a first gradient) traced by dynamo would
 # become guards that fail from one step to the next.
 @torch.compiler.disable(recursive=True)

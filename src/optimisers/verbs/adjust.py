@@ -11,7 +11,7 @@ from optimisers.core.state import (
     leaf_paths,
     map_leaves,
 )
-from optimisers.engine import groups as engine
+from optimisers.engine import chunked
 
 
 def _leaves_of(tree, name):
@@ -79,7 +79,7 @@ def adjust(tree, eta=None, **hyper):
 
     def fresh(leaf):
         rule = rules[id(leaf.rule)]
-        state = engine.independent(leaf, leaf.state)
+        state = chunked.independent(leaf, leaf.state)
         return leaf._successor(rule, rule.with_counters(state) if has_schedules(rule) else state)
 
     if isinstance(tree, Leaf):

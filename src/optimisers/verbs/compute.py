@@ -14,8 +14,7 @@ from optimisers.core.state import (
     unflatten_state,
 )
 from optimisers.core.tree import format_path
-from optimisers.engine import fast_paths, precision
-from optimisers.engine import groups as engine
+from optimisers.engine import chunked, fast_paths, precision
 from optimisers.verbs.gather import Contribution
 
 
@@ -37,7 +36,7 @@ def compute(found: dict[int, Contribution], tree, skip=frozenset(), pure=False) 
             with ops.backend(c.x).no_grad():
                 result = fast[1].apply(fast[2], c.leaf.state, c.x, dx) if fast is not None else None
                 if result is None and pure:
-                    result = engine.pure_step(rule, c.leaf.state, c.x, dx)
+                    result = chunked.pure_step(rule, c.leaf.state, c.x, dx)
                     if result is not None:
                         results[key] = result
                         continue

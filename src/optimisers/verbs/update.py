@@ -21,7 +21,7 @@ from optimisers.core.state import (
     map_leaves,
 )
 from optimisers.core.tree import kind_of
-from optimisers.engine import groups as engine
+from optimisers.engine import chunked, plan
 from optimisers.verbs.compute import compute, located
 from optimisers.verbs.gather import gather
 from optimisers.verbs.locks import lock
@@ -71,7 +71,7 @@ def _next_state(state: State, results: dict) -> State:
 
     def leaf_of(leaf):
         moved = results.get(id(leaf))
-        return leaf._successor(leaf.rule, engine.independent(leaf, moved[0] if moved else leaf.state))
+        return leaf._successor(leaf.rule, chunked.independent(leaf, moved[0] if moved else leaf.state))
 
     return State(map_leaves(leaf_of, state.tree), state._keys)
 
@@ -100,11 +100,11 @@ def update_(state: State, model, *grads):
 
 def _update_(state: State, model, grads: tuple):
     found = gather(state.tree, model, grads[0], state._keys)
-    work = engine.select(state, found)
+    work = plan.select(state, found)
     in_engine = {id(leaf) for group, _ in work for leaf in group.leaves}
     results = compute(found, state.tree, skip=in_engine)  # may raise: nothing written yet
     try:
-        engine.execute(work)  # checks everything before it writes
+        plan.execute(work)  # checks everything before it writes
     except ops.GradientError as e:
         raise located(e, state.tree) from None
     for key, (new_state, _) in results.items():

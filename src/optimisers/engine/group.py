@@ -47,8 +47,15 @@ from optimisers.engine import fast_paths, precision
 # (`flat_in`; `laid_out_like` lays a gradient out as its parameter once per step), so chunks are
 # views of the parameter's memory and the state views (`shaped_in`) have the parameter's layout.
 CHUNK_SCALE = 1  # tests shrink chunks to exercise packing and splitting on small models
+
+
+CHUNK_SCALE = 1  # tests shrink chunks to exercise packing and splitting on small models
+MIN_CHUNK = 1 << 14  # elements: below this, the Python cost per chunk outweighs its work
+
+
 MIN_CHUNK = 1 << 14  # elements: below this, the Python cost per chunk outweighs its work
 _POOL: ThreadPoolExecutor | None = None
+
 
 
 def _pool() -> ThreadPoolExecutor:
@@ -56,6 +63,7 @@ def _pool() -> ThreadPoolExecutor:
     if _POOL is None:
         _POOL = ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="optimisers")
     return _POOL
+
 
 
 def _in_order(fn, items):
@@ -72,20 +80,24 @@ def _in_order(fn, items):
         yield result
 
 
+
 _END = object()
 
 
-def _scaled(rule) -> bool:
+
+def scales_gradient(rule) -> bool:
     return not getattr(rule, "elementwise", False) and getattr(rule, "scaled_elementwise", False)
+
 
 
 def eligible(leaf, x) -> bool:
     """Can this Leaf's parameter be stepped by the engine?"""
     rule = leaf.rule
-    if not (getattr(rule, "elementwise", False) or _scaled(rule)) or leaf.frozen:
+    if not (getattr(rule, "elementwise", False) or scales_gradient(rule)) or leaf.frozen:
         return False
     b = ops.backend(x)
     return b.IN_PLACE_ENGINE and b.engine_ok(x)
+
 
 
 class Group:
@@ -95,7 +107,7 @@ class Group:
         self.b = b = ops.backend(xs[0])
         b.engine_start()
         sizes = [b.numel(x) for x in xs]
-        self.scaled = _scaled(leaves[0].rule)  # a factor per member: see `factors`
+        self.scaled = scales_gradient(leaves[0].rule)  # a factor per member: see `factors`
         self.chunk = self._chunk_size(b, sum(sizes))
         # small parameters last, so that they pack into a few long runs however the model
         # interleaves them with large ones (a bias after each weight matrix)
@@ -427,168 +439,6 @@ class Group:
             write(v if v.ndim == 1 else self.b.flat_in(v, order), delta[lo:hi])
 
 
-def independent(leaf, state):
-    """`state` with every part that is a view of the engine's buffers for `leaf` replaced by a
-    copy, so that a pure result never changes when the original is later stepped in place."""
-    if leaf._group is None:
-        return state
-    own: list = []
-    flatten_state(leaf._state, own)
-    views = {id(p) for p, a in zip(own, leaf._group.array_at) if a}
-    parts: list = []
-    spec = flatten_state(state, parts)
-    return unflatten_state(spec, iter([ops.copy(p) if id(p) in views else p for p in parts]))
-
-
-def pure_step(rule, state, x, dx):
-    """The pure update of one parameter, chunk by chunk: `(new_state, new_x)`, or None where
-    that does not apply (a rule that is not elementwise, a backend without the engine, a
-    parameter of at most one chunk, state arrays not shaped like it). The new state and parameter
-    are allocated once and filled chunk by chunk, so the step and the rule's temporaries never
-    exist at full size; the numbers are those of `rule.apply` on the whole arrays."""
-    scaled = _scaled(rule)
-    if not (getattr(rule, "elementwise", False) or scaled):
-        return None
-    b = ops.backend(x)
-    if not (b.IN_PLACE_ENGINE and b.engine_ok(x)):
-        return None
-    n, chunk = b.numel(x), max(4, b.ENGINE_CHUNK // CHUNK_SCALE)
-    parts: list = []
-    spec = flatten_state(state, parts)
-    array_at = [b.is_buffer(p) for p in parts]
-    if n <= chunk or not all(p.shape == x.shape and b.engine_ok(p) for p, a in zip(parts, array_at) if a):
-        return None
-    factor = rule.rules[0].gradient_factor(precision.widened(dx)) if scaled else None
-    order = b.memory_order(x)  # every array is read in the parameter's memory order
-    flat_x, flat_dx = b.flat_in(x, order), b.flat_in(dx, order)
-    flat_parts = [b.flat_in(p, order) if a else p for p, a in zip(parts, array_at)]
-    new_x = ops.copy(x)
-    if b.memory_order(new_x) != order:
-        return None  # a copy in another layout: its flat view would not be a view
-    flat_new_x = b.flat_in(new_x, order)
-    outs = [ops.zeros_like(p) if a else None for p, a in zip(flat_parts, array_at)]
-    scalars = None
-    for lo in range(0, n, chunk):
-        hi = min(n, lo + chunk)
-        sub = [p[lo:hi] if a else p for p, a in zip(flat_parts, array_at)]
-        chunk_state = unflatten_state(spec, iter(sub))
-        if factor is None:
-            new_state, step = precision.run(rule.apply, chunk_state, flat_x[lo:hi], flat_dx[lo:hi])
-        else:
-            new_state, step = precision.run(
-                rule.apply_scaled, chunk_state, flat_x[lo:hi], flat_dx[lo:hi], factor
-            )
-        new_parts: list = []
-        if flatten_state(new_state, new_parts) != spec:
-            return None  # (before anything is returned: the caller takes the whole-array path)
-        for k, a in enumerate(array_at):
-            if a:
-                if new_parts[k].dtype != outs[k].dtype:
-                    return None  # the rule changes the state's dtype: whole arrays, as it wants
-                b.copy_into(outs[k][lo:hi], new_parts[k])
-        if scalars is None:
-            scalars = [None if a else p for a, p in zip(array_at, new_parts)]
-        value = step.value if isinstance(step, NewValue) else step
-        if value is not None and ops.is_complex(value) and not ops.is_complex(x):
-            return None  # a step that cannot be written: the whole-array path reports it
-        if isinstance(step, NewValue):
-            b.assign_(flat_new_x[lo:hi], step.value)
-        elif step is not None:
-            b.subtract_(flat_new_x[lo:hi], step)
-    merged = [b.shaped_in(o, x.shape, order) if a else s for a, o, s in zip(array_at, outs, scalars)]
-    return unflatten_state(spec, iter(merged)), new_x
-
-
-# --- planning over a State ----------------------------------------------------------------------
-
-
-def _as_initialised(leaf, x, parts=None) -> bool:
-    """Are the state's arrays in the dtypes and on the device that `rule.init` gives this
-    parameter now? Not after a parameter was converted (a torch module's `.double()`): the rule's
-    maths would then promote the state, which the group's buffers, kept in their old dtype, would
-    round back; the per-Leaf path promotes it, and the next plan groups it again."""
-    if parts is None:
-        parts = []
-        flatten_state(leaf.state, parts)
-    b = ops.backend(x)
-    with b.no_grad():
-        fresh: list = []
-        flatten_state(leaf.rule.init(x.reshape(-1)[:1]), fresh)  # a one-element probe: cheap
-    if len(fresh) != len(parts):
-        return False
-    return all(
-        p.dtype == getattr(q, "dtype", None) and getattr(p, "device", None) == getattr(q, "device", None)
-        for p, q in zip(parts, fresh)
-        if b.is_buffer(p)
-    )
-
-
-class Plan:
-    """The groups of one State; rebuilt when a member leaves its group, changes rule, or a new
-    candidate Leaf appears."""
-
-    def __init__(self, entries):
-        self.considered = {id(leaf) for leaf, _ in entries}
-        self.converted: list = []  # left out until the per-Leaf path has promoted their state
-        by_key: dict = {}
-        for leaf, x in entries:
-            b = ops.backend(x)
-            parts: list = []
-            spec = flatten_state(leaf.state, parts)
-            if not all(p.shape == x.shape for p in parts if b.is_buffer(p)):
-                continue
-            if not _as_initialised(leaf, x, parts):
-                self.converted.append(leaf)
-                continue
-            scalars = tuple(None if b.is_buffer(p) else p for p in parts)
-            key = (id(leaf.rule), b, x.dtype, getattr(x, "device", None), repr(spec), scalars)
-            try:
-                hash(key)
-            except TypeError:
-                continue
-            by_key.setdefault(key, []).append((leaf, x))
-        self.groups = [Group([m[0] for m in ms], [m[1] for m in ms]) for ms in by_key.values()]
-
-    def intact(self) -> bool:
-        return all(g.intact() for g in self.groups)
-
-    def outgrown(self, found) -> bool:
-        """Has a Leaf left out for its converted parameter been brought up to date since?"""
-        for leaf in self.converted:
-            c = found.get(id(leaf))
-            if c is not None and _ready(c) and _as_initialised(leaf, c.x):
-                return True
-        return False
-
-
-def _ready(c) -> bool:
-    return bool(c.grads) and not c.copies and eligible(c.leaf, c.x)
-
-
-def select(state, found):
-    """The groups of `state` that can step as a whole now, as `[(group, contributions)]`.
-
-    `found` maps `id(leaf)` to the update's gathered contributions (`leaf`, `x`, `grads`,
-    `copies`, `dx()`). Plans (or re-plans) the State's groups when needed.
-    """
-    plan = getattr(state, "_plan", None)  # a State rebuilt by JAX's unflatten has none yet
-    if (
-        plan is None
-        or not plan.intact()
-        or plan.outgrown(found)
-        or any(_ready(found[k]) for k in found.keys() - plan.considered)
-    ):
-        ready = [c for c in found.values() if _ready(c)]
-        if not ready:
-            return []
-        plan = state._plan = Plan([(c.leaf, c.x) for c in ready])
-    work = []
-    for group in plan.groups:
-        members = group.ready_members(found)
-        if members is not None:
-            work.append((group, members))
-    return work
-
 
 def _check_chunk(rule, x, parts, new_parts, step) -> None:
     """What a rehearsed chunk returned must fit where `step` would write it."""
@@ -606,35 +456,3 @@ def _check_chunk(rule, x, parts, new_parts, step) -> None:
     shape = getattr(value, "shape", ())
     if value is not None and tuple(shape) not in ((), tuple(x.shape)):
         raise ValueError(f"{name}.apply returned a step of shape {tuple(shape)} for {tuple(x.shape)}")
-
-
-def _unalias(prepared) -> None:
-    """Copy each gradient that shares memory with a parameter about to be stepped (a view of it
-    such as `W[::-1]`, or another parameter): chunks write parameters while later chunks still
-    read gradients, so `update_` would otherwise differ from `update`. Memory owners are compared
-    first (one set lookup per gradient), so the exact test runs only where they match."""
-    owners: dict = {}  # backend -> the memory owners of its parameters in this step
-    for group, xs, _, _ in prepared:
-        owners.setdefault(group.b, set()).update(group.b.memory_owners(xs))
-    for group, _, dxs, _ in prepared:
-        b, held = group.b, owners[group.b]
-        for i in [i for i, owner in enumerate(b.memory_owners(dxs)) if owner in held]:
-            same = (x for g, xs, _, _ in prepared if g.b is b for x in xs)
-            if any(b.shares_memory(dxs[i], x) for x in same):
-                dxs[i] = b.copy(dxs[i])
-
-
-def execute(work) -> None:
-    """Step the selected groups in place. Every scaled group's factors are computed first, and a
-    group whose rule may raise is rehearsed, all of them before any is stepped, so that an error
-    leaves every parameter and state as it was."""
-    prepared = []
-    for group, members in work:
-        dxs, given = group.gradients(members)
-        prepared.append((group, [c.x for c in members], dxs, group.factors(given)))
-    _unalias(prepared)
-    for group, xs, dxs, factors in prepared:
-        if not group.trusted():
-            group.rehearse(xs, dxs, factors)
-    for group, xs, dxs, factors in prepared:
-        group.step(xs, dxs, factors)

@@ -1,0 +1,134 @@
+"""The plan of `update_`: which Leafs step together in engine groups, kept between steps and
+checked against each step's gradients, and the step of every group once all of them are ready.
+"""
+
+from __future__ import annotations
+
+from optimisers import ops
+from optimisers.core.state import flatten_state
+from optimisers.engine.group import Group, eligible
+
+
+def _as_initialised(leaf, x, parts=None) -> bool:
+    """Are the state's arrays in the dtypes and on the device that `rule.init` gives this
+    parameter now? Not after a parameter was converted (a torch module's `.double()`): the rule's
+    maths would then promote the state, which the group's buffers, kept in their old dtype, would
+    round back; the per-Leaf path promotes it, and the next plan groups it again."""
+    if parts is None:
+        parts = []
+        flatten_state(leaf.state, parts)
+    b = ops.backend(x)
+    with b.no_grad():
+        fresh: list = []
+        flatten_state(leaf.rule.init(x.reshape(-1)[:1]), fresh)  # a one-element probe: cheap
+    if len(fresh) != len(parts):
+        return False
+    return all(
+        p.dtype == getattr(q, "dtype", None) and getattr(p, "device", None) == getattr(q, "device", None)
+        for p, q in zip(parts, fresh)
+        if b.is_buffer(p)
+    )
+
+
+
+class Plan:
+    """The groups of one State; rebuilt when a member leaves its group, changes rule, or a new
+    candidate Leaf appears."""
+
+    def __init__(self, entries):
+        self.considered = {id(leaf) for leaf, _ in entries}
+        self.converted: list = []  # left out until the per-Leaf path has promoted their state
+        by_key: dict = {}
+        for leaf, x in entries:
+            b = ops.backend(x)
+            parts: list = []
+            spec = flatten_state(leaf.state, parts)
+            if not all(p.shape == x.shape for p in parts if b.is_buffer(p)):
+                continue
+            if not _as_initialised(leaf, x, parts):
+                self.converted.append(leaf)
+                continue
+            scalars = tuple(None if b.is_buffer(p) else p for p in parts)
+            key = (id(leaf.rule), b, x.dtype, getattr(x, "device", None), repr(spec), scalars)
+            try:
+                hash(key)
+            except TypeError:
+                continue
+            by_key.setdefault(key, []).append((leaf, x))
+        self.groups = [Group([m[0] for m in ms], [m[1] for m in ms]) for ms in by_key.values()]
+
+    def intact(self) -> bool:
+        return all(g.intact() for g in self.groups)
+
+    def outgrown(self, found) -> bool:
+        """Has a Leaf left out for its converted parameter been brought up to date since?"""
+        for leaf in self.converted:
+            c = found.get(id(leaf))
+            if c is not None and _ready(c) and _as_initialised(leaf, c.x):
+                return True
+        return False
+
+
+
+def _ready(c) -> bool:
+    return bool(c.grads) and not c.copies and eligible(c.leaf, c.x)
+
+
+
+def select(state, found):
+    """The groups of `state` that can step as a whole now, as `[(group, contributions)]`.
+
+    `found` maps `id(leaf)` to the update's gathered contributions (`leaf`, `x`, `grads`,
+    `copies`, `dx()`). Plans (or re-plans) the State's groups when needed.
+    """
+    plan = getattr(state, "_plan", None)  # a State rebuilt by JAX's unflatten has none yet
+    if (
+        plan is None
+        or not plan.intact()
+        or plan.outgrown(found)
+        or any(_ready(found[k]) for k in found.keys() - plan.considered)
+    ):
+        ready = [c for c in found.values() if _ready(c)]
+        if not ready:
+            return []
+        plan = state._plan = Plan([(c.leaf, c.x) for c in ready])
+    work = []
+    for group in plan.groups:
+        members = group.ready_members(found)
+        if members is not None:
+            work.append((group, members))
+    return work
+
+
+
+def _unalias(prepared) -> None:
+    """Copy each gradient that shares memory with a parameter about to be stepped (a view of it
+    such as `W[::-1]`, or another parameter): chunks write parameters while later chunks still
+    read gradients, so `update_` would otherwise differ from `update`. Memory owners are compared
+    first (one set lookup per gradient), so the exact test runs only where they match."""
+    owners: dict = {}  # backend -> the memory owners of its parameters in this step
+    for group, xs, _, _ in prepared:
+        owners.setdefault(group.b, set()).update(group.b.memory_owners(xs))
+    for group, _, dxs, _ in prepared:
+        b, held = group.b, owners[group.b]
+        for i in [i for i, owner in enumerate(b.memory_owners(dxs)) if owner in held]:
+            same = (x for g, xs, _, _ in prepared if g.b is b for x in xs)
+            if any(b.shares_memory(dxs[i], x) for x in same):
+                dxs[i] = b.copy(dxs[i])
+
+
+
+def execute(work) -> None:
+    """Step the selected groups in place. Every scaled group's factors are computed first, and a
+    group whose rule may raise is rehearsed, all of them before any is stepped, so that an error
+    leaves every parameter and state as it was."""
+    prepared = []
+    for group, members in work:
+        dxs, given = group.gradients(members)
+        prepared.append((group, [c.x for c in members], dxs, group.factors(given)))
+    _unalias(prepared)
+    for group, xs, dxs, factors in prepared:
+        if not group.trusted():
+            group.rehearse(xs, dxs, factors)
+    for group, xs, dxs, factors in prepared:
+        group.step(xs, dxs, factors)
