@@ -73,6 +73,7 @@ class Backend(Maths, Protocol):
 
     # how the update treats this library
     def no_grad(self) -> AbstractContextManager: ...  # rules compute data, not autograd graphs
+
     SHARE_SCALAR_STATE: bool  # one step count per group of leaves (JAX: fewer traced values)
     IN_PLACE_ENGINE: bool  # whether this module is also an InPlaceEngine
     # A backend's own kernels for some rules, by name ("adam": see optimisers.engine.fast_paths,

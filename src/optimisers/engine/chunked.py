@@ -24,7 +24,6 @@ def independent(leaf, state):
     return unflatten_state(spec, iter([ops.copy(p) if id(p) in views else p for p in parts]))
 
 
-
 def pure_step(rule, state, x, dx):
     """The pure update of one parameter, chunk by chunk: `(new_state, new_x)`, or None where
     that does not apply (a rule that is not elementwise, a backend without the engine, a

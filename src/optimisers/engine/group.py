@@ -57,13 +57,11 @@ MIN_CHUNK = 1 << 14  # elements: below this, the Python cost per chunk outweighs
 _POOL: ThreadPoolExecutor | None = None
 
 
-
 def _pool() -> ThreadPoolExecutor:
     global _POOL
     if _POOL is None:
         _POOL = ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="optimisers")
     return _POOL
-
 
 
 def _in_order(fn, items):
@@ -80,14 +78,11 @@ def _in_order(fn, items):
         yield result
 
 
-
 _END = object()
-
 
 
 def scales_gradient(rule) -> bool:
     return not getattr(rule, "elementwise", False) and getattr(rule, "scaled_elementwise", False)
-
 
 
 def eligible(leaf, x) -> bool:
@@ -97,7 +92,6 @@ def eligible(leaf, x) -> bool:
         return False
     b = ops.backend(x)
     return b.IN_PLACE_ENGINE and b.engine_ok(x)
-
 
 
 class Group:
@@ -437,7 +431,6 @@ class Group:
         delta = step.value if setting else step
         for v, order, (lo, hi) in zip(xs[i:j], self.orders[i:j], bounds):
             write(v if v.ndim == 1 else self.b.flat_in(v, order), delta[lo:hi])
-
 
 
 def _check_chunk(rule, x, parts, new_parts, step) -> None:

@@ -30,7 +30,6 @@ def _as_initialised(leaf, x, parts=None) -> bool:
     )
 
 
-
 class Plan:
     """The groups of one State; rebuilt when a member leaves its group, changes rule, or a new
     candidate Leaf appears."""
@@ -69,10 +68,8 @@ class Plan:
         return False
 
 
-
 def _ready(c) -> bool:
     return bool(c.grads) and not c.copies and eligible(c.leaf, c.x)
-
 
 
 def select(state, found):
@@ -100,7 +97,6 @@ def select(state, found):
     return work
 
 
-
 def _unalias(prepared) -> None:
     """Copy each gradient that shares memory with a parameter about to be stepped (a view of it
     such as `W[::-1]`, or another parameter): chunks write parameters while later chunks still
@@ -115,7 +111,6 @@ def _unalias(prepared) -> None:
             same = (x for g, xs, _, _ in prepared if g.b is b for x in xs)
             if any(b.shares_memory(dxs[i], x) for x in same):
                 dxs[i] = b.copy(dxs[i])
-
 
 
 def execute(work) -> None:

@@ -14,7 +14,6 @@ from optimisers.rules.common import adam_direction, adam_moments, cast, nonnegat
 __all__ = ["Adam", "RAdam", "AdaMax", "OAdam", "AMSGrad", "NAdam", "AdamW", "AdaBelief", "Lion"]
 
 
-
 @dataclass(frozen=True)
 class _AdamFamily(Rule):
     """The fields, checks and `(m, v, t)` state shared by Adam and its variants."""
@@ -32,7 +31,6 @@ class _AdamFamily(Rule):
 
     def init(self, x):
         return ops.zeros_like(x), ops.zeros_like(x), 0
-
 
 
 @dataclass(frozen=True)
@@ -55,7 +53,6 @@ class Adam(_AdamFamily):
         m, v, bc1, bc2 = adam_moments(x, dx, m, v, self.beta, t)
         eta, eps = ops.scalar(self.eta, x), ops.epsilon(self.epsilon, x)
         return (m, v, t), adam_direction(m, v, bc1, bc2, eta, eps)
-
 
 
 @dataclass(frozen=True)
@@ -97,7 +94,6 @@ class RAdam(_AdamFamily):
         return (m, v, t), ops.cond(rho > 4, rectified, unrectified)
 
 
-
 @dataclass(frozen=True)
 class AdaMax(_AdamFamily):
     """AdaMax, Adam with the infinity norm (Kingma & Ba, 2015, section 7).
@@ -122,7 +118,6 @@ class AdaMax(_AdamFamily):
         m = cb1 * m + cm * dx
         w = ops.maximum(ops.scalar(b2, w) * w, ops.abs(dx))  # w is real for complex x
         return (m, w, t), rate * m / (w + eps)
-
 
 
 @dataclass(frozen=True)
@@ -153,7 +148,6 @@ class OAdam(_AdamFamily):
         eta, eps = ops.scalar(self.eta, x), ops.epsilon(self.epsilon, x)
         q_new = adam_direction(m, v, bc1, bc2, eta, eps)
         return (m, v, q_new, t), 2 * q_new - q
-
 
 
 @dataclass(frozen=True)
@@ -191,7 +185,6 @@ class AMSGrad(_AdamFamily):
         return (m, v, vmax, t), eta * (m / bc1) / (ops.sqrt(vmax) + eps)
 
 
-
 @dataclass(frozen=True)
 class NAdam(_AdamFamily):
     """NAdam, Adam with Nesterov momentum (Dozat, "Incorporating Nesterov Momentum into Adam",
@@ -218,7 +211,6 @@ class NAdam(_AdamFamily):
         eps = ops.epsilon(self.epsilon, x)
         mhat = cm * m + cg * dx
         return (m, v, t), eta * mhat / (ops.sqrt(v / bc2) + eps)
-
 
 
 @dataclass(frozen=True)
@@ -265,7 +257,6 @@ class AdamW(Rule):
         return (m, v, t), adam_direction(m, v, bc1, bc2, eta, eps) + decay * x
 
 
-
 @dataclass(frozen=True)
 class AdaBelief(_AdamFamily):
     """AdaBelief (Zhuang et al., "AdaBelief Optimizer: Adapting Stepsizes by the Belief in
@@ -291,7 +282,6 @@ class AdaBelief(_AdamFamily):
         s = cb2 * s + cs * ops.abs2(dx - m) + eps
         step = eta * (m / bc1) / (ops.sqrt(s / bc2) + eps)
         return (m, s, t), step
-
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,6 @@ from optimisers.rules.common import cast, nonnegative, real_only
 __all__ = ["RMSProp", "Rprop", "AdaGrad", "AdaDelta"]
 
 
-
 @dataclass(frozen=True)
 class RMSProp(Rule):
     """RMSProp (Hinton, Lecture 6e of "Neural Networks for Machine Learning", 2012); the centred
@@ -65,7 +64,6 @@ class RMSProp(Rule):
             c = rho * state[1] + keep * dx
             return (s, c), eta * dx / (ops.sqrt(s - ops.abs2(c)) + eps)
         return s, eta * dx / (ops.sqrt(s) + eps)
-
 
 
 @dataclass(frozen=True)
@@ -123,7 +121,6 @@ class Rprop(Rule):
         return (p, s), s * ops.sign(p)
 
 
-
 @dataclass(frozen=True)
 class AdaGrad(Rule):
     """AdaGrad (Duchi, Hazan & Singer, "Adaptive Subgradient Methods", 2011).
@@ -152,7 +149,6 @@ class AdaGrad(Rule):
         eta, eps = ops.scalar(self.eta, x), ops.epsilon(self.epsilon, x)
         a = state + ops.abs2(dx)
         return a, eta * dx / (ops.sqrt(a) + eps)
-
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,6 @@ from optimisers.rules.common import real_only
 __all__ = ["OptimiserChain", "AccumGrad", "MixedPrecision", "SkipNonFinite"]
 
 
-
 @dataclass(frozen=True, init=False, repr=False)
 class OptimiserChain(Rule):
     """Apply several rules in sequence, each one's step being the next one's gradient:
@@ -123,7 +122,6 @@ class OptimiserChain(Rule):
         return tuple(states), dx
 
 
-
 @dataclass(frozen=True)
 class AccumGrad(Rule):
     """Accumulate the gradients of `n` calls and act once: the parameter moves on every n-th call,
@@ -165,13 +163,11 @@ class AccumGrad(Rule):
         return (acc, k), None
 
 
-
 def _dtype_name(dtype) -> str:
     try:
         return np.dtype(dtype).name
     except TypeError:
         return repr(dtype)
-
 
 
 class _Wrapper(Rule):
@@ -188,7 +184,6 @@ class _Wrapper(Rule):
     def adjust(self, **hyper):
         rule = self.rule.adjust(**hyper)
         return self if rule is self.rule else dataclasses.replace(self, rule=rule)
-
 
 
 @dataclass(frozen=True, repr=False)
@@ -252,7 +247,6 @@ class MixedPrecision(_Wrapper):
         else:
             master = ops.astype(master - step, master)
         return (master, inner), NewValue(ops.astype(master, x))
-
 
 
 @dataclass(frozen=True, repr=False)

@@ -16,7 +16,6 @@ def nonnegative(rule: Rule, *names: str) -> None:
         check_range(rule, name, 0.0, math.inf)
 
 
-
 def real_only(rule: Rule, x) -> None:
     if ops.is_complex(x):
         raise TypeError(
@@ -25,11 +24,9 @@ def real_only(rule: Rule, x) -> None:
         )
 
 
-
 def cast(x, *values):
     """Each value as a scalar of `x`'s dtype."""
     return tuple(ops.scalar(v, x) for v in values)
-
 
 
 def adam_moments(x, dx, m, v, beta, t):
@@ -42,12 +39,10 @@ def adam_moments(x, dx, m, v, beta, t):
     return m, v, bc1, bc2
 
 
-
 def adam_direction(m, v, bc1, bc2, scale, eps):
     """`scale · (m/bc1) / (√(v/bc2) + ε)`, with `scale/bc1` one scalar: a pass over the arrays
     fewer than dividing `m` first, and a NumPy step costs about its number of passes."""
     return (scale / bc1) * m / (ops.sqrt(v / bc2) + eps)
-
 
 
 def real_zeros(x):

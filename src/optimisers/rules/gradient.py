@@ -16,7 +16,6 @@ from optimisers.rules.common import nonnegative, real_only
 __all__ = ["WeightDecay", "SignDecay", "ClipGrad", "ClipNorm"]
 
 
-
 @dataclass(frozen=True)
 class WeightDecay(Rule):
     """Weight decay (L2 regularisation): `step = g + λ·x`.
@@ -39,7 +38,6 @@ class WeightDecay(Rule):
 
     def apply(self, state, x, dx):
         return state, dx + ops.scalar(self.lambd, x) * x
-
 
 
 @dataclass(frozen=True)
@@ -69,7 +67,6 @@ class SignDecay(Rule):
         return state, dx + ops.scalar(self.lambd, x) * ops.sign(x)
 
 
-
 @dataclass(frozen=True)
 class ClipGrad(Rule):
     """Clip every gradient entry to `[−δ, δ]`: `step = clamp(g, −δ, δ)`.
@@ -94,7 +91,6 @@ class ClipGrad(Rule):
     def apply(self, state, x, dx):
         delta = ops.scalar(self.delta, x)
         return state, ops.clip(dx, -delta, delta)
-
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,6 @@ from optimisers.rules.common import cast
 __all__ = ["Descent", "Momentum", "Nesterov"]
 
 
-
 @dataclass(frozen=True)
 class Descent(Rule):
     """Plain gradient descent: `x ← x − η·g`.
@@ -29,7 +28,6 @@ class Descent(Rule):
 
     def apply(self, state, x, dx):
         return state, ops.scalar(self.eta, x) * dx
-
 
 
 @dataclass(frozen=True)
@@ -49,7 +47,6 @@ class _MomentumFamily(Rule):
         return ops.zeros_like(x)
 
 
-
 @dataclass(frozen=True)
 class Momentum(_MomentumFamily):
     """Gradient descent with (heavy-ball) momentum (Polyak, 1964).
@@ -66,7 +63,6 @@ class Momentum(_MomentumFamily):
         eta, rho = cast(x, self.eta, self.rho)
         v = rho * state + eta * dx
         return v, v
-
 
 
 @dataclass(frozen=True)

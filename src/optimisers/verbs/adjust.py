@@ -1,5 +1,4 @@
-"""`adjust` / `adjust_` (hyperparameters) and `freeze_` / `thaw_` (which Leafs move).
-"""
+"""`adjust` / `adjust_` (hyperparameters) and `freeze_` / `thaw_` (which Leafs move)."""
 
 from __future__ import annotations
 
@@ -25,7 +24,6 @@ def _leaves_of(tree, name):
     )
 
 
-
 def _state_hint(tree) -> str:
     """Where the State is, for the containers optax and Flax users hold it in."""
     if hasattr(tree, "opt_state"):  # nnx.Optimizer, flax's TrainState
@@ -39,7 +37,6 @@ def _state_hint(tree) -> str:
     if isinstance(tree, tuple) and any(isinstance(x, State) for x in tree):
         return "an optax.chain state is a tuple: adjust its entry that is a State"
     return "did you pass the model?"
-
 
 
 def _adjusted_rules(leaves, eta, hyper, name) -> dict[int, Rule]:
@@ -63,10 +60,8 @@ def _adjusted_rules(leaves, eta, hyper, name) -> dict[int, Rule]:
     return rules
 
 
-
 def _all_names(rule) -> tuple[str, ...]:
     return rule.hyperparameters()
-
 
 
 @eager_under_compile
@@ -87,7 +82,6 @@ def adjust(tree, eta=None, **hyper):
     return State(map_leaves(fresh, tree.tree), tree._keys)
 
 
-
 @eager_under_compile
 def adjust_(tree, eta=None, **hyper):
     """Like `adjust`, but changes the Leafs in place; returns `tree`."""
@@ -103,13 +97,11 @@ def adjust_(tree, eta=None, **hyper):
     return tree
 
 
-
 def freeze_(tree):
     """Mark every Leaf of a state (or part of one) frozen: updates skip it, its state is kept."""
     for leaf in _leaves_of(tree, "freeze_"):
         leaf.frozen = True
     return tree
-
 
 
 def thaw_(tree):

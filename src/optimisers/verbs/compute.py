@@ -56,12 +56,10 @@ def compute(found: dict[int, Contribution], tree, skip=frozenset(), pure=False) 
     return results
 
 
-
 def located(e, tree) -> Exception:
     """A gradient error from the compute phase, saying where (nothing was written yet)."""
     where = format_path(path_of(tree, e.leaf)) if getattr(e, "leaf", None) is not None else "?"
     return ops.GradientError(f"gradient at {where}: {e}; nothing was changed")
-
 
 
 def _check_step(rule, result, x) -> None:
@@ -86,7 +84,6 @@ def _check_step(rule, result, x) -> None:
         )
 
 
-
 def _new_value(x, step):
     """The parameter after `step`, as a new array."""
     if step is None:
@@ -94,7 +91,6 @@ def _new_value(x, step):
     if isinstance(step, NewValue):
         return ops.backend(x).replaced(x, step.value)
     return ops.backend(x).subtract(x, step)
-
 
 
 def _share_scalar_state(found, results) -> None:

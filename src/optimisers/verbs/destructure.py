@@ -38,9 +38,7 @@ def destructure(model):
                 f"rebuild expects a flat vector of length {total} (the model's trainable values), "
                 f"got length {length}"
             )
-        return map_params(
-            lambda x: ops.backend(new_flat).unflatten_one(new_flat, offsets[id(x)], x), model
-        )
+        return map_params(lambda x: ops.backend(new_flat).unflatten_one(new_flat, offsets[id(x)], x), model)
 
     rebuild.__doc__ = f"Rebuild the model from a flat vector of length {total}."
     return flat, rebuild
@@ -58,4 +56,3 @@ def _length(v) -> int:
     if shape is None or len(shape) != 1:
         raise ValueError(f"rebuild expects a 1-D vector, got {type(v).__name__} of shape {shape}")
     return int(shape[0])
-

@@ -19,7 +19,6 @@ from optimisers.core.tree import format_path, is_param, kind_of, params
 _SEQUENCES = ("list", "tuple", "namedtuple")
 
 
-
 def _grad_children(node, kind, children: dict, grad, path) -> dict:
     """The gradient of each child of `node`, as a dict (missing key = no gradient)."""
     if grad is None:
@@ -53,7 +52,6 @@ def _grad_children(node, kind, children: dict, grad, path) -> dict:
     )
 
 
-
 def _check_grad(grad, x, path):
     shape = getattr(grad, "shape", None)
     if shape is x.shape or shape == x.shape:  # the common case, decided without building anything
@@ -70,13 +68,11 @@ def _check_grad(grad, x, path):
         )
 
 
-
 _MISSING = object()
 
 
 _MISSING = object()
 _ANY_SHAPE = "any"  # a Leaf whose state does not say which parameter shape it fits
-
 
 
 def _state_shape(leaf):
@@ -87,7 +83,6 @@ def _state_shape(leaf):
     flatten_state(leaf.state, parts)
     shapes = {tuple(p.shape) for p in parts if not is_scalar(p) and hasattr(p, "shape")}
     return shapes.pop() if len(shapes) == 1 else _ANY_SHAPE
-
 
 
 def _check_shape(leaf, x, path):
@@ -103,7 +98,6 @@ def _check_shape(leaf, x, path):
         f"was set up for shape {want}: the model changed after setup (a resized layer?). Run "
         "setup again for the changed model; nothing was changed"
     )
-
 
 
 class Contribution:
@@ -137,7 +131,6 @@ class Contribution:
         except ops.GradientError as e:
             e.leaf = self.leaf  # the update says where
             raise
-
 
 
 def gather(tree, model, grads, known=None) -> dict[int, Contribution]:
@@ -230,7 +223,6 @@ def gather(tree, model, grads, known=None) -> dict[int, Contribution]:
     return found
 
 
-
 def _check_each_place(tree, entry) -> None:
     """Check each place's gradient of a tied Leaf as an untied one is checked, before they are
     summed (a bool or str array would otherwise be summed into a number, or fail inside the sum),
@@ -249,7 +241,6 @@ def _check_each_place(tree, entry) -> None:
             entry.grads[i] = fitted
 
 
-
 def _place_path(tree, leaf, place: int) -> tuple:
     """The path of the `place`-th place of `leaf`, counted as `gather` visits them (for error
     messages only: a walk)."""
@@ -266,7 +257,6 @@ def _place_path(tree, leaf, place: int) -> tuple:
     return paths[place] if place < len(paths) else ()
 
 
-
 def _untied_in_state(tree, other, path):
     raise ValueError(
         f"the model has one array at {format_path(path_of(tree, other))} and {format_path(path)}, "
@@ -274,7 +264,6 @@ def _untied_in_state(tree, other, path):
         "would step that array twice. Tie them in the state too (state[...] = state[...] at the "
         "second place) or run setup again for the changed model; nothing was changed"
     )
-
 
 
 def _check_copy(tree, entry, x, path):
@@ -295,7 +284,6 @@ def _check_copy(tree, entry, x, path):
             "other. Run setup again for the changed model (or give both places one array); "
             "nothing was changed"
         )
-
 
 
 def _check_no_new_params(node, children, snode, path, at_setup):

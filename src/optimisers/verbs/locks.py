@@ -1,5 +1,4 @@
-"""One update at a time per State: a lock per State object, held weakly.
-"""
+"""One update at a time per State: a lock per State object, held weakly."""
 
 from __future__ import annotations
 
@@ -15,7 +14,6 @@ _LOCKS: dict[int, tuple] = {}  # id(State) -> (weak reference to it, its RLock)
 
 _LOCKS: dict[int, tuple] = {}  # id(State) -> (weak reference to it, its RLock)
 _LOCKS_MADE = threading.Lock()
-
 
 
 def lock(state: State):

@@ -1,5 +1,4 @@
-"""`setup`: one Leaf per distinct trainable array, shared by every place of a tied array.
-"""
+"""`setup`: one Leaf per distinct trainable array, shared by every place of a tied array."""
 
 from __future__ import annotations
 
@@ -42,7 +41,6 @@ def rule_chooser(rule):
     raise TypeError(
         f"setup expects an optimisers.Rule (e.g. Adam()) or a function (path, x) -> Rule, got {rule!r}"
     )
-
 
 
 def setup(rule, model) -> State:
@@ -90,7 +88,6 @@ def setup(rule, model) -> State:
     if arrays and jax is not None:
         jax.plan_flatten(state, arrays[0][1])
     return state
-
 
 
 def _check_overlaps(arrays):

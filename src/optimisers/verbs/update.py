@@ -38,7 +38,6 @@ def _check_args(state, grads, name):
         )
 
 
-
 @eager_under_compile
 def update(state: State, model, *grads):
     """One optimisation step, pure: returns `(new_state, new_model)` and leaves the caller's state,
@@ -46,7 +45,6 @@ def update(state: State, model, *grads):
     _check_args(state, grads, "update")
     with lock(state):
         return _update(state, model, grads)
-
 
 
 def _update(state: State, model, grads: tuple):
@@ -64,7 +62,6 @@ def _update(state: State, model, grads: tuple):
     return _next_state(state, results), rebuild(state.tree, model, place)
 
 
-
 def _next_state(state: State, results: dict) -> State:
     """A new State after a pure step: each Leaf's new state where `results` has one, else its
     own, never sharing the update engine's buffers with `state`."""
@@ -76,7 +73,6 @@ def _next_state(state: State, results: dict) -> State:
     return State(map_leaves(leaf_of, state.tree), state._keys)
 
 
-
 def stepped(state: State, model, grads: tuple, name: str):
     """The pure part of `update`: the new State and each moving Leaf's `(new_state, step)`,
     keyed by `id(leaf)` of the old State's Leafs (`optimisers.optax` turns the steps into updates)."""
@@ -84,7 +80,6 @@ def stepped(state: State, model, grads: tuple, name: str):
     found = gather(state.tree, model, grads[0], state._keys)
     results = compute(found, state.tree)
     return _next_state(state, results), results
-
 
 
 @eager_under_compile
@@ -95,7 +90,6 @@ def update_(state: State, model, *grads):
     _check_args(state, grads, "update_")
     with lock(state):
         return _update_(state, model, grads)
-
 
 
 def _update_(state: State, model, grads: tuple):
@@ -136,7 +130,6 @@ def _update_(state: State, model, grads: tuple):
         return new
 
     return state, rebuild(state.tree, model, place)
-
 
 
 def rebuild(tree, model, place):
