@@ -18,7 +18,7 @@ from optimisers import (
 from optimisers.checkpoints.files import load, save
 from optimisers.checkpoints.state_dict import CheckpointError, load_state_dict, state_dict
 from optimisers.core import dispatch as _dispatch
-from optimisers.core.rule import Rule
+from optimisers.core.rule import NewValue, Rule, check_range, has_schedules
 from optimisers.core.state import Leaf, State
 from optimisers.core.tree import register
 from optimisers.rules import *  # noqa: F403  (every built-in rule, by name)
@@ -40,7 +40,10 @@ __all__ = [
     "state_dict",
     *rules.__all__,
     "Leaf",
+    "NewValue",
     "Rule",
+    "check_range",
+    "has_schedules",
     "ops",
     "State",
     "adjust",

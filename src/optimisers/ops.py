@@ -22,6 +22,7 @@ from __future__ import annotations
 import numpy as np
 
 from optimisers.core.dispatch import backend
+from optimisers.core.rule import concrete
 
 __all__ = [
     "abs",
@@ -31,6 +32,7 @@ __all__ = [
     "backend",
     "cast",
     "clip",
+    "concrete",
     "cond",
     "copy",
     "epsilon",

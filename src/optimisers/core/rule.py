@@ -33,7 +33,7 @@ class Scheduled(NamedTuple):
     state: Any
 
 
-def _concrete(value):
+def concrete(value):
     """A float for a concrete number, None for a traced or otherwise opaque value."""
     try:
         return float(value)
@@ -89,7 +89,7 @@ def _check_finite(rule, name: str, value) -> None:
     """NaN is never a hyperparameter, and inf only where the rule says so; traced values pass."""
     values = value if isinstance(value, tuple) else (value,)
     for i, v in enumerate(values):
-        c = _concrete(v) if not isinstance(v, (bool, str)) else None
+        c = concrete(v) if not isinstance(v, (bool, str)) else None
         if c is None or math.isfinite(c):
             continue
         if math.isinf(c) and name in rule.infinite_ok:
@@ -149,7 +149,7 @@ class Rule:
                 object.__setattr__(self, f.name, checked)
             if isinstance(default, (float, tuple)) and not isinstance(default, bool):
                 _check_finite(self, f.name, checked)
-        eta = _concrete(getattr(self, "eta", 0.0))
+        eta = concrete(getattr(self, "eta", 0.0))
         if eta is not None and eta < 0:
             raise ValueError(f"{name}: the learning rate eta cannot be negative, got {eta}")
         self.validate()
@@ -400,7 +400,7 @@ def check_range(rule: Rule, name: str, low: float, high: float, *, high_open: bo
     """Raise ValueError unless `low <= rule.name <= high` (or `< high`); traced values pass."""
     values = getattr(rule, name)
     for i, value in enumerate(values if isinstance(values, tuple) else (values,)):
-        v = _concrete(value)
+        v = concrete(value)
         if v is None:
             continue
         label = f"{name}[{i}]" if isinstance(values, tuple) else name

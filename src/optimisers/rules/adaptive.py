@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from optimisers import ops
-from optimisers.core.rule import Rule, _concrete, check_range
+from optimisers.core.rule import Rule, concrete, check_range
 from optimisers.rules.common import cast, nonnegative, real_only
 
 __all__ = ["RMSProp", "Rprop", "AdaGrad", "AdaDelta"]
@@ -92,12 +92,12 @@ class Rprop(Rule):
     infinite_ok: ClassVar[tuple[str, ...]] = ("gamma",)  # no bound on the step size
 
     def validate(self):
-        shrink, grow = (_concrete(v) for v in self.ell)
+        shrink, grow = (concrete(v) for v in self.ell)
         if shrink is not None and not 0 < shrink <= 1:
             raise ValueError(f"Rprop: ell[0] (the shrink factor) must be in (0, 1], got {shrink}")
         if grow is not None and not grow >= 1:
             raise ValueError(f"Rprop: ell[1] (the growth factor) must be >= 1, got {grow}")
-        low, high = (_concrete(v) for v in self.gamma)
+        low, high = (concrete(v) for v in self.gamma)
         if low is not None and not low >= 0:
             raise ValueError(f"Rprop: gamma[0] (the smallest step) must be >= 0, got {low}")
         if low is not None and high is not None and not low <= high:

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from optimisers import ops
-from optimisers.core.rule import NewValue, Rule, _concrete, has_schedules
+from optimisers.core.rule import NewValue, Rule, concrete, has_schedules
 from optimisers.core.state import flatten_state, unflatten_state
 from optimisers.rules.common import real_only
 
@@ -146,7 +146,7 @@ class AccumGrad(Rule):
         n = self.n
         if isinstance(n, bool) or not (isinstance(n, numbers.Integral) or getattr(n, "shape", None) == ()):
             raise TypeError(f"AccumGrad: n must be a positive integer, got {n!r}")
-        value = _concrete(n)
+        value = concrete(n)
         if value is not None and not (value >= 1 and value == int(value)):
             raise ValueError(f"AccumGrad: n must be a positive integer, got {n!r}")
 

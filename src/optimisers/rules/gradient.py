@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from optimisers import ops
-from optimisers.core.rule import Rule, _concrete
+from optimisers.core.rule import Rule, concrete
 from optimisers.rules.common import nonnegative, real_only
 
 __all__ = ["WeightDecay", "SignDecay", "ClipGrad", "ClipNorm"]
@@ -117,10 +117,10 @@ class ClipNorm(Rule):
     throw: bool = field(default=True, kw_only=True)
 
     def validate(self):
-        omega = _concrete(self.omega)
+        omega = concrete(self.omega)
         if omega is not None and not omega > 0:
             raise ValueError(f"ClipNorm: omega (the largest norm) must be positive, got {omega}")
-        p = _concrete(self.p)
+        p = concrete(self.p)
         if p is not None and math.isnan(p):
             raise ValueError("ClipNorm: p must be a number, got nan")
 
