@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from optimisers import ops
-from optimisers.core.rule import Rule, concrete, check_range
+from optimisers.core.rule import Rule, check_range, concrete
 from optimisers.rules.common import cast, nonnegative, real_only
 
 __all__ = ["RMSProp", "Rprop", "AdaGrad", "AdaDelta"]
