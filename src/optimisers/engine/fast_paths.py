@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from optimisers.core.rule import concrete
 from optimisers.rules.adam import Adam, AdamW
 
 
@@ -30,11 +31,14 @@ def _adam_args(rule) -> AdamArgs | None:
     if type(rule) is Adam:
         decay, decoupled = 0.0, False
     elif type(rule) is AdamW and rule.couple:
-        decay, decoupled = float(rule.lambd), True
+        decay, decoupled = rule.lambd, True
     else:
         return None
-    beta1, beta2 = (float(b) for b in rule.beta)
-    return AdamArgs(float(rule.eta), beta1, beta2, float(rule.epsilon), decay, decoupled)
+    values = [concrete(v) for v in (rule.eta, *rule.beta, rule.epsilon, decay)]
+    if None in values:
+        return None  # a schedule or a traced value: the rule's own apply evaluates it
+    eta, beta1, beta2, epsilon, decay = values
+    return AdamArgs(eta, beta1, beta2, epsilon, decay, decoupled)
 
 
 _ARGUMENTS = {"adam": _adam_args}  # kernel name -> (rule -> the kernel's arguments, or None)

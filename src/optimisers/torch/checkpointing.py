@@ -1,0 +1,184 @@
+"""`Optimizer.state_dict` / `load_state_dict`: the library's checkpoint format
+(`optimisers.state_dict`), keyed by parameter position as torch.optim does, and `state[p]`
+entries read and written in the same format."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from optimisers.checkpoints.state_dict import FORMAT, FORMAT_KEY, CheckpointError
+from optimisers.checkpoints.state_dict import _encode as encode_rule
+from optimisers.checkpoints.state_dict import load_state_dict as library_load_state_dict
+from optimisers.checkpoints.state_dict import state_dict as library_state_dict
+from optimisers.core.rule import Rule
+from optimisers.core.state import Leaf, State
+from optimisers.core.tree import format_path
+from optimisers.torch.hyperparameters import group_entries
+from optimisers.torch.lazy_state import set_state
+
+_ROOT = format_path(())  # how the library's state_dict names a lone Leaf's place
+
+
+def check_is_state_dict(state_dict, expected: str) -> None:
+    if not isinstance(state_dict, Mapping) or not {"state", "param_groups"} <= set(state_dict):
+        raise CheckpointError(f"expected {expected}, with 'state' and 'param_groups'")
+
+
+def _take_loaded(leaf: Leaf, new: Leaf) -> None:
+    """`leaf` takes the state and frozen flag of `new`, the Leaf a checkpoint was loaded into."""
+    set_state(leaf, new.state, owned=new._owns)  # converted copies: the engine may keep them
+    leaf.frozen = new.frozen
+
+
+def _flattened(saved_state: Mapping) -> dict:
+    """`state_dict()["state"]` as one dict of the library's format, `"position/key"` entries."""
+    flat: dict = {FORMAT_KEY: FORMAT}
+    for position, entries in saved_state.items():
+        if not isinstance(entries, Mapping) or "rule" not in entries:
+            some = ", ".join(map(repr, list(entries)[:4])) if isinstance(entries, Mapping) else ""
+            raise CheckpointError(
+                f"parameter {position} has no 'rule' entry (it has {some or 'nothing'}); "
+                "is this a torch.optim optimizer's state dict? It loads into the class of "
+                "optimisers.torch with torch.optim's name (optimisers.torch.AdamW, ...), not "
+                "into Optimizer(params, rule)"
+            )
+        for key, value in entries.items():
+            flat[f"{position}/{key}"] = value
+    return flat
+
+
+class Checkpointing:
+    """The part of `Optimizer` that saves and restores its state (torch's hooks included)."""
+
+    # --- one parameter's entry (also what `state[p]` reads and writes) ----------------------------
+
+    def _entry(self, position: int, leaf) -> dict:
+        """Parameter `position`'s entry of `state_dict()["state"]`."""
+        prefix = _ROOT + "/"
+        return {k.removeprefix(prefix): v for k, v in library_state_dict(leaf).items() if k != FORMAT_KEY}
+
+    def _template(self, position: int):
+        """A Leaf with state shaped as `position`'s will be, for a checkpoint to load into."""
+        leaf = self._leaf_at[position]
+        if position in self._flat.tree:
+            return leaf
+        with torch.no_grad():
+            return leaf._successor(leaf.rule, leaf.rule.init(self._engine_view(self._model[position])))
+
+    def _load_entry(self, position: int, entry: Mapping) -> None:
+        flat = {FORMAT_KEY: FORMAT, **{f"{_ROOT}/{k}": v for k, v in entry.items()}}
+        try:
+            new = library_load_state_dict(self._template(position), flat, hyperparameters="state").tree
+        except CheckpointError as e:
+            raise CheckpointError(str(e).replace(_ROOT, f"parameter {position}")) from None
+        _take_loaded(self._leaf_at[position], new)
+        if position not in self._flat.tree:
+            self._ready([position])
+
+    # --- the whole optimizer ----------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """`{"state": {position: {...}}, "param_groups": [...]}` as torch.optim has it: parameters
+        numbered by their position in `param_groups`, each parameter that has state with its rule
+        (as text), frozen flag and state entries (`"state/0"`, ...) from `optimisers.state_dict`.
+        Holds the state's own tensors (not copies), as torch.optim does."""
+        for hook in self._optimizer_state_dict_pre_hooks.values():
+            hook(self)
+        state = {position: self._entry(position, leaf) for position, leaf in self._flat.tree.items()}
+        out = {"state": state, "param_groups": self._saved_groups()}
+        for hook in self._optimizer_state_dict_post_hooks.values():
+            result = hook(self, out)
+            if result is not None:
+                out = result
+        return out
+
+    def _saved_groups(self) -> list[dict]:
+        """`param_groups` as a checkpoint keeps them: tensors as positions, rules as text."""
+        groups, start = [], 0
+        for entries in self.param_groups:
+            saved = {
+                k: (encode_rule(v) if isinstance(v, Rule) else v) for k, v in entries.items() if k != "params"
+            }
+            saved["params"] = list(range(start, start + len(entries["params"])))
+            start += len(entries["params"])
+            groups.append(saved)
+        return groups
+
+    def load_state_dict(self, state_dict: Mapping) -> None:
+        """Restore what `state_dict()` gave, into an optimizer over the same parameters: checked
+        in full first (groups, sizes, rules, shapes, dtypes; a `CheckpointError` lists every
+        difference), then loaded; tensors take the dtype and device of this optimizer's state.
+        Parameters without state in the checkpoint have none after it, as in torch.optim."""
+        state_dict = self._run_load_pre_hooks(state_dict)
+        check_is_state_dict(state_dict, "the dict from Optimizer.state_dict()")
+        saved_groups = state_dict["param_groups"]
+        self._check_groups(saved_groups)
+        flat = _flattened(state_dict["state"])
+        positions = self._checkpoint_positions(state_dict["state"])
+        template = State({position: self._template(position) for position in sorted(positions)})
+        loaded = library_load_state_dict(template, flat)  # checks everything; changes nothing
+        new_groups = [self._restored_group(saved, now) for saved, now in zip(saved_groups, self.param_groups)]
+        self._forget([p for p in self._flat.tree if p not in loaded.tree])
+        for position, new in loaded.tree.items():
+            leaf = self._leaf_at[position]
+            leaf.rule = new.rule
+            _take_loaded(leaf, new)
+        self._ready([p for p in loaded.tree if p not in self._flat.tree])
+        ready = {id(leaf) for leaf in self._flat.tree.values()}
+        for g, entries in zip(self._groups, new_groups):
+            g.entries = entries
+            # the group's rule is the one its loaded Leafs got (they share it), else unchanged
+            loaded_rules = (leaf.rule for leaf in g.leaves if leaf is not None and id(leaf) in ready)
+            g.use_rule(next(loaded_rules, g.rule))
+            g.seen = group_entries(g.rule)
+        self.param_groups[:] = new_groups
+        self._changed()
+        self._run_load_post_hooks()
+
+    @staticmethod
+    def _restored_group(saved: Mapping, entries: Mapping) -> dict:
+        """A saved group's dict, with this optimizer's tensors, names and rule object."""
+        group = {k: v for k, v in saved.items() if k not in ("params", "rule")}
+        for k in ("params", "param_names", "rule"):
+            if k in entries:
+                group[k] = entries[k]
+        return group
+
+    # --- shared with the drop-in classes' torch.optim format ----------------------------------------
+
+    def _run_load_pre_hooks(self, state_dict):
+        for hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        return state_dict
+
+    def _run_load_post_hooks(self) -> None:
+        for hook in self._optimizer_load_state_dict_post_hooks.values():
+            hook(self)
+
+    def _check_groups(self, saved_groups) -> None:
+        if len(saved_groups) != len(self.param_groups):
+            raise CheckpointError(
+                f"the checkpoint has {len(saved_groups)} param groups, this optimizer "
+                f"{len(self.param_groups)}"
+            )
+        for i, (saved, entries) in enumerate(zip(saved_groups, self.param_groups)):
+            if len(saved["params"]) != len(entries["params"]):
+                raise CheckpointError(
+                    f"group {i} has {len(saved['params'])} parameters in the checkpoint, "
+                    f"{len(entries['params'])} here"
+                )
+
+    def _checkpoint_positions(self, state: Mapping) -> list[int]:
+        positions = []
+        for position in state:
+            if not isinstance(position, int) or position not in self._leaf_at:
+                raise CheckpointError(
+                    f"the checkpoint has state for parameter {position!r}, but this optimizer's "
+                    f"parameters are numbered 0 to {len(self._model) - 1}"
+                )
+            positions.append(position)
+        return positions

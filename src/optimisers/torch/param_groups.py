@@ -1,0 +1,241 @@
+"""Param groups: what the adapter keeps for each (`ParamGroup`), how one is built from a module or
+from torch.optim's group dict, and how changed entries of its dict reach its rule."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from optimisers.core.rule import Rule
+from optimisers.core.state import State
+from optimisers.core.tree import format_path
+from optimisers.torch.hyperparameters import (
+    ALIASES,
+    MISSING,
+    NOT_HYPERPARAMETERS,
+    adapter_entries,
+    adjusted_rule,
+    check_switches,
+    group_entries,
+    is_adapter_key,
+    same_value,
+)
+from optimisers.verbs.destructure import trainables
+from optimisers.verbs.setup import rule_chooser, setup
+
+
+@dataclasses.dataclass
+class ParamGroup:
+    """One param group as the adapter keeps it: its dict (`entries`, the object in
+    `param_groups`), its tensors and their Leafs (None for a tensor that can never be trained,
+    e.g. an integer one), its rule, and the entries last synced into the rule (`seen`)."""
+
+    entries: dict
+    params: list
+    leaves: list
+    rule: Any
+    seen: dict
+    has_complex: bool = False  # a drop-in class trains complex parameters as real views
+
+    def use_rule(self, rule) -> None:
+        """Make `rule` the group's: one rule object for all its Leafs."""
+        for leaf in self.leaves:
+            if leaf is not None:
+                leaf.rule = rule
+        self.rule = rule
+
+    def changed_entries(self, where: str) -> dict:
+        """The synced entries whose values changed since (by a scheduler or by hand)."""
+        changed = {}
+        for key, old in self.seen.items():
+            if key not in self.entries:
+                raise KeyError(f"{where} lost its {key!r} entry")
+            if not same_value(self.entries[key], old):
+                changed[key] = self.entries[key]
+        return changed
+
+    def unknown_keys(self) -> list[str]:
+        """Keys added to the dict since it was synced that set nothing the adapter knows."""
+        return [k for k in self.entries if not self._known(k)]
+
+    def _known(self, key: str) -> bool:
+        return key in self.seen or key in NOT_HYPERPARAMETERS or is_adapter_key(key)
+
+    def apply(self, changed: dict, rule) -> tuple:
+        """Adopt `rule`, made from the `changed` entries; returns what `restore` takes to undo it."""
+        aliases = {k: self.entries.get(k, MISSING) for pair in ALIASES.items() for k in pair}
+        undo = (self.rule, dict(self.seen), aliases)
+        self.use_rule(rule)
+        self.seen.update(changed)
+        for name, alias in ALIASES.items():  # keep torch's name and the library's equal
+            if name in self.seen and alias in self.seen and (name in changed or alias in changed):
+                value = changed.get(name, changed.get(alias))
+                self.entries[name] = self.entries[alias] = self.seen[name] = self.seen[alias] = value
+        return undo
+
+    def restore(self, undo: tuple) -> None:
+        """Undo `apply` (a step that failed leaves the group as it was)."""
+        rule, seen, aliases = undo
+        self.use_rule(rule)
+        self.seen = seen
+        for k, v in aliases.items():
+            if v is not MISSING:
+                self.entries[k] = v
+
+
+def check_distinct(groups: list[ParamGroup]) -> None:
+    where: dict[int, str] = {}
+    for i, g in enumerate(groups):
+        for j, p in enumerate(g.params):
+            here = f"group {i}, parameter {j}"
+            if id(p) in where:
+                raise ValueError(
+                    f"{here} is the same tensor as {where[id(p)]}; a parameter may appear once "
+                    "(a tied weight is one tensor: list it once)"
+                )
+            where[id(p)] = here
+
+
+def check_rule(rule, where: str) -> None:
+    if isinstance(rule, type) and issubclass(rule, Rule):
+        raise TypeError(f"{where}: pass a rule instance, e.g. {rule.__name__}(), not the class")
+    if not isinstance(rule, Rule):
+        raise TypeError(f"{where}: expected an optimisers.Rule such as optimisers.AdamW(1e-3), got {rule!r}")
+
+
+def check_group_dict(group, where: str) -> None:
+    if not isinstance(group, Mapping):
+        raise TypeError(f"{where}: expected a dict with a 'params' entry, got a {type(group).__name__}")
+    if "params" not in group:
+        raise ValueError(f"{where}: has no 'params' entry")
+
+
+def group_tensors(raw, where: str) -> tuple[list, list | None]:
+    """The tensors of a group's "params" (and their names, if given as (name, tensor) pairs)."""
+    if isinstance(raw, torch.Tensor):
+        raw = [raw]
+    elif isinstance(raw, nn.Module):
+        raise TypeError(f"{where}: a module must be passed as the optimizer's params itself, not in a group")
+    elif isinstance(raw, (set, frozenset)):
+        raise TypeError(f"{where}: params must be an ordered collection (a list), not a set")
+    params, names = [], []
+    for item in raw:
+        if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str):
+            names.append(item[0])
+            item = item[1]
+        if not isinstance(item, torch.Tensor):
+            raise TypeError(f"{where}: can only optimise tensors, got a {type(item).__name__}")
+        if not (item.is_leaf or item.retains_grad):
+            raise ValueError(f"{where}: cannot optimise a non-leaf tensor (one computed from others)")
+        params.append(item)
+    if names and len(names) != len(params):
+        raise ValueError(f"{where}: give every parameter a name, or none")
+    if not params:
+        raise ValueError(f"{where}: its params are empty")
+    return params, (names or None)
+
+
+# --- Leafs whose state is made at the first gradient ----------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Deferred(Rule):
+    """Stands in for a parameter's rule while `setup` walks the model: no state yet. Like
+    torch.optim, the adapter makes a parameter's state at its first gradient, so a frozen
+    backbone or a parameter that never gets a gradient costs no memory."""
+
+    rule: Any = None
+
+    def init(self, x):
+        return None
+
+
+def _setup_without_state(rule, model) -> State:
+    """`optimisers.setup` (paths, ties, rule functions, the check for tensors that overlap in
+    memory) with each Leaf's rule chosen but its state not made."""
+    choose = rule_chooser(rule)
+    state = setup(lambda path, x: _Deferred(choose(path, x)), model)
+    for leaf in state.leaves():
+        leaf.rule = leaf.rule.rule
+    return state
+
+
+def setup_leaves(rule, params) -> list:
+    """One Leaf per tensor, state not made yet. A frozen parameter is set up through a detached
+    view: it may be unfrozen later."""
+    model = [p.detach() if isinstance(p, nn.Parameter) and not p.requires_grad else p for p in params]
+    tree = _setup_without_state(rule, model).tree
+    return [tree.get(i) if isinstance(tree, dict) else None for i in range(len(params))]
+
+
+# --- groups from a module or from group dicts -------------------------------------------------------
+
+
+def groups_of_module(module, rule, overrides: dict) -> tuple[list[ParamGroup], State]:
+    """Groups for a module: `setup` makes the Leafs (ties, paths, rule functions); parameters
+    whose rules are equal form one group, which then shares one rule object."""
+    state = _setup_without_state(rule, module)
+    groups: list[ParamGroup] = []
+    for path, p in trainables(module, path=True):
+        leaf = state.tree
+        for k in path:
+            leaf = leaf[k]
+        g = _group_with_rule(groups, leaf.rule)
+        g.params.append(p)
+        g.leaves.append(leaf)
+        g.entries.setdefault("param_names", []).append(format_path(path))
+    if not groups:
+        raise ValueError("the module has no trainable parameters (requires_grad=True)")
+    for i, g in enumerate(groups):
+        g.use_rule(adjusted_rule(g.rule, overrides, f"group {i}") if overrides else g.rule)
+        g.seen = group_entries(g.rule)
+        names = g.entries.pop("param_names")
+        g.entries = {"params": g.params, **g.seen, **adapter_entries(overrides), "param_names": names}
+    return groups, state
+
+
+def _group_with_rule(groups: list[ParamGroup], rule) -> ParamGroup:
+    """The group whose rule equals `rule`, a new one (appended) if none does."""
+    for g in groups:
+        try:
+            equal = g.rule == rule
+        except Exception:  # tensors as hyperparameters: no value comparison
+            equal = g.rule is rule
+        if equal:
+            return g
+    g = ParamGroup({}, [], [], copy.copy(rule), {})
+    groups.append(g)
+    return g
+
+
+def group_of_dict(group: Mapping, base, overrides: dict, where: str) -> ParamGroup:
+    """A group from torch.optim's group dict: its "rule" (else `base`) adjusted by its entries
+    and the optimizer's keyword arguments `overrides`."""
+    check_group_dict(group, where)
+    rule = group.get("rule", base)
+    if rule is None:
+        raise TypeError(
+            f"{where}: no rule; pass one, e.g. optimisers.torch.Optimizer(params, optimisers.AdamW(1e-3)), "
+            "or use the class with torch.optim's signature, e.g. optimisers.torch.AdamW(params, lr=1e-3)"
+        )
+    check_rule(rule, f"{where}: 'rule'" if "rule" in group else where)
+    params, names = group_tensors(group["params"], where)
+    carried = adapter_entries({**overrides, **group})
+    check_switches(carried, where)
+    keys = {k: v for k, v in group.items() if k not in NOT_HYPERPARAMETERS and k not in carried}
+    if "eta" in keys:  # the library's own name for the learning rate: stored as "lr"
+        if "lr" in keys and not same_value(keys["lr"], keys["eta"]):
+            raise ValueError(f"{where}: 'lr' and 'eta' give different learning rates")
+        keys["lr"] = keys.pop("eta")
+    rule = adjusted_rule(rule, {k: v for k, v in {**overrides, **keys}.items() if k not in carried}, where)
+    rule = copy.copy(rule)  # one rule object per group: adjusting one group leaves the others alone
+    seen = group_entries(rule)
+    entries = {"params": params, **seen, **carried}
+    if names is not None:
+        entries["param_names"] = names
+    return ParamGroup(entries, params, setup_leaves(rule, params), rule, seen)

@@ -1,0 +1,189 @@
+"""torch.optim's state format for the drop-in classes: `state[p]` with torch's keys ("exp_avg",
+"step", ...), and `load_state_dict` of a dict written by torch.optim's class of the same name (or
+by the drop-in class), hyperparameters included."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from optimisers.checkpoints.state_dict import CheckpointError
+from optimisers.torch.checkpointing import check_is_state_dict
+from optimisers.torch.hyperparameters import SCHEDULER_KEYS
+from optimisers.torch.lazy_state import set_state
+from optimisers.torch.param_groups import ParamGroup
+
+# names in a drop-in class's `_layout`, beside torch's names of state tensors:
+STEP = "step"  # the step count, which torch keeps as a float32 scalar tensor
+NOT_SHOWN = ""  # SGD's momentum: the state counts steps only to know the first one; torch shows none
+SCALAR_STATE = ("mu_product",)  # float state kept as a float32 scalar tensor by torch
+
+
+class _Misfit(Exception):
+    """A part of a checkpoint that does not fit; its message is one of the problems reported."""
+
+
+def _decoded_part(name: str, value, p: torch.Tensor, where: str):
+    """The rule's state part `name` from torch's `value`, for parameter `p`."""
+    if name == STEP or name in SCALAR_STATE:
+        number = float(value) if isinstance(value, (torch.Tensor, int, float)) else math.nan
+        if not math.isfinite(number) or (name == STEP and number < 0):
+            raise _Misfit(f"{where}: {name!r} must be a finite number, got {value!r}")
+        return int(round(number)) if name == STEP else number
+    if not isinstance(value, torch.Tensor) or value.shape != p.shape:
+        got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+        raise _Misfit(f"{where}: {name!r} has shape {got}, the parameter {tuple(p.shape)}")
+    if value.is_complex() != p.is_complex():
+        raise _Misfit(f"{where}: {name!r} is {value.dtype}, the parameter {p.dtype}")
+    value = value.detach().to(dtype=p.dtype, device=p.device, copy=True)
+    return torch.view_as_real(value) if value.is_complex() else value  # complex trained as real
+
+
+def _listed(missing: list, extra: list) -> str:
+    found = []
+    if missing:
+        found.append(f"missing {', '.join(map(repr, missing))}")
+    if extra:
+        found.append(f"unexpected {', '.join(map(repr, extra))}")
+    return "; ".join(found)
+
+
+class TorchStateFormat:
+    """The part of a drop-in class that reads and writes torch.optim's state format. It uses the
+    class's `_layout(h)` (torch's name of each part of the rule's state), `_built(h, where)` (the
+    rule) and `_is_group_key(key)`."""
+
+    def _group_of(self, position: int) -> ParamGroup:
+        start = 0
+        for g in self._groups:
+            if position < start + len(g.params):
+                return g
+            start += len(g.params)
+        raise KeyError(position)
+
+    def _entry(self, position: int, leaf) -> dict:
+        """`state[p]` with torch's keys: the rule's state arrays (complex again for a complex
+        parameter) and "step" as torch keeps it."""
+        parts = leaf.state if isinstance(leaf.state, tuple) else ()
+        complex_ = self._model[position].is_complex()
+        out: dict = {}
+        for name, part in zip(self._layout(self._group_of(position).seen), parts):
+            if name == NOT_SHOWN:
+                continue
+            if name == STEP or name in SCALAR_STATE:
+                out[name] = torch.tensor(float(part), dtype=torch.float32)
+            else:
+                out[name] = torch.view_as_complex(part) if complex_ else part
+        return out
+
+    def _decode(self, position: int, h: dict, entry, problems: list) -> Any:
+        """The rule's state for parameter `position` from torch's `entry` (under group
+        hyperparameters `h`); what does not fit goes to `problems`."""
+        p = self._model[position]
+        layout = self._layout(h)
+        where = f"parameter {position}"
+        try:
+            self._check_entry_keys(entry, layout, where)
+            # the step count torch does not show (SGD's): a saved buffer means a step was taken
+            parts = [
+                1 if name == NOT_SHOWN else _decoded_part(name, entry[name], p, where) for name in layout
+            ]
+        except _Misfit as e:
+            problems.append(str(e))
+            return None
+        return tuple(parts) if parts else None
+
+    def _check_entry_keys(self, entry, layout: tuple, where: str) -> None:
+        if not isinstance(entry, Mapping):
+            raise _Misfit(f"{where}: expected a dict of state, got a {type(entry).__name__}")
+        expected = {name for name in layout if name != NOT_SHOWN}
+        if set(entry) != expected:
+            detail = _listed(sorted(expected - set(entry)), sorted(set(entry) - expected))
+            raise _Misfit(
+                f"{where}: torch.optim.{type(self).__name__} with these settings keeps "
+                f"{', '.join(map(repr, sorted(expected))) or 'no state'}; the checkpoint has "
+                f"{detail} (was it written by another optimizer class, or other settings such as "
+                "amsgrad, momentum or centered?)"
+            )
+
+    def _load_entry(self, position: int, entry: Mapping) -> None:
+        problems: list[str] = []
+        state = self._decode(position, self._group_of(position).seen, entry, problems)
+        if problems:
+            raise CheckpointError("; ".join(problems))
+        set_state(self._leaf_at[position], state, owned=True)  # decoded copies: the engine keeps them
+        if position not in self._flat.tree:
+            self._ready([position])
+        else:
+            self._changed()
+
+    def load_state_dict(self, state_dict: Mapping) -> None:
+        """Restore a state dict written by this class or by the torch.optim class of the same
+        name: checked in full first (a `CheckpointError` lists every mismatch: groups, keys,
+        shapes), then loaded, hyperparameters included, as torch.optim does. A run resumed from
+        it continues as the saved one would have."""
+        state_dict = self._run_load_pre_hooks(state_dict)
+        check_is_state_dict(state_dict, "an optimizer state dict")
+        saved_groups = state_dict["param_groups"]
+        self._check_groups(saved_groups)
+        problems: list[str] = []
+        hypers, rules = self._saved_hyperparameters(saved_groups, problems)
+        states = self._saved_states(state_dict["state"], hypers, problems)
+        if problems:
+            raise CheckpointError("the checkpoint does not fit this optimizer:\n  " + "\n  ".join(problems))
+        # everything checked: load
+        self._forget([p for p in self._flat.tree if p not in states])
+        new_groups = [
+            self._adopt_saved_group(saved, g, h, rule)
+            for saved, g, h, rule in zip(saved_groups, self._groups, hypers, rules)
+        ]
+        for position, state in states.items():
+            set_state(self._leaf_at[position], state, owned=True)  # decoded copies: the engine keeps them
+        self._ready([p for p in states if p not in self._flat.tree])
+        self.param_groups[:] = new_groups
+        self._changed()
+        self._run_load_post_hooks()
+
+    def _saved_hyperparameters(self, saved_groups, problems: list) -> tuple[list, list]:
+        """Each saved group's hyperparameters and the rule they make (None where they do not fit)."""
+        hypers, rules = [], []
+        for i, (saved, g) in enumerate(zip(saved_groups, self._groups)):
+            unknown = [k for k in saved if not self._is_group_key(k)]
+            if unknown:
+                problems.append(
+                    f"group {i}: the checkpoint has {', '.join(map(repr, unknown))}, which "
+                    f"torch.optim.{type(self).__name__} does not take (another optimizer class?)"
+                )
+                hypers.append(None)
+                rules.append(None)
+                continue
+            h = {k: saved.get(k, v) for k, v in g.seen.items()}
+            try:
+                rules.append(self._built(h, f"group {i} of the checkpoint"))
+            except (TypeError, ValueError) as e:
+                problems.append(str(e))
+                rules.append(None)
+            hypers.append(h)
+        return hypers, rules
+
+    def _saved_states(self, saved_state: Mapping, hypers: list, problems: list) -> dict:
+        """Each saved parameter's state, decoded under its saved group's hyperparameters."""
+        states = {}
+        for position in self._checkpoint_positions(saved_state):
+            h = hypers[self._groups.index(self._group_of(position))]
+            if h is not None:
+                states[position] = self._decode(position, h, saved_state[position], problems)
+        return states
+
+    @staticmethod
+    def _adopt_saved_group(saved: Mapping, g: ParamGroup, h: dict, rule) -> dict:
+        """Group `g` takes the saved hyperparameters `h` and their `rule`; returns its new dict."""
+        entries = {"params": g.params, **h, **{k: v for k, v in saved.items() if k in SCHEDULER_KEYS}}
+        if "param_names" in g.entries:
+            entries["param_names"] = g.entries["param_names"]
+        g.entries, g.seen = entries, dict(h)
+        g.use_rule(rule)
+        return entries
