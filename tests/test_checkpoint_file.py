@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import optimisers as opt
+from optimisers.core.state import leaf_paths
 from test_checkpoint import assert_same_snapshot, assert_states_equal, copy_model, snapshot, trained
 
 safetensors_numpy = pytest.importorskip("safetensors.numpy")
@@ -244,8 +245,8 @@ def test_crafted_json_with_a_valid_checksum_gives_checkpoint_error_or_loads(tmp_
         return
     # an edit that changed nothing the loader reads (or one it may accept, such as a rule's
     # hyperparameter): the result is a well-formed state of the same model
-    assert [p for p, _ in opt._state.leaf_paths(loaded.tree)] == [
-        p for p, _ in opt._state.leaf_paths(fresh.tree)
+    assert [p for p, _ in leaf_paths(loaded.tree)] == [
+        p for p, _ in leaf_paths(fresh.tree)
     ]
 
 

@@ -35,6 +35,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from optimisers import schedules
+from optimisers.core import dispatch
 from optimisers.core.rule import Rule, _held_like
 from optimisers.core.state import Leaf, State, describe, map_leaves
 from optimisers.core.tree import format_path
@@ -106,8 +107,9 @@ def _unheld(x):
 
 
 def _is_array(x) -> bool:
-    root = type(x).__module__.partition(".")[0]
-    return root in ("numpy", "torch", "jax", "jaxlib") and hasattr(x, "shape") and hasattr(x, "dtype")
+    """An array (or NumPy scalar) of a library with a backend."""
+    library = dispatch.library_of(type(x))
+    return dispatch.is_array_library(library) and hasattr(x, "shape") and hasattr(x, "dtype")
 
 
 def _state_items(value, key: str, out: list) -> list:
@@ -147,11 +149,8 @@ def _rebuild_state(value, key: str, new: dict):
 
 
 def _check_concrete(value, key):
-    if "jax" in sys.modules:
-        import jax
-
-        if isinstance(value, jax.core.Tracer):
-            raise TypeError(f"{key}: state_dict needs concrete arrays; call it outside jax.jit")
+    if _is_array(value) and dispatch.backend(value).is_traced(value):
+        raise TypeError(f"{key}: state_dict needs concrete arrays; call it outside jax.jit")
 
 
 # --- rules as text -------------------------------------------------------------------------------
@@ -211,11 +210,8 @@ def _number(x):
     if isinstance(x, (bool, int, float)):
         return x
     if isinstance(x, np.generic) or (_is_array(x) and tuple(x.shape) == ()):
-        if "jax" in sys.modules:
-            import jax
-
-            if isinstance(x, jax.core.Tracer):
-                return None
+        if dispatch.backend(x).is_traced(x):
+            return None
         v = x.item()
         return v if isinstance(v, (bool, int, float)) else None
     return None
@@ -469,25 +465,18 @@ def _counter_max(like) -> int:
         return np.iinfo(np.int64).max
 
 
-def _to_numpy(value, dtype: str | None = None) -> np.ndarray:
-    """A host NumPy array (a copy) of any backend's array; `dtype` names the dtype wanted when
-    the array's own has no NumPy equivalent."""
+def _host(value) -> np.ndarray:
+    """A NumPy array on the host (a copy) of a checkpoint's value: an array of any backend, a
+    number, or the bits of a dtype NumPy lacks read from a file."""
     if isinstance(value, _RawBits):
+        # ml_dtypes is how NumPy holds bfloat16, float8... (JAX's own arrays come back as its
+        # dtypes): a NumPy matter, so it stays here rather than in a backend
         import ml_dtypes
 
         return value.bits.view(getattr(ml_dtypes, value.dtype)).copy()
-    root = type(value).__module__.partition(".")[0]
-    if root == "torch":
-        t = value.detach().cpu()
-        try:
-            return t.numpy().copy()
-        except TypeError:  # bfloat16, float8: exact through float32
-            import ml_dtypes
-            import torch
-
-            target = getattr(ml_dtypes, dtype or str(t.dtype).removeprefix("torch."))
-            return t.to(torch.float32).numpy().astype(target)
-    return np.array(value, copy=True)
+    if _is_array(value):
+        return dispatch.backend(value).to_host(value)
+    return np.array(value)
 
 
 def _convert(value, like):
@@ -498,45 +487,12 @@ def _convert(value, like):
         return like.copy(_convert(value, like.get_value()))
     if isinstance(like, (bool, int, float, complex)):
         if isinstance(value, _RawBits):
-            value = _to_numpy(value)
+            value = _host(value)
         return type(like)(value.item() if hasattr(value, "item") else value)
-    root = type(like).__module__.partition(".")[0]
-    if isinstance(like, np.generic):
-        return like.dtype.type(_to_numpy(value, _value_dtype(like))[()])
-    if root == "numpy":
-        out = np.empty_like(like)
-        np.copyto(out, _to_numpy(value, _value_dtype(like)), casting="unsafe")
-        return out
-    if root == "torch":
-        import torch
-
-        if isinstance(value, torch.Tensor):
-            source = value.detach()
-        elif isinstance(value, _RawBits):
-            bits = value.bits.view(f"i{value.bits.dtype.itemsize}").copy()
-            source = torch.from_numpy(bits).view(getattr(torch, value.dtype))
-        elif _is_array(value):
-            source = torch.from_numpy(_to_numpy(value))
-        else:
-            source = torch.tensor(value)
-        with torch.no_grad():
-            out = torch.empty_like(like, requires_grad=False)
-            out.copy_(source)
-        return out
-    import jax
-
-    if getattr(like, "weak_type", False) and tuple(like.shape) == ():
-        n = _to_numpy(value, _value_dtype(like)) if not isinstance(value, (int, float, bool)) else value
-        n = n.item() if hasattr(n, "item") else n
-        out = jax.device_put(n, like.sharding)
-        return out if out.dtype == like.dtype else out.astype(like.dtype)
-    host = (
-        np.asarray(value)
-        if isinstance(value, (bool, int, float, complex))
-        else _to_numpy(value, _value_dtype(like))
-    )
-    host = host.astype(like.dtype, copy=False)
-    return jax.device_put(host, like.sharding)
+    backend = dispatch.backend(like)
+    if not (_is_array(value) and dispatch.backend(value) is backend):
+        value = _host(value)  # from another backend or a file: through the host
+    return backend.from_host(value, like)
 
 
 def _convert_shared(value, like, shared: dict):
@@ -547,7 +503,8 @@ def _convert_shared(value, like, shared: dict):
     Variables only: optax steps them by making new ones, where an in-place step would advance a
     shared NumPy or torch counter once per Leaf."""
     held = _unheld(like)
-    functional = _is_variable(like) or type(held).__module__.startswith(("jax", "jaxlib"))
+    # the backends whose update shares one counter among Leafs (JAX's) are those of new arrays
+    functional = _is_variable(like) or (_is_array(held) and dispatch.backend(held).SHARE_SCALAR_STATE)
     n = _number(value) if functional and tuple(getattr(held, "shape", (0,))) == () else None
     if n is None:
         return _convert(value, like)
