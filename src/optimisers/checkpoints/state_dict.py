@@ -611,6 +611,29 @@ def load_state_dict(state, d: Mapping, *, hyperparameters: str = "checkpoint") -
     differ). The kind of rule (its class, nested rules, and non-numeric settings) must match in
     every case.
     """
+    tree = _checked_call(state, d, hyperparameters)
+    ours, leaf_at = _our_places(tree)
+    stored = {k[: -len("/rule")] for k in d if isinstance(k, str) and k.endswith("/rule")}
+    problems: list[str] = []
+    theirs = _their_places(d, stored, problems)
+    problems += _place_problems(ours, theirs)
+    state_keys = _state_keys_by_owner(d, stored)
+    planner = _Planner(d, hyperparameters, state_keys)
+    plans = {name: planner.plan(name, leaf) for name, leaf in leaf_at.items() if theirs.get(name) == name}
+    problems += planner.problems
+    explained = _explained_keys(theirs, stored, state_keys)
+    unknown = [str(k) for k in d if k not in explained]
+    if unknown:
+        problems.append(f"entries this format does not have: {_listing(unknown)}")
+    problems += planner.hyper_problems
+    if problems:
+        _raise_mismatch(problems)
+    return _build(state, tree, leaf_at, plans, planner.restored, hyperparameters)
+
+
+def _checked_call(state, d, hyperparameters: str):
+    """The tree of `state`, once the arguments are what `load_state_dict` takes and `d` is a state
+    dict of this format."""
     if hyperparameters not in _HYPER_MODES:
         raise ValueError(
             f"hyperparameters must be one of {', '.join(map(repr, _HYPER_MODES))}, got {hyperparameters!r}"
@@ -627,18 +650,25 @@ def load_state_dict(state, d: Mapping, *, hyperparameters: str = "checkpoint") -
     fmt = _text(d[FORMAT_KEY], FORMAT_KEY)
     if fmt != FORMAT:
         raise CheckpointError(f"unknown checkpoint format {fmt!r}; this version reads {FORMAT!r}")
+    return tree
 
-    problems: list[str] = []
-    places = _places(tree)
-    # where each place's state lives, in this state and in the checkpoint
+
+def _our_places(tree) -> tuple[dict[str, str], dict[str, Leaf]]:
+    """Where each place's state lives in this state (`{path: path that stores it}`), and the Leaf
+    stored at each such path."""
     ours: dict[str, str] = {}
     first: dict[int, str] = {}
     leaf_at: dict[str, Leaf] = {}
-    for name, leaf in places:
+    for name, leaf in _places(tree):
         ours[name] = first.setdefault(id(leaf), name)
         leaf_at.setdefault(ours[name], leaf)
+    return ours, leaf_at
+
+
+def _their_places(d: Mapping, stored: set, problems: list) -> dict[str, str]:
+    """Where each place's state lives in the checkpoint (`{path: path that stores it}`); ties to
+    nowhere, or of a stored path, go to `problems`."""
     theirs: dict[str, str] = {}
-    stored = {k[: -len("/rule")] for k in d if isinstance(k, str) and k.endswith("/rule")}
     for key in d:  # in the checkpoint's order, so that messages list paths depth first
         if not isinstance(key, str):
             continue
@@ -653,7 +683,12 @@ def load_state_dict(state, d: Mapping, *, hyperparameters: str = "checkpoint") -
             if target not in stored:
                 problems.append(f"{name}: the checkpoint ties it to {target}, which it does not store")
             theirs[name] = target
+    return theirs
 
+
+def _place_problems(ours: dict, theirs: dict) -> list[str]:
+    """The paths that one side has and the other lacks, and the ties they disagree on."""
+    problems = []
     missing = [n for n in ours if n not in theirs]
     extra = [n for n in theirs if n not in ours]
     if missing:
@@ -672,103 +707,152 @@ def load_state_dict(state, d: Mapping, *, hyperparameters: str = "checkpoint") -
             )
         else:
             problems.append(f"{name}: this state ties it to {owner}, the checkpoint to {theirs[name]}")
+    return problems
 
+
+def _explained_keys(theirs: dict, stored: set, state_keys: dict) -> set:
+    """The checkpoint's keys that this format has a meaning for."""
     explained = {FORMAT_KEY}
     explained.update(f"{n}/tied_to" for n, t in theirs.items() if t != n)
     explained.update(f"{n}/{what}" for n in stored for what in ("rule", "frozen"))
-    state_keys = _state_keys_by_owner(d, stored)
     for keys in state_keys.values():
         explained.update(keys)
-    plans: dict[str, tuple] = {}  # name -> (spec, frozen, {key: value})
-    hyper_problems: list[str] = []
-    parsed: dict[str, Any] = {}  # rule text -> spec (most parameters share a rule)
-    restored: dict[tuple, Any] = {}  # (id(rule), id(spec)) -> the rule with the checkpoint's numbers
-    compared: dict[tuple, tuple] = {}  # (rule text, id(rule)) -> (kinds, diffs)
-    for name, leaf in leaf_at.items():
-        if theirs.get(name) != name:
-            continue
-        rule_key = f"{name}/rule"
+    return explained
+
+
+class _Plan(NamedTuple):
+    """What a stored Leaf is loaded from: the checkpoint's rule, frozen flag and state entries."""
+
+    spec: Any
+    frozen: bool | None
+    values: dict
+
+
+class _Planner:
+    """Checks each stored Leaf against the checkpoint and plans its loading; what does not match
+    goes to `problems` (and hyperparameters that differ under "check" to `hyper_problems`, listed
+    last). Most parameters share a rule, so rule texts are parsed and compared once."""
+
+    def __init__(self, d: Mapping, hyperparameters: str, state_keys: dict):
+        self.d, self.hyperparameters, self.state_keys = d, hyperparameters, state_keys
+        self.problems: list[str] = []
+        self.hyper_problems: list[str] = []
+        self.parsed: dict[str, Any] = {}  # rule text -> spec
+        self.restored: dict[tuple, Any] = {}  # (id(rule), id(spec)) -> the rule with the checkpoint's numbers
+        self.compared: dict[tuple, tuple] = {}  # (rule text, id(rule)) -> (kinds, diffs)
+
+    def plan(self, name: str, leaf: Leaf) -> _Plan | None:
+        """The plan for the Leaf stored at `name`, or None when its rule does not match."""
+        spec = self._rule_checked(name, leaf.rule)
+        if spec is None:
+            return None
+        return _Plan(spec, self._frozen(name), self._state_values(name, leaf))
+
+    def _read_rule(self, rule_key: str):
+        """The text at `rule_key` and the rule it describes, or None (a problem)."""
         try:
-            text = _text(d[rule_key], rule_key)
-            if text not in parsed:
-                parsed[text] = _parse(text)
-            spec = parsed[text]
+            text = _text(self.d[rule_key], rule_key)
+            if text not in self.parsed:
+                self.parsed[text] = _parse(text)
+            return text, self.parsed[text]
         except (CheckpointError, SyntaxError, ValueError, RecursionError, MemoryError) as e:
             e = e if str(e) else type(e).__name__  # a crafted text nested too deeply
-            problems.append(f"{rule_key}: cannot read the rule ({e})")
-            continue
-        if (text, id(leaf.rule)) not in compared:
+            self.problems.append(f"{rule_key}: cannot read the rule ({e})")
+            return None
+
+    def _compare(self, text: str, spec, rule) -> tuple[list, list]:
+        """The places where `spec` is another kind of rule than `rule`, and the hyperparameters
+        that differ."""
+        if (text, id(rule)) not in self.compared:
             kinds: list[str] = []
             diffs: list = []
-            _compare_rule(spec, leaf.rule, type(leaf.rule).__name__, kinds, diffs)
-            compared[text, id(leaf.rule)] = (kinds, diffs)
-        kinds, diffs = compared[text, id(leaf.rule)]
+            _compare_rule(spec, rule, type(rule).__name__, kinds, diffs)
+            self.compared[text, id(rule)] = (kinds, diffs)
+        return self.compared[text, id(rule)]
+
+    def _rule_checked(self, name: str, rule):
+        """The checkpoint's rule at `name` when it is the kind of `rule`, with hyperparameters
+        that `hyperparameters` accepts; else None (a problem)."""
+        rule_key = f"{name}/rule"
+        read = self._read_rule(rule_key)
+        if read is None:
+            return None
+        text, spec = read
+        kinds, diffs = self._compare(text, spec, rule)
         if kinds:
-            top = type(leaf.rule).__name__
+            top = type(rule).__name__
             where = [k for k in kinds if k != top]
-            problems.append(
+            self.problems.append(
                 f"{name}: the checkpoint has rule {_encode(spec)}, this state has "
-                f"{_encode(leaf.rule)}" + (f" (they differ at {', '.join(where[:3])})" if where else "")
+                f"{_encode(rule)}" + (f" (they differ at {', '.join(where[:3])})" if where else "")
             )
-            continue
-        if diffs and hyperparameters == "checkpoint":
-            why = _invalid_rule(spec, leaf.rule, restored)
+            return None
+        if diffs and self.hyperparameters == "checkpoint":
+            why = _invalid_rule(spec, rule, self.restored)
             if why:
-                problems.append(f"{rule_key}: the checkpoint's hyperparameters are not valid ({why})")
-                continue
-        if diffs and hyperparameters == "check":
+                self.problems.append(f"{rule_key}: the checkpoint's hyperparameters are not valid ({why})")
+                return None
+        if diffs and self.hyperparameters == "check":
             for label, theirs_v, ours_v in diffs:
                 if _same_in_float32(theirs_v, ours_v):
                     continue  # a value that went through a jitted step comes back as float32
-                hyper_problems.append(
+                self.hyper_problems.append(
                     f"{name}: {label} is {theirs_v!r} in the checkpoint, {ours_v!r} in this state"
                 )
+        return spec
+
+    def _frozen(self, name: str) -> bool | None:
         frozen_key = f"{name}/frozen"
-        frozen = _flag(d[frozen_key]) if frozen_key in d else None
+        frozen = _flag(self.d[frozen_key]) if frozen_key in self.d else None
         if frozen is None:
-            problems.append(
-                f"{frozen_key}: " + ("missing" if frozen_key not in d else "expected True or False")
+            self.problems.append(
+                f"{frozen_key}: " + ("missing" if frozen_key not in self.d else "expected True or False")
             )
+        return frozen
+
+    def _state_values(self, name: str, leaf: Leaf) -> dict:
+        """The checkpoint's entries for the state of `leaf`, each checked against the element it
+        replaces; entries missing, extra or incompatible are problems."""
         values = {}
         expected = _state_items(leaf.state, f"{name}/state", [])
         expected_keys = {k for k, _ in expected}
         for key, like in expected:
-            if key not in d:
-                problems.append(f"{key}: missing from the checkpoint (this state has {describe(like)})")
+            if key not in self.d:
+                self.problems.append(f"{key}: missing from the checkpoint (this state has {describe(like)})")
                 continue
-            why = _incompatible(d[key], _unheld(like))
+            why = _incompatible(self.d[key], _unheld(like))
             if why:
-                problems.append(f"{key}: {why}")
-            values[key] = d[key]
-        for key in state_keys.get(name, ()):
+                self.problems.append(f"{key}: {why}")
+            values[key] = self.d[key]
+        for key in self.state_keys.get(name, ()):
             if key not in expected_keys:
-                problems.append(
+                self.problems.append(
                     f"{key}: in the checkpoint, but the state of {type(leaf.rule).__name__} "
                     f"here has no such entry ({describe(leaf.state)})"
                 )
-        plans[name] = (spec, frozen, values)
-    unknown = [str(k) for k in d if k not in explained]
-    if unknown:
-        problems.append(f"entries this format does not have: {_listing(unknown)}")
-    problems.extend(hyper_problems)
-    if problems:
-        shown = problems[:_MAX_PROBLEMS]
-        more = len(problems) - len(shown)
-        raise CheckpointError(
-            "the checkpoint does not match this optimiser state; nothing was loaded:\n  - "
-            + "\n  - ".join(shown)
-            + (f"\n  ... and {more} more" if more > 0 else "")
-        )
+        return values
 
-    # build: every check passed, so this only converts
-    rules = restored
+
+def _raise_mismatch(problems: list[str]):
+    shown = problems[:_MAX_PROBLEMS]
+    more = len(problems) - len(shown)
+    raise CheckpointError(
+        "the checkpoint does not match this optimiser state; nothing was loaded:\n  - "
+        + "\n  - ".join(shown)
+        + (f"\n  ... and {more} more" if more > 0 else "")
+    )
+
+
+def _build(state, tree, leaf_at: dict, plans: dict, rules: dict, hyperparameters: str) -> State:
+    """The new State: every check passed, so this only converts. `rules` holds the rules already
+    made with the checkpoint's numbers (`(id(rule), id(spec))` -> rule) and takes those made here."""
     new_leaf: dict[int, Leaf] = {}
     shared: dict[tuple, Any] = {}
     for name, leaf in leaf_at.items():
         spec, frozen, values = plans[name]
         rule = leaf.rule
         if hyperparameters == "checkpoint":
-            memo = (id(leaf.rule), id(spec))  # specs are shared per rule text (`parsed`)
+            memo = (id(leaf.rule), id(spec))  # specs are shared per rule text (`_Planner.parsed`)
             if memo not in rules:
                 rules[memo] = _restore_rule(spec, leaf.rule)
             rule = rules[memo]
