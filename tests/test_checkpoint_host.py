@@ -116,3 +116,22 @@ def test_a_traced_state_cannot_be_saved():
 
     with pytest.raises(TypeError, match="outside jax.jit"):
         inside(state)
+
+
+@pytest.mark.parametrize(
+    "library, dtype, other",
+    [
+        ("jax", jnp.float32, jnp.float16),
+        ("torch", torch.float32, torch.float16),
+        ("numpy", np.float32, np.float16),
+    ],
+)
+def test_a_rule_holding_a_dtype_of_any_backend_round_trips(library, dtype, other):
+    model = {"w": made(library, "bfloat16" if library != "numpy" else "float16")}
+    state = opt.setup(opt.MixedPrecision(opt.Adam(0.01), dtype=dtype), model)
+    d = opt.state_dict(state)
+    assert d["w/rule"].endswith("dtype='float32')")
+    loaded = opt.load_state_dict(opt.setup(opt.MixedPrecision(opt.Adam(0.01), dtype=dtype), model), d)
+    assert loaded["w"].rule.dtype is dtype
+    with pytest.raises(opt.CheckpointError, match="they differ at MixedPrecision.dtype"):
+        opt.load_state_dict(opt.setup(opt.MixedPrecision(opt.Adam(0.01), dtype=other), model), d)

@@ -1049,6 +1049,12 @@ def to_host_bits(x):
     return _numpy_backend.to_host_bits(x)
 
 
+def dtype_name(x):
+    if isinstance(x, type) and isinstance(getattr(x, "dtype", None), np.dtype):  # jnp.float32
+        return x.dtype.name
+    return _numpy_backend.dtype_name(x)
+
+
 def is_traced(x):
     return _is_traced(x)
 

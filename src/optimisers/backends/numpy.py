@@ -394,6 +394,14 @@ cos = np.cos
 # --- what checkpoints ask: the host's arrays are NumPy's ---------------------------------------
 
 
+def dtype_name(x):
+    if isinstance(x, np.dtype):
+        return x.name
+    if isinstance(x, type) and issubclass(x, np.generic):  # np.float32, ml_dtypes.bfloat16
+        return np.dtype(x).name
+    return None
+
+
 def is_traced(x):
     return False
 

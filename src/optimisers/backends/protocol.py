@@ -78,6 +78,7 @@ class Backend(ScheduleMaths, Protocol):
     def unflatten_one(self, flat: Array, start: int, like: Array) -> Array: ...
 
     # checkpoints: to and from the host, where arrays are NumPy's
+    def dtype_name(self, x: Any) -> str | None: ...  # "float32" for a dtype of this library, else None
     def is_traced(self, x: Any) -> bool: ...  # a value under jit: no concrete data to save
     def to_host(self, x: Array) -> Any: ...  # a NumPy copy; dtypes NumPy lacks as ml_dtypes'
     # (C-ordered NumPy copy, None); for dtypes NumPy lacks, (their bits as uints, the dtype's name)

@@ -785,6 +785,10 @@ cos = torch.cos
 # --- what checkpoints ask: to and from NumPy arrays on the host --------------------------------
 
 
+def dtype_name(x):
+    return str(x).removeprefix("torch.") if isinstance(x, torch.dtype) else None
+
+
 def is_traced(x):
     return False
 

@@ -193,14 +193,11 @@ def _check_storable(value, label):
 
 
 def _dtype_name(x) -> str | None:
-    """The name of a dtype-like object (NumPy dtype or scalar type, torch dtype), else None."""
-    if isinstance(x, np.dtype):
-        return x.name
-    if isinstance(x, type) and issubclass(x, np.generic):
-        return np.dtype(x).name
-    if type(x).__module__ == "torch" and type(x).__name__ == "dtype":
-        return str(x).removeprefix("torch.")
-    return None
+    """The name of a dtype-like object (NumPy dtype or scalar type, torch dtype, JAX scalar type
+    such as `jnp.float32`), else None."""
+    if isinstance(x, (bool, int, float, complex)):
+        return None
+    return dispatch.backend(x).dtype_name(x)  # a class goes to NumPy's, or to its library's
 
 
 def _number(x):
