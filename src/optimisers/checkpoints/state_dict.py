@@ -20,7 +20,7 @@ other place that holds it has a `tied_to` entry. `load_state_dict` checks everyt
 rules, state entries, shapes, dtypes) before it builds anything and reports every difference at
 once; it returns a new `State` and leaves its arguments untouched (no trailing underscore: pure).
 
-`save` / `load` (one file with a checksum) live in `_checkpoint_file`.
+`save` / `load` (one file with a checksum) live in `optimisers.checkpoints.files`.
 """
 
 from __future__ import annotations
