@@ -12,7 +12,7 @@ BACKENDS = {
     "numpy": protocol.InPlaceEngine,
     "torch": protocol.InPlaceEngine,
     "jax": protocol.Backend,
-    "scalar": protocol.Maths,
+    "scalar": protocol.ScheduleMaths,  # the maths of rules and of schedules on Python numbers
 }
 
 
@@ -63,7 +63,7 @@ def test_backend_functions_take_the_protocols_parameters(name):
 def test_engine_backends_say_so():
     for name, cls in BACKENDS.items():
         module = importlib.import_module(f"optimisers.backends.{name}")
-        if cls is not protocol.Maths:
+        if cls is not protocol.ScheduleMaths:
             assert module.IN_PLACE_ENGINE is (cls is protocol.InPlaceEngine), name
 
 

@@ -38,7 +38,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-from typing import Any
+
+from optimisers.core import dispatch
 
 __all__ = [
     "Constant",
@@ -53,155 +54,30 @@ __all__ = [
 
 
 # --- arithmetic that works on Python ints, NumPy, PyTorch and (traced) JAX scalars -------------
+# Each backend (optimisers.backends, `ScheduleMaths` in its protocol) does a step's arithmetic in
+# its library; this module imports none of them.
 
 
-def _integer_step(step, ok: bool):
-    if not ok:
+def _is_array(step) -> bool:
+    return dispatch.is_array_library(dispatch.library_of(type(step)))
+
+
+def _maths(step):
+    """The backend that computes with this kind of step, chosen by its type."""
+    if _is_array(step):
+        return dispatch.backend(step)
+    if isinstance(step, numbers.Integral) and not isinstance(step, bool):
+        return dispatch.backend(0)  # Python ints' (and those of an Integral of another library)
+    raise TypeError(
+        f"a schedule takes an integer step (int, or a NumPy/PyTorch/JAX integer), got {step!r}"
+    )
+
+
+def _steps(o, step):
+    """The step as the backend's integer, negative steps counted as 0."""
+    if not o.is_integer(step):
         raise TypeError(f"a schedule takes an integer step, got {step!r}")
-
-
-class _Python:
-    @staticmethod
-    def step(t):
-        return max(int(t), 0)
-
-    @staticmethod
-    def real(t):
-        return float(t)
-
-    @staticmethod
-    def const(value, like):
-        return float(value)
-
-    cos = staticmethod(math.cos)
-
-    @staticmethod
-    def where(cond, a, b):
-        return a if cond else b
-
-    @staticmethod
-    def minimum(a, b):
-        return min(a, b)
-
-    @staticmethod
-    def maximum(a, b):
-        return max(a, b)
-
-
-class _Numpy:
-    def __init__(self):
-        import numpy as np
-
-        self.np = np
-
-    def step(self, t):
-        _integer_step(t, self.np.issubdtype(self.np.asarray(t).dtype, self.np.integer))
-        return self.np.maximum(self.np.int64(t), 0)
-
-    def real(self, t):
-        return self.np.float64(t)
-
-    def const(self, value, like):
-        return self.np.float64(value)
-
-    def cos(self, x):
-        return self.np.cos(x)
-
-    def where(self, cond, a, b):
-        return self.np.float64(self.np.where(cond, a, b))
-
-    def minimum(self, a, b):
-        return self.np.minimum(a, b)
-
-    def maximum(self, a, b):
-        return self.np.maximum(a, b)
-
-
-class _Torch:
-    def __init__(self):
-        import torch
-
-        self.torch = torch
-
-    def step(self, t):
-        _integer_step(t, not (t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == self.torch.bool))
-        return self.torch.clamp(t.to(self.torch.int64), min=0)
-
-    def real(self, t):
-        return t.to(self.torch.float64)
-
-    def const(self, value, like):
-        return self.torch.full((), float(value), dtype=self.torch.float64, device=like.device)
-
-    def cos(self, x):
-        return self.torch.cos(x)
-
-    def where(self, cond, a, b):
-        t = self.torch
-        ref = cond
-        a = a if isinstance(a, t.Tensor) else t.tensor(a, dtype=t.float64, device=ref.device)
-        b = b if isinstance(b, t.Tensor) else t.tensor(b, dtype=t.float64, device=ref.device)
-        return t.where(cond, a, b)
-
-    def minimum(self, a, b):
-        return self.torch.clamp(a, max=b)
-
-    def maximum(self, a, b):
-        return self.torch.clamp(a, min=b)
-
-
-class _Jax:
-    def __init__(self):
-        import jax.numpy as jnp
-
-        self.jnp = jnp
-        self.float = jnp.result_type(float)  # float32 unless jax_enable_x64
-
-    def step(self, t):
-        t = self.jnp.asarray(t)
-        _integer_step(t, self.jnp.issubdtype(t.dtype, self.jnp.integer))
-        return self.jnp.maximum(t, 0)
-
-    def real(self, t):
-        return self.jnp.asarray(t, dtype=self.float)
-
-    def const(self, value, like):
-        return self.jnp.full((), value, dtype=self.float)
-
-    def cos(self, x):
-        return self.jnp.cos(x)
-
-    def where(self, cond, a, b):
-        return self.jnp.where(cond, a, b).astype(self.float)
-
-    def minimum(self, a, b):
-        return self.jnp.minimum(a, b)
-
-    def maximum(self, a, b):
-        return self.jnp.maximum(a, b)
-
-
-_OPS: dict[str, Any] = {}
-
-
-def _ops(step):
-    """The arithmetic for this kind of step, chosen by its type (backends imported lazily)."""
-    root = type(step).__module__.partition(".")[0]
-    if root in ("jax", "jaxlib"):
-        key, make = "jax", _Jax
-    elif root == "torch":
-        key, make = "torch", _Torch
-    elif root == "numpy":
-        key, make = "numpy", _Numpy
-    elif isinstance(step, numbers.Integral) and not isinstance(step, bool):
-        return _Python
-    else:
-        raise TypeError(
-            f"a schedule takes an integer step (int, or a NumPy/PyTorch/JAX integer), got {step!r}"
-        )
-    if key not in _OPS:
-        _OPS[key] = make()
-    return _OPS[key]
+    return o.maximum(o.as_integer(step), 0)
 
 
 # --- checks --------------------------------------------------------------------------------------
@@ -231,7 +107,7 @@ def _set(obj, name, value):
 
 class Schedule:
     """Base class of schedules: a callable `step -> value`. Subclass it (as a frozen dataclass) and
-    define `__call__` with the arithmetic of `_ops(step)` to get every backend and `jax.jit`."""
+    define `__call__` with the arithmetic of `_maths(step)` to get every backend and `jax.jit`."""
 
     def __call__(self, step):  # pragma: no cover - the subclasses define it
         raise NotImplementedError
@@ -250,8 +126,8 @@ class Constant(Schedule):
         _set(self, "value", _real("Constant", "value", self.value))
 
     def __call__(self, step):
-        o = _ops(step)
-        return o.const(self.value, step)
+        o = _maths(step)
+        return o.real_scalar(self.value, step)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -276,11 +152,11 @@ class Linear(Schedule):
         _count("Linear", "begin", self.begin, positive=False)
 
     def __call__(self, step):
-        o = _ops(step)
-        c = o.minimum(o.maximum(o.step(step) - self.begin, 0), self.steps)
-        value = (self.start - self.end) * (1 - o.real(c) / self.steps) + self.end
+        o = _maths(step)
+        c = o.minimum(o.maximum(_steps(o, step) - self.begin, 0), self.steps)
+        value = (self.start - self.end) * (1 - o.as_real(c) / self.steps) + self.end
         # exactly `end` once there (XLA divides by multiplying with a rounded reciprocal)
-        return o.where(c >= self.steps, self.end, value)
+        return o.real_where(c >= self.steps, self.end, value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -313,16 +189,16 @@ class Cosine(Schedule):
             )
 
     def __call__(self, step):
-        o = _ops(step)
-        s = o.step(step)
+        o = _maths(step)
+        s = _steps(o, step)
         length = self.steps - self.warmup
         c = o.minimum(o.maximum(s - self.warmup, 0), length)
-        value = self.final + (self.peak - self.final) * 0.5 * (1 + o.cos(math.pi * o.real(c) / length))
-        value = o.where(c >= length, self.final, value)  # exactly `final` from then on
+        value = self.final + (self.peak - self.final) * 0.5 * (1 + o.cos(math.pi * o.as_real(c) / length))
+        value = o.real_where(c >= length, self.final, value)  # exactly `final` from then on
         if self.warmup:
-            w = o.real(o.minimum(s, self.warmup))
+            w = o.as_real(o.minimum(s, self.warmup))
             rising = self.start + (self.peak - self.start) * (w / self.warmup)
-            value = o.where(s < self.warmup, rising, value)
+            value = o.real_where(s < self.warmup, rising, value)
         return value
 
 
@@ -344,8 +220,8 @@ class StepDecay(Schedule):
         _count("StepDecay", "step_size", self.step_size, positive=True)
 
     def __call__(self, step):
-        o = _ops(step)
-        k = o.real(o.step(step) // self.step_size)
+        o = _maths(step)
+        k = o.as_real(_steps(o, step) // self.step_size)
         return self.init * self.gamma**k
 
 
@@ -375,8 +251,8 @@ class Exponential(Schedule):
             _set(self, "end", _real("Exponential", "end", self.end))
 
     def __call__(self, step):
-        o = _ops(step)
-        c = o.real(o.maximum(o.step(step) - self.begin, 0))
+        o = _maths(step)
+        c = o.as_real(o.maximum(_steps(o, step) - self.begin, 0))
         value = self.init * self.rate ** (c / self.steps)
         if self.end is not None:
             value = o.maximum(value, self.end) if self.rate < 1 else o.minimum(value, self.end)
@@ -414,11 +290,11 @@ class PiecewiseConstant(Schedule):
         _set(self, "boundaries", bounds)
 
     def __call__(self, step):
-        o = _ops(step)
-        s = o.step(step)
-        value = o.const(self.values[0], step)
+        o = _maths(step)
+        s = _steps(o, step)
+        value = o.real_scalar(self.values[0], step)
         for b, v in zip(self.boundaries, self.values[1:]):
-            value = o.where(s >= b, v, value)
+            value = o.real_where(s >= b, v, value)
         return value
 
 
@@ -455,16 +331,16 @@ class Join(Schedule):
         _set(self, "boundaries", bounds)
 
     def __call__(self, step):
-        o = _ops(step)
-        if o is _Python:  # only the schedule in force is evaluated
-            s = o.step(step)
+        o = _maths(step)
+        if not _is_array(step):  # a Python int: only the schedule in force is evaluated
+            s = _steps(o, step)
             start, current = 0, self.schedules[0]
             for b, sched in zip(self.boundaries, self.schedules[1:]):
                 if s >= b:
                     start, current = b, sched
             return float(current(s - start))
-        s = o.step(step)
+        s = _steps(o, step)
         value = self.schedules[0](s)
         for b, sched in zip(self.boundaries, self.schedules[1:]):
-            value = o.where(s >= b, sched(o.maximum(s - b, 0)), value)
+            value = o.real_where(s >= b, sched(o.maximum(s - b, 0)), value)
         return value

@@ -57,6 +57,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from optimisers import ops
+from optimisers.backends import numpy as _numpy_backend
 from optimisers.core.rule import Rule, _is_held
 from optimisers.core.state import Leaf, State, flatten_state, is_scalar, scalar_key, unflatten_state
 from optimisers.core.tree import NodeKind, format_path
@@ -1009,3 +1010,59 @@ def _leaf_from_dict(target, saved) -> Leaf:
 
 
 _register()
+
+
+# --- what schedules ask: values of the default float dtype (float32; float64 under x64) -------
+
+
+def is_integer(x):
+    return bool(jnp.issubdtype(jnp.asarray(x).dtype, jnp.integer))
+
+
+def as_integer(x):
+    return jnp.asarray(x)
+
+
+def as_real(x):
+    return jnp.asarray(x, dtype=jnp.result_type(float))
+
+
+def real_scalar(value, like):
+    return jnp.full((), value, dtype=jnp.result_type(float))
+
+
+def real_where(condition, x, y):
+    return jnp.where(condition, x, y).astype(jnp.result_type(float))
+
+
+cos = jnp.cos
+
+
+# --- what checkpoints ask: NumPy reads JAX arrays (dtypes NumPy lacks as ml_dtypes') -----------
+
+
+def to_host(x):
+    return _numpy_backend.to_host(x)
+
+
+def to_host_bits(x):
+    return _numpy_backend.to_host_bits(x)
+
+
+def dtype_name(x):
+    if isinstance(x, type) and isinstance(getattr(x, "dtype", None), np.dtype):  # jnp.float32
+        return x.dtype.name
+    return _numpy_backend.dtype_name(x)
+
+
+def is_traced(x):
+    return _is_traced(x)
+
+
+def from_host(value, like):
+    if getattr(like, "weak_type", False) and tuple(like.shape) == ():
+        # a Python number keeps the array weakly typed, as jit found it
+        out = jax.device_put(np.asarray(value).item(), like.sharding)
+        return out if out.dtype == like.dtype else out.astype(like.dtype)
+    host = np.array(value, copy=True).astype(like.dtype, copy=False)
+    return jax.device_put(host, like.sharding)

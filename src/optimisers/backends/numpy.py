@@ -363,3 +363,63 @@ def unflatten_one(flat, start, like):
 def node_kind(obj):
     """NumPy has no containers of its own."""
     return None
+
+
+# --- what schedules ask -----------------------------------------------------------------------
+
+
+def is_integer(x):
+    return bool(np.issubdtype(np.asarray(x).dtype, np.integer))
+
+
+def as_integer(x):
+    return np.int64(x)
+
+
+def as_real(x):
+    return np.float64(x)
+
+
+def real_scalar(value, like):
+    return np.float64(value)
+
+
+def real_where(condition, x, y):
+    return np.float64(np.where(condition, x, y))
+
+
+cos = np.cos
+
+
+# --- what checkpoints ask: the host's arrays are NumPy's ---------------------------------------
+
+
+def dtype_name(x):
+    if isinstance(x, np.dtype):
+        return x.name
+    if isinstance(x, type) and issubclass(x, np.generic):  # np.float32, ml_dtypes.bfloat16
+        return np.dtype(x).name
+    return None
+
+
+def is_traced(x):
+    return False
+
+
+def to_host(x):
+    return np.array(x, copy=True)
+
+
+def to_host_bits(x):
+    host = np.array(x, copy=True, order="C")
+    if host.dtype.kind == "V" or host.dtype.type.__module__ != "numpy":  # ml_dtypes' bfloat16...
+        return host.view(f"u{host.dtype.itemsize}"), host.dtype.name
+    return host, None
+
+
+def from_host(value, like):
+    if isinstance(like, np.generic):
+        return like.dtype.type(np.asarray(value)[()])
+    out = np.empty_like(like)
+    np.copyto(out, value, casting="unsafe")
+    return out

@@ -2,8 +2,10 @@
 
 A backend is a module of functions (`optimisers.backends.numpy`, `.torch`, `.jax`; `.scalar` for
 Python numbers), registered with the core in `optimisers/backends/__init__.py`. `Maths` is what
-`optimisers.ops` hands on to it, so every backend has it, the scalar one included; `Backend` is
-what the tree walk, the update and checkpoints need of an array library; `InPlaceEngine` is what
+`optimisers.ops` hands on to it, so every backend has it, the scalar one included; so is
+`ScheduleMaths`, what `optimisers.schedules` computes with (a step may be a Python int);
+`Backend` is what the tree walk, the update and checkpoints need of an array library (checkpoints
+move arrays to and from the host as NumPy arrays through it); `InPlaceEngine` is what
 the engine needs to step many parameters in place through flat chunks (NumPy and PyTorch: JAX
 arrays are immutable, so JAX sets `IN_PLACE_ENGINE = False` and the engine leaves it alone).
 `tests/test_backend_protocol.py` checks every backend against these classes: each name must be
@@ -42,7 +44,20 @@ class Maths(Protocol):
 
 
 @runtime_checkable
-class Backend(Maths, Protocol):
+class ScheduleMaths(Maths, Protocol):
+    """What learning-rate schedules (optimisers.schedules) compute with, besides `Maths`' minimum
+    and maximum: a step of this library in, a value of this library out, traceable under jit."""
+
+    def is_integer(self, x: Any) -> bool: ...  # holds integers (not bools): a valid step
+    def as_integer(self, x: Any) -> Any: ...  # an int64 (JAX: its integer dtype as it is)
+    def as_real(self, x: Any) -> Any: ...  # a float64 (JAX: its default float dtype)
+    def real_scalar(self, value: Any, like: Any) -> Any: ...  # value in that float, on like's device
+    def real_where(self, condition: Any, x: Any, y: Any) -> Any: ...  # where(); the result in that float
+    def cos(self, x: Any) -> Any: ...
+
+
+@runtime_checkable
+class Backend(ScheduleMaths, Protocol):
     """What the library needs of an array library beyond the maths."""
 
     # the tree walk
@@ -61,6 +76,16 @@ class Backend(Maths, Protocol):
     def copy(self, x: Array) -> Array: ...
     def flatten(self, arrays: list) -> Array: ...  # one 1-D array (destructure)
     def unflatten_one(self, flat: Array, start: int, like: Array) -> Array: ...
+
+    # checkpoints: to and from the host, where arrays are NumPy's
+    def dtype_name(self, x: Any) -> str | None: ...  # "float32" for a dtype of this library, else None
+    def is_traced(self, x: Any) -> bool: ...  # a value under jit: no concrete data to save
+    def to_host(self, x: Array) -> Any: ...  # a NumPy copy; dtypes NumPy lacks as ml_dtypes'
+    # (C-ordered NumPy copy, None); for dtypes NumPy lacks, (their bits as uints, the dtype's name)
+    def to_host_bits(self, x: Array) -> tuple: ...
+    # value (a NumPy array, or an array of this library) as a new array of like's dtype and
+    # device (JAX: sharding, weak type)
+    def from_host(self, value: Any, like: Array) -> Array: ...
 
     # writing parameters
     def writable(self, x: Array) -> bool: ...  # can be written in place

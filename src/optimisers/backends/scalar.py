@@ -1,11 +1,13 @@
 """Plain Python numbers: the scalar maths of rules on backends (PyTorch) whose kernels take Python
-scalars without promoting the array's dtype."""
+scalars without promoting the array's dtype, and the arithmetic of schedules called with a Python
+int step."""
 
 from __future__ import annotations
 
 import builtins
 import cmath
 import math
+import numbers
 
 
 def sqrt(x):
@@ -54,3 +56,29 @@ def scalar(value, like):
 
 def epsilon(value, like):
     return float(value)
+
+
+# --- what schedules ask (a step that is a Python int) -----------------------------------------
+
+
+def is_integer(x):
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def as_integer(x):
+    return int(x)
+
+
+def as_real(x):
+    return float(x)
+
+
+def real_scalar(value, like):
+    return float(value)
+
+
+def real_where(condition, x, y):
+    return x if condition else y
+
+
+cos = math.cos

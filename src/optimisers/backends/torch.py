@@ -750,3 +750,87 @@ def node_kind(obj):
     if isinstance(obj, nn.Module):
         return MODULE
     return None
+
+
+# --- what schedules ask: float64 values on the step's device -----------------------------------
+
+
+def is_integer(x):
+    return isinstance(x, torch.Tensor) and not (
+        x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool
+    )
+
+
+def as_integer(x):
+    return x.to(torch.int64)
+
+
+def as_real(x):
+    return x.to(torch.float64)
+
+
+def real_scalar(value, like):
+    return torch.full((), float(value), dtype=torch.float64, device=like.device)
+
+
+def real_where(condition, x, y):
+    x = x if isinstance(x, torch.Tensor) else torch.tensor(x, dtype=torch.float64, device=condition.device)
+    y = y if isinstance(y, torch.Tensor) else torch.tensor(y, dtype=torch.float64, device=condition.device)
+    return torch.where(condition, x, y)
+
+
+cos = torch.cos
+
+
+# --- what checkpoints ask: to and from NumPy arrays on the host --------------------------------
+
+
+def dtype_name(x):
+    return str(x).removeprefix("torch.") if isinstance(x, torch.dtype) else None
+
+
+def is_traced(x):
+    return False
+
+
+def to_host(x):
+    t = x.detach().cpu()
+    try:
+        return t.numpy().copy()
+    except TypeError:  # bfloat16, float8: NumPy holds them as ml_dtypes' (exact through float32)
+        import ml_dtypes
+
+        target = getattr(ml_dtypes, str(t.dtype).removeprefix("torch."))
+        return t.to(torch.float32).numpy().astype(target)
+
+
+_SIGNED_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def to_host_bits(x):
+    # dtypes NumPy lacks leave as their bits, so saving them needs no ml_dtypes
+    t = x.detach().cpu().contiguous()
+    try:
+        return t.numpy().copy(), None
+    except TypeError:
+        host = t.view(_SIGNED_OF_SIZE[t.element_size()]).numpy()
+        name = str(t.dtype).removeprefix("torch.")
+        return host.view(f"u{host.dtype.itemsize}").copy(), name
+
+
+def _from_numpy(a):
+    if not (a.flags.writeable and a.flags.c_contiguous):  # torch shares the array's memory
+        a = a.copy(order="C")
+    try:
+        return torch.from_numpy(a)
+    except TypeError:  # ml_dtypes' bfloat16, float8: through their bits
+        bits = torch.from_numpy(a.view(f"i{a.dtype.itemsize}"))
+        return bits.view(getattr(torch, a.dtype.name))
+
+
+def from_host(value, like):
+    source = value.detach() if isinstance(value, torch.Tensor) else _from_numpy(np.asarray(value))
+    with torch.no_grad():
+        out = torch.empty_like(like, requires_grad=False)
+        out.copy_(source)
+    return out

@@ -46,12 +46,12 @@ from optimisers.checkpoints.state_dict import (
     _places,
     _RawBits,
     _state_items,
-    _to_numpy,
     _tree_of,
     _unheld,
     load_state_dict,
     state_dict,
 )
+from optimisers.core import dispatch
 from optimisers.core.state import State
 
 try:  # only to release a temporary file's lock; without it, stray files are not removed
@@ -74,23 +74,9 @@ _STALE_TMP = r"[a-z0-9_]{8}\.tmp"  # tempfile.mkstemp's 8 random characters
 def _host_bits(value) -> tuple[np.ndarray, str | None]:
     """A contiguous host array for the file, and the real dtype's name when the array holds the
     bits of a dtype NumPy lacks (bfloat16, float8...) as unsigned integers."""
-    if type(value).__module__.partition(".")[0] == "torch":
-        t = value.detach().cpu().contiguous()
-        try:
-            return t.numpy().copy(), None
-        except TypeError:
-            import torch
-
-            ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-            host = t.view(ints[t.element_size()]).numpy()
-            name = str(t.dtype).removeprefix("torch.")
-            return host.view(f"u{host.dtype.itemsize}").copy(), name
-    host = _to_numpy(value) if _is_array(value) else np.asarray(value)
-    if not host.flags.c_contiguous:  # (np.ascontiguousarray would make 0-d arrays 1-d)
-        host = host.copy(order="C")
-    if host.dtype.kind == "V" or host.dtype.type.__module__ != "numpy":  # ml_dtypes
-        return host.view(f"u{host.dtype.itemsize}"), host.dtype.name
-    return host, None
+    if _is_array(value):
+        return dispatch.backend(value).to_host_bits(value)
+    return np.asarray(value), None  # a number JSON does not hold (complex, nan, inf)
 
 
 def _split(d: dict) -> tuple[dict, dict]:
@@ -338,7 +324,7 @@ def _check_raw_dtypes(dtypes: dict, arrays: Mapping) -> None:
         if bits is None:
             _reject(f"{key}: the metadata gives a dtype for an array the file does not have")
         try:
-            import ml_dtypes
+            import ml_dtypes  # NumPy's dtypes for bfloat16 & co.: a NumPy matter, like the file
 
             real = np.dtype(getattr(ml_dtypes, name)) if name.isidentifier() else None
         except (ImportError, AttributeError, TypeError):

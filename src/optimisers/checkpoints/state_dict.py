@@ -35,6 +35,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from optimisers import schedules
+from optimisers.core import dispatch
 from optimisers.core.rule import Rule, _held_like
 from optimisers.core.state import Leaf, State, describe, map_leaves
 from optimisers.core.tree import format_path
@@ -106,8 +107,9 @@ def _unheld(x):
 
 
 def _is_array(x) -> bool:
-    root = type(x).__module__.partition(".")[0]
-    return root in ("numpy", "torch", "jax", "jaxlib") and hasattr(x, "shape") and hasattr(x, "dtype")
+    """An array (or NumPy scalar) of a library with a backend."""
+    library = dispatch.library_of(type(x))
+    return dispatch.is_array_library(library) and hasattr(x, "shape") and hasattr(x, "dtype")
 
 
 def _state_items(value, key: str, out: list) -> list:
@@ -147,11 +149,8 @@ def _rebuild_state(value, key: str, new: dict):
 
 
 def _check_concrete(value, key):
-    if "jax" in sys.modules:
-        import jax
-
-        if isinstance(value, jax.core.Tracer):
-            raise TypeError(f"{key}: state_dict needs concrete arrays; call it outside jax.jit")
+    if _is_array(value) and dispatch.backend(value).is_traced(value):
+        raise TypeError(f"{key}: state_dict needs concrete arrays; call it outside jax.jit")
 
 
 # --- rules as text -------------------------------------------------------------------------------
@@ -194,14 +193,11 @@ def _check_storable(value, label):
 
 
 def _dtype_name(x) -> str | None:
-    """The name of a dtype-like object (NumPy dtype or scalar type, torch dtype), else None."""
-    if isinstance(x, np.dtype):
-        return x.name
-    if isinstance(x, type) and issubclass(x, np.generic):
-        return np.dtype(x).name
-    if type(x).__module__ == "torch" and type(x).__name__ == "dtype":
-        return str(x).removeprefix("torch.")
-    return None
+    """The name of a dtype-like object (NumPy dtype or scalar type, torch dtype, JAX scalar type
+    such as `jnp.float32`), else None."""
+    if isinstance(x, (bool, int, float, complex)):
+        return None
+    return dispatch.backend(x).dtype_name(x)  # a class goes to NumPy's, or to its library's
 
 
 def _number(x):
@@ -211,11 +207,8 @@ def _number(x):
     if isinstance(x, (bool, int, float)):
         return x
     if isinstance(x, np.generic) or (_is_array(x) and tuple(x.shape) == ()):
-        if "jax" in sys.modules:
-            import jax
-
-            if isinstance(x, jax.core.Tracer):
-                return None
+        if dispatch.backend(x).is_traced(x):
+            return None
         v = x.item()
         return v if isinstance(v, (bool, int, float)) else None
     return None
@@ -469,25 +462,18 @@ def _counter_max(like) -> int:
         return np.iinfo(np.int64).max
 
 
-def _to_numpy(value, dtype: str | None = None) -> np.ndarray:
-    """A host NumPy array (a copy) of any backend's array; `dtype` names the dtype wanted when
-    the array's own has no NumPy equivalent."""
+def _host(value) -> np.ndarray:
+    """A NumPy array on the host (a copy) of a checkpoint's value: an array of any backend, a
+    number, or the bits of a dtype NumPy lacks read from a file."""
     if isinstance(value, _RawBits):
+        # ml_dtypes is how NumPy holds bfloat16, float8... (JAX's own arrays come back as its
+        # dtypes): a NumPy matter, so it stays here rather than in a backend
         import ml_dtypes
 
         return value.bits.view(getattr(ml_dtypes, value.dtype)).copy()
-    root = type(value).__module__.partition(".")[0]
-    if root == "torch":
-        t = value.detach().cpu()
-        try:
-            return t.numpy().copy()
-        except TypeError:  # bfloat16, float8: exact through float32
-            import ml_dtypes
-            import torch
-
-            target = getattr(ml_dtypes, dtype or str(t.dtype).removeprefix("torch."))
-            return t.to(torch.float32).numpy().astype(target)
-    return np.array(value, copy=True)
+    if _is_array(value):
+        return dispatch.backend(value).to_host(value)
+    return np.array(value)
 
 
 def _convert(value, like):
@@ -498,45 +484,12 @@ def _convert(value, like):
         return like.copy(_convert(value, like.get_value()))
     if isinstance(like, (bool, int, float, complex)):
         if isinstance(value, _RawBits):
-            value = _to_numpy(value)
+            value = _host(value)
         return type(like)(value.item() if hasattr(value, "item") else value)
-    root = type(like).__module__.partition(".")[0]
-    if isinstance(like, np.generic):
-        return like.dtype.type(_to_numpy(value, _value_dtype(like))[()])
-    if root == "numpy":
-        out = np.empty_like(like)
-        np.copyto(out, _to_numpy(value, _value_dtype(like)), casting="unsafe")
-        return out
-    if root == "torch":
-        import torch
-
-        if isinstance(value, torch.Tensor):
-            source = value.detach()
-        elif isinstance(value, _RawBits):
-            bits = value.bits.view(f"i{value.bits.dtype.itemsize}").copy()
-            source = torch.from_numpy(bits).view(getattr(torch, value.dtype))
-        elif _is_array(value):
-            source = torch.from_numpy(_to_numpy(value))
-        else:
-            source = torch.tensor(value)
-        with torch.no_grad():
-            out = torch.empty_like(like, requires_grad=False)
-            out.copy_(source)
-        return out
-    import jax
-
-    if getattr(like, "weak_type", False) and tuple(like.shape) == ():
-        n = _to_numpy(value, _value_dtype(like)) if not isinstance(value, (int, float, bool)) else value
-        n = n.item() if hasattr(n, "item") else n
-        out = jax.device_put(n, like.sharding)
-        return out if out.dtype == like.dtype else out.astype(like.dtype)
-    host = (
-        np.asarray(value)
-        if isinstance(value, (bool, int, float, complex))
-        else _to_numpy(value, _value_dtype(like))
-    )
-    host = host.astype(like.dtype, copy=False)
-    return jax.device_put(host, like.sharding)
+    backend = dispatch.backend(like)
+    if not (_is_array(value) and dispatch.backend(value) is backend):
+        value = _host(value)  # from another backend or a file: through the host
+    return backend.from_host(value, like)
 
 
 def _convert_shared(value, like, shared: dict):
@@ -547,7 +500,8 @@ def _convert_shared(value, like, shared: dict):
     Variables only: optax steps them by making new ones, where an in-place step would advance a
     shared NumPy or torch counter once per Leaf."""
     held = _unheld(like)
-    functional = _is_variable(like) or type(held).__module__.startswith(("jax", "jaxlib"))
+    # the backends whose update shares one counter among Leafs (JAX's) are those of new arrays
+    functional = _is_variable(like) or (_is_array(held) and dispatch.backend(held).SHARE_SCALAR_STATE)
     n = _number(value) if functional and tuple(getattr(held, "shape", (0,))) == () else None
     if n is None:
         return _convert(value, like)
@@ -654,6 +608,29 @@ def load_state_dict(state, d: Mapping, *, hyperparameters: str = "checkpoint") -
     differ). The kind of rule (its class, nested rules, and non-numeric settings) must match in
     every case.
     """
+    tree = _checked_call(state, d, hyperparameters)
+    ours, leaf_at = _our_places(tree)
+    stored = {k[: -len("/rule")] for k in d if isinstance(k, str) and k.endswith("/rule")}
+    problems: list[str] = []
+    theirs = _their_places(d, stored, problems)
+    problems += _place_problems(ours, theirs)
+    state_keys = _state_keys_by_owner(d, stored)
+    planner = _Planner(d, hyperparameters, state_keys)
+    plans = {name: planner.plan(name, leaf) for name, leaf in leaf_at.items() if theirs.get(name) == name}
+    problems += planner.problems
+    explained = _explained_keys(theirs, stored, state_keys)
+    unknown = [str(k) for k in d if k not in explained]
+    if unknown:
+        problems.append(f"entries this format does not have: {_listing(unknown)}")
+    problems += planner.hyper_problems
+    if problems:
+        _raise_mismatch(problems)
+    return _build(state, tree, leaf_at, plans, planner.restored, hyperparameters)
+
+
+def _checked_call(state, d, hyperparameters: str):
+    """The tree of `state`, once the arguments are what `load_state_dict` takes and `d` is a state
+    dict of this format."""
     if hyperparameters not in _HYPER_MODES:
         raise ValueError(
             f"hyperparameters must be one of {', '.join(map(repr, _HYPER_MODES))}, got {hyperparameters!r}"
@@ -670,18 +647,25 @@ def load_state_dict(state, d: Mapping, *, hyperparameters: str = "checkpoint") -
     fmt = _text(d[FORMAT_KEY], FORMAT_KEY)
     if fmt != FORMAT:
         raise CheckpointError(f"unknown checkpoint format {fmt!r}; this version reads {FORMAT!r}")
+    return tree
 
-    problems: list[str] = []
-    places = _places(tree)
-    # where each place's state lives, in this state and in the checkpoint
+
+def _our_places(tree) -> tuple[dict[str, str], dict[str, Leaf]]:
+    """Where each place's state lives in this state (`{path: path that stores it}`), and the Leaf
+    stored at each such path."""
     ours: dict[str, str] = {}
     first: dict[int, str] = {}
     leaf_at: dict[str, Leaf] = {}
-    for name, leaf in places:
+    for name, leaf in _places(tree):
         ours[name] = first.setdefault(id(leaf), name)
         leaf_at.setdefault(ours[name], leaf)
+    return ours, leaf_at
+
+
+def _their_places(d: Mapping, stored: set, problems: list) -> dict[str, str]:
+    """Where each place's state lives in the checkpoint (`{path: path that stores it}`); ties to
+    nowhere, or of a stored path, go to `problems`."""
     theirs: dict[str, str] = {}
-    stored = {k[: -len("/rule")] for k in d if isinstance(k, str) and k.endswith("/rule")}
     for key in d:  # in the checkpoint's order, so that messages list paths depth first
         if not isinstance(key, str):
             continue
@@ -696,7 +680,12 @@ def load_state_dict(state, d: Mapping, *, hyperparameters: str = "checkpoint") -
             if target not in stored:
                 problems.append(f"{name}: the checkpoint ties it to {target}, which it does not store")
             theirs[name] = target
+    return theirs
 
+
+def _place_problems(ours: dict, theirs: dict) -> list[str]:
+    """The paths that one side has and the other lacks, and the ties they disagree on."""
+    problems = []
     missing = [n for n in ours if n not in theirs]
     extra = [n for n in theirs if n not in ours]
     if missing:
@@ -715,103 +704,152 @@ def load_state_dict(state, d: Mapping, *, hyperparameters: str = "checkpoint") -
             )
         else:
             problems.append(f"{name}: this state ties it to {owner}, the checkpoint to {theirs[name]}")
+    return problems
 
+
+def _explained_keys(theirs: dict, stored: set, state_keys: dict) -> set:
+    """The checkpoint's keys that this format has a meaning for."""
     explained = {FORMAT_KEY}
     explained.update(f"{n}/tied_to" for n, t in theirs.items() if t != n)
     explained.update(f"{n}/{what}" for n in stored for what in ("rule", "frozen"))
-    state_keys = _state_keys_by_owner(d, stored)
     for keys in state_keys.values():
         explained.update(keys)
-    plans: dict[str, tuple] = {}  # name -> (spec, frozen, {key: value})
-    hyper_problems: list[str] = []
-    parsed: dict[str, Any] = {}  # rule text -> spec (most parameters share a rule)
-    restored: dict[tuple, Any] = {}  # (id(rule), id(spec)) -> the rule with the checkpoint's numbers
-    compared: dict[tuple, tuple] = {}  # (rule text, id(rule)) -> (kinds, diffs)
-    for name, leaf in leaf_at.items():
-        if theirs.get(name) != name:
-            continue
-        rule_key = f"{name}/rule"
+    return explained
+
+
+class _Plan(NamedTuple):
+    """What a stored Leaf is loaded from: the checkpoint's rule, frozen flag and state entries."""
+
+    spec: Any
+    frozen: bool | None
+    values: dict
+
+
+class _Planner:
+    """Checks each stored Leaf against the checkpoint and plans its loading; what does not match
+    goes to `problems` (and hyperparameters that differ under "check" to `hyper_problems`, listed
+    last). Most parameters share a rule, so rule texts are parsed and compared once."""
+
+    def __init__(self, d: Mapping, hyperparameters: str, state_keys: dict):
+        self.d, self.hyperparameters, self.state_keys = d, hyperparameters, state_keys
+        self.problems: list[str] = []
+        self.hyper_problems: list[str] = []
+        self.parsed: dict[str, Any] = {}  # rule text -> spec
+        self.restored: dict[tuple, Any] = {}  # (id(rule), id(spec)) -> the rule with the checkpoint's numbers
+        self.compared: dict[tuple, tuple] = {}  # (rule text, id(rule)) -> (kinds, diffs)
+
+    def plan(self, name: str, leaf: Leaf) -> _Plan | None:
+        """The plan for the Leaf stored at `name`, or None when its rule does not match."""
+        spec = self._rule_checked(name, leaf.rule)
+        if spec is None:
+            return None
+        return _Plan(spec, self._frozen(name), self._state_values(name, leaf))
+
+    def _read_rule(self, rule_key: str):
+        """The text at `rule_key` and the rule it describes, or None (a problem)."""
         try:
-            text = _text(d[rule_key], rule_key)
-            if text not in parsed:
-                parsed[text] = _parse(text)
-            spec = parsed[text]
+            text = _text(self.d[rule_key], rule_key)
+            if text not in self.parsed:
+                self.parsed[text] = _parse(text)
+            return text, self.parsed[text]
         except (CheckpointError, SyntaxError, ValueError, RecursionError, MemoryError) as e:
             e = e if str(e) else type(e).__name__  # a crafted text nested too deeply
-            problems.append(f"{rule_key}: cannot read the rule ({e})")
-            continue
-        if (text, id(leaf.rule)) not in compared:
+            self.problems.append(f"{rule_key}: cannot read the rule ({e})")
+            return None
+
+    def _compare(self, text: str, spec, rule) -> tuple[list, list]:
+        """The places where `spec` is another kind of rule than `rule`, and the hyperparameters
+        that differ."""
+        if (text, id(rule)) not in self.compared:
             kinds: list[str] = []
             diffs: list = []
-            _compare_rule(spec, leaf.rule, type(leaf.rule).__name__, kinds, diffs)
-            compared[text, id(leaf.rule)] = (kinds, diffs)
-        kinds, diffs = compared[text, id(leaf.rule)]
+            _compare_rule(spec, rule, type(rule).__name__, kinds, diffs)
+            self.compared[text, id(rule)] = (kinds, diffs)
+        return self.compared[text, id(rule)]
+
+    def _rule_checked(self, name: str, rule):
+        """The checkpoint's rule at `name` when it is the kind of `rule`, with hyperparameters
+        that `hyperparameters` accepts; else None (a problem)."""
+        rule_key = f"{name}/rule"
+        read = self._read_rule(rule_key)
+        if read is None:
+            return None
+        text, spec = read
+        kinds, diffs = self._compare(text, spec, rule)
         if kinds:
-            top = type(leaf.rule).__name__
+            top = type(rule).__name__
             where = [k for k in kinds if k != top]
-            problems.append(
+            self.problems.append(
                 f"{name}: the checkpoint has rule {_encode(spec)}, this state has "
-                f"{_encode(leaf.rule)}" + (f" (they differ at {', '.join(where[:3])})" if where else "")
+                f"{_encode(rule)}" + (f" (they differ at {', '.join(where[:3])})" if where else "")
             )
-            continue
-        if diffs and hyperparameters == "checkpoint":
-            why = _invalid_rule(spec, leaf.rule, restored)
+            return None
+        if diffs and self.hyperparameters == "checkpoint":
+            why = _invalid_rule(spec, rule, self.restored)
             if why:
-                problems.append(f"{rule_key}: the checkpoint's hyperparameters are not valid ({why})")
-                continue
-        if diffs and hyperparameters == "check":
+                self.problems.append(f"{rule_key}: the checkpoint's hyperparameters are not valid ({why})")
+                return None
+        if diffs and self.hyperparameters == "check":
             for label, theirs_v, ours_v in diffs:
                 if _same_in_float32(theirs_v, ours_v):
                     continue  # a value that went through a jitted step comes back as float32
-                hyper_problems.append(
+                self.hyper_problems.append(
                     f"{name}: {label} is {theirs_v!r} in the checkpoint, {ours_v!r} in this state"
                 )
+        return spec
+
+    def _frozen(self, name: str) -> bool | None:
         frozen_key = f"{name}/frozen"
-        frozen = _flag(d[frozen_key]) if frozen_key in d else None
+        frozen = _flag(self.d[frozen_key]) if frozen_key in self.d else None
         if frozen is None:
-            problems.append(
-                f"{frozen_key}: " + ("missing" if frozen_key not in d else "expected True or False")
+            self.problems.append(
+                f"{frozen_key}: " + ("missing" if frozen_key not in self.d else "expected True or False")
             )
+        return frozen
+
+    def _state_values(self, name: str, leaf: Leaf) -> dict:
+        """The checkpoint's entries for the state of `leaf`, each checked against the element it
+        replaces; entries missing, extra or incompatible are problems."""
         values = {}
         expected = _state_items(leaf.state, f"{name}/state", [])
         expected_keys = {k for k, _ in expected}
         for key, like in expected:
-            if key not in d:
-                problems.append(f"{key}: missing from the checkpoint (this state has {describe(like)})")
+            if key not in self.d:
+                self.problems.append(f"{key}: missing from the checkpoint (this state has {describe(like)})")
                 continue
-            why = _incompatible(d[key], _unheld(like))
+            why = _incompatible(self.d[key], _unheld(like))
             if why:
-                problems.append(f"{key}: {why}")
-            values[key] = d[key]
-        for key in state_keys.get(name, ()):
+                self.problems.append(f"{key}: {why}")
+            values[key] = self.d[key]
+        for key in self.state_keys.get(name, ()):
             if key not in expected_keys:
-                problems.append(
+                self.problems.append(
                     f"{key}: in the checkpoint, but the state of {type(leaf.rule).__name__} "
                     f"here has no such entry ({describe(leaf.state)})"
                 )
-        plans[name] = (spec, frozen, values)
-    unknown = [str(k) for k in d if k not in explained]
-    if unknown:
-        problems.append(f"entries this format does not have: {_listing(unknown)}")
-    problems.extend(hyper_problems)
-    if problems:
-        shown = problems[:_MAX_PROBLEMS]
-        more = len(problems) - len(shown)
-        raise CheckpointError(
-            "the checkpoint does not match this optimiser state; nothing was loaded:\n  - "
-            + "\n  - ".join(shown)
-            + (f"\n  ... and {more} more" if more > 0 else "")
-        )
+        return values
 
-    # build: every check passed, so this only converts
-    rules = restored
+
+def _raise_mismatch(problems: list[str]):
+    shown = problems[:_MAX_PROBLEMS]
+    more = len(problems) - len(shown)
+    raise CheckpointError(
+        "the checkpoint does not match this optimiser state; nothing was loaded:\n  - "
+        + "\n  - ".join(shown)
+        + (f"\n  ... and {more} more" if more > 0 else "")
+    )
+
+
+def _build(state, tree, leaf_at: dict, plans: dict, rules: dict, hyperparameters: str) -> State:
+    """The new State: every check passed, so this only converts. `rules` holds the rules already
+    made with the checkpoint's numbers (`(id(rule), id(spec))` -> rule) and takes those made here."""
     new_leaf: dict[int, Leaf] = {}
     shared: dict[tuple, Any] = {}
     for name, leaf in leaf_at.items():
         spec, frozen, values = plans[name]
         rule = leaf.rule
         if hyperparameters == "checkpoint":
-            memo = (id(leaf.rule), id(spec))  # specs are shared per rule text (`parsed`)
+            memo = (id(leaf.rule), id(spec))  # specs are shared per rule text (`_Planner.parsed`)
             if memo not in rules:
                 rules[memo] = _restore_rule(spec, leaf.rule)
             rule = rules[memo]
