@@ -214,16 +214,16 @@ def _number(x):
     return None
 
 
-def _encode(x) -> str:
+def encode(x) -> str:
     """Text for a rule or hyperparameter that `_parse` reads back; floats are exact (repr)."""
     if isinstance(x, _Spec):
-        inner = ", ".join(f"{k}={_encode(v)}" for k, v in x.fields.items())
+        inner = ", ".join(f"{k}={encode(v)}" for k, v in x.fields.items())
         return f"{x.name}({inner})"
     if _is_described(x):
-        inner = ", ".join(f"{k}={_encode(getattr(x, k))}" for k in _rule_fields(x))
+        inner = ", ".join(f"{k}={encode(getattr(x, k))}" for k in _rule_fields(x))
         return f"{type(x).__name__}({inner})"
     if isinstance(x, (tuple, list)):
-        inner = ", ".join(_encode(v) for v in x)
+        inner = ", ".join(encode(v) for v in x)
         return f"({inner},)" if len(x) == 1 else f"({inner})"
     if x is None or isinstance(x, str):
         return repr(x)
@@ -273,12 +273,12 @@ def _same_in_float32(a, b) -> bool:
 def _compare_rule(spec, rule, label, kind_problems, hyper_diffs):
     """Walk the checkpoint's rule `spec` beside the state's `rule`: a different class, field set or
     non-numeric field is a different kind of rule; numbers that differ are hyperparameter changes."""
-    if isinstance(rule, Schedule) and _encode(spec) != _encode(rule):
+    if isinstance(rule, Schedule) and encode(spec) != encode(rule):
         # another schedule is another value of the hyperparameter, not another kind of rule
         if _schedule_from(spec) is None:
             kind_problems.append(label)
         else:
-            hyper_diffs.append((label, _encode(spec), _encode(rule)))
+            hyper_diffs.append((label, encode(spec), encode(rule)))
         return
     if _is_described(rule):
         fields = _rule_fields(rule)
@@ -302,7 +302,7 @@ def _compare_rule(spec, rule, label, kind_problems, hyper_diffs):
         elif not _same_number(spec, n):
             hyper_diffs.append((label, spec, n))
         return
-    if _encode(spec) != _encode(rule):
+    if encode(spec) != encode(rule):
         kind_problems.append(label)
 
 
@@ -346,7 +346,7 @@ def _has_spec(v) -> bool:
 def _restore_rule(spec, rule):
     """`rule` with the numbers of `spec` (already checked to be the same kind of rule)."""
     if isinstance(rule, Schedule):
-        return rule if _encode(spec) == _encode(rule) else _schedule_from(spec)
+        return rule if encode(spec) == encode(rule) else _schedule_from(spec)
     if _is_described(rule):
         changes = {}
         for k in _rule_fields(rule):
@@ -555,7 +555,7 @@ def state_dict(state) -> dict:
             continue
         first[id(leaf)] = name
         _check_storable(leaf.rule, f"{name}: {type(leaf.rule).__name__}")
-        d[f"{name}/rule"] = _encode(leaf.rule)
+        d[f"{name}/rule"] = encode(leaf.rule)
         d[f"{name}/frozen"] = bool(leaf.frozen)
         for key, value in _state_items(leaf.state, f"{name}/state", []):
             value = _unheld(value)
@@ -780,8 +780,8 @@ class _Planner:
             top = type(rule).__name__
             where = [k for k in kinds if k != top]
             self.problems.append(
-                f"{name}: the checkpoint has rule {_encode(spec)}, this state has "
-                f"{_encode(rule)}" + (f" (they differ at {', '.join(where[:3])})" if where else "")
+                f"{name}: the checkpoint has rule {encode(spec)}, this state has "
+                f"{encode(rule)}" + (f" (they differ at {', '.join(where[:3])})" if where else "")
             )
             return None
         if diffs and self.hyperparameters == "checkpoint":

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 import torch
 
 from optimisers.checkpoints.state_dict import FORMAT, FORMAT_KEY, CheckpointError
-from optimisers.checkpoints.state_dict import _encode as encode_rule
+from optimisers.checkpoints.state_dict import encode as encode_rule
 from optimisers.checkpoints.state_dict import load_state_dict as library_load_state_dict
 from optimisers.checkpoints.state_dict import state_dict as library_state_dict
 from optimisers.core.rule import Rule
