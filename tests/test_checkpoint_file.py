@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import optimisers as opt
-from test_checkpoint import assert_same_snapshot, assert_states_equal, copy_model, snapshot, trained
+from _checkpoint_helpers import assert_same_snapshot, assert_states_equal, copy_model, snapshot, trained
 
 safetensors_numpy = pytest.importorskip("safetensors.numpy")
 FORMATS = ["npz", "safetensors"]
@@ -364,7 +364,7 @@ def test_stray_temporary_files_of_killed_saves_are_removed(tmp_path):
         import os, sys
         sys.path.insert(0, {os.path.dirname(__file__)!r})
         import optimisers as opt
-        from test_checkpoint import trained
+        from _checkpoint_helpers import trained
         state, _ = trained(steps=2)
         os.fsync = lambda fd: os._exit(3)  # killed after writing, before the rename
         opt.save({str(path)!r}, state)

@@ -24,10 +24,7 @@ SCALED = [
 ]
 
 
-@pytest.fixture(autouse=True)
-def tiny_chunks(monkeypatch):
-    # small chunks so that a test-sized model exercises packed runs, split arrays and threads
-    monkeypatch.setattr(_engine, "CHUNK_SCALE", 1024)
+pytestmark = pytest.mark.usefixtures("tiny_chunks")
 
 
 def make_model(seed=0):

@@ -16,7 +16,6 @@ import torch
 
 import optimisers as opt
 import optimisers.torch as opt_torch
-from optimisers import _engine
 from optimisers._state import flatten_state, leaf_paths
 
 jnp = pytest.importorskip("jax.numpy")
@@ -162,10 +161,9 @@ def test_adam_first_step_is_at_most_the_learning_rate(backend, name):
 @pytest.mark.parametrize("backend", ["numpy", "torch", "jax"])
 @pytest.mark.parametrize("name", list(DTYPES))
 @pytest.mark.parametrize("rule", ["Adam", "RMSProp", "AdaMax"])
-def test_state_stays_in_the_parameters_dtype_and_both_paths_agree(rule, name, backend, monkeypatch):
+def test_state_stays_in_the_parameters_dtype_and_both_paths_agree(rule, name, backend, tiny_chunks):
     """Pure and in place, through the engine's chunks (several per parameter here) and the
     per-Leaf path alike: the same numbers bit for bit, state in the parameter's dtype."""
-    monkeypatch.setattr(_engine, "CHUNK_SCALE", 1024)
     make = CASES[rule][0]
     pure_state, pure = train_ours(make(), backend, name, "update")
     state, model = train_ours(make(), backend, name, "update_")

@@ -23,18 +23,13 @@ import torch
 from torch import nn
 
 import optimisers as opt
-from _torch_models import one_thread
 from optimisers import _engine
 from optimisers._state import flatten_state, leaf_paths
 from optimisers.torch import Optimizer
 
 STEPS = 4
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    with one_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 @dataclasses.dataclass

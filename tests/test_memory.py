@@ -43,8 +43,8 @@ def parts_of(state):
 
 
 @pytest.mark.parametrize("rule", RULES, ids=repr)
-def test_pure_update_in_chunks_gives_the_whole_array_numbers(rule, monkeypatch):
-    monkeypatch.setattr(_engine, "CHUNK_SCALE", 1024)  # 256-element chunks: 5 and a ragged tail
+def test_pure_update_in_chunks_gives_the_whole_array_numbers(rule, monkeypatch, tiny_chunks):
+    # 256-element chunks: 5 and a ragged tail
     taken = []
     real = _engine.pure_step
 
@@ -75,9 +75,8 @@ def test_pure_update_in_chunks_gives_the_whole_array_numbers(rule, monkeypatch):
 
 
 @pytest.mark.parametrize("rule", RULES[:5], ids=repr)
-def test_torch_pure_update_in_chunks_gives_the_whole_array_numbers(rule, monkeypatch):
+def test_torch_pure_update_in_chunks_gives_the_whole_array_numbers(rule, tiny_chunks):
     torch = pytest.importorskip("torch")
-    monkeypatch.setattr(_engine, "CHUNK_SCALE", 1024)
     rng = np.random.default_rng(0)
     x0 = rng.standard_normal((37, 29)).astype(np.float32)
     x = torch.from_numpy(x0.copy())
@@ -91,8 +90,7 @@ def test_torch_pure_update_in_chunks_gives_the_whole_array_numbers(rule, monkeyp
         np.testing.assert_allclose(x.numpy(), ref_x, rtol=1e-6, atol=1e-7)
 
 
-def test_update_and_update_agree_bit_for_bit_on_a_chunked_parameter(monkeypatch):
-    monkeypatch.setattr(_engine, "CHUNK_SCALE", 1024)
+def test_update_and_update_agree_bit_for_bit_on_a_chunked_parameter(tiny_chunks):
     rng = np.random.default_rng(1)
     rule = opt.OptimiserChain(opt.ClipNorm(2.0), opt.WeightDecay(0.01), opt.Adam(0.01))
     a = {"w": rng.standard_normal((40, 30)).astype(np.float32), "b": np.zeros(7, np.float32)}

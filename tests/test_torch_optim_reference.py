@@ -23,16 +23,12 @@ import pytest
 import torch
 
 import optimisers as opt
-from _torch_models import batch, lm_loss, make_gpt, one_thread
+from _torch_models import batch, lm_loss, make_gpt
 
 STEPS = 50
 TOL = {torch.float32: 2e-5, torch.float64: 1e-9}
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    with one_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 @dataclasses.dataclass

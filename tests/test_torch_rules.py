@@ -10,17 +10,12 @@ import torch
 from torch import nn
 
 import optimisers as opt
-from _torch_models import one_thread
 from test_rules import case_params, supports_complex
 
 STEPS = 4
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64]
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    with one_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 class Tied(nn.Module):
