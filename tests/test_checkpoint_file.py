@@ -113,7 +113,8 @@ def test_an_edited_header_is_refused(saved, edit):
 
 
 def test_an_edited_safetensors_header_is_refused_in_place(tmp_path):
-    """The edit of issue 12: the step counter changed in the bytes of the file, length kept."""
+    """A hand edit of the header: the step counter changed in the bytes of the file, its length
+    kept, so that only the checksum can tell."""
     state, model = trained(steps=5)
     path = tmp_path / "opt.safetensors"
     opt.save(path, state)

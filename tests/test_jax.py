@@ -1,8 +1,7 @@
 """JAX: pytrees, ties under jit, traced hyperparameters, donation, grad equivalence, dtypes.
 
-DESIGN 4.6-4.7 and issue 3 (JAX half). Numbers compare eager with jitted calls and with optax;
-identity (`is`) is checked where Python identity exists (eager), and the State carries the ties
-where it does not (jit).
+Numbers compare eager with jitted calls and with optax; identity (`is`) is checked where Python
+identity exists (eager), and the State carries the ties where it does not (jit).
 """
 
 from __future__ import annotations
