@@ -28,6 +28,7 @@ from _checkpoint_helpers import (
 )
 from optimisers import _checkpoint, schedules
 from optimisers._state import leaf_paths
+from rules_registry import checkpoint_rules
 
 # --- the state dict ------------------------------------------------------------------------------
 
@@ -138,35 +139,7 @@ def test_rules_shared_by_leafs_stay_shared():
     assert len(rules) == 1 and loaded["embed"].rule.eta == 0.003
 
 
-@pytest.mark.parametrize(
-    "rule",
-    [
-        opt.Descent(0.1),
-        opt.Momentum(0.01, 0.9),
-        opt.Nesterov(0.01),
-        opt.RMSProp(0.01, centred=True),
-        opt.Rprop(0.01),
-        opt.Adam(0.01),
-        opt.RAdam(0.01),
-        opt.AdaMax(0.01),
-        opt.OAdam(0.01),
-        opt.AdaGrad(0.1),
-        opt.AdaDelta(),
-        opt.AMSGrad(0.01),
-        opt.NAdam(0.01),
-        opt.AdamW(0.01, lambd=0.01),
-        opt.AdaBelief(0.01),
-        opt.Lion(0.01),
-        opt.WeightDecay(),
-        opt.SignDecay(),
-        opt.ClipGrad(0.5),
-        opt.ClipNorm(1.0),
-        opt.OptimiserChain(opt.ClipNorm(1.0), opt.WeightDecay(0.01), opt.Adam(0.01)),
-        opt.AccumGrad(2),
-        opt.MixedPrecision(opt.Adam(0.01), np.float64),
-    ],
-    ids=lambda r: type(r).__name__,
-)
+@pytest.mark.parametrize("rule", checkpoint_rules(), ids=lambda r: type(r).__name__)
 def test_every_rule_resumes_bit_for_bit(rule, tmp_path):
     rng = np.random.default_rng(SEED)
     model = make_model(rng)
