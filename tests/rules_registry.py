@@ -1,49 +1,56 @@
 """The one list of rules that the generic tests run (not a test module).
 
-Each rule of the library has one `RuleInfo` in `RULES` below: its class, its documented defaults,
-its independent reference formula (`rule_reference.py`), whether it takes complex parameters, its
-counterparts in torch.optim and optax with the mapping of hyperparameters written once, and the
-hyperparameters each family of generic tests runs it with. `COMPOSITES` lists the chains and
-wrappers that the same tests run. The tests ask the functions at the end of this module for their
-cases, so a rule registered here is run by all of them:
+Each rule of the library has one `RuleInfo` in `RULES` below, in the style of PyTorch's
+OptimizerInfo database: its class, its documented defaults, its independent reference formula
+(`rule_reference.py`), flags (takes complex parameters, elementwise), its counterparts in
+torch.optim and optax with the mapping of hyperparameters written once, and the hyperparameters
+that each family of generic tests runs it with. `COMPOSITES` lists the chains and wrappers that
+the same tests run. The tests ask the functions at the end of this module for their cases, so a
+rule registered here is run by all of them:
 
-- `test_rules.py` (NumPy): convergence on toy losses, dtypes, purity, pure against in place bit for
-  bit, the reference formulas over 20 steps (real and complex), documented defaults;
-- `test_torch_rules.py`: the same cases on torch tensors with a tied weight: NumPy's numbers,
-  every float dtype, pure and in place bit for bit;
-- `test_jax_rules.py`: every rule under `jax.jit` with ties, against eager; the optax counterpart
-  over 100 jitted float32 steps;
-- `test_rules_vs_libraries.py`: torch.optim and optax counterparts over 25 float64 steps;
-- `test_torch_optim_reference.py`: the torch.optim counterpart training a tiny GPT with tied weights;
-- `test_layouts.py`: channels_last, transposed and Fortran-order parameters (bit for bit against
-  contiguous ones, and against torch.optim where it has the rule);
-- `test_half_precision.py`: float16/bfloat16 parameters, no less accurate than torch.optim;
-- `test_checkpoint.py`: a run resumed from a checkpoint continues bit for bit;
-- `test_registry.py`: every public rule of the library is registered here, and the flags written
-  here are the library's.
+- family `toy`, `test_rules.py` (NumPy): convergence on three toy losses, dtypes, purity, pure
+  against in place bit for bit, the reference formulas over 20 steps (real and complex), the
+  documented defaults; `test_torch_rules.py`: the same cases on torch tensors with a tied weight
+  (NumPy's numbers, every float dtype, pure and in place bit for bit, no autograd graph);
+  `test_properties.py`: random trees with ties and missing gradients; `test_engine.py` (elementwise
+  rules): the in-place engine against the per-Leaf path through freezing, missing gradients and
+  adjusting; `test_half_precision.py`: float16/bfloat16 state in the parameter's dtype, pure and
+  in place bit for bit (at the `half` hyperparameters where given);
+- `jit`: `test_jax_rules.py`, under `jax.jit` with ties, as eagerly; `test_optax_adapter.py`,
+  through `optimisers.optax.transform` bit for bit; `test_jax.py`, one trace through a schedule;
+- `checkpoint`: `test_checkpoint.py` (NumPy) and `test_checkpoint_backends.py` (torch), a run
+  resumed from a checkpoint continues bit for bit;
+- `train`: `test_layouts.py`, channels_last, transposed and Fortran-order parameters bit for bit
+  against contiguous ones (and against torch.optim where it has the rule);
+  `test_torch_optim_reference.py`, torch.optim training a tiny GPT with tied weights;
+- `torch64`, `optax64`: `test_rules_vs_libraries.py`, 25 float64 steps on one array to 1e-11;
+  `optax32`: `test_jax_rules.py`, 100 jitted float32 steps; `half`: `test_half_precision.py`, no
+  less accurate than torch.optim in float16/bfloat16;
+- `test_registry.py`: every public rule of the library is registered here, the flags written here
+  are the library's, and the reference formulas have the documented defaults.
 
 How to register a new rule
 --------------------------
 1. Write its reference formula in `rule_reference.py`: a factory taking the rule's hyperparameters
    as keyword arguments with the documented defaults, returning `step(x, g) -> u` (the amount
    subtracted from x; None for no move), from the paper, not from the library's code.
-2. Add one `RuleInfo` to `RULES`. For an elementwise optimiser without counterparts elsewhere:
+2. Add one `RuleInfo` to `RULES`. For an elementwise optimiser (here `MyRule` with
+   hyperparameters eta and beta) that is all:
 
        RuleInfo(opt.MyRule, dict(eta=1e-3, beta=(0.9, 0.999)), ref.my_rule, toy=[hp(eta=0.05)]),
 
-   `defaults` are the documented defaults (checked against the constructor); `toy` holds the
-   hyperparameters with which it must shrink the loss gap of three toy problems tenfold in
-   `toy_steps` steps (give `toy_steps=0` for a gradient transformation that is not an optimiser on
-   its own). Every other family runs the rule at its defaults unless told otherwise (`jit`,
-   `train`, `checkpoint`); set `complex=False` if the rule rejects complex parameters, and
-   `jit=[]` if it decides in Python (it cannot be traced).
+   The second argument is the documented defaults (checked against the constructor and the
+   reference formula). `toy` holds the hyperparameters with which the rule must shrink the loss
+   gap of three toy problems tenfold in `toy_steps` (300) steps; give `toy_steps=0` for a gradient
+   transformation that is not an optimiser on its own. The families `jit`, `train` and
+   `checkpoint` run the rule at its defaults unless given other hyperparameters. Set
+   `complex=False` if the rule rejects complex parameters, `elementwise=False` if an element's
+   step depends on other elements, and `jit=[]` if it decides in Python (it cannot be traced).
 3. If torch.optim or optax has the rule, give the mapping once (`torch=TorchPeer(...)`,
-   `optax=lambda optax, r: ...`, both from the rule instance `r`) and the hyperparameters to
-   compare at (`torch64`, `optax64`: float64, one array, 25 steps to 1e-11; `optax32`: float32
-   under jit, 100 steps; `train`: a tiny GPT, 50 steps, and a conv net with strided parameters;
-   `half`: float16/bfloat16). Choose them
+   `optax=lambda optax, r: ...`, both computed from the rule instance `r`) and the
+   hyperparameters to compare at (`torch64`, `optax64`, `optax32`, `train`, `half`). Choose them
    where the two formulas agree (e.g. a small ε where the peer puts ε elsewhere) and say why in a
-   comment.
+   comment next to the entry.
 """
 
 from __future__ import annotations
