@@ -104,7 +104,9 @@ class RuleInfo:
     elementwise: bool = True  # each element's step depends on that element alone
     torch: TorchPeer | None = None
     optax: Callable | None = None  # (optax, rule) -> transformation whose updates are added
-    # hyperparameters per family of generic tests (see the module docstring)
+    # hyperparameters per family of generic tests (see the module docstring). The `toy` learning
+    # rates are what a user would pick for the well-scaled toy problems; rules without a learning
+    # rate run at their defaults and converge only inside a chain.
     toy: Sequence[Hyper] = DEFAULT
     toy_steps: int = 300  # 0: not an optimiser on its own (runs in chains only)
     jit: Sequence[Hyper] = DEFAULT
