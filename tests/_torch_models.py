@@ -14,8 +14,8 @@ VOCAB, DIM, HIDDEN, CONTEXT = 13, 8, 16, 6
 
 @contextlib.contextmanager
 def one_thread():
-    """Run torch single-threaded. These tensors are tiny, and on a busy 2-core CI machine torch's
-    spinning intra-op threads made the same tests ~10x slower in wall time."""
+    """Run torch single-threaded. These tensors are tiny: torch's intra-op threads only add
+    overhead here, and they spin on the CPU cores that other test processes need."""
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

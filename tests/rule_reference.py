@@ -1,5 +1,5 @@
-"""Independent NumPy implementations of every rule, written from RULES.md and the papers without
-calling the library, to check the library's numbers against.
+"""Independent NumPy implementations of every rule, written from the rules' docstrings and the
+papers without calling the library, to check the library's numbers against.
 
 Each factory returns `step(x, g) -> u or None` (the amount subtracted from `x`; None = no move)
 holding its state in a closure. They are written for clarity, not speed: float64/complex128 arrays,

@@ -17,138 +17,19 @@ import pytest
 
 import optimisers as opt
 import optimisers.checkpoints.state_dict as _checkpoint
+from _checkpoint_helpers import (
+    SEED,
+    assert_same_snapshot,
+    assert_states_equal,
+    copy_model,
+    make_grads,
+    make_model,
+    snapshot,
+    trained,
+)
 from optimisers import schedules
 from optimisers.core.state import leaf_paths
-
-SEED = 1234
-
-
-# --- helpers -------------------------------------------------------------------------------------
-
-
-def make_model(rng, dtype=np.float32):
-    """Embedding tied to the LM head, a shared block at two places, a frozen-to-be bias."""
-    W = rng.standard_normal((6, 4)).astype(dtype)
-    block = {"w": rng.standard_normal((4, 4)).astype(dtype), "b": np.zeros(4, dtype)}
-    return {
-        "embed": W,
-        "layers": [block, {"w": rng.standard_normal((4, 4)).astype(dtype)}, block],
-        "head": {"weight": W, "bias": rng.standard_normal(6).astype(dtype)},
-        "step_count": np.int64(0),  # not trainable: carried along
-        "name": "tiny",
-    }
-
-
-def make_grads(rng, model):
-    def grad(x):
-        return rng.standard_normal(x.shape).astype(x.dtype)
-
-    block = model["layers"][0]
-    return {
-        "embed": grad(model["embed"]),
-        "layers": [
-            {"w": grad(block["w"]), "b": grad(block["b"])},
-            {"w": grad(model["layers"][1]["w"])},
-            {"w": grad(block["w"]), "b": None},
-        ],
-        "head": {"weight": grad(model["embed"]), "bias": grad(model["head"]["bias"])},
-    }
-
-
-def copy_model(model):
-    """A structurally identical model built from copies, ties and shared containers kept (as a
-    user would rebuild it from saved weights in a new process)."""
-    W = model["embed"].copy()
-    old = model["layers"][0]
-    block = {"w": old["w"].copy(), "b": old["b"].copy()}
-    return {
-        "embed": W,
-        "layers": [block, {"w": model["layers"][1]["w"].copy()}, block],
-        "head": {"weight": W, "bias": model["head"]["bias"].copy()},
-        "step_count": model["step_count"],
-        "name": model["name"],
-    }
-
-
-def snapshot(state):
-    """Everything about a State that loading must not change: structure, Leaf identities, rules,
-    flags, and copies of the state values."""
-    out = []
-
-    def visit(node, path):
-        if isinstance(node, opt.Leaf):
-            values = _checkpoint._state_items(node.state, "s", [])
-            out.append(
-                (
-                    path,
-                    id(node),
-                    node.rule,
-                    node.frozen,
-                    [(k, np.array(v, copy=True)) for k, v in values],
-                )
-            )
-            return
-        out.append((path, id(node), sorted(map(str, node))))
-        for k, child in node.items():
-            visit(child, path + (k,))
-
-    visit(state.tree, ())
-    return out
-
-
-def assert_same_snapshot(a, b):
-    assert len(a) == len(b)
-    for x, y in zip(a, b):
-        assert x[:-1] == y[:-1] if len(x) == 5 else x == y
-        if len(x) == 5:
-            assert [k for k, _ in x[4]] == [k for k, _ in y[4]]
-            for (_, u), (_, v) in zip(x[4], y[4]):
-                assert u.dtype == v.dtype and np.array_equal(u, v, equal_nan=True)
-
-
-def assert_states_equal(a, b):
-    """Same Leafs (values, rules, flags) at the same places, and the same ties."""
-    pa, pb = leaf_paths(a.tree), leaf_paths(b.tree)
-    assert [p for p, _ in pa] == [p for p, _ in pb]
-    for (_, la), (_, lb) in zip(pa, pb):
-        assert la.rule == lb.rule
-        assert la.frozen == lb.frozen
-        va = _checkpoint._state_items(la.state, "s", [])
-        vb = _checkpoint._state_items(lb.state, "s", [])
-        assert [k for k, _ in va] == [k for k, _ in vb]
-        for (_, u), (_, v) in zip(va, vb):
-            if isinstance(u, (np.ndarray, np.generic)):
-                # a 0-d state array may come back from NumPy arithmetic as a NumPy scalar
-                u, v = np.asarray(u), np.asarray(v)
-                assert u.dtype == v.dtype and u.shape == v.shape and np.array_equal(u, v)
-            else:
-                assert type(u) is type(v) and u == v
-    assert tie_pattern(a) == tie_pattern(b)
-
-
-def tie_pattern(state):
-    """For each place (path) of a Leaf, the first path of that Leaf."""
-    first, out = {}, {}
-
-    def visit(node, path):
-        if isinstance(node, opt.Leaf):
-            out[path] = first.setdefault(id(node), path)
-            return
-        for k, child in node.items():
-            visit(child, path + (k,))
-
-    visit(state.tree, ())
-    return out
-
-
-def trained(rule=None, steps=3, seed=SEED):
-    rng = np.random.default_rng(seed)
-    model = make_model(rng)
-    state = opt.setup(rule or opt.Adam(0.01), model)
-    for _ in range(steps):
-        state, model = opt.update(state, model, make_grads(rng, model))
-    return state, model
-
+from rules_registry import checkpoint_rules
 
 # --- the state dict ------------------------------------------------------------------------------
 
@@ -259,35 +140,7 @@ def test_rules_shared_by_leafs_stay_shared():
     assert len(rules) == 1 and loaded["embed"].rule.eta == 0.003
 
 
-@pytest.mark.parametrize(
-    "rule",
-    [
-        opt.Descent(0.1),
-        opt.Momentum(0.01, 0.9),
-        opt.Nesterov(0.01),
-        opt.RMSProp(0.01, centred=True),
-        opt.Rprop(0.01),
-        opt.Adam(0.01),
-        opt.RAdam(0.01),
-        opt.AdaMax(0.01),
-        opt.OAdam(0.01),
-        opt.AdaGrad(0.1),
-        opt.AdaDelta(),
-        opt.AMSGrad(0.01),
-        opt.NAdam(0.01),
-        opt.AdamW(0.01, lambd=0.01),
-        opt.AdaBelief(0.01),
-        opt.Lion(0.01),
-        opt.WeightDecay(),
-        opt.SignDecay(),
-        opt.ClipGrad(0.5),
-        opt.ClipNorm(1.0),
-        opt.OptimiserChain(opt.ClipNorm(1.0), opt.WeightDecay(0.01), opt.Adam(0.01)),
-        opt.AccumGrad(2),
-        opt.MixedPrecision(opt.Adam(0.01), np.float64),
-    ],
-    ids=lambda r: type(r).__name__,
-)
+@pytest.mark.parametrize("rule", checkpoint_rules(), ids=lambda r: type(r).__name__)
 def test_every_rule_resumes_bit_for_bit(rule, tmp_path):
     rng = np.random.default_rng(SEED)
     model = make_model(rng)
@@ -364,7 +217,7 @@ RESUME_SCRIPT = textwrap.dedent(
     import numpy as np
     import optimisers as opt
     sys.path.insert(0, {tests!r})
-    from test_checkpoint import copy_model, make_grads, make_model
+    from _checkpoint_helpers import copy_model, make_grads, make_model
 
     rng = np.random.default_rng({seed})
     model = make_model(rng)
@@ -545,7 +398,7 @@ def test_a_crash_mid_write_leaves_the_old_checkpoint(tmp_path):
         import numpy as np
         sys.path.insert(0, {os.path.dirname(__file__)!r})
         import optimisers as opt
-        from test_checkpoint import trained
+        from _checkpoint_helpers import trained
         state, _ = trained(steps=2)
         os.fsync = lambda fd: os._exit(3)  # the process dies after writing, before the rename
         opt.save({str(path)!r}, state)

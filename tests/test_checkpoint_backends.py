@@ -12,6 +12,7 @@ import pytest
 import optimisers as opt
 from _host_devices import run_on_host_devices
 from optimisers.schedules import Cosine, Join, Linear
+from rules_registry import checkpoint_rules
 
 torch = pytest.importorskip("torch")
 jax = pytest.importorskip("jax")
@@ -51,7 +52,8 @@ def torch_train(model, state, batches, sched, start, stop):
             opt.freeze_(state["norm"])
         if t == 6:
             opt.thaw_(state["norm"])
-        opt.adjust_(state, eta=sched(t))
+        if sched is not None:
+            opt.adjust_(state, eta=sched(t))
         model.zero_grad()
         tokens = batches[t]
         logits = model(tokens[:, :-1])
@@ -61,18 +63,25 @@ def torch_train(model, state, batches, sched, start, stop):
     return state, model
 
 
-@pytest.mark.parametrize(
-    "rule",
-    [
-        opt.Adam(0.01),
-        opt.OptimiserChain(opt.ClipNorm(1.0), opt.AdamW(0.01, lambd=0.01)),
-        opt.Momentum(0.01),
-    ],
-    ids=lambda r: type(r).__name__,
-)
+RESUMED = [
+    pytest.param(opt.Adam(0.01), id="Adam"),
+    pytest.param(opt.OptimiserChain(opt.ClipNorm(1.0), opt.AdamW(0.01, lambd=0.01)), id="OptimiserChain"),
+    pytest.param(opt.Momentum(0.01), id="Momentum"),
+]
+# and every rule of rules_registry.py's `checkpoint` family
+RESUMED += [
+    pytest.param(rule, id=repr(rule).replace(" ", ""))
+    for rule in checkpoint_rules()
+    if rule not in [p.values[0] for p in RESUMED]
+]
+
+
+@pytest.mark.parametrize("rule", RESUMED)
 def test_torch_resume_bit_for_bit(rule, tmp_path):
     batches = torch_batches(10)
-    sched = Join((Linear(0.0, 0.02, 3), Cosine(0.02, 7, final=0.001)), (3,))
+    # the schedule sets the learning rate; rules without one (AdaDelta, WeightDecay, ...) keep theirs
+    has_eta = "eta" in rule.hyperparameters()
+    sched = Join((Linear(0.0, 0.02, 3), Cosine(0.02, 7, final=0.001)), (3,)) if has_eta else None
 
     torch.manual_seed(0)
     full = TiedLM()

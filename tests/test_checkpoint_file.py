@@ -19,8 +19,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import optimisers as opt
+from _checkpoint_helpers import assert_same_snapshot, assert_states_equal, copy_model, snapshot, trained
 from optimisers.core.state import leaf_paths
-from test_checkpoint import assert_same_snapshot, assert_states_equal, copy_model, snapshot, trained
 
 safetensors_numpy = pytest.importorskip("safetensors.numpy")
 FORMATS = ["npz", "safetensors"]
@@ -114,7 +114,8 @@ def test_an_edited_header_is_refused(saved, edit):
 
 
 def test_an_edited_safetensors_header_is_refused_in_place(tmp_path):
-    """The edit of issue 12: the step counter changed in the bytes of the file, length kept."""
+    """A hand edit of the header: the step counter changed in the bytes of the file, its length
+    kept, so that only the checksum can tell."""
     state, model = trained(steps=5)
     path = tmp_path / "opt.safetensors"
     opt.save(path, state)
@@ -365,7 +366,7 @@ def test_stray_temporary_files_of_killed_saves_are_removed(tmp_path):
         import os, sys
         sys.path.insert(0, {os.path.dirname(__file__)!r})
         import optimisers as opt
-        from test_checkpoint import trained
+        from _checkpoint_helpers import trained
         state, _ = trained(steps=2)
         os.fsync = lambda fd: os._exit(3)  # killed after writing, before the rename
         opt.save({str(path)!r}, state)

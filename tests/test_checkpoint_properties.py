@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import optimisers as opt
-from test_checkpoint import assert_states_equal, tie_pattern
+from _checkpoint_helpers import assert_states_equal, tie_pattern
 
 N_ARRAYS = 5
 SHAPES = [(3,), (2, 2), (), (1, 4)]

@@ -1,4 +1,5 @@
-"""Bad input (DESIGN section 5): clear errors naming the path; a failed call changes nothing."""
+"""Bad input: clear errors naming the path in the model and what was expected; a failed call
+changes nothing."""
 
 from __future__ import annotations
 

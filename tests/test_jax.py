@@ -1,8 +1,7 @@
 """JAX: pytrees, ties under jit, traced hyperparameters, donation, grad equivalence, dtypes.
 
-DESIGN 4.6-4.7 and issue 3 (JAX half). Numbers compare eager with jitted calls and with optax;
-identity (`is`) is checked where Python identity exists (eager), and the State carries the ties
-where it does not (jit).
+Numbers compare eager with jitted calls and with optax; identity (`is`) is checked where Python
+identity exists (eager), and the State carries the ties where it does not (jit).
 """
 
 from __future__ import annotations
@@ -24,6 +23,7 @@ from hypothesis import strategies as st
 
 import optimisers as opt
 from optimisers import Leaf, State
+from rules_registry import jit_rules
 
 
 def rand(*shape, seed=0, dtype=jnp.float32):
@@ -390,6 +390,14 @@ _ONE_COMPILE_RULES = {
     "momentum": lambda: opt.Momentum(0.01, 0.9),
     "clipnorm-adamw": lambda: opt.OptimiserChain(opt.ClipNorm(1.0), opt.AdamW(0.01, lambd=0.1)),
     "mixed-precision": lambda: opt.MixedPrecision(opt.Adam(0.01)),
+}
+
+
+# and every rule of rules_registry.py's `jit` family that has a learning rate for the schedule
+_ONE_COMPILE_RULES |= {
+    repr(rule).replace(" ", ""): (lambda rule=rule: rule)
+    for rule in jit_rules()
+    if "eta" in rule.hyperparameters() and rule not in [make() for make in _ONE_COMPILE_RULES.values()]
 }
 
 

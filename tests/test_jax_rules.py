@@ -1,9 +1,10 @@
 """Every rule on JAX arrays against its optax counterpart, 100 jitted steps on a fixed gradient
 sequence (gradients do not depend on the parameters, so rounding differences do not feed back).
 
-The hyperparameter mapping is written next to each case. Where optax computes something else,
-the test states exactly what relation holds instead (OAdam) or the rule is left out with the
-reason (Rprop, SignDecay, MixedPrecision).
+The rules, their optax counterparts and the hyperparameter mapping are those of
+`rules_registry.py` (family `optax32`), with the reasons written there. Where optax computes
+something else, the test states exactly what relation holds instead (OAdam, ClipNorm, AccumGrad).
+Every rule of the registry's `jit` family also runs under `jax.jit` with ties, as eagerly.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import optax
 import pytest
 
 import optimisers as opt
+from rules_registry import jit_rules, optax_cases
 
 STEPS = 100
 SHAPES = {"w": (7, 5), "b": (5,)}
@@ -35,45 +37,9 @@ def _grads(steps=STEPS, seed=0):
 
 GRADS = _grads()
 
-# (our rule, optax transformation). optax's sign convention is folded into apply_updates.
-CASES = {
-    "Descent": (opt.Descent(0.1), optax.sgd(0.1)),
-    # η inside the velocity here, outside in optax: equal while η is constant
-    "Momentum": (opt.Momentum(0.01, 0.9), optax.sgd(0.01, momentum=0.9)),
-    "Nesterov": (opt.Nesterov(0.01, 0.9), optax.sgd(0.01, momentum=0.9, nesterov=True)),
-    # optax's default puts ε inside the root
-    "RMSProp": (
-        opt.RMSProp(0.01, 0.9, 1e-8),
-        optax.rmsprop(0.01, decay=0.9, eps=1e-8, eps_in_sqrt=False),
-    ),
-    "RMSProp(centred)": (
-        opt.RMSProp(0.01, 0.9, 1e-8, centred=True),
-        optax.rmsprop(0.01, decay=0.9, eps=1e-8, eps_in_sqrt=False, centered=True),
-    ),
-    "Adam": (opt.Adam(0.01, (0.9, 0.999), 1e-8), optax.adam(0.01, b1=0.9, b2=0.999, eps=1e-8)),
-    # optax rectifies when ρ >= threshold (default 5); ours when ρ > 4
-    "RAdam": (opt.RAdam(0.01), optax.radam(0.01, threshold=4.0)),
-    # optax: ν ← max(β₂ν, |g| + ε), step ∝ m/ν; ours: w ← max(β₂w, |g|), step ∝ m/(w + ε)
-    "AdaMax": (opt.AdaMax(0.01), optax.adamax(0.01, eps=1e-8)),
-    # optax: accumulator starts at initial_accumulator_value, ε inside the root
-    "AdaGrad": (opt.AdaGrad(0.1, 1e-8), optax.adagrad(0.1, initial_accumulator_value=1e-8, eps=0.0)),
-    "AdaDelta": (opt.AdaDelta(0.9, 1e-6), optax.adadelta(1.0, rho=0.9, eps=1e-6)),
-    "AMSGrad": (opt.AMSGrad(0.01), optax.amsgrad(0.01)),
-    "NAdam": (opt.NAdam(0.01), optax.nadam(0.01)),
-    # optax.adamw decays by lr·wd·x, like couple=True
-    "AdamW": (opt.AdamW(0.01, (0.9, 0.999), 0.1), optax.adamw(0.01, weight_decay=0.1)),
-    "AdaBelief": (opt.AdaBelief(0.01), optax.adabelief(0.01, eps=1e-16, eps_root=1e-16)),
-    # optax.lion's defaults: b2=0.99, weight_decay=1e-3
-    "Lion": (opt.Lion(0.001, (0.9, 0.99)), optax.lion(0.001, b1=0.9, b2=0.99, weight_decay=0.0)),
-    "WeightDecay>Adam": (
-        opt.OptimiserChain(opt.WeightDecay(0.1), opt.Adam(0.01)),
-        optax.chain(optax.add_decayed_weights(0.1), optax.adam(0.01)),
-    ),
-    "ClipGrad>Adam": (
-        opt.OptimiserChain(opt.ClipGrad(0.5), opt.Adam(0.01)),
-        optax.chain(optax.clip(0.5), optax.adam(0.01)),
-    ),
-}
+# our rule and its optax counterpart, with the hyperparameter mapping written in rules_registry.py;
+# optax's sign convention is folded into apply_updates
+CASES = {case.name: case for case in optax_cases("optax32")}
 
 
 def _run_optax(tx, x0, grads):
@@ -104,7 +70,7 @@ def _rel(a, b):
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_rule_matches_optax_over_100_steps(name):
-    rule, tx = CASES[name]
+    rule, tx = CASES[name].ours(), CASES[name].theirs(optax)
     x0 = _x0()
     ours = _run_ours(rule, x0, GRADS)
     theirs = _run_optax(tx, x0, GRADS)
@@ -154,33 +120,7 @@ def test_accumgrad_matches_optax_multisteps_eagerly():
     assert float(jnp.max(jnp.abs(ours[3]["w"] - x0["w"]))) > 1e-3
 
 
-RULES_UNDER_JIT = [
-    opt.Descent(0.1),
-    opt.Momentum(),
-    opt.Nesterov(),
-    opt.RMSProp(),
-    opt.RMSProp(centred=True),
-    opt.Rprop(),
-    opt.Adam(),
-    opt.RAdam(),
-    opt.AdaMax(),
-    opt.OAdam(),
-    opt.AdaGrad(),
-    opt.AdaDelta(),
-    opt.AMSGrad(),
-    opt.NAdam(),
-    opt.AdamW(lambd=0.1),
-    opt.AdamW(lambd=0.1, couple=False),
-    opt.AdaBelief(),
-    opt.Lion(),
-    opt.WeightDecay(),
-    opt.SignDecay(),
-    opt.ClipGrad(0.5),
-    opt.ClipNorm(1.0),
-    opt.ClipNorm(1.0, float("inf")),
-    opt.OptimiserChain(opt.ClipNorm(1.0), opt.WeightDecay(), opt.Adam()),
-    opt.MixedPrecision(opt.Adam()),
-]
+RULES_UNDER_JIT = jit_rules()
 
 
 @pytest.mark.parametrize("rule", RULES_UNDER_JIT, ids=repr)

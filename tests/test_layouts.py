@@ -14,9 +14,6 @@ Two kinds of check:
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable
-
 import numpy as np
 import pytest
 import torch
@@ -25,100 +22,22 @@ from torch import nn
 import optimisers as opt
 import optimisers.engine.group as _engine_group
 import optimisers.engine.plan as _engine_plan
-from _torch_models import one_thread
 from optimisers.core.state import flatten_state, leaf_paths
 from optimisers.torch import Optimizer
+from rules_registry import TorchCase, layout_rules, torch_cases
 
 STEPS = 4
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    with one_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
-@dataclasses.dataclass
-class Case:
-    name: str
-    ours: Callable[[], opt.Rule]
-    theirs: Callable  # (params, **implementation) -> torch.optim.Optimizer
-    fused: bool = False  # torch has a fused CPU kernel for it
+# The rules of rules_registry.py's family `train` that torch.optim also has, with the mapping and
+# hyperparameters written there; STEPS = 4 keeps RAdam before step 5, where its rectification
+# threshold differs from torch's.
+CASES = torch_cases("train")
 
-
-# The hyperparameter mappings are those of test_torch_optim_reference.py (see the reasons there);
-# STEPS = 4 keeps RAdam before step 5, where its rectification threshold differs from torch's.
-CASES = [
-    Case("Descent", lambda: opt.Descent(0.1), lambda p, **k: torch.optim.SGD(p, lr=0.1, **k), fused=True),
-    Case(
-        "Momentum",
-        lambda: opt.Momentum(0.05, 0.9),
-        lambda p, **k: torch.optim.SGD(p, lr=0.05, momentum=0.9, **k),
-        fused=True,
-    ),
-    Case(
-        "Nesterov",
-        lambda: opt.Nesterov(0.05, 0.9),
-        lambda p, **k: torch.optim.SGD(p, lr=0.05, momentum=0.9, nesterov=True, **k),
-        fused=True,
-    ),
-    Case(
-        "RMSProp",
-        lambda: opt.RMSProp(1e-3, 0.9, 1e-8),
-        lambda p, **k: torch.optim.RMSprop(p, lr=1e-3, alpha=0.9, eps=1e-8, **k),
-    ),
-    Case(
-        "RMSProp(centred)",
-        lambda: opt.RMSProp(1e-3, 0.9, 1e-8, centred=True),
-        lambda p, **k: torch.optim.RMSprop(p, lr=1e-3, alpha=0.9, eps=1e-8, centered=True, **k),
-    ),
-    Case(
-        "Rprop",
-        lambda: opt.Rprop(1e-3, (0.5, 1.2), (1e-6, 50.0)),
-        lambda p, **k: torch.optim.Rprop(p, lr=1e-3, etas=(0.5, 1.2), step_sizes=(1e-6, 50.0), **k),
-    ),
-    Case(
-        "Adam",
-        lambda: opt.Adam(1e-2, (0.9, 0.999), 1e-8),
-        lambda p, **k: torch.optim.Adam(p, lr=1e-2, betas=(0.9, 0.999), eps=1e-8, **k),
-        fused=True,
-    ),
-    Case(
-        "AdamW",
-        lambda: opt.AdamW(1e-2, (0.9, 0.999), 0.1, 1e-8),
-        lambda p, **k: torch.optim.AdamW(p, lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1, **k),
-        fused=True,
-    ),
-    Case(
-        "AdaMax",
-        lambda: opt.AdaMax(2e-3, (0.9, 0.999), 1e-10),
-        lambda p, **k: torch.optim.Adamax(p, lr=2e-3, betas=(0.9, 0.999), eps=1e-10, **k),
-    ),
-    Case(
-        "AdaGrad",
-        lambda: opt.AdaGrad(0.05, 1e-8),
-        lambda p, **k: torch.optim.Adagrad(p, lr=0.05, initial_accumulator_value=1e-8, eps=1e-8, **k),
-        fused=True,
-    ),
-    Case(
-        "AdaDelta",
-        lambda: opt.AdaDelta(0.9, 1e-6),
-        lambda p, **k: torch.optim.Adadelta(p, lr=1.0, rho=0.9, eps=1e-6, **k),
-    ),
-    Case(
-        "RAdam",
-        lambda: opt.RAdam(1e-2, (0.9, 0.999), 1e-13),
-        lambda p, **k: torch.optim.RAdam(p, lr=1e-2, betas=(0.9, 0.999), eps=1e-13, **k),
-    ),
-]
-
-# torch.optim's NAdam uses Dozat's momentum schedule, ours the formula optax uses (see NAdam's
-# docstring), so NAdam is not compared with torch; the bit-for-bit layout tests cover it.
-RULES = {c.name: c.ours for c in CASES} | {
-    "NAdam": lambda: opt.NAdam(1e-2),
-    "ClipNorm+Adam": lambda: opt.OptimiserChain(opt.ClipNorm(1.0), opt.Adam(1e-2)),
-    "AMSGrad": lambda: opt.AMSGrad(1e-2),
-}
+# every rule of the family, with or without a torch.optim counterpart, for the bit-for-bit tests
+RULES = layout_rules()
 REDUCES = {"ClipNorm+Adam"}
 
 
@@ -155,7 +74,7 @@ def loss(net, x, y):
     return ((net(x) - y) ** 2).sum()
 
 
-def train_torch(case: Case, **implementation) -> list[torch.Tensor]:
+def train_torch(case: TorchCase, **implementation) -> list[torch.Tensor]:
     net, (x, y) = make_net(), data()
     optimizer = case.theirs(net.parameters(), **implementation)
     for _ in range(STEPS):
@@ -165,7 +84,7 @@ def train_torch(case: Case, **implementation) -> list[torch.Tensor]:
     return [p.detach().clone() for p in net.parameters()]
 
 
-def train_ours(case: Case, path: str) -> list[torch.Tensor]:
+def train_ours(case: TorchCase, path: str) -> list[torch.Tensor]:
     net, (x, y) = make_net(), data()
     if path == "adapter":
         optimizer = Optimizer(net.parameters(), case.ours())

@@ -13,8 +13,6 @@ import pytest
 
 import optimisers as opt
 import optimisers.engine.chunked as _engine_chunked
-import optimisers.engine.group as _engine_group
-from optimisers.core.rule import NewValue
 from optimisers.core.state import flatten_state
 
 RULES = [
@@ -33,7 +31,7 @@ def whole_array_step(rule, state, x, g):
     new_state, step = rule.apply(state, x, g)
     if step is None:
         return new_state, x.copy()
-    if isinstance(step, NewValue):
+    if isinstance(step, opt.NewValue):
         return new_state, np.asarray(step.value).astype(x.dtype)
     return new_state, (x - step).astype(x.dtype)
 
@@ -45,8 +43,8 @@ def parts_of(state):
 
 
 @pytest.mark.parametrize("rule", RULES, ids=repr)
-def test_pure_update_in_chunks_gives_the_whole_array_numbers(rule, monkeypatch):
-    monkeypatch.setattr(_engine_group, "CHUNK_SCALE", 1024)  # 256-element chunks: 5 and a ragged tail
+def test_pure_update_in_chunks_gives_the_whole_array_numbers(rule, monkeypatch, tiny_chunks):
+    # 256-element chunks: 5 and a ragged tail
     taken = []
     real = _engine_chunked.pure_step
 
@@ -77,9 +75,8 @@ def test_pure_update_in_chunks_gives_the_whole_array_numbers(rule, monkeypatch):
 
 
 @pytest.mark.parametrize("rule", RULES[:5], ids=repr)
-def test_torch_pure_update_in_chunks_gives_the_whole_array_numbers(rule, monkeypatch):
+def test_torch_pure_update_in_chunks_gives_the_whole_array_numbers(rule, tiny_chunks):
     torch = pytest.importorskip("torch")
-    monkeypatch.setattr(_engine_group, "CHUNK_SCALE", 1024)
     rng = np.random.default_rng(0)
     x0 = rng.standard_normal((37, 29)).astype(np.float32)
     x = torch.from_numpy(x0.copy())
@@ -93,8 +90,7 @@ def test_torch_pure_update_in_chunks_gives_the_whole_array_numbers(rule, monkeyp
         np.testing.assert_allclose(x.numpy(), ref_x, rtol=1e-6, atol=1e-7)
 
 
-def test_update_and_update_agree_bit_for_bit_on_a_chunked_parameter(monkeypatch):
-    monkeypatch.setattr(_engine_group, "CHUNK_SCALE", 1024)
+def test_update_and_update_agree_bit_for_bit_on_a_chunked_parameter(tiny_chunks):
     rng = np.random.default_rng(1)
     rule = opt.OptimiserChain(opt.ClipNorm(2.0), opt.WeightDecay(0.01), opt.Adam(0.01))
     a = {"w": rng.standard_normal((40, 30)).astype(np.float32), "b": np.zeros(7, np.float32)}

@@ -17,6 +17,7 @@ import pytest
 
 import optimisers as opt
 from optimisers.optax import transform
+from rules_registry import jit_rules
 
 
 def rand(*shape, seed=0, dtype=jnp.float32):
@@ -59,7 +60,18 @@ RULES = [
 ]
 
 
-@pytest.mark.parametrize("rule", RULES, ids=lambda r: type(r).__name__)
+# and every rule of rules_registry.py that runs under jit, as rule instances of its `jit` family
+def _ids(rules):
+    """Class names, numbered where a class comes more than once."""
+    names = [type(r).__name__ for r in rules]
+    return [f"{n}{names[:i].count(n)}" if names.count(n) > 1 else n for i, n in enumerate(names)]
+
+
+PARAMS = [pytest.param(rule, id=i) for rule, i in zip(RULES, _ids(RULES))]
+PARAMS += [pytest.param(rule, id=repr(rule).replace(" ", "")) for rule in jit_rules() if rule not in RULES]
+
+
+@pytest.mark.parametrize("rule", PARAMS)
 @pytest.mark.parametrize("jitted", [False, True], ids=["eager", "jit"])
 def test_apply_updates_equals_update_bit_for_bit(rule, jitted):
     tx = transform(rule)

@@ -1,12 +1,15 @@
-"""Property tests: random nested trees with random ties and random missing gradients."""
+"""Property tests: random nested trees with random ties and random missing gradients, for every
+rule of `rules_registry.py`."""
 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import optimisers as opt
+from rules_registry import RULES
 
 N_ARRAYS = 4
 SHAPES = [(2,), (3,), (2, 2), ()]
@@ -74,6 +77,20 @@ def make_grads(tree, path, chosen):
     data=st.data(),
 )
 def test_tied_tree_equals_untied_reference(tree, seed, inplace, share, rule, data):
+    check_tied_tree(tree, seed, inplace, share, rule, data)
+
+
+# every registered rule (its first hyperparameters of the `toy` family), fewer examples each
+@pytest.mark.parametrize("rule", [info.make(info.toy[0]) for info in RULES if info.toy], ids=repr)
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(tree=slots, seed=st.integers(0, 2**16), inplace=st.booleans(), share=st.booleans(), data=st.data())
+def test_every_registered_rule_on_a_tied_tree(rule, tree, seed, inplace, share, data):
+    check_tied_tree(tree, seed, inplace, share, rule, data)
+
+
+def check_tied_tree(tree, seed, inplace, share, rule, data):
+    """Two steps of `rule` on a random tree with ties and missing gradients equal two steps on
+    one array per distinct parameter with the summed gradients; identity of tied places kept."""
     if share:  # the same container at two places, each place with its own gradient
         tree = {"x": tree, "y": tree}
     rng = np.random.default_rng(seed)

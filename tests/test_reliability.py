@@ -439,7 +439,7 @@ def test_a_torch_module_changed_after_setup(pure):
 
 def test_what_may_change_after_setup():
     # things that are not parameters may come and go, and equal copies at tied places are
-    # allowed (DESIGN 4.7; tests/test_ties.py has the tie made by hand in the state)
+    # allowed (the State records the tie; tests/test_ties.py has the tie made by hand in the state)
     W = rng_values(0, (3,))
     model = {"a": W, "b": W, "steps": 0}
     state = opt.setup(opt.Descent(0.5), model)

@@ -1,12 +1,11 @@
 """Every rule through the public API: convergence on toy losses, dtypes, purity, pure vs in-place
-agreement, and multi-step agreement with the independent NumPy formulas in `rule_reference.py`;
-then the documented examples, validation, `adjust` forwarding and each rule's edge cases."""
+agreement, and multi-step agreement with the independent NumPy formulas in `rule_reference.py`,
+for every rule and composite of `rules_registry.py`; then the documented defaults, examples,
+validation, `adjust` forwarding and each rule's edge cases."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from typing import NamedTuple
 
 import numpy as np
 import pytest
@@ -15,13 +14,10 @@ import optimisers as opt
 import rule_reference as ref
 from optimisers import (
     AccumGrad,
-    AdaBelief,
     AdaDelta,
-    AdaGrad,
     Adam,
     AdaMax,
     AdamW,
-    AMSGrad,
     ClipGrad,
     ClipNorm,
     Descent,
@@ -30,97 +26,18 @@ from optimisers import (
     Momentum,
     NAdam,
     Nesterov,
-    OAdam,
     OptimiserChain,
     RAdam,
     RMSProp,
     Rprop,
     SignDecay,
-    SkipNonFinite,
     WeightDecay,
 )
+from rules_registry import RULES as REGISTRY
+from rules_registry import supports_complex, toy_cases
 
-
-class Case(NamedTuple):
-    rule: opt.Rule
-    ref: Callable | None  # () -> reference step function; None: tested on its own below
-    steps: int = 300  # for the convergence tests; 0: not an optimiser on its own
-    dtype: type = np.float64  # the model's dtype in the convergence tests
-
-
-# Learning rates are what a user would pick for these well-scaled toy problems; rules without a
-# learning rate are listed at their defaults and converge only inside a chain.
-RULES = [
-    Case(Descent(0.1), lambda: ref.descent(0.1)),
-    Case(Momentum(0.02), lambda: ref.momentum(0.02)),
-    Case(Nesterov(0.02), lambda: ref.nesterov(0.02)),
-    Case(RMSProp(0.01), lambda: ref.rmsprop(0.01)),
-    Case(RMSProp(0.01, centred=True), lambda: ref.rmsprop(0.01, centred=True)),
-    Case(Rprop(0.01), lambda: ref.rprop(0.01)),
-    Case(Adam(0.05), lambda: ref.adam(0.05)),
-    Case(RAdam(0.05), lambda: ref.radam(0.05), steps=400),  # its warm-up is plain momentum
-    Case(AdaMax(0.05), lambda: ref.adamax(0.05)),
-    Case(OAdam(0.05), lambda: ref.oadam(0.05)),
-    Case(AdaGrad(0.3), lambda: ref.adagrad(0.3)),
-    # AdaDelta's steps start near √ε·g/|g| and grow slowly (at ε = 1e-8 it barely moves in 1000
-    # steps); near a minimum its effective learning rate tends to 1, too much for curvature 10, so
-    # on the ill-conditioned problem the gap creeps back up over thousands of steps.
-    Case(AdaDelta(0.9, 1e-5), lambda: ref.adadelta(0.9, 1e-5), steps=600),
-    Case(AMSGrad(0.05), lambda: ref.amsgrad(0.05)),
-    Case(NAdam(0.05), lambda: ref.nadam(0.05)),
-    Case(AdamW(0.05), lambda: ref.adamw(0.05)),
-    Case(AdamW(0.05, lambd=0.01), lambda: ref.adamw(0.05, lambd=0.01)),
-    Case(AdamW(0.05, lambd=1e-3, couple=False), lambda: ref.adamw(0.05, lambd=1e-3, couple=False)),
-    Case(AdaBelief(0.05), lambda: ref.adabelief(0.05)),
-    Case(Lion(0.02), lambda: ref.lion(0.02)),
-    Case(WeightDecay(), lambda: ref.weight_decay(), steps=0),
-    Case(SignDecay(), lambda: ref.sign_decay(), steps=0),
-    Case(ClipGrad(), lambda: ref.clip_grad(), steps=0),
-    Case(ClipNorm(), lambda: ref.clip_norm(), steps=0),
-    Case(AccumGrad(3), lambda: ref.accum_grad(3), steps=0),
-    Case(OptimiserChain(), lambda: ref.chain(), steps=0),
-    Case(
-        OptimiserChain(ClipGrad(1.0), Adam(0.05)),
-        lambda: ref.chain(ref.clip_grad(1.0), ref.adam(0.05)),
-    ),
-    Case(
-        OptimiserChain(WeightDecay(), Momentum(0.02)),
-        lambda: ref.chain(ref.weight_decay(), ref.momentum(0.02)),
-    ),
-    Case(
-        OptimiserChain(AccumGrad(2), Descent(0.1)),
-        lambda: ref.chain(ref.accum_grad(2), ref.descent(0.1)),
-        steps=600,
-    ),
-    Case(
-        OptimiserChain(ClipNorm(1.0), Descent(0.1)),
-        lambda: ref.chain(ref.clip_norm(1.0), ref.descent(0.1)),
-    ),
-    Case(
-        OptimiserChain(SignDecay(), WeightDecay(), Adam(0.05)),
-        lambda: ref.chain(ref.sign_decay(), ref.weight_decay(), ref.adam(0.05)),
-    ),
-    Case(
-        OptimiserChain(OptimiserChain(ClipGrad(1.0)), AccumGrad(2), Nesterov(0.02)),
-        lambda: ref.chain(ref.clip_grad(1.0), ref.accum_grad(2), ref.nesterov(0.02)),
-        steps=600,
-    ),
-    Case(MixedPrecision(Adam(0.05)), None, dtype=np.float16),
-    Case(MixedPrecision(OptimiserChain(ClipGrad(1.0), Lion(0.02))), None, dtype=np.float16),
-    # on finite gradients it is its rule; tests/test_reliability.py checks the skipping
-    Case(SkipNonFinite(Adam(0.05)), lambda: ref.adam(0.05)),
-    Case(SkipNonFinite(OptimiserChain(ClipNorm(1.0), Momentum(0.02))),
-         lambda: ref.chain(ref.clip_norm(1.0), ref.momentum(0.02))),
-]
-
+RULES = toy_cases()
 IDS = [repr(c.rule).replace(" ", "") for c in RULES]
-_REAL_ONLY = (Rprop, Lion, SignDecay, ClipGrad, MixedPrecision)
-
-
-def supports_complex(rule) -> bool:
-    if isinstance(rule, OptimiserChain):
-        return all(supports_complex(r) for r in rule.rules)
-    return not isinstance(rule, _REAL_ONLY)
 
 
 def case_params(select=lambda c: True):
@@ -361,32 +278,12 @@ def test_matches_reference_formulas(case, dtype):
 
 # --- constructors: defaults, positional order, validation, equality ------------------------------
 
-DEFAULTS = [
-    (Descent(), {"eta": 0.1}),
-    (Momentum(), {"eta": 0.01, "rho": 0.9}),
-    (Nesterov(), {"eta": 0.001, "rho": 0.9}),
-    (RMSProp(), {"eta": 0.001, "rho": 0.9, "epsilon": 1e-8, "centred": False}),
-    (Rprop(), {"eta": 1e-3, "ell": (0.5, 1.2), "gamma": (1e-6, 50.0)}),
-    (Adam(), {"eta": 0.001, "beta": (0.9, 0.999), "epsilon": 1e-8}),
-    (RAdam(), {"eta": 0.001, "beta": (0.9, 0.999), "epsilon": 1e-8}),
-    (AdaMax(), {"eta": 0.001, "beta": (0.9, 0.999), "epsilon": 1e-8}),
-    (OAdam(), {"eta": 0.001, "beta": (0.5, 0.9), "epsilon": 1e-8}),
-    (AdaGrad(), {"eta": 0.1, "epsilon": 1e-8}),
-    (AdaDelta(), {"rho": 0.9, "epsilon": 1e-8}),
-    (AMSGrad(), {"eta": 0.001, "beta": (0.9, 0.999), "epsilon": 1e-8}),
-    (NAdam(), {"eta": 0.001, "beta": (0.9, 0.999), "epsilon": 1e-8}),
-    (AdamW(), {"eta": 0.001, "beta": (0.9, 0.999), "lambd": 0.0, "epsilon": 1e-8, "couple": True}),
-    (AdaBelief(), {"eta": 0.001, "beta": (0.9, 0.999), "epsilon": 1e-16}),
-    (Lion(), {"eta": 0.001, "beta": (0.9, 0.999)}),
-    (WeightDecay(), {"lambd": 5e-4}),
-    (SignDecay(), {"lambd": 1e-3}),
-    (ClipGrad(), {"delta": 10.0}),
-    (ClipNorm(), {"omega": 10.0, "p": 2.0, "throw": True}),
-]
+DEFAULTS = [(info.cls, info.defaults) for info in REGISTRY if info.defaults is not None]
 
 
-@pytest.mark.parametrize("rule, expected", DEFAULTS, ids=[type(r).__name__ for r, _ in DEFAULTS])
-def test_defaults_and_hyperparameter_names(rule, expected):
+@pytest.mark.parametrize("cls, expected", DEFAULTS, ids=[cls.__name__ for cls, _ in DEFAULTS])
+def test_defaults_and_hyperparameter_names(cls, expected):
+    rule = cls()
     assert {name: getattr(rule, name) for name in rule.hyperparameters()} == expected
 
 

@@ -1,7 +1,8 @@
 """Each rule against its torch.optim / optax counterpart over many steps (float64), with the
-hyperparameter mapping that its docstring gives. Rules whose counterpart differs by design (NAdam
-vs torch's momentum schedule, RAdam vs torch's threshold, OAdam's first step) are compared where
-they agree, or not at all; the docstrings say how they differ."""
+hyperparameter mapping of `rules_registry.py` (families `torch64` and `optax64`), which follows
+the rules' docstrings. Rules whose counterpart differs by design (NAdam vs torch's momentum
+schedule, RAdam vs torch's threshold, OAdam's first step) are compared where they agree, or not
+at all; the docstrings and the registry say how they differ."""
 
 from __future__ import annotations
 
@@ -9,28 +10,8 @@ import numpy as np
 import pytest
 
 import optimisers as opt
-from optimisers import (
-    AdaBelief,
-    AdaDelta,
-    AdaGrad,
-    Adam,
-    AdaMax,
-    AdamW,
-    AMSGrad,
-    ClipGrad,
-    ClipNorm,
-    Descent,
-    Lion,
-    Momentum,
-    NAdam,
-    Nesterov,
-    OAdam,
-    OptimiserChain,
-    RAdam,
-    RMSProp,
-    Rprop,
-    WeightDecay,
-)
+from optimisers import OAdam, RAdam
+from rules_registry import optax_cases, torch_cases
 
 STEPS = 25
 
@@ -53,29 +34,17 @@ def our_trajectory(rule, x0, grads):
 
 # --- torch.optim ---------------------------------------------------------------------------------
 
-TORCH = [
-    (Descent(0.1), "SGD", dict(lr=0.1)),
-    (Momentum(0.01, 0.9), "SGD", dict(lr=0.01, momentum=0.9)),
-    (Nesterov(0.01, 0.9), "SGD", dict(lr=0.01, momentum=0.9, nesterov=True)),
-    (RMSProp(0.01, 0.9, 1e-8), "RMSprop", dict(lr=0.01, alpha=0.9, eps=1e-8)),
-    (RMSProp(0.01, 0.9, 1e-8, centred=True), "RMSprop", dict(lr=0.01, alpha=0.9, eps=1e-8, centered=True)),
-    (Rprop(0.01, (0.5, 1.2), (1e-6, 50.0)), "Rprop", dict(lr=0.01, etas=(0.5, 1.2), step_sizes=(1e-6, 50))),
-    (Adam(0.01, (0.9, 0.999), 1e-8), "Adam", dict(lr=0.01, betas=(0.9, 0.999), eps=1e-8)),
-    (AdamW(0.01, (0.9, 0.999), 0.1), "AdamW", dict(lr=0.01, betas=(0.9, 0.999), weight_decay=0.1)),
-    (AdaMax(0.01, epsilon=0.0), "Adamax", dict(lr=0.01, eps=0.0)),  # torch adds ε inside the max
-    (AdaGrad(0.1, 1e-8), "Adagrad", dict(lr=0.1, initial_accumulator_value=1e-8, eps=1e-8)),
-    (AdaDelta(0.9, 1e-6), "Adadelta", dict(lr=1.0, rho=0.9, eps=1e-6)),
-]
+TORCH = torch_cases("torch64")
 
 
-@pytest.mark.parametrize("rule, name, kwargs", TORCH, ids=[f"{n}-{type(r).__name__}" for r, n, _ in TORCH])
-def test_matches_torch_optim(rule, name, kwargs):
+@pytest.mark.parametrize("case", TORCH, ids=[f"{c.peer.name}-{c.name}" for c in TORCH])
+def test_matches_torch_optim(case):
     torch = pytest.importorskip("torch")
     x0 = np.random.default_rng(1).standard_normal((4, 3))
     grads = gradients(2)
     param = torch.tensor(x0.copy(), dtype=torch.float64, requires_grad=True)
-    optimiser = getattr(torch.optim, name)([param], **kwargs)
-    ours = our_trajectory(rule, x0, grads)
+    optimiser = case.theirs([param])
+    ours = our_trajectory(case.ours(), x0, grads)
     for t, (g, mine) in enumerate(zip(grads, ours), start=1):
         param.grad = torch.tensor(g)
         optimiser.step()
@@ -84,50 +53,18 @@ def test_matches_torch_optim(rule, name, kwargs):
 
 # --- optax -----------------------------------------------------------------------------------------
 
-
-def _optax_cases(optax):
-    descend = optax.scale(-1.0)
-    return [
-        (Adam(0.01), optax.adam(0.01)),
-        (AdamW(0.01, lambd=0.1), optax.adamw(0.01, weight_decay=0.1)),
-        (RAdam(0.01), optax.radam(0.01, threshold=4.0)),
-        (AdaMax(0.01), optax.adamax(0.01)),
-        (AMSGrad(0.01), optax.amsgrad(0.01)),
-        (NAdam(0.01), optax.nadam(0.01)),
-        (AdaBelief(0.01), optax.adabelief(0.01, eps=1e-16, eps_root=1e-16)),
-        (Lion(0.01), optax.lion(0.01, b1=0.9, b2=0.999, weight_decay=0.0)),
-        (RMSProp(0.01), optax.rmsprop(0.01, decay=0.9, eps=1e-8, eps_in_sqrt=False)),
-        (
-            RMSProp(0.01, centred=True),
-            optax.rmsprop(0.01, decay=0.9, eps=1e-8, eps_in_sqrt=False, centered=True),
-        ),
-        (AdaDelta(0.9, 1e-6), optax.adadelta(1.0, rho=0.9, eps=1e-6)),
-        (Momentum(0.01, 0.9), optax.sgd(0.01, momentum=0.9)),
-        (Nesterov(0.01, 0.9), optax.sgd(0.01, momentum=0.9, nesterov=True)),
-        # optax's gradient transformations give updates to add; ours alone subtract them
-        (ClipGrad(0.5), optax.chain(optax.clip(0.5), descend)),
-        (ClipNorm(2.0), optax.chain(optax.clip_by_global_norm(2.0), descend)),  # one array
-        (WeightDecay(0.1), optax.chain(optax.add_decayed_weights(0.1), descend)),
-        (OptimiserChain(ClipGrad(0.5), Adam(0.01)), optax.chain(optax.clip(0.5), optax.adam(0.01))),
-    ]
+OPTAX = optax_cases("optax64")
 
 
-OPTAX_IDS = [
-    "adam", "adamw", "radam", "adamax", "amsgrad", "nadam", "adabelief", "lion", "rmsprop",
-    "rmsprop_centred", "adadelta", "momentum", "nesterov", "clip", "clip_by_global_norm",
-    "add_decayed_weights", "chain",
-]  # fmt: skip
-
-
-@pytest.mark.parametrize("index", range(len(OPTAX_IDS)), ids=OPTAX_IDS)
-def test_matches_optax(index):
+@pytest.mark.parametrize("case", OPTAX, ids=[c.name for c in OPTAX])
+def test_matches_optax(case):
     jax = pytest.importorskip("jax")
     optax = pytest.importorskip("optax")
     x0 = np.random.default_rng(3).standard_normal((4, 3))
     grads = gradients(4)
     with jax.enable_x64(True):
-        rule, transform = _optax_cases(optax)[index]
-        ours = our_trajectory(rule, x0, grads)
+        transform = case.theirs(optax)
+        ours = our_trajectory(case.ours(), x0, grads)
         params = jax.numpy.asarray(x0)
         state = transform.init(params)
         for t, (g, mine) in enumerate(zip(grads, ours), start=1):

@@ -1,4 +1,6 @@
-"""Tied weights on NumPy: numbers and identity, pure and in place (DESIGN section 4)."""
+"""Tied weights on NumPy: numbers and identity, pure and in place. A parameter reached at several
+places is one parameter: its gradients are summed, it takes one step, and every place keeps holding
+the same object (in place) or the same new object (pure)."""
 
 from __future__ import annotations
 
@@ -150,7 +152,7 @@ def test_a_tie_made_by_hand_survives_adjust_before_its_first_update():
 
 
 def test_equal_copies_at_tied_places_are_updated_as_one():
-    # DESIGN 4.7: after setup the State says what is tied; copies all get the new value
+    # after setup the State says what is tied, so equal copies at tied places all get the new value
     W = rand(3)
     state = opt.setup(opt.Descent(0.1), {"a": W, "b": W})
     copies = {"a": W.copy(), "b": W.copy()}

@@ -14,7 +14,7 @@ from torch.func import functional_call
 
 import optimisers as opt
 import optimisers.ops as _ops
-from _torch_models import batch, lm_loss, make_gpt, one_thread
+from _torch_models import batch, lm_loss, make_gpt
 from optimisers.backends import numpy as npb
 from optimisers.backends import torch as tb
 
@@ -22,11 +22,7 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 FLOATS = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 RULES = [opt.Descent(0.1), opt.Adam(0.01)]
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    with one_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def rand(*shape, dtype=torch.float32, device="cpu", seed=0):

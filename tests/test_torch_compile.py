@@ -9,16 +9,19 @@ import torch
 from torch._dynamo.testing import CompileCounter
 
 import optimisers as opt
-from _torch_models import batch, lm_loss, make_gpt, one_thread
+from _torch_models import batch, lm_loss, make_gpt
 
 STEPS = 8
 
 
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
 @pytest.fixture(autouse=True)
 def _fresh_dynamo():
+    # each test counts its own compilations
     torch._dynamo.reset()
-    with one_thread():
-        yield
+    yield
     torch._dynamo.reset()
 
 

@@ -13,18 +13,14 @@ import pytest
 import torch
 
 import optimisers as opt
-from _torch_models import batch, lm_loss, make_gpt, one_thread
+from _torch_models import batch, lm_loss, make_gpt
 
 STEPS = 10
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "_torch_ddp_worker.py")
 FSDP_WORKER = os.path.join(HERE, "_torch_fsdp_worker.py")
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    with one_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def free_port() -> int:

@@ -20,7 +20,7 @@ import torch
 
 import optimisers
 import optimisers.torch as ot
-from _torch_models import batch, lm_loss, make_gpt, one_thread
+from _torch_models import batch, lm_loss, make_gpt
 
 STEPS = 6
 
@@ -52,11 +52,7 @@ FUSED = ("Adam", "AdamW")  # torch's fused kernel: equal bit for bit
 def _class(case):
     return case.split("-")[0]
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    with one_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def _groups(model, decay=None):
@@ -412,10 +408,10 @@ def test_hf_trainer_optimizer_cls_and_kwargs_equals_torch_adamw(tmp_path):
     pytest.importorskip("transformers")
     from transformers import Trainer, TrainingArguments
 
-    from test_torch_integrations import _gpt2, _Tokens
+    from _hf_models import TokenDataset, tiny_gpt2
 
     def train(cls, out):
-        model = _gpt2()
+        model = tiny_gpt2()
         args = TrainingArguments(
             output_dir=str(out), report_to=[], use_cpu=True, save_strategy="no", max_steps=4,
             per_device_train_batch_size=4, learning_rate=1e-2, weight_decay=0.1, logging_strategy="no",
@@ -423,7 +419,7 @@ def test_hf_trainer_optimizer_cls_and_kwargs_equals_torch_adamw(tmp_path):
         )  # fmt: skip
         kwargs = {"lr": 1e-2, "betas": (0.9, 0.99), "fused": True}
         trainer = Trainer(
-            model=model, args=args, train_dataset=_Tokens(), optimizer_cls_and_kwargs=(cls, kwargs)
+            model=model, args=args, train_dataset=TokenDataset(), optimizer_cls_and_kwargs=(cls, kwargs)
         )
         trainer.train()
         return model, trainer.optimizer

@@ -12,16 +12,13 @@ import pytest
 import torch
 
 import optimisers
-from _torch_models import batch, lm_loss, make_gpt, one_thread
+from _hf_models import TokenDataset, tiny_gpt2
+from _torch_models import batch, lm_loss, make_gpt
 from optimisers.torch import Optimizer
 
 LR, DECAY = 1e-2, 0.01
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    with one_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def ours(model):
@@ -42,42 +39,17 @@ def _assert_equal(a, b):
 # --- Hugging Face Trainer -----------------------------------------------------------------------
 
 
-def _gpt2(seed=0):
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(seed)
-    config = GPT2Config(
-        n_layer=1, n_embd=16, n_head=2, vocab_size=50, n_positions=32,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-        bos_token_id=0, eos_token_id=0,
-    )  # fmt: skip
-    model = GPT2LMHeadModel(config)
-    assert model.lm_head.weight is model.transformer.wte.weight
-    return model
-
-
-class _Tokens(torch.utils.data.Dataset):
-    def __init__(self):
-        self.ids = torch.randint(0, 50, (16, 8), generator=torch.Generator().manual_seed(0))
-
-    def __len__(self):
-        return len(self.ids)
-
-    def __getitem__(self, i):
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
-
-
 def _hf_train(make_optimizer, output_dir, resume=None, seed=0):
     from transformers import Trainer, TrainingArguments
 
-    model = _gpt2(seed)
+    model = tiny_gpt2(seed)
     args = TrainingArguments(
         output_dir=str(output_dir), report_to=[], use_cpu=True, save_strategy="steps", save_steps=2,
         max_steps=4, per_device_train_batch_size=4, learning_rate=LR, logging_strategy="no", seed=0,
         disable_tqdm=True, dataloader_num_workers=0,
     )  # fmt: skip
     optimizer = make_optimizer(model)
-    trainer = Trainer(model=model, args=args, train_dataset=_Tokens(), optimizers=(optimizer, None))
+    trainer = Trainer(model=model, args=args, train_dataset=TokenDataset(), optimizers=(optimizer, None))
     trainer.train(resume_from_checkpoint=resume)
     return model, optimizer
 
@@ -85,7 +57,7 @@ def _hf_train(make_optimizer, output_dir, resume=None, seed=0):
 def test_hf_trainer_equals_torch_adamw_and_resumes_bit_for_bit(tmp_path):
     model, optimizer = _hf_train(ours, tmp_path / "ours")
     reference, _ = _hf_train(torch_adamw, tmp_path / "torch")
-    assert not torch.equal(model.transformer.wte.weight, _gpt2().transformer.wte.weight)
+    assert not torch.equal(model.transformer.wte.weight, tiny_gpt2().transformer.wte.weight)
     _assert_equal(model, reference)
     assert model.lm_head.weight is model.transformer.wte.weight
     # the Trainer's linear schedule reached the rule: it decays to 0 at the last step

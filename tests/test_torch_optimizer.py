@@ -18,16 +18,12 @@ import pytest
 import torch
 
 import optimisers
-from _torch_models import batch, lm_loss, make_gpt, one_thread
+from _torch_models import batch, lm_loss, make_gpt
 from optimisers.torch import Optimizer
 
 STEPS = 6
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    with one_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def _train(model, opt, steps=STEPS, scheduler=None, seed=1):

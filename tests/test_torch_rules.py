@@ -1,6 +1,6 @@
-"""Every rule of the shared RULES list (tests/test_rules.py) on the PyTorch backend: the same
-numbers as the NumPy backend, every float dtype kept, pure and in-place updates bit for bit equal,
-inputs untouched, ties kept, and no autograd graph in the optimiser state."""
+"""Every rule and composite of `rules_registry.py` (the cases of test_rules.py) on the PyTorch
+backend: the same numbers as the NumPy backend, every float dtype kept, pure and in-place updates
+bit for bit equal, inputs untouched, ties kept, and no autograd graph in the optimiser state."""
 
 from __future__ import annotations
 
@@ -10,17 +10,13 @@ import torch
 from torch import nn
 
 import optimisers as opt
-from _torch_models import one_thread
-from test_rules import case_params, supports_complex
+from rules_registry import supports_complex, toy_cases
 
 STEPS = 4
+CASES = [pytest.param(c, id=repr(c.rule).replace(" ", "")) for c in toy_cases()]
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64]
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    with one_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 class Tied(nn.Module):
@@ -70,7 +66,7 @@ def state_tensors(state):
     return out
 
 
-@pytest.mark.parametrize("case", case_params())
+@pytest.mark.parametrize("case", CASES)
 def test_same_numbers_as_numpy(case):
     model = Tied(torch.float64)
     w, eb, db = (p.detach().numpy().copy() for p in values(model))
@@ -90,7 +86,7 @@ def test_same_numbers_as_numpy(case):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("case", case_params())
+@pytest.mark.parametrize("case", CASES)
 def test_dtypes_pure_and_in_place(case, dtype):
     if dtype.is_complex and not supports_complex(case.rule):
         with pytest.raises(TypeError, match="complex"):

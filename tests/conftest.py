@@ -1,0 +1,28 @@
+"""Fixtures shared by the test modules. None is autouse: a module opts in with
+`pytestmark = pytest.mark.usefixtures("single_thread")`, a test by naming the fixture, so that a
+fixture here never changes tests that did not ask for it (nor imports torch for them).
+
+The rules that the generic tests run, with their reference formulas and their counterparts in
+torch.optim and optax, are listed once in `rules_registry.py`."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def single_thread():
+    """torch single-threaded for the module's tests (see `_torch_models.one_thread`)."""
+    from _torch_models import one_thread
+
+    with one_thread():
+        yield
+
+
+@pytest.fixture
+def tiny_chunks(monkeypatch):
+    """Chunks of the in-place engine a few hundred elements long, so that a test-sized model
+    exercises packed runs, arrays split across chunks and the worker threads."""
+    import optimisers.engine.group as _engine_group
+
+    monkeypatch.setattr(_engine_group, "CHUNK_SCALE", 1024)

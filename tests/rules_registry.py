@@ -1,0 +1,694 @@
+"""The one list of rules that the generic tests run (not a test module).
+
+Each rule of the library has one `RuleInfo` in `RULES` below, in the style of PyTorch's
+OptimizerInfo database: its class, its documented defaults, its independent reference formula
+(`rule_reference.py`), flags (takes complex parameters, elementwise), its counterparts in
+torch.optim and optax with the mapping of hyperparameters written once, and the hyperparameters
+that each family of generic tests runs it with. `COMPOSITES` lists the chains and wrappers that
+the same tests run. The tests ask the functions at the end of this module for their cases, so a
+rule registered here is run by all of them:
+
+- family `toy`, `test_rules.py` (NumPy): convergence on three toy losses, dtypes, purity, pure
+  against in place bit for bit, the reference formulas over 20 steps (real and complex), the
+  documented defaults; `test_torch_rules.py`: the same cases on torch tensors with a tied weight
+  (NumPy's numbers, every float dtype, pure and in place bit for bit, no autograd graph);
+  `test_properties.py`: random trees with ties and missing gradients; `test_engine.py` (elementwise
+  rules): the in-place engine against the per-Leaf path through freezing, missing gradients and
+  adjusting; `test_half_precision.py`: float16/bfloat16 state in the parameter's dtype, pure and
+  in place bit for bit (at the `half` hyperparameters where given);
+- `jit`: `test_jax_rules.py`, under `jax.jit` with ties, as eagerly; `test_optax_adapter.py`,
+  through `optimisers.optax.transform` bit for bit; `test_jax.py`, one trace through a schedule;
+- `checkpoint`: `test_checkpoint.py` (NumPy) and `test_checkpoint_backends.py` (torch), a run
+  resumed from a checkpoint continues bit for bit;
+- `train`: `test_layouts.py`, channels_last, transposed and Fortran-order parameters bit for bit
+  against contiguous ones (and against torch.optim where it has the rule);
+  `test_torch_optim_reference.py`, torch.optim training a tiny GPT with tied weights;
+- `torch64`, `optax64`: `test_rules_vs_libraries.py`, 25 float64 steps on one array to 1e-11;
+  `optax32`: `test_jax_rules.py`, 100 jitted float32 steps; `half`: `test_half_precision.py`, no
+  less accurate than torch.optim in float16/bfloat16;
+- `test_registry.py`: every public rule of the library is registered here, the flags written here
+  are the library's, and the reference formulas have the documented defaults.
+
+How to register a new rule
+--------------------------
+1. Write its reference formula in `rule_reference.py`: a factory taking the rule's hyperparameters
+   as keyword arguments with the documented defaults, returning `step(x, g) -> u` (the amount
+   subtracted from x; None for no move), from the paper, not from the library's code.
+2. Add one `RuleInfo` to `RULES`. For an elementwise optimiser (here `MyRule` with
+   hyperparameters eta and beta) that is all:
+
+       RuleInfo(opt.MyRule, dict(eta=1e-3, beta=(0.9, 0.999)), ref.my_rule, toy=[hp(eta=0.05)]),
+
+   The second argument is the documented defaults (checked against the constructor and the
+   reference formula). `toy` holds the hyperparameters with which the rule must shrink the loss
+   gap of three toy problems tenfold in `toy_steps` (300) steps; give `toy_steps=0` for a gradient
+   transformation that is not an optimiser on its own. The families `jit`, `train` and
+   `checkpoint` run the rule at its defaults unless given other hyperparameters. Set
+   `complex=False` if the rule rejects complex parameters, `elementwise=False` if an element's
+   step depends on other elements, and `jit=[]` if it decides in Python (it cannot be traced).
+3. If torch.optim or optax has the rule, give the mapping once (`torch=TorchPeer(...)`,
+   `optax=lambda optax, r: ...`, both computed from the rule instance `r`) and the
+   hyperparameters to compare at (`torch64`, `optax64`, `optax32`, `train`, `half`). Choose them
+   where the two formulas agree (e.g. a small ε where the peer puts ε elsewhere) and say why in a
+   comment next to the entry.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+import optimisers as opt
+import rule_reference as ref
+
+
+@dataclasses.dataclass(frozen=True)
+class Hyper:
+    """Keyword arguments for one instance; `tag` tells instances of one rule apart in test ids."""
+
+    kwargs: dict
+    tag: str = ""
+
+
+def hp(tag: str = "", **kwargs) -> Hyper:
+    return Hyper(kwargs, tag)
+
+
+DEFAULT = (Hyper({}),)  # the rule at its defaults
+
+
+@dataclasses.dataclass(frozen=True)
+class TorchPeer:
+    """The torch.optim class computing the same steps, and our hyperparameters as its keywords."""
+
+    name: str
+    kwargs: Callable[[opt.Rule], dict]
+    fused: bool = False  # torch has a fused CPU kernel for it
+    differs_at_step: int | None = None  # one step that differs by design (see the rule's comment)
+
+    def make(self, rule: opt.Rule, params, **implementation):
+        import torch
+
+        return getattr(torch.optim, self.name)(params, **self.kwargs(rule), **implementation)
+
+
+@dataclasses.dataclass(frozen=True)
+class RuleInfo:
+    cls: type
+    defaults: dict | None  # the documented defaults; None: a hyperparameter has no default
+    reference: Callable | None = None  # rule_reference factory, the rule's keyword arguments
+    complex: bool = True  # takes complex parameters (else setup raises TypeError)
+    elementwise: bool = True  # each element's step depends on that element alone
+    torch: TorchPeer | None = None
+    optax: Callable | None = None  # (optax, rule) -> transformation whose updates are added
+    # hyperparameters per family of generic tests (see the module docstring). The `toy` learning
+    # rates are what a user would pick for the well-scaled toy problems; rules without a learning
+    # rate run at their defaults and converge only inside a chain.
+    toy: Sequence[Hyper] = DEFAULT
+    toy_steps: int = 300  # 0: not an optimiser on its own (runs in chains only)
+    jit: Sequence[Hyper] = DEFAULT
+    checkpoint: Sequence[Hyper] = DEFAULT
+    train: Sequence[Hyper] = DEFAULT  # small torch models: strided layouts, torch.optim's numbers
+    torch64: Sequence[Hyper] = ()
+    optax64: Sequence[Hyper] = ()
+    optax32: Sequence[Hyper] = ()
+    half: Sequence[Hyper] = ()
+
+    @property
+    def name(self) -> str:
+        return self.cls.__name__
+
+    def make(self, h: Hyper = DEFAULT[0]) -> opt.Rule:
+        return self.cls(**h.kwargs)
+
+    def case_id(self, h: Hyper) -> str:
+        return f"{self.name}({h.tag})" if h.tag else self.name
+
+
+# optax's gradient transformations give updates to add; ours on their own subtract them
+def _descend(optax, transform):
+    return optax.chain(transform, optax.scale(-1.0))
+
+
+def _adamw_torch(r):
+    assert r.couple, "torch.optim.AdamW decays by lr·wd·x: couple=True"
+    return dict(lr=r.eta, betas=r.beta, eps=r.epsilon, weight_decay=r.lambd)
+
+
+def _adamw_optax(optax, r):
+    assert r.couple, "optax.adamw decays by lr·wd·x: couple=True"
+    return optax.adamw(r.eta, b1=r.beta[0], b2=r.beta[1], eps=r.epsilon, weight_decay=r.lambd)
+
+
+RULES: tuple[RuleInfo, ...] = (
+    RuleInfo(
+        opt.Descent,
+        dict(eta=0.1),
+        ref.descent,
+        toy=[hp(eta=0.1)],
+        torch=TorchPeer("SGD", lambda r: dict(lr=r.eta), fused=True),
+        optax=lambda optax, r: optax.sgd(r.eta),
+        torch64=[hp(eta=0.1)],
+        optax32=[hp(eta=0.1)],
+        train=[hp(eta=0.1)],
+    ),
+    # torch and optax keep lr outside the velocity (b ← ρb + g, x ← x − lr·b), we keep it inside
+    # (v ← ρv + η·g): the same for a constant lr. torch's dampening is 0 by default.
+    RuleInfo(
+        opt.Momentum,
+        dict(eta=0.01, rho=0.9),
+        ref.momentum,
+        toy=[hp(eta=0.02)],
+        torch=TorchPeer("SGD", lambda r: dict(lr=r.eta, momentum=r.rho, dampening=0), fused=True),
+        optax=lambda optax, r: optax.sgd(r.eta, momentum=r.rho),
+        torch64=[hp(eta=0.01, rho=0.9)],
+        optax64=[hp(eta=0.01, rho=0.9)],
+        optax32=[hp(eta=0.01, rho=0.9)],
+        train=[hp(eta=0.05, rho=0.9)],
+        half=[hp(eta=0.05, rho=0.9)],
+        checkpoint=[hp(eta=0.01, rho=0.9)],
+    ),
+    # torch: b ← ρb + g, x ← x − lr·(g + ρb); ours with v = −lr·b is the same for a constant lr
+    RuleInfo(
+        opt.Nesterov,
+        dict(eta=0.001, rho=0.9),
+        ref.nesterov,
+        toy=[hp(eta=0.02)],
+        torch=TorchPeer("SGD", lambda r: dict(lr=r.eta, momentum=r.rho, nesterov=True), fused=True),
+        optax=lambda optax, r: optax.sgd(r.eta, momentum=r.rho, nesterov=True),
+        torch64=[hp(eta=0.01, rho=0.9)],
+        optax64=[hp(eta=0.01, rho=0.9)],
+        optax32=[hp(eta=0.01, rho=0.9)],
+        train=[hp(eta=0.05, rho=0.9)],
+        half=[hp(eta=0.05, rho=0.9)],
+        checkpoint=[hp(eta=0.01)],
+    ),
+    # torch's alpha and optax's decay are our rho; optax's default puts ε inside the root
+    RuleInfo(
+        opt.RMSProp,
+        dict(eta=0.001, rho=0.9, epsilon=1e-8, centred=False),
+        ref.rmsprop,
+        toy=[hp(eta=0.01), hp("centred", eta=0.01, centred=True)],
+        jit=[hp(), hp("centred", centred=True)],
+        torch=TorchPeer("RMSprop", lambda r: dict(lr=r.eta, alpha=r.rho, eps=r.epsilon, centered=r.centred)),
+        optax=lambda optax, r: optax.rmsprop(
+            r.eta, decay=r.rho, eps=r.epsilon, eps_in_sqrt=False, centered=r.centred
+        ),
+        torch64=[
+            hp(eta=0.01, rho=0.9, epsilon=1e-8),
+            hp("centred", eta=0.01, rho=0.9, epsilon=1e-8, centred=True),
+        ],
+        optax64=[hp(eta=0.01), hp("centred", eta=0.01, centred=True)],
+        optax32=[
+            hp(eta=0.01, rho=0.9, epsilon=1e-8),
+            hp("centred", eta=0.01, rho=0.9, epsilon=1e-8, centred=True),
+        ],
+        train=[
+            hp(eta=1e-3, rho=0.9, epsilon=1e-8),
+            hp("centred", eta=1e-3, rho=0.9, epsilon=1e-8, centred=True),
+        ],
+        half=[hp(eta=1e-3, rho=0.9)],
+        checkpoint=[hp(eta=0.01, centred=True)],
+    ),
+    # torch's etas = ell = (shrink, grow), step_sizes = gamma = (min, max); both start every step
+    # size at lr and take no step where the gradient's sign flipped. optax has no Rprop.
+    RuleInfo(
+        opt.Rprop,
+        dict(eta=1e-3, ell=(0.5, 1.2), gamma=(1e-6, 50.0)),
+        ref.rprop,
+        complex=False,
+        toy=[hp(eta=0.01)],
+        torch=TorchPeer("Rprop", lambda r: dict(lr=r.eta, etas=r.ell, step_sizes=r.gamma)),
+        torch64=[hp(eta=0.01, ell=(0.5, 1.2), gamma=(1e-6, 50.0))],
+        train=[hp(eta=1e-3, ell=(0.5, 1.2), gamma=(1e-6, 50.0))],
+        half=[hp(eta=1e-3)],
+        checkpoint=[hp(eta=0.01)],
+    ),
+    RuleInfo(
+        opt.Adam,
+        dict(eta=0.001, beta=(0.9, 0.999), epsilon=1e-8),
+        ref.adam,
+        toy=[hp(eta=0.05)],
+        torch=TorchPeer("Adam", lambda r: dict(lr=r.eta, betas=r.beta, eps=r.epsilon), fused=True),
+        optax=lambda optax, r: optax.adam(r.eta, b1=r.beta[0], b2=r.beta[1], eps=r.epsilon),
+        torch64=[hp(eta=0.01, beta=(0.9, 0.999), epsilon=1e-8)],
+        optax64=[hp(eta=0.01)],
+        optax32=[hp(eta=0.01, beta=(0.9, 0.999), epsilon=1e-8)],
+        train=[hp(eta=1e-2, beta=(0.9, 0.999), epsilon=1e-8)],
+        half=[hp(eta=1e-3)],
+        checkpoint=[hp(eta=0.01)],
+    ),
+    # torch rectifies when ρₜ > 5, we (Optimisers.jl, the paper's code) and optax's threshold=4
+    # when ρₜ > 4: with β₂ = 0.999, ρ₅ ≈ 4.996 and only step 5 differs (we rectify, torch takes
+    # η·m̂). torch also adds eps to √v before dividing by √(1 − β₂ᵗ), so our ε acts as its
+    # eps/√(1 − β₂ᵗ) (proportional to eps); eps=1e-13 compares the rest of the formula.
+    RuleInfo(
+        opt.RAdam,
+        dict(eta=0.001, beta=(0.9, 0.999), epsilon=1e-8),
+        ref.radam,
+        toy=[hp(eta=0.05)],
+        toy_steps=400,  # its warm-up is plain momentum
+        torch=TorchPeer("RAdam", lambda r: dict(lr=r.eta, betas=r.beta, eps=r.epsilon), differs_at_step=5),
+        optax=lambda optax, r: optax.radam(r.eta, b1=r.beta[0], b2=r.beta[1], eps=r.epsilon, threshold=4.0),
+        optax64=[hp(eta=0.01)],
+        optax32=[hp(eta=0.01)],
+        train=[hp(eta=1e-2, beta=(0.9, 0.999), epsilon=1e-13)],
+        checkpoint=[hp(eta=0.01)],
+    ),
+    # torch and optax add ε inside the max (w ← max(β₂w, |g| + ε), step ∝ m/w), we add it to the
+    # denominator (m/(w + ε)): steps differ by about ε/w relative, so the float64 comparisons with
+    # torch take ε = 0 (gradients without exact zeros) or 1e-10
+    RuleInfo(
+        opt.AdaMax,
+        dict(eta=0.001, beta=(0.9, 0.999), epsilon=1e-8),
+        ref.adamax,
+        toy=[hp(eta=0.05)],
+        torch=TorchPeer("Adamax", lambda r: dict(lr=r.eta, betas=r.beta, eps=r.epsilon)),
+        optax=lambda optax, r: optax.adamax(r.eta, b1=r.beta[0], b2=r.beta[1], eps=r.epsilon),
+        torch64=[hp(eta=0.01, epsilon=0.0)],
+        optax64=[hp(eta=0.01)],
+        optax32=[hp(eta=0.01)],
+        train=[hp(eta=2e-3, beta=(0.9, 0.999), epsilon=1e-10)],
+        half=[hp(eta=2e-3, epsilon=1e-10)],
+        checkpoint=[hp(eta=0.01)],
+    ),
+    # optax.optimistic_adam_v2 differs in the first step: test_rules_vs_libraries and
+    # test_jax_rules compare it from the second step on
+    RuleInfo(
+        opt.OAdam,
+        dict(eta=0.001, beta=(0.5, 0.9), epsilon=1e-8),
+        ref.oadam,
+        toy=[hp(eta=0.05)],
+        checkpoint=[hp(eta=0.01)],
+    ),
+    # our accumulator starts at ε (Optimisers.jl), torch's and optax's at initial_accumulator_value
+    RuleInfo(
+        opt.AdaGrad,
+        dict(eta=0.1, epsilon=1e-8),
+        ref.adagrad,
+        toy=[hp(eta=0.3)],
+        torch=TorchPeer(
+            "Adagrad",
+            lambda r: dict(lr=r.eta, initial_accumulator_value=r.epsilon, eps=r.epsilon),
+            fused=True,
+        ),
+        # optax puts ε inside the root: eps=0 and the accumulator's start ε
+        optax=lambda optax, r: optax.adagrad(r.eta, initial_accumulator_value=r.epsilon, eps=0.0),
+        torch64=[hp(eta=0.1, epsilon=1e-8)],
+        optax32=[hp(eta=0.1, epsilon=1e-8)],
+        train=[hp(eta=0.05, epsilon=1e-8)],
+        half=[hp(eta=0.01, epsilon=1e-8)],
+        checkpoint=[hp(eta=0.1)],
+    ),
+    # AdaDelta's steps start near √ε·g/|g| and grow slowly (at ε = 1e-8 it barely moves in 1000
+    # steps); near a minimum its effective learning rate tends to 1, too much for curvature 10, so
+    # on the ill-conditioned problem the gap creeps back up over thousands of steps. It has no
+    # learning rate: torch's and optax's lr = 1.
+    RuleInfo(
+        opt.AdaDelta,
+        dict(rho=0.9, epsilon=1e-8),
+        ref.adadelta,
+        toy=[hp(rho=0.9, epsilon=1e-5)],
+        toy_steps=600,
+        torch=TorchPeer("Adadelta", lambda r: dict(lr=1.0, rho=r.rho, eps=r.epsilon)),
+        optax=lambda optax, r: optax.adadelta(1.0, rho=r.rho, eps=r.epsilon),
+        torch64=[hp(rho=0.9, epsilon=1e-6)],
+        optax64=[hp(rho=0.9, epsilon=1e-6)],
+        optax32=[hp(rho=0.9, epsilon=1e-6)],
+        train=[hp(rho=0.9, epsilon=1e-6)],
+        half=[hp(rho=0.9, epsilon=1e-6)],
+    ),
+    # optax's AMSGrad (bias-corrected maximum); torch's Adam(amsgrad=True) takes the maximum of
+    # the uncorrected v, so it is not compared with torch
+    RuleInfo(
+        opt.AMSGrad,
+        dict(eta=0.001, beta=(0.9, 0.999), epsilon=1e-8),
+        ref.amsgrad,
+        toy=[hp(eta=0.05)],
+        optax=lambda optax, r: optax.amsgrad(r.eta, b1=r.beta[0], b2=r.beta[1], eps=r.epsilon),
+        optax64=[hp(eta=0.01)],
+        optax32=[hp(eta=0.01)],
+        train=[hp(eta=1e-2)],
+        checkpoint=[hp(eta=0.01)],
+    ),
+    # torch.optim.NAdam uses Dozat's momentum schedule, ours the formula optax uses (see NAdam's
+    # docstring), so NAdam is compared with optax only
+    RuleInfo(
+        opt.NAdam,
+        dict(eta=0.001, beta=(0.9, 0.999), epsilon=1e-8),
+        ref.nadam,
+        toy=[hp(eta=0.05)],
+        optax=lambda optax, r: optax.nadam(r.eta, b1=r.beta[0], b2=r.beta[1], eps=r.epsilon),
+        optax64=[hp(eta=0.01)],
+        optax32=[hp(eta=0.01)],
+        train=[hp(eta=1e-2)],
+        checkpoint=[hp(eta=0.01)],
+    ),
+    # couple=True: x ← x − η·(adam + λx), torch's and optax's x ← x(1 − lr·wd) then the Adam step
+    RuleInfo(
+        opt.AdamW,
+        dict(eta=0.001, beta=(0.9, 0.999), lambd=0.0, epsilon=1e-8, couple=True),
+        ref.adamw,
+        toy=[
+            hp(eta=0.05),
+            hp("lambd", eta=0.05, lambd=0.01),
+            hp("decoupled", eta=0.05, lambd=1e-3, couple=False),
+        ],
+        jit=[hp("lambd", lambd=0.1), hp("decoupled", lambd=0.1, couple=False)],
+        torch=TorchPeer("AdamW", _adamw_torch, fused=True),
+        optax=_adamw_optax,
+        torch64=[hp(eta=0.01, beta=(0.9, 0.999), lambd=0.1)],
+        optax64=[hp(eta=0.01, lambd=0.1)],
+        optax32=[hp(eta=0.01, beta=(0.9, 0.999), lambd=0.1)],
+        train=[hp(eta=1e-2, beta=(0.9, 0.999), lambd=0.1, epsilon=1e-8)],
+        half=[hp(eta=1e-3, lambd=0.1)],
+        checkpoint=[hp(eta=0.01, lambd=0.01)],
+    ),
+    RuleInfo(
+        opt.AdaBelief,
+        dict(eta=0.001, beta=(0.9, 0.999), epsilon=1e-16),
+        ref.adabelief,
+        toy=[hp(eta=0.05)],
+        optax=lambda optax, r: optax.adabelief(
+            r.eta, b1=r.beta[0], b2=r.beta[1], eps=r.epsilon, eps_root=r.epsilon
+        ),
+        optax64=[hp(eta=0.01)],
+        optax32=[hp(eta=0.01)],
+        checkpoint=[hp(eta=0.01)],
+    ),
+    # optax.lion's defaults differ (b2=0.99, weight_decay=1e-3): all given
+    RuleInfo(
+        opt.Lion,
+        dict(eta=0.001, beta=(0.9, 0.999)),
+        ref.lion,
+        complex=False,
+        toy=[hp(eta=0.02)],
+        optax=lambda optax, r: optax.lion(r.eta, b1=r.beta[0], b2=r.beta[1], weight_decay=0.0),
+        optax64=[hp(eta=0.01)],
+        optax32=[hp(eta=0.001, beta=(0.9, 0.99))],
+        checkpoint=[hp(eta=0.01)],
+    ),
+    RuleInfo(
+        opt.WeightDecay,
+        dict(lambd=5e-4),
+        ref.weight_decay,
+        toy_steps=0,
+        optax=lambda optax, r: _descend(optax, optax.add_decayed_weights(r.lambd)),
+        optax64=[hp(lambd=0.1)],
+    ),
+    RuleInfo(opt.SignDecay, dict(lambd=1e-3), ref.sign_decay, complex=False, toy_steps=0),
+    RuleInfo(
+        opt.ClipGrad,
+        dict(delta=10.0),
+        ref.clip_grad,
+        complex=False,
+        toy_steps=0,
+        jit=[hp(delta=0.5)],
+        optax=lambda optax, r: _descend(optax, optax.clip(r.delta)),
+        optax64=[hp(delta=0.5)],
+        checkpoint=[hp(delta=0.5)],
+    ),
+    # per-array norm here, global norm in optax: equal for a model with a single array, p = 2
+    RuleInfo(
+        opt.ClipNorm,
+        dict(omega=10.0, p=2.0, throw=True),
+        ref.clip_norm,
+        elementwise=False,
+        toy_steps=0,
+        train=(),  # a norm is summed in memory order: strided and contiguous round differently
+        jit=[hp(omega=1.0), hp("inf", omega=1.0, p=math.inf)],
+        optax=lambda optax, r: _descend(optax, optax.clip_by_global_norm(r.omega)),
+        optax64=[hp(omega=2.0)],
+        checkpoint=[hp(omega=1.0)],
+    ),
+    # decides in Python whether to step, so it runs eagerly: no jit
+    RuleInfo(
+        opt.AccumGrad,
+        None,
+        ref.accum_grad,
+        toy=[hp(n=3)],
+        toy_steps=0,
+        jit=(),
+        train=(),
+        checkpoint=[hp(n=2)],
+    ),
+)
+
+RULE_INFO = {info.cls: info for info in RULES}
+
+
+@dataclasses.dataclass(frozen=True)
+class Composite:
+    """A chain or wrapper that the generic tests run: `families` names them (see RuleInfo)."""
+
+    name: str  # its id in the peer tests
+    make: Callable[[], opt.Rule]
+    families: frozenset
+    reference: Callable | None = None  # () -> step, as RuleInfo.reference; None: tested apart
+    toy_steps: int = 300
+    toy_dtype: type = np.float64  # the model's dtype in the convergence tests
+    optax: Callable | None = None  # optax -> transformation
+    torch: TorchPeer | None = None
+    torch_before_step: Callable | None = None  # (params) -> None: gradient surgery before step()
+
+
+def _fam(*names):
+    return frozenset(names)
+
+
+def _clip_value(delta):
+    def clip(params):
+        import torch
+
+        torch.nn.utils.clip_grad_value_(params, delta)
+
+    return clip
+
+
+COMPOSITES: tuple[Composite, ...] = (
+    Composite("()", lambda: opt.OptimiserChain(), _fam("toy"), lambda: ref.chain(), toy_steps=0),
+    Composite(
+        "ClipGrad>Adam",
+        lambda: opt.OptimiserChain(opt.ClipGrad(1.0), opt.Adam(0.05)),
+        _fam("toy"),
+        lambda: ref.chain(ref.clip_grad(1.0), ref.adam(0.05)),
+    ),
+    Composite(
+        "WeightDecay>Momentum",
+        lambda: opt.OptimiserChain(opt.WeightDecay(), opt.Momentum(0.02)),
+        _fam("toy"),
+        lambda: ref.chain(ref.weight_decay(), ref.momentum(0.02)),
+    ),
+    Composite(
+        "AccumGrad>Descent",
+        lambda: opt.OptimiserChain(opt.AccumGrad(2), opt.Descent(0.1)),
+        _fam("toy"),
+        lambda: ref.chain(ref.accum_grad(2), ref.descent(0.1)),
+        toy_steps=600,
+    ),
+    Composite(
+        "ClipNorm>Descent",
+        lambda: opt.OptimiserChain(opt.ClipNorm(1.0), opt.Descent(0.1)),
+        _fam("toy"),
+        lambda: ref.chain(ref.clip_norm(1.0), ref.descent(0.1)),
+    ),
+    Composite(
+        "SignDecay>WeightDecay>Adam",
+        lambda: opt.OptimiserChain(opt.SignDecay(), opt.WeightDecay(), opt.Adam(0.05)),
+        _fam("toy"),
+        lambda: ref.chain(ref.sign_decay(), ref.weight_decay(), ref.adam(0.05)),
+    ),
+    Composite(
+        "(ClipGrad)>AccumGrad>Nesterov",
+        lambda: opt.OptimiserChain(
+            opt.OptimiserChain(opt.ClipGrad(1.0)), opt.AccumGrad(2), opt.Nesterov(0.02)
+        ),
+        _fam("toy"),
+        lambda: ref.chain(ref.clip_grad(1.0), ref.accum_grad(2), ref.nesterov(0.02)),
+        toy_steps=600,
+    ),
+    Composite(
+        "MixedPrecision(Adam)", lambda: opt.MixedPrecision(opt.Adam(0.05)), _fam("toy"), toy_dtype=np.float16
+    ),
+    Composite(
+        "MixedPrecision(ClipGrad>Lion)",
+        lambda: opt.MixedPrecision(opt.OptimiserChain(opt.ClipGrad(1.0), opt.Lion(0.02))),
+        _fam("toy"),
+        toy_dtype=np.float16,
+    ),
+    # on finite gradients it is its rule; tests/test_reliability.py checks the skipping
+    Composite(
+        "SkipNonFinite(Adam)", lambda: opt.SkipNonFinite(opt.Adam(0.05)), _fam("toy"), lambda: ref.adam(0.05)
+    ),
+    Composite(
+        "SkipNonFinite(ClipNorm>Momentum)",
+        lambda: opt.SkipNonFinite(opt.OptimiserChain(opt.ClipNorm(1.0), opt.Momentum(0.02))),
+        _fam("toy"),
+        lambda: ref.chain(ref.clip_norm(1.0), ref.momentum(0.02)),
+    ),
+    Composite(
+        "ClipNorm>WeightDecay>Adam",
+        lambda: opt.OptimiserChain(opt.ClipNorm(1.0), opt.WeightDecay(), opt.Adam()),
+        _fam("jit"),
+    ),
+    Composite("MixedPrecision(Adam())", lambda: opt.MixedPrecision(opt.Adam()), _fam("jit")),
+    Composite(
+        "WeightDecay>Adam",
+        lambda: opt.OptimiserChain(opt.WeightDecay(0.1), opt.Adam(0.01)),
+        _fam("optax32"),
+        optax=lambda optax: optax.chain(optax.add_decayed_weights(0.1), optax.adam(0.01)),
+    ),
+    Composite(
+        "ClipGrad>Adam",
+        lambda: opt.OptimiserChain(opt.ClipGrad(0.5), opt.Adam(0.01)),
+        _fam("optax32", "optax64"),
+        optax=lambda optax: optax.chain(optax.clip(0.5), optax.adam(0.01)),
+    ),
+    # torch's weight_decay in SGD/Adam is L2 added to the gradient: WeightDecay first in a chain
+    Composite(
+        "WeightDecay+Descent",
+        lambda: opt.OptimiserChain(opt.WeightDecay(0.05), opt.Descent(0.1)),
+        _fam("train"),
+        torch=TorchPeer("SGD", lambda r: dict(lr=0.1, weight_decay=0.05)),
+    ),
+    Composite(
+        "WeightDecay+Adam",
+        lambda: opt.OptimiserChain(opt.WeightDecay(0.05), opt.Adam(1e-2)),
+        _fam("train"),
+        torch=TorchPeer("Adam", lambda r: dict(lr=1e-2, weight_decay=0.05)),
+    ),
+    # clip_grad_value_ before the step is ClipGrad first in a chain
+    Composite(
+        "ClipGrad+Momentum",
+        lambda: opt.OptimiserChain(opt.ClipGrad(0.02), opt.Momentum(0.1, 0.9)),
+        _fam("train"),
+        torch=TorchPeer("SGD", lambda r: dict(lr=0.1, momentum=0.9)),
+        torch_before_step=_clip_value(0.02),
+    ),
+    Composite(
+        "ClipNorm+Adam", lambda: opt.OptimiserChain(opt.ClipNorm(1.0), opt.Adam(1e-2)), _fam("layouts")
+    ),
+    Composite(
+        "ClipNorm>WeightDecay>Adam(0.01)",
+        lambda: opt.OptimiserChain(opt.ClipNorm(1.0), opt.WeightDecay(0.01), opt.Adam(0.01)),
+        _fam("checkpoint"),
+    ),
+    Composite(
+        "MixedPrecision(Adam,float64)",
+        lambda: opt.MixedPrecision(opt.Adam(0.01), np.float64),
+        _fam("checkpoint"),
+    ),
+)
+
+
+def supports_complex(rule: opt.Rule) -> bool:
+    """Whether `rule` takes complex parameters (else setup raises TypeError)."""
+    if isinstance(rule, opt.OptimiserChain):
+        return all(supports_complex(r) for r in rule.rules)
+    if isinstance(rule, opt.MixedPrecision):
+        return False  # its master copy is real floating point
+    if isinstance(rule, opt.SkipNonFinite):
+        return supports_complex(rule.rule)
+    return RULE_INFO[type(rule)].complex
+
+
+# --- the cases of each family of generic tests ------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ToyCase:
+    """A rule instance for test_rules.py and test_torch_rules.py."""
+
+    rule: opt.Rule
+    ref: Callable | None  # () -> reference step function; None: tested on its own
+    steps: int = 300  # for the convergence tests; 0: not an optimiser on its own
+    dtype: type = np.float64  # the model's dtype in the convergence tests
+
+
+def toy_cases() -> list[ToyCase]:
+    out = []
+    for info in RULES:
+        for h in info.toy:
+            reference = None if info.reference is None else (lambda f=info.reference, k=h.kwargs: f(**k))
+            out.append(ToyCase(info.make(h), reference, info.toy_steps))
+    for c in COMPOSITES:
+        if "toy" in c.families:
+            out.append(ToyCase(c.make(), c.reference, c.toy_steps, c.toy_dtype))
+    return out
+
+
+def _family(field: str) -> list[tuple[str, RuleInfo, Hyper]]:
+    return [(info.case_id(h), info, h) for info in RULES for h in getattr(info, field)]
+
+
+def jit_rules() -> list[opt.Rule]:
+    """Rule instances that `jax.jit(update)` must run like eager calls, ties kept."""
+    rules = [info.make(h) for _, info, h in _family("jit")]
+    return rules + [c.make() for c in COMPOSITES if "jit" in c.families]
+
+
+def checkpoint_rules() -> list[opt.Rule]:
+    """Rule instances whose runs must resume from a checkpoint bit for bit."""
+    rules = [info.make(h) for _, info, h in _family("checkpoint")]
+    return rules + [c.make() for c in COMPOSITES if "checkpoint" in c.families]
+
+
+def layout_rules() -> dict[str, Callable[[], opt.Rule]]:
+    """Name -> factory: rules that must step strided parameters like contiguous ones."""
+    out = {case_id: (lambda i=info, h=h: i.make(h)) for case_id, info, h in _family("train")}
+    return out | {c.name: c.make for c in COMPOSITES if "layouts" in c.families}
+
+
+@dataclasses.dataclass(frozen=True)
+class TorchCase:
+    """A rule and its torch.optim counterpart: `theirs(params, **implementation)` builds it."""
+
+    name: str
+    ours: Callable[[], opt.Rule]
+    peer: TorchPeer
+    before_step: Callable | None = None  # torch side: gradient surgery before optimizer.step()
+
+    def theirs(self, params, **implementation):
+        return self.peer.make(self.ours(), params, **implementation)
+
+    @property
+    def fused(self) -> bool:
+        return self.peer.fused
+
+
+def torch_cases(field: str, composites: bool = False) -> list[TorchCase]:
+    """The rules of family `field` ("torch64", "train", "half") that torch.optim also has; with
+    `composites`, also the chains of that family with a torch.optim counterpart."""
+    out = [
+        TorchCase(case_id, lambda i=info, h=h: i.make(h), info.torch)
+        for case_id, info, h in _family(field)
+        if info.torch is not None
+    ]
+    if composites:
+        out += [
+            TorchCase(c.name, c.make, c.torch, c.torch_before_step)
+            for c in COMPOSITES
+            if field in c.families and c.torch is not None
+        ]
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class OptaxCase:
+    name: str
+    ours: Callable[[], opt.Rule]
+    theirs: Callable  # optax -> transformation whose updates are added
+
+
+def optax_cases(field: str) -> list[OptaxCase]:
+    """The rules of family `field` ("optax64", "optax32") and their optax counterparts."""
+    out = [
+        OptaxCase(
+            case_id, lambda i=info, h=h: i.make(h), lambda optax, i=info, h=h: i.optax(optax, i.make(h))
+        )
+        for case_id, info, h in _family(field)
+    ]
+    return out + [OptaxCase(c.name, c.make, c.optax) for c in COMPOSITES if field in c.families]
