@@ -93,7 +93,6 @@ def continued(page_blocks: list[Block], i: int) -> Block | None:
     else:
         return None
     assert before.runs, f"{block.where} continues {before.where}, which is not run"
-    assert block.runs, f"{block.where} cannot both continue a block and not run"
     return before
 
 
