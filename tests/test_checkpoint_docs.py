@@ -1,4 +1,4 @@
-"""docs/checkpoints.md keeps a complete resume example for each backend (tests/test_docs.py runs
+"""docs/checkpoints.md keeps a complete resume example for each backend (tests/test_docs_blocks.py runs
 every block of the page)."""
 
 from __future__ import annotations
