@@ -391,6 +391,17 @@ RULES: tuple[RuleInfo, ...] = (
         optax32=[hp(eta=0.001, beta=(0.9, 0.99))],
         checkpoint=[hp(eta=0.01)],
     ),
+    # optax.contrib.adopt at its defaults (clipping at (t−1)^¼): the oracle
+    RuleInfo(
+        opt.ADOPT,
+        dict(eta=0.001, beta=(0.9, 0.9999), epsilon=1e-6),
+        complex=False,
+        toy=[hp(eta=0.05)],
+        optax=lambda optax, r: optax.contrib.adopt(r.eta, b1=r.beta[0], b2=r.beta[1], eps=r.epsilon),
+        optax64=[hp(eta=0.01), hp("beta2", eta=0.01, beta=(0.9, 0.999))],
+        optax32=[hp(eta=0.001)],
+        checkpoint=[hp(eta=0.01)],
+    ),
     RuleInfo(
         opt.WeightDecay,
         dict(lambd=5e-4),

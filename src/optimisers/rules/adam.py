@@ -11,7 +11,7 @@ from optimisers import ops
 from optimisers.core.rule import Rule, check_range
 from optimisers.rules.common import adam_direction, adam_moments, cast, nonnegative, real_only, real_zeros
 
-__all__ = ["Adam", "RAdam", "AdaMax", "OAdam", "AMSGrad", "NAdam", "AdamW", "AdaBelief", "Lion"]
+__all__ = ["Adam", "RAdam", "AdaMax", "OAdam", "AMSGrad", "NAdam", "AdamW", "AdaBelief", "Lion", "ADOPT"]
 
 
 @dataclass(frozen=True)
@@ -319,3 +319,37 @@ class Lion(Rule):
         eta, cb1, cg1, cb2, cg2 = cast(x, self.eta, b1, 1 - b1, b2, 1 - b2)
         step = eta * ops.sign(cb1 * state + cg1 * dx)
         return cb2 * state + cg2 * dx, step
+
+
+@dataclass(frozen=True)
+class ADOPT(_AdamFamily):
+    """ADOPT (Taniguchi et al., "ADOPT: Modified Adam Can Converge with Any β₂ with the Optimal
+    Rate", 2024), with its update clipping.
+
+    State `(m, v, t)`. The first step only records `v ← |g|²` and does not move. Each later step
+    normalises the gradient by the second moment of the steps *before* it, clips, then averages:
+    `u = clip(g / max(√v, ε), ±(t−1)^¼)`, `m ← β₁m + (1−β₁)u`, `v ← β₂v + (1−β₂)|g|²`,
+    `step = η·m`. Not for complex parameters (the clipping needs an order).
+
+    Defaults: `eta=0.001, beta=(0.9, 0.9999), epsilon=1e-6`. optax:
+    `optax.contrib.adopt(eta, b1, b2, eps)` at its defaults (clipping at `(t−1)^¼`, no Nesterov).
+    """
+
+    beta: tuple = (0.9, 0.9999)
+    epsilon: float = 1e-6
+
+    def init(self, x):
+        real_only(self, x)
+        return super().init(x)
+
+    def apply(self, state, x, dx):
+        m, v, t = state
+        t = t + 1
+        b1, b2 = self.beta
+        later = ops.minimum(t - 1, 1)  # 0 at the first step, 1 after (a traced value under jit)
+        limit = (t - 1) ** 0.25  # the clipping bound grows with the step
+        cb1, cm, cb2, cv, limit, eta = cast(x, b1, 1 - b1, b2 * later, 1 - b2 * later, limit, self.eta)
+        u = ops.clip(dx / ops.maximum(ops.sqrt(v), ops.epsilon(self.epsilon, x)), -limit, limit)
+        m = cb1 * m + cm * u
+        v = cb2 * v + cv * dx * dx
+        return (m, v, t), eta * m
