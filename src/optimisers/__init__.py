@@ -23,7 +23,7 @@ from optimisers.core.state import Leaf, State
 from optimisers.core.tree import register
 from optimisers.rules import *  # noqa: F403  (every built-in rule, by name)
 from optimisers.verbs.adjust import adjust, adjust_, freeze_, thaw_
-from optimisers.verbs.buffers import distinct_buffers
+from optimisers.verbs.distinct_buffers import distinct_buffers
 from optimisers.verbs.destructure import destructure, trainables
 from optimisers.verbs.grads import grads
 from optimisers.verbs.setup import setup

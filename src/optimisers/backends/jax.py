@@ -1,6 +1,6 @@
 """JAX arrays, including tracers under `jax.jit` / `jax.grad`, and JAX pytrees.
 
-Importing this module registers `State` and `Leaf` as JAX pytrees (DESIGN 4.7):
+Importing this module registers `State` and `Leaf` as JAX pytrees:
 
 * Flattening a `State` stores each distinct `Leaf` once, and each distinct rule object once; the
   tree skeleton (which places share which Leaf), every rule's class and non-numeric fields, and each
@@ -798,7 +798,7 @@ class _Unflattened:
     update, `state["w"]`): until then, flattening it gives back these children and aux at once.
     Once built, while its dicts still hold the same Leafs and those the same rule, state and
     frozen flag, it still does, checked in a few C-level passes instead of a Python walk over
-    every Leaf (4000 Leafs: 1 ms, not 50)."""
+    every Leaf."""
 
     def __init__(self, aux, children):
         self.aux, self.children = aux, children

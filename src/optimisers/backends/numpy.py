@@ -102,7 +102,7 @@ def subtract(x, step):
 
 # --- what the update engine asks (see optimisers.engine.group) ---------------------------------------
 
-ENGINE_CHUNK = 1 << 18  # 1 MiB of float32: measured best of 16K..4M elements on S1-S3 (2 cores)
+ENGINE_CHUNK = 1 << 18  # 1 MiB of float32: big enough to amortise Python, small enough for cache
 ENGINE_THREADS = True  # ufuncs release the GIL, so chunks run on all cores
 
 
@@ -110,9 +110,8 @@ ENGINE_THREADS = True  # ufuncs release the GIL, so chunks run on all cores
 # defaults: it serves them from mmap, or trims them back to the kernel as soon as they are freed,
 # most of all in the worker threads' arenas. Fixing both thresholds at the maxima that glibc's own
 # adaptive scheme grows them to (32 MiB, and twice that for trimming) keeps freed temporaries for
-# reuse. Measured on S1 (16.8M float32, Adam, 2 cores, bandwidth floor 10 ms): 45-55 ms per step
-# with the defaults, 27-29 ms with these. A lower mmap threshold would hurt: allocations above it
-# are page-faulted on every use (a 5 MiB torch add took 1.7 ms instead of 0.12 ms at 4 MiB).
+# reuse (`optimisers bench` shows the difference: `OPTIMISERS_MALLOC=default` keeps glibc's). A
+# lower mmap threshold would hurt: allocations above it are page-faulted on every use.
 MMAP_THRESHOLD = 32 << 20
 TRIM_THRESHOLD = 64 << 20
 _allocator_tuned = False

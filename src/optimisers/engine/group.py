@@ -130,9 +130,8 @@ class Group:
     def _chunk_size(b, total: int) -> int:
         """The backend's chunk, smaller for a small group: the chunks in flight (a handful of
         temporaries each) must stay within the group's own size, so that no step holds more than
-        about one copy of its parameters. Measured on S3 (4000 arrays of 256, 2 workers): 3.7×
-        the parameters at 256K-element chunks, 0.9× at 32K (this rule), 0.6× at 16K, for 19, 20
-        and 23 ms a step."""
+        about one copy of its parameters (`benchmarks/memory.py` measures the peak; smaller
+        chunks cost more Python per step)."""
         workers = (os.cpu_count() or 1) if b.ENGINE_THREADS else 1
         largest = max(4, b.ENGINE_CHUNK // CHUNK_SCALE)
         smallest = max(4, MIN_CHUNK // CHUNK_SCALE)

@@ -101,8 +101,7 @@ def _share_scalar_state(found, results) -> None:
     An elementwise rule's scalar state cannot depend on array values (the engine's chunks rely on
     that as well), so those values are equal anyway. Sharing the objects lets a State's pytree
     store them once, and under `jit` thousands of per-Leaf scalar computations (t + 1, 1 - β^t)
-    become one: on 1000 Adam leaves of 256, compile time fell from 9.1 s to 5.7 s and the step
-    from 28 to 19 ms."""
+    become one, which shortens both compiling and the step (`benchmarks/jax_state.py`)."""
     first: dict = {}
     for key, (new_state, step) in results.items():
         c = found[key]

@@ -181,16 +181,7 @@ def gather(tree, model, grads, known=None) -> dict[int, Contribution]:
         for k, sub in snode.items():
             x = children.get(k, _MISSING)
             if x is _MISSING:
-                why = kind.why_not_child(node, k) if kind.why_not_child is not None else None
-                if why is not None:
-                    raise KeyError(
-                        f"the state has a parameter at {format_path(path + (k,))}, which the model "
-                        f"does not train: {why}"
-                    )
-                raise KeyError(
-                    f"the state has key {k!r} at {format_path(path)}, which the model lacks; "
-                    "was the state set up for another model?"
-                )
+                raise _missing_child(kind, node, k, path)
             if type(sub) is not Leaf:
                 visit(sub, x, grad_of(k), path + (k,))
                 continue
@@ -221,6 +212,20 @@ def gather(tree, model, grads, known=None) -> dict[int, Contribution]:
     for entry in tied:
         _check_each_place(tree, entry)
     return found
+
+
+def _missing_child(kind, node, key, path) -> KeyError:
+    """The error for a key the state has and the model's node lacks."""
+    why = kind.why_not_child(node, key) if kind.why_not_child is not None else None
+    if why is not None:
+        return KeyError(
+            f"the state has a parameter at {format_path(path + (key,))}, which the model "
+            f"does not train: {why}"
+        )
+    return KeyError(
+        f"the state has key {key!r} at {format_path(path)}, which the model lacks; "
+        "was the state set up for another model?"
+    )
 
 
 def _check_each_place(tree, entry) -> None:
