@@ -23,8 +23,8 @@ from optimisers.core.state import Leaf, State
 from optimisers.core.tree import register
 from optimisers.rules import *  # noqa: F403  (every built-in rule, by name)
 from optimisers.verbs.adjust import adjust, adjust_, freeze_, thaw_
-from optimisers.verbs.distinct_buffers import distinct_buffers
 from optimisers.verbs.destructure import destructure, trainables
+from optimisers.verbs.distinct_buffers import distinct_buffers
 from optimisers.verbs.grads import grads
 from optimisers.verbs.setup import setup
 from optimisers.verbs.update import update, update_
