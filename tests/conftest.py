@@ -23,6 +23,6 @@ def single_thread():
 def tiny_chunks(monkeypatch):
     """Chunks of the in-place engine a few hundred elements long, so that a test-sized model
     exercises packed runs, arrays split across chunks and the worker threads."""
-    import optimisers.engine.group as _engine_group
+    import optimisers.engine.layout as _engine_layout
 
-    monkeypatch.setattr(_engine_group, "CHUNK_SCALE", 1024)
+    monkeypatch.setattr(_engine_layout, "CHUNK_SCALE", 1024)

@@ -7,8 +7,8 @@ from __future__ import annotations
 from optimisers import ops
 from optimisers.core.rule import NewValue
 from optimisers.core.state import flatten_state, unflatten_state
-from optimisers.engine import group, precision
-from optimisers.engine.group import scales_gradient
+from optimisers.engine import layout, precision
+from optimisers.engine.layout import scales_gradient
 
 
 def independent(leaf, state):
@@ -36,7 +36,7 @@ def pure_step(rule, state, x, dx):
     b = ops.backend(x)
     if not (b.IN_PLACE_ENGINE and b.engine_ok(x)):
         return None
-    n, chunk = b.numel(x), max(4, b.ENGINE_CHUNK // group.CHUNK_SCALE)
+    n, chunk = b.numel(x), max(4, b.ENGINE_CHUNK // layout.CHUNK_SCALE)
     parts: list = []
     spec = flatten_state(state, parts)
     array_at = [b.is_buffer(p) for p in parts]

@@ -29,12 +29,11 @@ import itertools
 import os
 from concurrent.futures import ThreadPoolExecutor
 
-import numpy as np
-
 from optimisers import ops
 from optimisers.core.rule import NewValue
 from optimisers.core.state import flatten_state, unflatten_state
 from optimisers.engine import fast_paths, precision
+from optimisers.engine.layout import GroupLayout, scales_gradient
 
 # Each backend that takes part says how: `engine_ok(x)` (a parameter it can step in place),
 # `numel`, `concat`, `concat_flat` (ravel and join), `copy_into`, `sum_into`, `is_buffer` (a state
@@ -46,14 +45,6 @@ from optimisers.engine import fast_paths, precision
 # major), and every array of a member (parameter, gradient, state) is read in that order
 # (`flat_in`; `laid_out_like` lays a gradient out as its parameter once per step), so chunks are
 # views of the parameter's memory and the state views (`shaped_in`) have the parameter's layout.
-CHUNK_SCALE = 1  # tests shrink chunks to exercise packing and splitting on small models
-
-
-CHUNK_SCALE = 1  # tests shrink chunks to exercise packing and splitting on small models
-MIN_CHUNK = 1 << 14  # elements: below this, the Python cost per chunk outweighs its work
-
-
-MIN_CHUNK = 1 << 14  # elements: below this, the Python cost per chunk outweighs its work
 _POOL: ThreadPoolExecutor | None = None
 
 
@@ -81,10 +72,6 @@ def _in_order(fn, items):
 _END = object()
 
 
-def scales_gradient(rule) -> bool:
-    return not getattr(rule, "elementwise", False) and getattr(rule, "scaled_elementwise", False)
-
-
 def eligible(leaf, x) -> bool:
     """Can this Leaf's parameter be stepped by the engine?"""
     rule = leaf.rule
@@ -94,151 +81,14 @@ def eligible(leaf, x) -> bool:
     return b.IN_PLACE_ENGINE and b.engine_ok(x)
 
 
-class Group:
-    """Leafs stepped together: one rule, one dtype, one set of scalar state values."""
+class Group(GroupLayout):
+    """Leafs stepped together: one rule, one dtype, one set of scalar state values. Their state
+    lives in the flat buffers of `GroupLayout`; this class steps it."""
 
     def __init__(self, leaves, xs):
-        self.b = b = ops.backend(xs[0])
-        b.engine_start()
-        sizes = [b.numel(x) for x in xs]
-        self.scaled = scales_gradient(leaves[0].rule)  # a factor per member: see `factors`
-        self.chunk = self._chunk_size(b, sum(sizes))
-        # small parameters last, so that they pack into a few long runs however the model
-        # interleaves them with large ones (a bias after each weight matrix)
-        order = sorted(range(len(xs)), key=lambda i: sizes[i] < self.chunk // 4)
-        leaves, xs, self.sizes = [leaves[i] for i in order], [xs[i] for i in order], [sizes[i] for i in order]
-        self.leaves = leaves  # their rule is read from the first at each step: adjust_ may change it
-        self.dtype, self.device = xs[0].dtype, getattr(xs[0], "device", None)
-        self.shapes = [x.shape for x in xs]
-        self.orders = [b.memory_order(x) for x in xs]
-        self.offsets = np.concatenate([[0], np.cumsum(self.sizes)]).astype(int).tolist()
-        per_leaf = [[] for _ in leaves]  # (only these lists hold the old arrays: see _take_state)
-        for leaf, parts in zip(leaves, per_leaf):
-            spec = flatten_state(leaf.state, parts)
-        del parts
-        self.spec = spec
-        self.array_at = [b.is_buffer(p) for p in per_leaf[0]]
-        self.scalars = [None if a else p for a, p in zip(self.array_at, per_leaf[0])]
-        self.chunks = self._plan_chunks()
-        self.buffers = self._take_state(leaves, per_leaf, xs)
-        self.has_runs = any(c[0] == "run" for c in self.chunks)
-        self._member_parts: dict[int, list] = {}
+        super().__init__(leaves, xs)
         self._sums: dict[int, object] = {}  # member -> its summed-gradient buffer (tied members)
         self._marks = None  # the members' `engine_marks` at their last full check
-
-    @staticmethod
-    def _chunk_size(b, total: int) -> int:
-        """The backend's chunk, smaller for a small group: the chunks in flight (a handful of
-        temporaries each) must stay within the group's own size, so that no step holds more than
-        about one copy of its parameters (`benchmarks/memory.py` measures the peak; smaller
-        chunks cost more Python per step)."""
-        workers = (os.cpu_count() or 1) if b.ENGINE_THREADS else 1
-        largest = max(4, b.ENGINE_CHUNK // CHUNK_SCALE)
-        smallest = max(4, MIN_CHUNK // CHUNK_SCALE)
-        return max(smallest, min(largest, total // (16 * workers)))
-
-    def _take_state(self, leaves, per_leaf, xs):
-        """The members' state arrays in the form the chunks read, for each array part a dict
-        from a big member or a packed run (by its first member) to a 1-D array, and each member's
-        state made views of them. A big member whose arrays are its own (`Leaf._owns`: made by
-        setup, a copy or a load) keeps them (raveled views, no copy: a copy of the whole state at
-        once was the first step's peak); a run's small members are copied into one buffer, a run
-        at a time, and their old arrays are let go before the next run is copied. Arrays that
-        another State may share, or that are not contiguous, not writable, or share memory with
-        another member's state or a parameter, are copied (steps write the buffers in place)."""
-        b, array_at = self.b, self.array_at
-        buffers = [{} if a else None for a in array_at]
-        seen = set(b.memory_owners(xs))
-        for chunk in self.chunks:
-            i = chunk[1]
-            if chunk[0] == "big":
-                if per_leaf[i] is None:  # taken at its first chunk
-                    continue
-                mine = leaves[i]._owns or leaves[i]._group is not None  # (engine buffers already)
-                order = self.orders[i]
-                flats = [
-                    self._own(p, seen, mine, order) if a else None for p, a in zip(per_leaf[i], array_at)
-                ]
-                members = [i]
-            else:
-                j = chunk[2]
-                members = list(range(i, j))
-                flats = [
-                    b.concat([b.flat_in(per_leaf[m][k], self.orders[m]) for m in members]) if a else None
-                    for k, a in enumerate(array_at)
-                ]
-            for k, flat in enumerate(flats):
-                if flat is not None:
-                    buffers[k][i] = flat
-            for m in members:
-                lo, hi = self.offsets[m] - self.offsets[i], self.offsets[m + 1] - self.offsets[i]
-                parts = [
-                    b.shaped_in(f[lo:hi], self.shapes[m], self.orders[m]) if a else p
-                    for a, f, p in zip(array_at, flats, per_leaf[m])
-                ]
-                per_leaf[m] = None  # the old arrays go as soon as the member holds the new ones
-                leaves[m]._state = unflatten_state(self.spec, iter(parts))
-                leaves[m]._group = self
-        return buffers
-
-    def _own(self, p, seen, mine, order):
-        """`p` raveled in its parameter's memory order `order`: a view of it where the step may
-        write it in place (it is laid out as the parameter), else a copy."""
-        b = self.b
-        owner = b.memory_owners([p])[0]
-        keep = mine and owner not in seen and b.engine_ok(p) and b.memory_order(p) == order
-        seen.add(owner)
-        return b.flat_in(p, order) if keep else b.concat([b.flat_in(p, order)])
-
-    def _plan_chunks(self):
-        """("big", i, a, b): elements a..b of leaf i; ("run", i, j, bounds): small leaves i..j-1
-        packed, leaf i+k at elements bounds[k] of the packed chunk."""
-        # smaller parameters are packed together (not in a scaled group: a factor per member)
-        chunk, small = self.chunk, 0 if self.scaled else self.chunk // 4
-        chunks, run_start, run_size = [], None, 0
-
-        def run(i, j):
-            lo = self.offsets[i]
-            bounds = [(self.offsets[k] - lo, self.offsets[k + 1] - lo) for k in range(i, j)]
-            chunks.append(("run", i, j, bounds))
-
-        for i, n in enumerate(self.sizes):
-            if n < small:
-                if run_start is None:
-                    run_start, run_size = i, 0
-                run_size += n
-                if run_size >= chunk:
-                    run(run_start, i + 1)
-                    run_start = None
-                continue
-            if run_start is not None:
-                run(run_start, i)
-                run_start = None
-            pieces = max(1, round(n / chunk))
-            bounds = [n * k // pieces for k in range(pieces + 1)]
-            chunks.extend(("big", i, a, b) for a, b in zip(bounds, bounds[1:]))
-        if run_start is not None:
-            run(run_start, len(self.sizes))
-        return chunks
-
-    def member_parts(self, k):
-        """Part `k` of every member's state: for an array part, each member's view of buffer `k`
-        (made once; the views stay valid while the group is intact)."""
-        if k not in self._member_parts:
-            out = []
-            for leaf in self.leaves:
-                parts: list = []
-                flatten_state(leaf._state, parts)
-                out.append(parts[k])
-            self._member_parts[k] = out
-        return self._member_parts[k]
-
-    def state_of(self, leaf):
-        """A member's state with the group's current scalars."""
-        parts: list = []
-        flatten_state(leaf._state, parts)
-        merged = [s if not a else p for a, s, p in zip(self.array_at, self.scalars, parts)]
-        return unflatten_state(self.spec, iter(merged))
 
     def ready_members(self, found):
         """Every member's contribution to this update, or None if some member cannot step in
