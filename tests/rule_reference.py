@@ -267,6 +267,29 @@ def chain(*steps):
     return step
 
 
+def lookahead(inner, k=6, alpha=0.5):
+    """Zhang et al. 2019, Algorithm 1 as one step per call: `inner` (a reference step) moves the
+    fast weights; after every k-th move the slow weights go a fraction alpha towards them and the
+    fast weights restart from there. A call on which `inner` does not move does not count."""
+    slow, moves = None, 0
+
+    def step(x, g):
+        nonlocal slow, moves
+        if slow is None:
+            slow = x.copy()
+        u = inner(x, g)
+        if u is None:
+            return None
+        moves += 1
+        if moves < k:
+            return u
+        moves = 0
+        slow = slow + alpha * ((x - u) - slow)
+        return x - slow
+
+    return step
+
+
 def accum_grad(n):
     total, count = 0.0, 0
 

@@ -540,6 +540,40 @@ COMPOSITES: tuple[Composite, ...] = (
         _fam("toy"),
         lambda: ref.chain(ref.clip_norm(1.0), ref.momentum(0.02)),
     ),
+    # slow weights in the state, the parameter set to them every k-th step (a NewValue);
+    # tests/test_lookahead.py compares with optax.lookahead, which trains LookaheadParams
+    Composite(
+        "Lookahead(Adam)",
+        lambda: opt.Lookahead(opt.Adam(0.05), k=5),
+        _fam("toy", "jit", "checkpoint", "layouts"),
+        lambda: ref.lookahead(ref.adam(0.05), k=5),
+    ),
+    Composite(
+        "Lookahead(ClipNorm>Momentum)",
+        lambda: opt.Lookahead(opt.OptimiserChain(opt.ClipNorm(1.0), opt.Momentum(0.02)), k=3, alpha=0.8),
+        _fam("toy", "jit", "checkpoint"),
+        lambda: ref.lookahead(ref.chain(ref.clip_norm(1.0), ref.momentum(0.02)), k=3, alpha=0.8),
+    ),
+    # AccumGrad's calls without a step do not count towards k
+    Composite(
+        "Lookahead(AccumGrad>Descent)",
+        lambda: opt.Lookahead(opt.OptimiserChain(opt.AccumGrad(2), opt.Descent(0.1)), k=4),
+        _fam("toy"),
+        lambda: ref.lookahead(ref.chain(ref.accum_grad(2), ref.descent(0.1)), k=4),
+        toy_steps=600,
+    ),
+    Composite(
+        "ClipGrad>Lookahead(Nesterov)",
+        lambda: opt.OptimiserChain(opt.ClipGrad(1.0), opt.Lookahead(opt.Nesterov(0.02), k=2, alpha=0.3)),
+        _fam("toy", "jit"),
+        lambda: ref.chain(ref.clip_grad(1.0), ref.lookahead(ref.nesterov(0.02), k=2, alpha=0.3)),
+    ),
+    Composite(
+        "MixedPrecision(Lookahead(Adam))",
+        lambda: opt.MixedPrecision(opt.Lookahead(opt.Adam(0.05), k=4)),
+        _fam("toy", "checkpoint"),
+        toy_dtype=np.float16,
+    ),
     Composite(
         "ClipNorm>WeightDecay>Adam",
         lambda: opt.OptimiserChain(opt.ClipNorm(1.0), opt.WeightDecay(), opt.Adam()),
@@ -601,7 +635,7 @@ def supports_complex(rule: opt.Rule) -> bool:
         return all(supports_complex(r) for r in rule.rules)
     if isinstance(rule, opt.MixedPrecision):
         return False  # its master copy is real floating point
-    if isinstance(rule, opt.SkipNonFinite):
+    if isinstance(rule, (opt.SkipNonFinite, opt.Lookahead)):
         return supports_complex(rule.rule)
     return RULE_INFO[type(rule)].complex
 

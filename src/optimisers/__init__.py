@@ -25,6 +25,7 @@ from optimisers.rules import *  # noqa: F403  (every built-in rule, by name)
 from optimisers.verbs.adjust import adjust, adjust_, freeze_, thaw_
 from optimisers.verbs.destructure import destructure, trainables
 from optimisers.verbs.distinct_buffers import distinct_buffers
+from optimisers.verbs.eval_params import eval_params
 from optimisers.verbs.grads import grads
 from optimisers.verbs.setup import setup
 from optimisers.verbs.update import update, update_
@@ -50,6 +51,7 @@ __all__ = [
     "adjust_",
     "destructure",
     "distinct_buffers",
+    "eval_params",
     "freeze_",
     "grads",
     "register",

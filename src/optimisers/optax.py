@@ -10,9 +10,10 @@ optax adds updates to parameters, so the update handed back is `-step` for a rul
 exactly the parameter `optimisers.update` gives. A parameter that does not move gets `-0.0`,
 which keeps every value, negative zero included. The one inexact case is a rule that sets the
 parameter to a new value (`MixedPrecision`, whose step is its master copy rounded to the
-parameter's dtype): its update is `new - x`, and `x + (new - x) == new` holds whenever `new` lies
-within a factor of two of `x` (Sterbenz's lemma), which any step smaller than the parameter
-satisfies; otherwise it is `new` to within a rounding of the update.
+parameter's dtype; `Lookahead` at its synchronisations): its update is `new - x`, and
+`x + (new - x) == new` holds whenever `new` lies within a factor of two of `x` (Sterbenz's
+lemma), which any step smaller than the parameter satisfies; otherwise it is `new` to within a
+rounding of the update.
 
 The optax state is the `State` that `setup` returns: it carries the ties and the hyperparameters
 as pytree leaves, so it can go through `jax.jit`, and `optimisers.adjust(state, eta)` changes the

@@ -5,6 +5,8 @@ one parameter array, `apply(state, x, dx)` returns `(new_state, step)` and the i
 step: `x_new = x - step`. Rules never write to their inputs, so the same maths serves the pure and the
 in-place update and every backend. `step` may also be `None` (do not move the parameter this time) or
 `NewValue(v)` (set the parameter to `v`, used by `MixedPrecision` so its master copy is exact).
+A rule whose parameter is not its evaluation point (`Lookahead`'s slow weights) says where that is
+with `eval_value(state, x)`, which `optimisers.eval_params` asks.
 """
 
 from __future__ import annotations
@@ -104,7 +106,8 @@ class Rule:
     Subclasses are frozen dataclasses whose fields are hyperparameters. Fields are checked against
     the type of their default (a float field takes any real number, ints become floats; a tuple
     field takes a tuple of the same length; a bool field takes a bool), `eta` may not be negative,
-    and `validate()` adds rule-specific checks. Override `init` and `apply`:
+    and `validate()` adds rule-specific checks. Override `init` and `apply` (and, optionally,
+    `eval_value`):
 
         @dataclasses.dataclass(frozen=True)
         class SignDescent(Rule):
@@ -134,6 +137,9 @@ class Rule:
         own = cls.__dict__.get("apply")
         if callable(own) and not getattr(own, "_evaluates_schedules", False):
             cls.apply = _scheduled_apply(own)
+        own = cls.__dict__.get("eval_value")
+        if callable(own) and not getattr(own, "_sees_own_state", False):
+            cls.eval_value = _own_state_eval(own)
 
     #: Fields that may be infinite (ClipNorm's p = inf is the max-norm); for every other number,
     #: an infinite value is refused like NaN: it would turn every parameter into inf or NaN.
@@ -173,6 +179,16 @@ class Rule:
     def apply(self, state, x, dx):
         """`(new_state, step)` for parameter `x` with gradient `dx`; `x_new = x - step`."""
         raise NotImplementedError(f"{type(self).__name__} must define apply(state, x, dx)")
+
+    def eval_value(self, state, x):
+        """Optional: the parameter's value at the rule's evaluation point, for evaluating and
+        saving the model (`optimisers.eval_params`), given its state and the parameter `x` that
+        the updates train. The default is `x` itself; `Lookahead` returns its slow weights. Return
+        `x` itself, or an array of `x`'s shape (it may be part of the state: it is copied). Like
+        `apply`, it sees the rule's own state (without the step count of a schedule)."""
+        return x
+
+    eval_value._sees_own_state = True
 
     def with_counters(self, state):
         """`state` with a step count for each schedule: a rule given a schedule by `adjust`
@@ -393,6 +409,17 @@ def _scheduled_apply(apply):
         return Scheduled(count + 1, inner), step
 
     wrapped._evaluates_schedules = True
+    return wrapped
+
+
+def _own_state_eval(eval_value):
+    """`eval_value` given the state that `apply` sees: without a schedule's step count."""
+
+    @functools.wraps(eval_value)
+    def wrapped(self, state, x):
+        return eval_value(self, state.state if type(state) is Scheduled else state, x)
+
+    wrapped._sees_own_state = True
     return wrapped
 
 

@@ -1,4 +1,5 @@
-"""Rules built from other rules: chains, accumulation, mixed precision, skipping bad steps.
+"""Rules built from other rules: chains, accumulation, mixed precision, skipping bad steps,
+lookahead.
 
 The conventions every rule here follows are in `optimisers.rules`.
 """
@@ -13,11 +14,11 @@ from typing import Any
 import numpy as np
 
 from optimisers import ops
-from optimisers.core.rule import NewValue, Rule, concrete, has_schedules
+from optimisers.core.rule import NewValue, Rule, check_range, concrete, has_schedules
 from optimisers.core.state import flatten_state, unflatten_state
 from optimisers.rules.common import real_only
 
-__all__ = ["OptimiserChain", "AccumGrad", "MixedPrecision", "SkipNonFinite"]
+__all__ = ["OptimiserChain", "AccumGrad", "MixedPrecision", "SkipNonFinite", "Lookahead"]
 
 
 @dataclass(frozen=True, init=False, repr=False)
@@ -101,6 +102,13 @@ class OptimiserChain(Rule):
 
     def apply(self, state, x, dx):
         return self.apply_scaled(state, x, dx, None)
+
+    def eval_value(self, state, x):
+        """Each member's evaluation point of the one before it (a `Lookahead` member gives its
+        slow weights; the others pass the value on)."""
+        for rule, s in zip(self.rules, state):
+            x = rule.eval_value(s, x)
+        return x
 
     def apply_scaled(self, state, x, dx, factor):
         """`apply`, where a `factor` given is the first member's `gradient_factor` of the whole
@@ -237,6 +245,11 @@ class MixedPrecision(_Wrapper):
         new = self.rule.with_counters(inner)
         return state if new is inner else (master, new)
 
+    def eval_value(self, state, x):
+        master, inner = state
+        value = self.rule.eval_value(inner, master)
+        return x if value is master else ops.astype(value, x)
+
     def apply(self, state, x, dx):
         master, inner = state
         inner, step = self.rule.apply(inner, master, ops.astype(dx, master))
@@ -277,6 +290,9 @@ class SkipNonFinite(_Wrapper):
         new = self.rule.with_counters(inner)
         return state if new is inner else (new, skipped)
 
+    def eval_value(self, state, x):
+        return self.rule.eval_value(state[0], x)
+
     def apply(self, state, x, dx):
         inner, skipped = state
         finite = ops.isfinite(dx)
@@ -299,3 +315,88 @@ class SkipNonFinite(_Wrapper):
             step = ops.where(ok, step, ops.zeros_like(step))
         skipped = ops.where(ok, skipped, skipped + 1)
         return (unflatten_state(spec, iter(kept)), skipped), step
+
+
+@dataclass(frozen=True, repr=False)
+class Lookahead(_Wrapper):
+    """Lookahead (Zhang et al., "Lookahead Optimizer: k steps forward, 1 step back", 2019): the
+    parameter (the fast weights) takes `k` steps of `rule`; then slow weights, kept in the state,
+    move a fraction `alpha` of the way to it, and the parameter is set to them.
+
+    State `(slow, inner, n)`: the slow weights (a copy of `x` at setup), `rule`'s state, and the
+    number of `rule`'s steps since the last synchronisation. Each step:
+    `(inner, step) = rule.apply(inner, x, g)`, `fast = x − step`, `n ← n+1`; if `n = k`:
+    `slow ← slow + α·(fast − slow)`, the parameter becomes `slow` (a `NewValue`) and `n ← 0`;
+    otherwise the parameter becomes `fast`. A call on which `rule` does not move (`AccumGrad`
+    between its updates) does not count. Gradients are always taken at the parameter (the fast
+    weights); evaluate and save the slow ones: `optimisers.eval_params(state, model)` gives the
+    model holding them. `rule`'s state is kept across synchronisations.
+
+    Defaults: `k=6, alpha=0.5` (k ≥ 1, α in [0, 1]; α is a number, not a schedule).
+    `hyperparameters()` and `adjust` forward to `rule`; `k` and `alpha` stay. Under `jax.jit` the
+    synchronisation is selected with `ops.where` on the traced counter. optax:
+    `optax.lookahead(rule, sync_period=k, slow_step_size=alpha)` (with `reset_state=False`, its
+    default, and the same numbers up to rounding: optax adds an update to the fast weights where
+    this sets them to the slow ones), which trains `optax.LookaheadParams(fast, slow)` where this
+    keeps the slow weights in the state and the model as it is. PyTorch has no Lookahead.
+    """
+
+    rule: Rule
+    k: int = 6
+    alpha: float = 0.5
+
+    def validate(self):
+        super().validate()
+        if self.k < 1:
+            raise ValueError(f"Lookahead: k (steps between synchronisations) must be >= 1, got {self.k}")
+        if callable(self.alpha):
+            raise TypeError(f"Lookahead: alpha must be a number, not a schedule, got {self.alpha!r}")
+        if isinstance(self.rule, MixedPrecision):
+            # its master copy would keep the fast weights after a synchronisation
+            raise TypeError(
+                "Lookahead: MixedPrecision cannot be its rule; wrap the Lookahead instead: "
+                "MixedPrecision(Lookahead(...))"
+            )
+        check_range(self, "alpha", 0.0, 1.0)
+
+    @property
+    def elementwise(self):
+        return getattr(self.rule, "elementwise", False)
+
+    @property
+    def never_raises(self):
+        return getattr(self.rule, "never_raises", False)
+
+    def __repr__(self):
+        return f"Lookahead({self.rule!r}, k={self.k}, alpha={self.alpha})"
+
+    def init(self, x):
+        # a cast is always a new array off any autograd graph (a copy of a torch Parameter is one)
+        return ops.cast(x, x.dtype), self.rule.init(x), 0
+
+    def with_counters(self, state):
+        slow, inner, n = state
+        new = self.rule.with_counters(inner)
+        return state if new is inner else (slow, new, n)
+
+    def eval_value(self, state, x):
+        return state[0]
+
+    def apply(self, state, x, dx):
+        slow, inner, n = state
+        inner, step = self.rule.apply(inner, x, dx)
+        if step is None:
+            return (slow, inner, n), None
+        n = n + 1
+        sync = n == self.k
+        known = concrete(sync)
+        if known is not None and not known:
+            return (slow, inner, n), step
+        fast = step.value if isinstance(step, NewValue) else x - step
+        fast = ops.astype(fast, x)  # the parameter's value after the step, as written
+        synced = slow + ops.scalar(self.alpha, x) * (fast - slow)
+        if known is not None:  # the parameter gets its own copy: it must not share a buffer with the state
+            return (synced, inner, 0), NewValue(ops.copy(synced))
+        # traced (under jax.jit): both outcomes, selected on the counter
+        slow = ops.where(sync, synced, slow)
+        return (slow, inner, n % self.k), NewValue(ops.where(sync, synced, fast))
