@@ -328,9 +328,10 @@ class Lookahead(_Wrapper):
     `(inner, step) = rule.apply(inner, x, g)`, `fast = x − step`, `n ← n+1`; if `n = k`:
     `slow ← slow + α·(fast − slow)`, the parameter becomes `slow` (a `NewValue`) and `n ← 0`;
     otherwise the parameter becomes `fast`. A call on which `rule` does not move (`AccumGrad`
-    between its updates) does not count. Gradients are always taken at the parameter (the fast
-    weights); evaluate and save the slow ones: `optimisers.eval_params(state, model)` gives the
-    model holding them. `rule`'s state is kept across synchronisations.
+    between its updates) does not count (optax counts every call). Gradients are always taken at
+    the parameter (the fast weights); evaluate and save the slow ones:
+    `optimisers.eval_params(state, model)` gives the model holding them. `rule`'s state is kept
+    across synchronisations.
 
     Defaults: `k=6, alpha=0.5` (k ≥ 1, α in [0, 1]; α is a number, not a schedule).
     `hyperparameters()` and `adjust` forward to `rule`; `k` and `alpha` stay. Under `jax.jit` the
