@@ -276,3 +276,23 @@ def test_in_place_engine_in_small_chunks_equals_pure_bit_for_bit(backend, tiny_c
         evaluated, pure_evaluated = opt.eval_params(state, m), opt.eval_params(pure_state, pure)
         for a, b in zip(jax.tree.leaves(as_numpy(evaluated)), jax.tree.leaves(as_numpy(pure_evaluated))):
             assert a.tobytes() == b.tobytes()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_slow_weights_in_the_parameters_dtype_pure_equals_in_place(dtype):
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(300, 7, generator=gen).to(dtype)
+    model = {"embed": w, "unembed": w, "bias": torch.randn(5, generator=gen).to(dtype)}
+    copy = {"embed": w.clone(), "bias": model["bias"].clone()}
+    copy["unembed"] = copy["embed"]
+    rule = opt.Lookahead(opt.Adam(0.01), k=3)
+    state, pure_state, pure = opt.setup(rule, model), opt.setup(rule, copy), copy
+    for _ in range(8):
+        grads = {k: torch.randn(v.shape, generator=gen).to(dtype) for k, v in model.items()}
+        state, model = opt.update_(state, model, grads)
+        pure_state, pure = opt.update(pure_state, pure, grads)
+        assert all(torch.equal(model[k].view(torch.int16), pure[k].view(torch.int16)) for k in model)
+    assert state["embed"].state[0].dtype == dtype  # the slow weights, as the parameter
+    evaluated = opt.eval_params(state, model)
+    assert evaluated["embed"] is evaluated["unembed"] and evaluated["embed"].dtype == dtype
+    assert torch.equal(evaluated["embed"], state["embed"].state[0])
