@@ -7,6 +7,8 @@ checkpoints, layouts)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,6 +17,7 @@ import pytest
 import torch
 
 import optimisers as opt
+from optimisers import ops
 
 STEPS = 24
 
@@ -296,3 +299,25 @@ def test_half_precision_slow_weights_in_the_parameters_dtype_pure_equals_in_plac
     evaluated = opt.eval_params(state, model)
     assert evaluated["embed"] is evaluated["unembed"] and evaluated["embed"].dtype == dtype
     assert torch.equal(evaluated["embed"], state["embed"].state[0])
+
+
+def test_torch_optimizer_groups_show_the_inner_rules_hyperparameters():
+    # Lookahead's own alpha is not a hyperparameter that adjust reaches: a param group's "alpha"
+    # is the inner rule's, as adjust(alpha=...) would change it
+    @dataclasses.dataclass(frozen=True)
+    class Scaled(opt.Rule):
+        alpha: float = 0.1
+
+        def apply(self, state, x, dx):
+            return state, ops.scalar(self.alpha, x) * dx
+
+    from optimisers.torch import Optimizer
+
+    layer = torch.nn.Linear(3, 2)
+    optimizer = Optimizer(layer.parameters(), opt.Lookahead(Scaled(0.1), k=2, alpha=0.5))
+    assert optimizer.param_groups[0]["alpha"] == 0.1
+    optimizer.param_groups[0]["alpha"] = 0.2
+    before = layer.bias.detach().clone()
+    layer(torch.ones(1, 3)).sum().backward()  # the bias's gradient is 1
+    optimizer.step()
+    torch.testing.assert_close(layer.bias.detach(), before - 0.2)

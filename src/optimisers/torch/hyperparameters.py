@@ -55,13 +55,23 @@ def check_switches(entries: Mapping, where: str) -> None:
 
 def rule_value(rule, name):
     """Hyperparameter `name` of `rule`: its own field, else the first member rule's (a chain,
-    MixedPrecision); `MISSING` when no field holds it."""
+    MixedPrecision); `MISSING` when no field holds it. A wrapper whose `hyperparameters()` are its
+    inner rule's (`Lookahead`, whose own `alpha` `adjust` does not reach) shows the inner rule's."""
     if not dataclasses.is_dataclass(rule):
         return MISSING
     fields = dataclasses.fields(rule)
+    own = tuple(f.name for f in fields)
     for f in fields:
         if f.name == name and not isinstance(getattr(rule, name), Rule):
+            if rule.hyperparameters() != own and _inner_value(rule, name) is not MISSING:
+                break
             return getattr(rule, name)
+    return _inner_value(rule, name)
+
+
+def _inner_value(rule, name):
+    """Hyperparameter `name` of the first rule that `rule` holds that has it."""
+    fields = dataclasses.fields(rule)
     for f in fields:
         held = getattr(rule, f.name)
         for sub in held if isinstance(held, tuple) else (held,):
