@@ -248,3 +248,12 @@ def test_errors_say_what_is_wrong():
         ValueError, match=r"Wrong.eval_value gave a value of shape \(7,\) for the parameter at"
     ):
         opt.eval_params(opt.setup(Wrong(), model), model)
+
+
+def test_a_single_array_as_the_model():
+    x = np.ones(3)
+    state = opt.setup(opt.Lookahead(opt.Descent(0.1), k=2), x)
+    state, x = opt.update(state, x, np.ones(3))
+    np.testing.assert_array_equal(x, np.full(3, 0.9))
+    np.testing.assert_array_equal(opt.eval_params(state, x), np.ones(3))  # before the first sync
+    assert opt.eval_params(opt.setup(opt.Adam(), x), x) is x
