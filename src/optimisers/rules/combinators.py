@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from optimisers import ops
-from optimisers.core.rule import NewValue, Rule, check_range, concrete, has_schedules
+from optimisers.core.rule import NewValue, Rule, check_range, concrete, has_schedules, scheduled_fields
 from optimisers.core.state import flatten_state, unflatten_state
 from optimisers.rules.common import real_only
 
@@ -350,7 +350,7 @@ class Lookahead(_Wrapper):
         super().validate()
         if self.k < 1:
             raise ValueError(f"Lookahead: k (steps between synchronisations) must be >= 1, got {self.k}")
-        if callable(self.alpha):
+        if "alpha" in scheduled_fields(self):
             raise TypeError(f"Lookahead: alpha must be a number, not a schedule, got {self.alpha!r}")
         if isinstance(self.rule, MixedPrecision):
             # its master copy would keep the fast weights after a synchronisation
@@ -372,7 +372,7 @@ class Lookahead(_Wrapper):
         return f"Lookahead({self.rule!r}, k={self.k}, alpha={self.alpha})"
 
     def init(self, x):
-        # a cast is always a new array off any autograd graph (a copy of a torch Parameter is one)
+        # a cast is always a new plain array (ops.copy of a torch Parameter would be a Parameter)
         return ops.cast(x, x.dtype), self.rule.init(x), 0
 
     def with_counters(self, state):
@@ -396,7 +396,7 @@ class Lookahead(_Wrapper):
         fast = step.value if isinstance(step, NewValue) else x - step
         fast = ops.astype(fast, x)  # the parameter's value after the step, as written
         synced = slow + ops.scalar(self.alpha, x) * (fast - slow)
-        if known is not None:  # the parameter gets its own copy: it must not share a buffer with the state
+        if known is not None:  # the parameter's own copy: no buffer shared with the state
             return (synced, inner, 0), NewValue(ops.copy(synced))
         # traced (under jax.jit): both outcomes, selected on the counter
         slow = ops.where(sync, synced, slow)
