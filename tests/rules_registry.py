@@ -402,6 +402,27 @@ RULES: tuple[RuleInfo, ...] = (
         optax32=[hp(eta=0.001)],
         checkpoint=[hp(eta=0.01)],
     ),
+    # optax.contrib.ademamix with constant b3 and alpha (no warm-up schedulers) and eps_root=0;
+    # its weight decay is scaled by the learning rate, as ours
+    RuleInfo(
+        opt.AdEMAMix,
+        dict(eta=0.001, beta=(0.9, 0.999, 0.9999), alpha=5.0, epsilon=1e-8, lambd=0.0),
+        toy=[hp(eta=0.05), hp("lambd", eta=0.05, lambd=1e-3)],
+        jit=[hp(), hp("lambd", lambd=0.1)],
+        optax=lambda optax, r: optax.contrib.ademamix(
+            r.eta,
+            b1=r.beta[0],
+            b2=r.beta[1],
+            b3=r.beta[2],
+            alpha=r.alpha,
+            eps=r.epsilon,
+            eps_root=0.0,
+            weight_decay=r.lambd,
+        ),
+        optax64=[hp(eta=0.01), hp("fast", eta=0.01, beta=(0.8, 0.99, 0.95), alpha=2.0, lambd=0.1)],
+        optax32=[hp(eta=0.001), hp("lambd", eta=0.01, lambd=0.1)],
+        checkpoint=[hp(eta=0.01, lambd=0.01)],
+    ),
     RuleInfo(
         opt.WeightDecay,
         dict(lambd=5e-4),
