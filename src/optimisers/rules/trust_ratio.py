@@ -39,12 +39,13 @@ class LAMB(Rule):
     direction plus the weight decay `u = (m/(1−β₁ᵗ)) / (√(v/(1−β₂ᵗ)) + ε) + λ·x` and the trust
     ratio `r = ‖x‖/‖u‖` (Euclidean norms of this parameter array, never of the whole model):
     `step = η·r·u`. When `‖x‖ = 0` or `‖u‖ = 0`, `r = 1` (as optax), so zero-initialised
-    parameters such as biases still move, by plain AdamW steps. Not elementwise: the norms couple
-    the array.
+    parameters such as biases still move, by plain Adam steps. Not elementwise: the norms couple
+    the array. The decay applies to every array the rule is given; to exempt some (optax's
+    `mask`), give them `lambd=0` with a per-parameter `setup((path, x) -> rule, model)`.
 
     Defaults: `eta=0.001, beta=(0.9, 0.999), epsilon=1e-6, lambd=0.0`. optax:
-    `optax.lamb(eta, b1, b2, eps, eps_root=0, weight_decay=lambd)` computes the same steps (its
-    `mask` is our `freeze`). PyTorch has no LAMB.
+    `optax.lamb(eta, b1, b2, eps, eps_root=0, weight_decay=lambd)` computes the same steps.
+    PyTorch has no LAMB.
     """
 
     never_raises = True
