@@ -407,6 +407,7 @@ RULES: tuple[RuleInfo, ...] = (
     RuleInfo(
         opt.AdEMAMix,
         dict(eta=0.001, beta=(0.9, 0.999, 0.9999), alpha=5.0, epsilon=1e-8, lambd=0.0),
+        ref.ademamix,
         toy=[hp(eta=0.05), hp("lambd", eta=0.05, lambd=1e-3)],
         jit=[hp(), hp("lambd", lambd=0.1)],
         optax=lambda optax, r: optax.contrib.ademamix(
@@ -427,6 +428,7 @@ RULES: tuple[RuleInfo, ...] = (
     RuleInfo(
         opt.LAMB,
         dict(eta=0.001, beta=(0.9, 0.999), epsilon=1e-6, lambd=0.0),
+        ref.lamb,
         elementwise=False,
         train=(),  # norms are summed in memory order: strided and contiguous round differently
         toy=[hp(eta=0.02), hp("lambd", eta=0.02, lambd=1e-3)],
@@ -443,6 +445,7 @@ RULES: tuple[RuleInfo, ...] = (
     RuleInfo(
         opt.LARS,
         dict(eta=0.001, beta=0.9, lambd=0.0, trust=0.001, epsilon=0.0, nesterov=False),
+        ref.lars,
         elementwise=False,
         train=(),  # norms are summed in memory order: strided and contiguous round differently
         toy=[hp(eta=1.0, trust=0.01), hp("nesterov", eta=1.0, trust=0.01, lambd=1e-4, nesterov=True)],
