@@ -234,6 +234,55 @@ def lion(eta=0.001, beta=(0.9, 0.999)):
     return step
 
 
+def ademamix(eta=0.001, beta=(0.9, 0.999, 0.9999), alpha=5.0, epsilon=1e-8, lambd=0.0):
+    fast, slow, v, t = 0.0, 0.0, 0.0, 0
+    b1, b2, b3 = beta
+
+    def step(x, g):
+        nonlocal fast, slow, v, t
+        t += 1
+        fast = b1 * fast + (1 - b1) * g
+        slow = b3 * slow + (1 - b3) * g  # never bias-corrected
+        v = b2 * v + (1 - b2) * _sq(g)
+        mix = fast / (1 - b1**t) + alpha * slow
+        return eta * (mix / (np.sqrt(v / (1 - b2**t)) + epsilon) + lambd * x)
+
+    return step
+
+
+def _norm(a):
+    return np.sqrt(np.sum(_sq(a)))
+
+
+def _trust_ratio(x, u, trust, epsilon):
+    """Per array; 1 when either norm is zero."""
+    nx, nu = _norm(x), _norm(u)
+    return 1.0 if nx == 0 or nu == 0 else trust * nx / (nu + epsilon)
+
+
+def lamb(eta=0.001, beta=(0.9, 0.999), epsilon=1e-6, lambd=0.0):
+    unit = adam(1.0, beta, epsilon)
+
+    def step(x, g):
+        u = unit(x, g) + lambd * x
+        return eta * _trust_ratio(x, u, 1.0, 0.0) * u
+
+    return step
+
+
+def lars(eta=0.001, beta=0.9, lambd=0.0, trust=0.001, epsilon=0.0, nesterov=False):
+    v = 0.0
+
+    def step(x, g):
+        nonlocal v
+        u = g + lambd * x
+        w = eta * _trust_ratio(x, u, trust, epsilon) * u
+        v = beta * v + w
+        return w + beta * v if nesterov else v
+
+    return step
+
+
 def weight_decay(lambd=5e-4):
     return lambda x, g: g + lambd * x
 

@@ -402,6 +402,69 @@ RULES: tuple[RuleInfo, ...] = (
         optax32=[hp(eta=0.001)],
         checkpoint=[hp(eta=0.01)],
     ),
+    # optax.contrib.ademamix with constant b3 and alpha (no warm-up schedulers) and eps_root=0;
+    # its weight decay is scaled by the learning rate, as ours
+    RuleInfo(
+        opt.AdEMAMix,
+        dict(eta=0.001, beta=(0.9, 0.999, 0.9999), alpha=5.0, epsilon=1e-8, lambd=0.0),
+        ref.ademamix,
+        toy=[hp(eta=0.05), hp("lambd", eta=0.05, lambd=1e-3)],
+        jit=[hp(), hp("lambd", lambd=0.1)],
+        optax=lambda optax, r: optax.contrib.ademamix(
+            r.eta,
+            b1=r.beta[0],
+            b2=r.beta[1],
+            b3=r.beta[2],
+            alpha=r.alpha,
+            eps=r.epsilon,
+            eps_root=0.0,
+            weight_decay=r.lambd,
+        ),
+        optax64=[hp(eta=0.01), hp("fast", eta=0.01, beta=(0.8, 0.99, 0.95), alpha=2.0, lambd=0.1)],
+        optax32=[hp(eta=0.001), hp("lambd", eta=0.01, lambd=0.1)],
+        checkpoint=[hp(eta=0.01, lambd=0.01)],
+    ),
+    # optax.lamb: Adam direction plus decay, scaled by the trust ratio of each array (as ours)
+    RuleInfo(
+        opt.LAMB,
+        dict(eta=0.001, beta=(0.9, 0.999), epsilon=1e-6, lambd=0.0),
+        ref.lamb,
+        elementwise=False,
+        train=(),  # norms are summed in memory order: strided and contiguous round differently
+        toy=[hp(eta=0.02), hp("lambd", eta=0.02, lambd=1e-3)],
+        jit=[hp(), hp("lambd", lambd=0.1)],
+        optax=lambda optax, r: optax.lamb(
+            r.eta, b1=r.beta[0], b2=r.beta[1], eps=r.epsilon, eps_root=0.0, weight_decay=r.lambd
+        ),
+        optax64=[hp(eta=0.01), hp("lambd", eta=0.01, beta=(0.8, 0.99), epsilon=1e-8, lambd=0.1)],
+        optax32=[hp(eta=0.001), hp("lambd", eta=0.01, lambd=0.1)],
+        checkpoint=[hp(eta=0.01, lambd=0.01)],
+    ),
+    # optax.lars at its default masks (decay and trust ratio on every array, as ours); optax
+    # scales by the learning rate before its momentum, as ours
+    RuleInfo(
+        opt.LARS,
+        dict(eta=0.001, beta=0.9, lambd=0.0, trust=0.001, epsilon=0.0, nesterov=False),
+        ref.lars,
+        elementwise=False,
+        train=(),  # norms are summed in memory order: strided and contiguous round differently
+        toy=[hp(eta=1.0, trust=0.01), hp("nesterov", eta=1.0, trust=0.01, lambd=1e-4, nesterov=True)],
+        jit=[hp(), hp("nesterov", lambd=0.1, epsilon=1e-3, nesterov=True)],
+        optax=lambda optax, r: optax.lars(
+            r.eta,
+            weight_decay=r.lambd,
+            trust_coefficient=r.trust,
+            eps=r.epsilon,
+            momentum=r.beta,
+            nesterov=r.nesterov,
+        ),
+        optax64=[
+            hp(eta=1.0),
+            hp("nesterov", eta=1.0, beta=0.8, lambd=0.1, trust=0.02, epsilon=1e-3, nesterov=True),
+        ],
+        optax32=[hp(eta=1.0), hp("nesterov", eta=1.0, lambd=0.1, trust=0.01, nesterov=True)],
+        checkpoint=[hp(eta=1.0, lambd=0.01)],
+    ),
     RuleInfo(
         opt.WeightDecay,
         dict(lambd=5e-4),

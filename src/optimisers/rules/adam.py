@@ -11,7 +11,19 @@ from optimisers import ops
 from optimisers.core.rule import Rule, check_range
 from optimisers.rules.common import adam_direction, adam_moments, cast, nonnegative, real_only, real_zeros
 
-__all__ = ["Adam", "RAdam", "AdaMax", "OAdam", "AMSGrad", "NAdam", "AdamW", "AdaBelief", "Lion", "ADOPT"]
+__all__ = [
+    "Adam",
+    "RAdam",
+    "AdaMax",
+    "OAdam",
+    "AMSGrad",
+    "NAdam",
+    "AdamW",
+    "AdaBelief",
+    "Lion",
+    "ADOPT",
+    "AdEMAMix",
+]
 
 
 @dataclass(frozen=True)
@@ -353,3 +365,55 @@ class ADOPT(_AdamFamily):
         m = cb1 * m + cm * u
         v = cb2 * v + cv * dx * dx
         return (m, v, t), eta * m
+
+
+@dataclass(frozen=True)
+class AdEMAMix(Rule):
+    """AdEMAMix, Adam with a mixture of a fast and a slow momentum (Pagliardini, Ablin &
+    Grangier, "The AdEMAMix Optimizer: Better, Faster, Older", 2024).
+
+    State `(m₁, m₂, v, t)`. Each step: `m₁ ← β₁m₁ + (1−β₁)g` (fast), `m₂ ← β₃m₂ + (1−β₃)g`
+    (slow), `v ← β₂v + (1−β₂)|g|²`,
+    `step = η · ((m₁/(1−β₁ᵗ) + α·m₂) / (√(v/(1−β₂ᵗ)) + ε) + λ·x)`, with `x` the parameter before
+    the step. The slow momentum is not bias-corrected, so it fills in slowly (as in the paper).
+    α and β₃ are constants: the paper's warm-up schedulers for them (optax's `alpha` and `b3`
+    given as schedules) are not built in. The weight decay is scaled by η, as in AdamW.
+
+    Defaults: `eta=0.001, beta=(0.9, 0.999, 0.9999), alpha=5.0, epsilon=1e-8, lambd=0.0`, with
+    `beta = (β₁, β₂, β₃)`. optax: `optax.contrib.ademamix(eta, b1, b2, b3, alpha, eps,
+    eps_root=0, weight_decay=lambd)` with constant `b3` and `alpha` computes the same steps.
+    PyTorch has no AdEMAMix.
+    """
+
+    elementwise = True
+    never_raises = True
+
+    eta: float = 0.001
+    beta: tuple = (0.9, 0.999, 0.9999)
+    alpha: float = 5.0
+    epsilon: float = 1e-8
+    lambd: float = 0.0
+
+    def validate(self):
+        check_range(self, "beta", 0.0, 1.0, high_open=True)
+        nonnegative(self, "alpha", "epsilon", "lambd")
+
+    def init(self, x):
+        return ops.zeros_like(x), ops.zeros_like(x), ops.zeros_like(x), 0
+
+    def apply(self, state, x, dx):
+        fast, slow, v, t = state
+        t = t + 1
+        b1, b2, b3 = self.beta
+        eta = self.eta
+        cb1, cg1, cb2, cg2, cb3, cg3 = cast(x, b1, 1 - b1, b2, 1 - b2, b3, 1 - b3)
+        # η folded into the scalars: the bias correction of the fast momentum, α, and the decay
+        rate_fast, rate_slow, bc2, decay = cast(
+            x, eta / (1 - b1**t), eta * self.alpha, 1 - b2**t, eta * self.lambd
+        )
+        eps = ops.epsilon(self.epsilon, x)
+        fast = cb1 * fast + cg1 * dx
+        slow = cb3 * slow + cg3 * dx
+        v = cb2 * v + cg2 * ops.abs2(dx)
+        step = (rate_fast * fast + rate_slow * slow) / (ops.sqrt(v / bc2) + eps) + decay * x
+        return (fast, slow, v, t), step

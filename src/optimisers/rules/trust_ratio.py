@@ -1,0 +1,117 @@
+"""Layer-wise adaptive rules: a direction rescaled per parameter array by the trust ratio
+`‖x‖/‖u‖`, so each array moves by a fixed fraction of its own norm.
+
+The trust ratio couples every element of an array (its norms are over the whole array), so these
+rules are not elementwise: a parameter array is always stepped whole. The conventions every rule
+here follows are in `optimisers.rules`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from optimisers import ops
+from optimisers.core.rule import Rule, check_range
+from optimisers.rules.common import adam_direction, adam_moments, cast, nonnegative
+
+__all__ = ["LAMB", "LARS"]
+
+
+def trust_ratio(x, u, trust, epsilon):
+    """`trust·‖x‖/(‖u‖ + ε)` with Euclidean norms over the whole arrays, or 1 when either norm
+    is 0 (a zero parameter would never move, a zero direction needs no scaling), as optax's
+    `scale_by_trust_ratio`; a scalar of `x`'s dtype. Chosen with `ops.where`, so it is traceable."""
+    norm_x, norm_u = ops.norm(x, 2), ops.norm(u, 2)
+    trust, epsilon = ops.scalar(trust, norm_x), ops.epsilon(epsilon, norm_x)
+    one = ops.full_like(norm_x, 1)
+    zero = (norm_x == 0) | (norm_u == 0)
+    # the inner `where` keeps the division finite (no warning) in the branch that is not taken
+    ratio = ops.where(zero, one, trust * norm_x / ops.where(zero, one, norm_u + epsilon))
+    return ops.scalar(ratio, x)  # a norm may be wider than x (float16 sums in float32)
+
+
+@dataclass(frozen=True)
+class LAMB(Rule):
+    """LAMB, Adam with a layer-wise trust ratio (You et al., "Large Batch Optimization for Deep
+    Learning: Training BERT in 76 minutes", 2020).
+
+    State `(m, v, t)`; `m, v` as in Adam. With `x` the parameter before the step, the Adam
+    direction plus the weight decay `u = (m/(1−β₁ᵗ)) / (√(v/(1−β₂ᵗ)) + ε) + λ·x` and the trust
+    ratio `r = ‖x‖/‖u‖` (Euclidean norms of this parameter array, never of the whole model):
+    `step = η·r·u`. When `‖x‖ = 0` or `‖u‖ = 0`, `r = 1` (as optax), so zero-initialised
+    parameters such as biases still move, by plain Adam steps. Not elementwise: the norms couple
+    the array. The decay applies to every array the rule is given; to exempt some (optax's
+    `mask`), give them `lambd=0` with a per-parameter `setup((path, x) -> rule, model)`.
+
+    Defaults: `eta=0.001, beta=(0.9, 0.999), epsilon=1e-6, lambd=0.0`. optax:
+    `optax.lamb(eta, b1, b2, eps, eps_root=0, weight_decay=lambd)` computes the same steps.
+    PyTorch has no LAMB.
+    """
+
+    never_raises = True
+
+    eta: float = 0.001
+    beta: tuple = (0.9, 0.999)
+    epsilon: float = 1e-6
+    lambd: float = 0.0
+
+    def validate(self):
+        check_range(self, "beta", 0.0, 1.0, high_open=True)
+        nonnegative(self, "epsilon", "lambd")
+
+    def init(self, x):
+        return ops.zeros_like(x), ops.zeros_like(x), 0
+
+    def apply(self, state, x, dx):
+        m, v, t = state
+        t = t + 1
+        m, v, bc1, bc2 = adam_moments(x, dx, m, v, self.beta, t)
+        eta, lambd, one = cast(x, self.eta, self.lambd, 1)
+        u = adam_direction(m, v, bc1, bc2, one, ops.epsilon(self.epsilon, x)) + lambd * x
+        return (m, v, t), (eta * trust_ratio(x, u, 1, 0)) * u
+
+
+@dataclass(frozen=True)
+class LARS(Rule):
+    """LARS, momentum with a layer-wise trust ratio (You, Gitman & Ginsburg, "Large Batch
+    Training of Convolutional Networks", 2017).
+
+    State: velocity `v = 0`. With `x` the parameter before the step, the gradient plus the
+    weight decay `u = g + λ·x` and the trust ratio `r = trust·‖x‖/(‖u‖ + ε)` (Euclidean norms of
+    this parameter array; `r = 1` when `‖x‖ = 0` or `‖u‖ = 0`, as optax): `v ← β·v + η·r·u`,
+    `step = v`; with `nesterov=True`, `step = η·r·u + β·v` (with the new `v`). η is inside the
+    velocity, as in `Momentum`. Not elementwise: the norms couple the array.
+
+    The decay and the trust ratio apply to every array the rule is given, as in optax's defaults;
+    the paper and most recipes exclude biases and normalisation weights: give those another rule
+    with a per-parameter `setup((path, x) -> rule, model)` (optax's `weight_decay_mask` and
+    `trust_ratio_mask`).
+
+    Defaults: `eta=0.001, beta=0.9, lambd=0.0, trust=0.001, epsilon=0.0, nesterov=False`
+    (`nesterov` keyword only). optax: `optax.lars(eta, weight_decay=lambd,
+    trust_coefficient=trust, eps=epsilon, momentum=beta, nesterov=nesterov)` computes the same
+    steps (it also scales by the learning rate before its momentum). PyTorch has no LARS.
+    """
+
+    never_raises = True
+
+    eta: float = 0.001
+    beta: float = 0.9
+    lambd: float = 0.0
+    trust: float = 0.001
+    epsilon: float = 0.0
+    nesterov: bool = field(default=False, kw_only=True)
+
+    def validate(self):
+        check_range(self, "beta", 0.0, 1.0)
+        nonnegative(self, "lambd", "trust", "epsilon")
+
+    def init(self, x):
+        return ops.zeros_like(x)
+
+    def apply(self, state, x, dx):
+        eta, beta, lambd = cast(x, self.eta, self.beta, self.lambd)
+        u = dx + lambd * x
+        w = (eta * trust_ratio(x, u, self.trust, self.epsilon)) * u
+        v = beta * state + w
+        return v, (w + beta * v if self.nesterov else v)
