@@ -194,8 +194,21 @@ class _Wrapper(Rule):
         return self if rule is self.rule else dataclasses.replace(self, rule=rule)
 
 
+class _ElementwiseWrapper(_Wrapper):
+    """A wrapper whose step of each element depends on that element alone whenever its rule's
+    does: it takes the rule's `elementwise` and `never_raises`."""
+
+    @property
+    def elementwise(self):
+        return getattr(self.rule, "elementwise", False)
+
+    @property
+    def never_raises(self):
+        return getattr(self.rule, "never_raises", False)
+
+
 @dataclass(frozen=True, repr=False)
-class MixedPrecision(_Wrapper):
+class MixedPrecision(_ElementwiseWrapper):
     """Keep a master copy of each parameter in a wider `dtype` (float32 by default) and let `rule`
     train it; the parameter (e.g. float16) is set to the master copy rounded to its own dtype
     after every step (Micikevicius et al., "Mixed Precision Training", 2018).
@@ -223,14 +236,6 @@ class MixedPrecision(_Wrapper):
             raise TypeError(f"MixedPrecision: dtype must be a floating dtype, got {self.dtype!r}") from None
         if not (dtype.kind == "f" or dtype.name.startswith(("bfloat", "float"))):
             raise ValueError(f"MixedPrecision: dtype must be a real floating dtype, got {dtype}")
-
-    @property
-    def elementwise(self):
-        return getattr(self.rule, "elementwise", False)
-
-    @property
-    def never_raises(self):
-        return getattr(self.rule, "never_raises", False)
 
     def __repr__(self):
         return f"MixedPrecision({self.rule!r}, dtype={_dtype_name(self.dtype)})"
@@ -318,7 +323,7 @@ class SkipNonFinite(_Wrapper):
 
 
 @dataclass(frozen=True, repr=False)
-class Lookahead(_Wrapper):
+class Lookahead(_ElementwiseWrapper):
     """Lookahead (Zhang et al., "Lookahead Optimizer: k steps forward, 1 step back", 2019): the
     parameter (the fast weights) takes `k` steps of `rule`; then slow weights, kept in the state,
     move a fraction `alpha` of the way to it, and the parameter is set to them.
@@ -359,14 +364,6 @@ class Lookahead(_Wrapper):
                 "MixedPrecision(Lookahead(...))"
             )
         check_range(self, "alpha", 0.0, 1.0)
-
-    @property
-    def elementwise(self):
-        return getattr(self.rule, "elementwise", False)
-
-    @property
-    def never_raises(self):
-        return getattr(self.rule, "never_raises", False)
 
     def __repr__(self):
         return f"Lookahead({self.rule!r}, k={self.k}, alpha={self.alpha})"
