@@ -35,16 +35,13 @@ from optimisers.core.state import flatten_state, unflatten_state
 from optimisers.engine import fast_paths, precision
 from optimisers.engine.layout import GroupLayout, scales_gradient
 
-# Each backend that takes part says how: `engine_ok(x)` (a parameter it can step in place),
-# `numel`, `concat`, `concat_flat` (ravel and join), `copy_into`, `sum_into`, `is_buffer` (a state
-# part that is an array shaped like the parameter), `ENGINE_CHUNK` (elements per chunk),
-# `ENGINE_THREADS` (run chunks in our threads, for NumPy whose ufuncs release the GIL; PyTorch
-# parallelises each op itself) and optionally `engine_start()` (called before its first group is
-# made). Parameters may have any dense layout (channels_last, transposed): the backend's
-# `memory_order(x)` says in which order of dimensions its memory holds the elements (None: row
-# major), and every array of a member (parameter, gradient, state) is read in that order
-# (`flat_in`; `laid_out_like` lays a gradient out as its parameter once per step), so chunks are
-# views of the parameter's memory and the state views (`shaped_in`) have the parameter's layout.
+# What a backend that takes part provides is its `InPlaceEngine` protocol
+# (optimisers.backends.protocol). Parameters may have any dense layout (channels_last,
+# transposed): the backend's `memory_order(x)` says in which order of dimensions its memory
+# holds the elements (None: row major), and every array of a member (parameter, gradient,
+# state) is read in that order (`flat_in`; `laid_out_like` lays a gradient out as its parameter
+# once per step), so chunks are views of the parameter's memory and the state views
+# (`shaped_in`) have the parameter's layout.
 _POOL: ThreadPoolExecutor | None = None
 
 

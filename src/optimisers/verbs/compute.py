@@ -28,13 +28,18 @@ def compute(found: dict[int, Contribution], tree, skip=frozenset(), pure=False) 
         if c.leaf.frozen or not c.grads or key in skip:
             continue
         rule = c.leaf.rule
-        fast = fast_paths.find(ops.backend(c.x), rule)  # a backend's own kernel, if any
+        b = ops.backend(c.x)
+        fast = fast_paths.find(b, rule)  # a backend's own kernel, if any
         try:
             dx = c.dx()
             # rules compute data, not graphs: a step that uses the parameter (WeightDecay, AdamW)
             # must not leave state holding an autograd graph that grows every step
-            with ops.backend(c.x).no_grad():
-                result = fast[1].apply(fast[2], c.leaf.state, c.x, dx) if fast is not None else None
+            with b.no_grad():
+                if fast is not None:
+                    _, kernel, args = fast
+                    result = kernel.apply(args, c.leaf.state, c.x, dx)
+                else:
+                    result = None
                 if result is None and pure:
                     result = chunked.pure_step(rule, c.leaf.state, c.x, dx)
                     if result is not None:
