@@ -35,17 +35,27 @@ __all__ = [
     "concrete",
     "cond",
     "copy",
+    "dtype_epsilon",
+    "eigh",
     "epsilon",
     "full_like",
     "is_complex",
     "isfinite",
+    "matmul",
+    "matrix_transpose",
     "maximum",
+    "mean",
     "minimum",
     "norm",
+    "qr",
+    "reshape",
     "same_values",
     "scalar",
     "sign",
     "sqrt",
+    "stack",
+    "sum",
+    "tensordot",
     "where",
     "zeros_like",
     "GradientError",
@@ -186,3 +196,54 @@ def cast(x, dtype):
 
 def copy(x):
     return backend(x).copy(x)
+
+
+# --- maths of shaped arrays (rules that are not elementwise) ----------------------------------
+
+
+def reshape(x, shape):
+    return backend(x).reshape(x, tuple(shape))
+
+
+def matrix_transpose(x):
+    """`x` with its last two axes swapped (no conjugation)."""
+    return backend(x).matrix_transpose(x)
+
+
+def matmul(a, b):
+    """The matrix product, batched over leading axes as NumPy's `matmul`."""
+    return backend(a).matmul(a, b)
+
+
+def tensordot(a, b, axes):
+    """NumPy's `tensordot`: `axes` an int or a pair of axis sequences."""
+    return backend(a).tensordot(a, b, axes)
+
+
+def sum(x, axis=None, keepdims=False):  # noqa: A001 - mirrors the array-API name
+    return backend(x).sum(x, axis, keepdims)
+
+
+def mean(x, axis=None, keepdims=False):
+    return backend(x).mean(x, axis, keepdims)
+
+
+def eigh(x):
+    """`(eigenvalues, eigenvectors)` of a symmetric matrix (or a batch): eigenvalues ascending,
+    eigenvectors as columns. Compute in float32 or wider: NumPy has no float16 eigh."""
+    return backend(x).eigh(x)
+
+
+def qr(x):
+    """The reduced QR decomposition `(q, r)`."""
+    return backend(x).qr(x)
+
+
+def stack(xs):
+    """Arrays of one shape, backend and dtype stacked along a new leading axis."""
+    return backend(xs[0]).stack(list(xs))
+
+
+def dtype_epsilon(x) -> float:
+    """The machine epsilon of `x`'s real dtype, as a Python float (float32: 2⁻²³)."""
+    return backend(x).dtype_epsilon(x)

@@ -1066,3 +1066,46 @@ def from_host(value, like):
         return out if out.dtype == like.dtype else out.astype(like.dtype)
     host = np.array(value, copy=True).astype(like.dtype, copy=False)
     return jax.device_put(host, like.sharding)
+
+
+# --- maths of shaped arrays (matrix rules) -----------------------------------------------------
+
+
+def reshape(x, shape):
+    return jnp.reshape(x, shape)
+
+
+def matrix_transpose(x):
+    return jnp.swapaxes(x, -1, -2)
+
+
+def matmul(a, b):
+    return jnp.matmul(a, b)
+
+
+def tensordot(a, b, axes):
+    return jnp.tensordot(a, b, axes)
+
+
+def sum(x, axis=None, keepdims=False):  # noqa: A001 - mirrors the array-API name
+    return jnp.sum(x, axis=axis, keepdims=keepdims)
+
+
+def mean(x, axis=None, keepdims=False):
+    return jnp.mean(x, axis=axis, keepdims=keepdims)
+
+
+def eigh(x):
+    return tuple(jnp.linalg.eigh(x))
+
+
+def qr(x):
+    return tuple(jnp.linalg.qr(x))
+
+
+def stack(xs):
+    return jnp.stack(xs)
+
+
+def dtype_epsilon(x):
+    return float(jnp.finfo(x.dtype).eps)

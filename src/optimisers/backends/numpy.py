@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import ctypes
 import os
@@ -298,7 +299,7 @@ def norm(x, p):
             with np.errstate(divide="ignore"):  # negative p on a zero entry is a legitimate infinity
                 parts.append(np.sum(a ** dtype(p)))
     if p == 0:
-        return dtype(sum(parts))
+        return dtype(builtins.sum(parts))
     parts = np.array(parts)
     if p == 2:
         return np.sqrt(np.sum(parts))
@@ -422,3 +423,46 @@ def from_host(value, like):
     out = np.empty_like(like)
     np.copyto(out, value, casting="unsafe")
     return out
+
+
+# --- maths of shaped arrays (matrix rules) -----------------------------------------------------
+
+
+def reshape(x, shape):
+    return np.reshape(x, shape)
+
+
+def matrix_transpose(x):
+    return np.swapaxes(x, -1, -2)
+
+
+def matmul(a, b):
+    return np.matmul(a, b)
+
+
+def tensordot(a, b, axes):
+    return np.tensordot(a, b, axes)
+
+
+def sum(x, axis=None, keepdims=False):  # noqa: A001 - mirrors the array-API name
+    return np.sum(x, axis=axis, keepdims=keepdims)
+
+
+def mean(x, axis=None, keepdims=False):
+    return np.mean(x, axis=axis, keepdims=keepdims)
+
+
+def eigh(x):
+    return np.linalg.eigh(x)
+
+
+def qr(x):
+    return np.linalg.qr(x)
+
+
+def stack(xs):
+    return np.stack(xs)
+
+
+def dtype_epsilon(x):
+    return float(np.finfo(x.dtype).eps)

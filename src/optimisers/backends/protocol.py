@@ -44,6 +44,24 @@ class Maths(Protocol):
 
 
 @runtime_checkable
+class ArrayMaths(Maths, Protocol):
+    """The maths of arrays with a shape, which rules that are not elementwise use (matrix rules:
+    Muon's Newton–Schulz, Adafactor's row and column means, SOAP's eigenbases). Array backends
+    only: a Python number has no axes."""
+
+    def reshape(self, x: Array, shape: tuple) -> Array: ...
+    def matrix_transpose(self, x: Array) -> Array: ...  # swaps the last two axes
+    def matmul(self, a: Array, b: Array) -> Array: ...  # batched over leading axes
+    def tensordot(self, a: Array, b: Array, axes: Any) -> Array: ...
+    def sum(self, x: Array, axis: Any, keepdims: bool) -> Array: ...
+    def mean(self, x: Array, axis: Any, keepdims: bool) -> Array: ...
+    def eigh(self, x: Array) -> tuple: ...  # (eigenvalues ascending, eigenvectors as columns)
+    def qr(self, x: Array) -> tuple: ...  # reduced (q, r)
+    def stack(self, xs: list) -> Array: ...  # along a new leading axis
+    def dtype_epsilon(self, x: Array) -> float: ...  # machine epsilon of x's real dtype
+
+
+@runtime_checkable
 class ScheduleMaths(Maths, Protocol):
     """What learning-rate schedules (optimisers.schedules) compute with, besides `Maths`' minimum
     and maximum: a step of this library in, a value of this library out, traceable under jit."""
@@ -57,7 +75,7 @@ class ScheduleMaths(Maths, Protocol):
 
 
 @runtime_checkable
-class Backend(ScheduleMaths, Protocol):
+class Backend(ArrayMaths, ScheduleMaths, Protocol):
     """What the library needs of an array library beyond the maths."""
 
     # the tree walk

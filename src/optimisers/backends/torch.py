@@ -15,6 +15,7 @@ Conventions that differ from NumPy:
 
 from __future__ import annotations
 
+import builtins
 import copy as _copy
 import functools
 import sys
@@ -93,7 +94,7 @@ def memory_span(x):
     item = x.element_size()
     start = x.data_ptr()
     # torch strides are never negative, so the last element is at sum((size - 1) * stride)
-    last = sum((n - 1) * s for n, s in zip(x.shape, x.stride()))
+    last = builtins.sum((n - 1) * s for n, s in zip(x.shape, x.stride()))
     return start, start + (last + 1) * item
 
 
@@ -834,3 +835,46 @@ def from_host(value, like):
         out = torch.empty_like(like, requires_grad=False)
         out.copy_(source)
     return out
+
+
+# --- maths of shaped arrays (matrix rules) -----------------------------------------------------
+
+
+def reshape(x, shape):
+    return x.reshape(shape)
+
+
+def matrix_transpose(x):
+    return x.mT
+
+
+def matmul(a, b):
+    return torch.matmul(a, b)
+
+
+def tensordot(a, b, axes):
+    return torch.tensordot(a, b, dims=axes)
+
+
+def sum(x, axis=None, keepdims=False):  # noqa: A001 - mirrors the array-API name
+    return torch.sum(x) if axis is None else torch.sum(x, dim=axis, keepdim=keepdims)
+
+
+def mean(x, axis=None, keepdims=False):
+    return torch.mean(x) if axis is None else torch.mean(x, dim=axis, keepdim=keepdims)
+
+
+def eigh(x):
+    return tuple(torch.linalg.eigh(x))
+
+
+def qr(x):
+    return tuple(torch.linalg.qr(x))
+
+
+def stack(xs):
+    return torch.stack(xs)
+
+
+def dtype_epsilon(x):
+    return float(torch.finfo(x.dtype).eps)
