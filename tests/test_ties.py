@@ -179,7 +179,7 @@ def test_disjoint_views_and_readonly_views_are_fine():
     opt.setup(opt.Adam(), [W, ro])  # never written in place, so no danger
 
 
-def test_rule_function_chooses_per_parameter_and_tie_takes_first_path():
+def test_rule_function_chooses_per_parameter_and_is_asked_at_every_place_of_a_tie():
     W = rand(3, 3)
     b = rand(3, seed=1)
     model = {"layer": {"w": W, "b": b}, "head": W}
@@ -190,7 +190,7 @@ def test_rule_function_chooses_per_parameter_and_tie_takes_first_path():
         return opt.Descent(0.0) if x.ndim == 1 else opt.Descent(0.1)
 
     state = opt.setup(choose, model)
-    assert seen == [("layer", "w"), ("layer", "b")]
+    assert seen == [("layer", "w"), ("layer", "b"), ("head",)]
     assert state["layer"]["b"].rule == opt.Descent(0.0)
     assert state["head"] is state["layer"]["w"]
 

@@ -47,22 +47,28 @@ def setup(rule, model) -> State:
     """Initialise the optimiser state of `model`: one `Leaf(rule, rule.init(x))` per distinct
     trainable array, shared by every place that array appears (tied weights).
 
-    `rule` may be a function `(path, x) -> Rule` that chooses a rule per parameter; a tied array
-    gets the rule chosen at its first path. Raises ValueError when two distinct writable arrays
-    overlap in memory (e.g. `W` and `W.T`), naming both paths.
+    `rule` may be a function `(path, x) -> Rule` that chooses a rule per parameter. It is asked
+    at every place of a tied array, and every place must get an equal rule (the places share one
+    Leaf); ValueError names two places that got different rules. Raises ValueError when two
+    distinct writable arrays overlap in memory (e.g. `W` and `W.T`), naming both paths.
     """
     jax = dispatch.loaded("jax")  # registers State/Leaf as JAX pytrees before any jit sees them
     choose = rule_chooser(rule)
+    per_place = not isinstance(rule, Rule)
     built: dict[int, Any] = {}  # id(model node) -> its state sub-tree (None: nothing trainable)
+    chosen: dict[int, tuple] = {}  # id(parameter) -> (its first path, the rule chosen there)
     arrays: list[tuple[tuple, Any]] = []
     keys: dict[tuple, frozenset] = {}  # see State._keys
 
     def build(node, path):
         key = id(node)
         if key in built:
+            if per_place:
+                _confirm_rules(node, path, choose, chosen)
             return built[key]
         if is_param(node):
             r = choose(path, node)
+            chosen[key] = (path, r)
             result = Leaf(r, r.init(node))
             result._shape, result._owns = tuple(node.shape), True
             arrays.append((path, node))
@@ -88,6 +94,34 @@ def setup(rule, model) -> State:
     if arrays and jax is not None:
         jax.plan_flatten(state, arrays[0][1])
     return state
+
+
+def _confirm_rules(node, path, choose, chosen):
+    """Ask the rule function again at another place of a tied array (or of a tied sub-model),
+    and refuse a rule that differs from the one chosen at the first place."""
+    if is_param(node):
+        first_path, first = chosen[id(node)]
+        again = choose(path, node)
+        if not _same_rule(again, first):
+            raise ValueError(
+                f"the rule function chose {first!r} at {format_path(first_path)} and {again!r} at "
+                f"{format_path(path)}, places of one tied array, which has one optimiser state: "
+                "return the same rule at every place of a tie"
+            )
+        return
+    kind = kind_of(node)
+    if kind is not None:
+        for k, child in trainable_children(node, kind):
+            _confirm_rules(child, path + (k,), choose, chosen)
+
+
+def _same_rule(a, b) -> bool:
+    if a is b:
+        return True
+    try:
+        return bool(a == b)
+    except (TypeError, ValueError):  # a hyperparameter that is an array has no single truth value
+        return False
 
 
 def _check_overlaps(arrays):
