@@ -65,3 +65,9 @@ def test_rules_with_array_scalar_hyperparameters_compare_by_value():
     assert state["unembed"] is state["embed"]
     with pytest.raises(ValueError, match="unembed"):
         opt.setup(lambda path, x: opt.Descent(np.float32(0.1 if path == ("embed",) else 0.2)), model)
+
+
+def test_a_rule_refusing_a_parameter_names_its_path():
+    model = {"a": {"b": np.ones(3, complex)}}
+    with pytest.raises(TypeError, match=r"^the parameter at a\.b: Lion is not defined for complex"):
+        opt.setup(opt.Lion(), model)

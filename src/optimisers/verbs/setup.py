@@ -69,7 +69,7 @@ def setup(rule, model) -> State:
         if is_param(node):
             r = choose(path, node)
             chosen[key] = (path, r)
-            result = Leaf(r, r.init(node))
+            result = Leaf(r, _init(r, node, path))
             result._shape, result._owns = tuple(node.shape), True
             arrays.append((path, node))
         else:
@@ -94,6 +94,17 @@ def setup(rule, model) -> State:
     if arrays and jax is not None:
         jax.plan_flatten(state, arrays[0][1])
     return state
+
+
+def _init(rule, x, path):
+    """`rule.init(x)`, with the parameter's path named in a refusal (a rule that is not defined
+    for complex parameters, or for arrays of this shape)."""
+    try:
+        return rule.init(x)
+    except (TypeError, ValueError) as e:
+        if e.args and isinstance(e.args[0], str):  # the same exception, its message prefixed
+            e.args = (f"the parameter at {format_path(path)}: {e.args[0]}", *e.args[1:])
+        raise
 
 
 def _confirm_rules(node, path, choose, chosen):
