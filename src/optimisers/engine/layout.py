@@ -15,6 +15,9 @@ from optimisers.core.state import flatten_state, unflatten_state
 
 CHUNK_SCALE = 1  # tests shrink chunks to exercise packing and splitting on small models
 MIN_CHUNK = 1 << 14  # elements: below this, the Python cost per chunk outweighs its work
+# A group is cut into at least this many chunks per worker, so that the temporaries of the chunks
+# in flight stay within 0.25x of the group's parameter bytes (benchmarks/memory.py --first)
+CHUNKS_PER_WORKER = 32
 
 
 def scales_gradient(rule) -> bool:
@@ -56,13 +59,12 @@ class GroupLayout:
     @staticmethod
     def _chunk_size(b, total: int) -> int:
         """The backend's chunk, smaller for a small group: the chunks in flight (a handful of
-        temporaries each) must stay within the group's own size, so that no step holds more than
-        about one copy of its parameters (`benchmarks/memory.py` measures the peak; smaller
-        chunks cost more Python per step)."""
+        temporaries each) must stay a small fraction of the group's own size (`benchmarks/memory.py`
+        measures the peak; smaller chunks cost more Python per step)."""
         workers = (os.cpu_count() or 1) if b.ENGINE_THREADS else 1
         largest = max(4, b.ENGINE_CHUNK // CHUNK_SCALE)
         smallest = max(4, MIN_CHUNK // CHUNK_SCALE)
-        return max(smallest, min(largest, total // (16 * workers)))
+        return max(smallest, min(largest, total // (CHUNKS_PER_WORKER * workers)))
 
     def _take_state(self, leaves, per_leaf, xs):
         """The members' state arrays in the form the chunks read, for each array part a dict
