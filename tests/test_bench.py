@@ -4,6 +4,7 @@ on each backend that has it, and a rule whose peers need matrices, or whose torc
 another package, fits in one entry."""
 
 import argparse
+import dataclasses
 import json
 import re
 
@@ -178,6 +179,20 @@ def test_every_rule_keeps_a_tied_weight_tied_on_each_backend():
         for impl in [i for i in IMPLS if i.ours]:
             row = run_row(impl, data, name, ref, opts, {})
             assert row.get("agree") and row["ties"] == "tied", (name, impl.backend, row)
+
+
+def test_a_rule_without_a_naive_formula_is_timed_but_unchecked(monkeypatch):
+    entry = dataclasses.replace(RULES["momentum"], name="no-naive", naive=None)
+    monkeypatch.setitem(RULES, entry.name, entry)
+    data = make_data(Shape("tiny", [("w",)], [(8, 4)]))
+    opts = argparse.Namespace(compile_limit=1e9, warmup=0, repeats=1, quick=True, rss_ok=False, profile=0)
+    ours, naive = [i for i in IMPLS if i.backend == "numpy"]
+    rows = [run_row(impl, data, entry.name, None, opts, {}) for impl in (ours, naive)]
+    assert rows[0]["median_ms"] > 0 and "agree" not in rows[0]
+    assert rows[1] == {**rows[1], "absent": "no naive NumPy formula for Momentum"}
+    table = report.format_table(rows)
+    assert "unchecked" in table and "— (no naive NumPy formula for Momentum)" in table
+    assert "not checked" in report.agreement_line("tiny", entry.name, rows)
 
 
 class OtherPackageMomentum:

@@ -37,8 +37,8 @@ def header(opts, threads: int, versions: dict, bw: dict, shapes: dict) -> list[s
         f"measured at the start and after each shape ({', '.join(f'{x:.1f}' for x in samples)})"
     )
     out.append("  (copy and triad also pay uncounted write-allocate reads; an optimiser step does not)")
-    out.append("  bytes per float32 parameter per step: "
-               + "; ".join(f"{k}: {RULES[k].bytes_model}" for k in opts.rules))
+    out.append("  bytes per float32 parameter per step:")
+    out += [f"    {k}: {RULES[k].bytes_model}" for k in opts.rules]
     for name in opts.shapes:
         s = shapes[name]
         floors = ", ".join(f"{rule} {_floor_ms(rule, s.n_params, floor)}" for rule in opts.rules)

@@ -72,10 +72,12 @@ def only_matrices(shape) -> str | None:
 class BenchRule:
     """One rule of the bench. `ours()` is the `optimisers` rule; `torch`, `optax`, `naive` the peers
     (None where a library lacks the rule); `bytes_per_param` the DRAM bytes per float32 parameter
-    of one step of an ideal streaming implementation, with `bytes_model` saying how they were
-    counted (None: not a streaming rule, e.g. one whose per-array norms need a pass before the step:
-    no floor); `shapes(shape)` why a shape cannot be run, or None; `in_default_run`: run without
-    `--rules`; `tolerance` (atol, rtol) against the float64 reference."""
+    of one step of an ideal streaming implementation, counted as STREAM counts them (each array
+    read or written once, write-allocate traffic not counted; the floor of a step is this times the
+    distinct parameters over the measured bandwidth), with `bytes_model` saying how (None: not a
+    streaming rule, e.g. one whose per-array norms need a pass before the step: no floor);
+    `shapes(shape)` why a shape cannot be run, or None; `in_default_run`: run without `--rules`;
+    `tolerance` (atol, rtol) against the float64 reference."""
 
     name: str  # the --rules name
     title: str  # how the rows name it ("torch.optim has no LAMB")
