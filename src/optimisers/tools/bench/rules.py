@@ -4,8 +4,8 @@ that rule need (ours, its torch and optax peers, a naive NumPy formula, the byte
 To bench another rule, add one entry to `RULES`. Give every implementation the same
 hyperparameters, chosen where the peers compute the same steps as `optimisers` (the rule's
 docstring and `tests/rules_registry.py` in the repository name the mapping), and steps well above
-the check's tolerance (a few 1e-5 of parameters about 0.02). A library without the rule gets
-`None`: its rows say so ("—") instead of running.
+the check's tolerance (about 1e-7 for the parameters of about 0.02: steps of 1e-5 or more). A
+library without the rule gets `None`: its rows say so ("—") instead of running.
 
 The naive formula is written once, for any float dtype: run in float32 it is the "naive NumPy loop"
 row, run in float64 it is the reference every row is checked against (without one, rows are
@@ -60,8 +60,8 @@ def every_shape(shape) -> str | None:
 
 
 def only_matrices(shape) -> str | None:
-    """A shape predicate for rules (or peers) that take only parameters of two or more
-    dimensions: why `shape` cannot be run, or None."""
+    """The shape predicate of a rule whose peers take only parameters of two or more dimensions
+    (Muon, SOAP): why `shape` cannot be run, or None."""
     vectors = sum(len(s) < 2 for s in shape.shapes)
     if vectors:
         return f"needs >=2-D parameters; {shape.name} has {vectors} of fewer dimensions"
