@@ -1,13 +1,31 @@
 """Smoke test of the benchmark (benchmarks/ itself is not collected): the smallest run prints the
-table and writes JSON whose rows agree with the float64 reference."""
+table and writes JSON whose rows agree with the float64 reference; every rule of its table runs
+on each backend that has it, and a rule whose peers need matrices, or whose torch peer comes from
+another package, fits in one entry."""
 
+import argparse
+import dataclasses
 import json
 import re
 
 import pytest
 
+import optimisers as opt
 from optimisers.tools import bench
 from optimisers.tools.bench import report
+from optimisers.tools.bench.implementations import IMPLS
+from optimisers.tools.bench.models import CHECK_STEPS, Shape, make_data, make_shapes
+from optimisers.tools.bench.rules import (
+    LR_MOMENTUM,
+    RHO,
+    RULES,
+    BenchRule,
+    TorchPeer,
+    default_rules,
+    only_matrices,
+    reference,
+)
+from optimisers.tools.bench.timing import run_row
 
 
 def _run(tmp_path, capsys, shapes, backend):
@@ -84,3 +102,151 @@ def test_bench_times_ours_against_the_peer_in_alternation(tmp_path, capsys):
     entry = next(e for e in doc["summary"] if e["what"].startswith("torch S1"))
     assert entry["ratio"] == pair["ratio_median"] and entry["paired"]
     assert "torch.optim fused" in entry["what"]
+
+
+# --- the table of rules ----------------------------------------------------------------------------
+
+
+def _rules_action():
+    return next(a for a in bench.build_parser()._actions if a.dest == "rules")
+
+
+def test_rules_option_offers_exactly_the_table():
+    action = _rules_action()
+    assert action.type("all") == list(RULES)
+    for name in RULES:
+        assert action.type(name) == [name]
+    with pytest.raises(argparse.ArgumentTypeError, match="choose from " + ", ".join(RULES)):
+        action.type("adam,nonsense")
+    # the help lists the table's names, in its order; the default run is the three first rules
+    listed = re.search(r"or all: (\S+) \(default", action.help).group(1)
+    assert listed.split(",") == list(RULES)
+    assert action.default == ["adam", "adamw", "momentum"] == default_rules()
+    assert {"lamb", "lars", "adopt", "ademamix", "lookahead"} <= set(RULES)
+
+
+def test_every_entry_names_itself_and_builds_its_rule():
+    for name, rule in RULES.items():
+        assert rule.name == name
+        assert isinstance(rule.ours(), opt.Rule)
+        assert (rule.bytes_per_param is None) == rule.bytes_model.startswith("not streaming")
+
+
+@pytest.mark.parametrize("backend", ["numpy", "torch", "jax"])
+def test_every_rule_runs_on_each_backend_it_supports(tmp_path, capsys, backend):
+    """A --quick run of every table entry on one backend: each row the table says a library has
+    runs and agrees with the float64 reference (the naive formula in float64; optax and
+    torch.optim are the independent oracles), and each row it lacks says so."""
+    pytest.importorskip({"numpy": "numpy", "torch": "torch", "jax": "optax"}[backend])
+    path = tmp_path / "bench.json"
+    argv = ["--quick", "--shapes", "S3", "--backends", backend, "--rules", "all", "--repeats", "1",
+            "--bandwidth-mb", "4", "--compile-limit", "1e9", "--json", str(path)]
+    assert bench.main(argv) == 0
+    out, doc = capsys.readouterr().out, json.loads(path.read_text())
+    rows = {(r["impl"], r["rule"]): r for r in doc["rows"]}
+    impls = [i for i in IMPLS if i.backend == backend]
+    assert len(rows) == len(doc["rows"]) == len(impls) * len(RULES)
+    for impl in impls:
+        for name, rule in RULES.items():
+            r = rows[(impl.name, name)]
+            why = impl.absent(rule)
+            if why is not None:
+                assert r["absent"] == why and "median_ms" not in r, r
+                assert f"— ({why})" in out
+                continue
+            assert "error" not in r and "skipped" not in r, r
+            assert r["median_ms"] > 0 and r["agree"], r
+            assert ("x_floor" in r) == (rule.bytes_per_param is not None)
+    for name in RULES:
+        assert re.search(rf"check S3 {name}: (\d+)/\1 implementations agree", out), name
+    # the rules torch.optim lacks: their torch rows say so, and ours has no peer there
+    if backend == "torch":
+        assert rows[("torch.optim fused", "lamb")]["absent"] == "torch.optim has no LAMB"
+        assert "x_peer" not in rows[("optimisers update_", "lamb")]
+
+
+def test_every_rule_keeps_a_tied_weight_tied_on_each_backend():
+    """Every entry's `optimisers` rows on a tiny model with a tied weight (the peers see it once,
+    with the summed gradient, as on S2-tied): tied after the check steps, and equal to the
+    reference, which is the untied model stepped with the summed gradient."""
+    pytest.importorskip("torch")
+    pytest.importorskip("jax")
+    shape = Shape("tiny", [("w",), ("b",)], [(8, 4), (4,)], {("head",): 0}, layout="tiny, tied")
+    data = make_data(shape)
+    opts = argparse.Namespace(compile_limit=1e9, warmup=0, repeats=1, quick=True, rss_ok=False, profile=0)
+    for name in RULES:
+        ref = reference(name, data, CHECK_STEPS)
+        for impl in [i for i in IMPLS if i.ours]:
+            row = run_row(impl, data, name, ref, opts, {})
+            assert row.get("agree") and row["ties"] == "tied", (name, impl.backend, row)
+
+
+def test_a_rule_without_a_naive_formula_is_timed_but_unchecked(monkeypatch):
+    entry = dataclasses.replace(RULES["momentum"], name="no-naive", naive=None)
+    monkeypatch.setitem(RULES, entry.name, entry)
+    data = make_data(Shape("tiny", [("w",)], [(8, 4)]))
+    opts = argparse.Namespace(compile_limit=1e9, warmup=0, repeats=1, quick=True, rss_ok=False, profile=0)
+    ours, naive = [i for i in IMPLS if i.backend == "numpy"]
+    rows = [run_row(impl, data, entry.name, None, opts, {}) for impl in (ours, naive)]
+    assert rows[0]["median_ms"] > 0 and "agree" not in rows[0]
+    assert rows[1] == {**rows[1], "absent": "no naive NumPy formula for Momentum"}
+    table = report.format_table(rows)
+    assert "unchecked" in table and "— (no naive NumPy formula for Momentum)" in table
+    assert "not checked" in report.agreement_line("tiny", entry.name, rows)
+
+
+class OtherPackageMomentum:
+    """A torch optimiser from outside torch.optim (no foreach, no fused), for 2-D parameters only,
+    as matrix rules' peers are: `v <- rho*v + lr*g`, `x <- x - v`."""
+
+    def __init__(self, params, lr, rho):
+        import torch
+
+        if any(p.ndim < 2 for p in params):
+            raise ValueError("OtherPackageMomentum takes matrices only")
+        self.params, self.lr, self.rho = params, lr, rho
+        self.velocity = [torch.zeros_like(p) for p in params]
+
+    def step(self):
+        import torch
+
+        with torch.no_grad():
+            for p, v in zip(self.params, self.velocity):
+                v.mul_(self.rho).add_(p.grad, alpha=self.lr)
+                p.sub_(v)
+
+
+def test_a_matrix_rule_with_a_peer_from_another_package_is_one_entry(tmp_path, capsys, monkeypatch):
+    """What a matrix rule (Muon, SOAP...) needs: a shape predicate (a shape with vectors is not run,
+    and its rows say why) and a torch peer from another package (its one row runs; the foreach and
+    fused rows say it has none)."""
+    pytest.importorskip("torch")
+    momentum = RULES["momentum"]
+    entry = BenchRule(
+        "matrix-momentum", "Momentum on matrices",
+        momentum.ours,
+        TorchPeer("otherpackage.Momentum",
+                  lambda torch, ps, **kw: OtherPackageMomentum(ps, lr=LR_MOMENTUM, rho=RHO, **kw),
+                  variants={"loop": {}}),
+        None,
+        momentum.naive,
+        20, "as Momentum",
+        shapes=only_matrices,
+    )
+    monkeypatch.setitem(RULES, entry.name, entry)
+    path = tmp_path / "bench.json"
+    argv = ["--quick", "--shapes", "S1,S3", "--backends", "numpy,torch,jax", "--rules", entry.name,
+            "--repeats", "1", "--bandwidth-mb", "4", "--json", str(path)]
+    assert bench.main(argv) == 0
+    out, doc = capsys.readouterr().out, json.loads(path.read_text())
+    rows = {(r["shape"], r["impl"]): r for r in doc["rows"]}
+    why = "needs >=2-D parameters; S3 has 100 of fewer dimensions"
+    assert all(r["absent"] == why for (shape, _), r in rows.items() if shape == "S3")
+    assert f"check S3 matrix-momentum: not run ({why})" in out
+    other = rows[("S1", "torch.optim foreach=False")]
+    assert other["agree"] and other["note"] == "otherpackage.Momentum"
+    assert rows[("S1", "torch.optim fused")]["absent"] == "otherpackage.Momentum has no fused variant"
+    assert rows[("S1", "optax jit+donate")]["absent"] == "optax has no Momentum on matrices"
+    for impl in ("optimisers update_", "naive NumPy loop", "optimisers jit+donate"):
+        assert rows[("S1", impl)]["agree"], impl
+    assert only_matrices(make_shapes(True)["S1"]) is None

@@ -19,23 +19,18 @@ from . import report
 from .bandwidth import measure_bandwidth
 from .implementations import BEST_PEER, IMPLS
 from .memory import can_reset_hwm
-from .models import (
-    ALL_BACKENDS,
-    ALL_RULES,
-    ALL_SHAPES,
-    BYTES_MODEL,
-    BYTES_PER_PARAM,
-    HYPERPARAMETERS,
-    make_data,
-    make_shapes,
-    reference,
-)
+from .models import ALL_BACKENDS, ALL_SHAPES, CHECK_STEPS, make_data, make_shapes
+from .rules import HYPERPARAMETERS, RULES, default_rules, reference
 from .timing import paired_peer_ratio, paired_tie_ratio, run_row
 
 
-def _csv(allowed):
+def _csv(allowed, everything: bool = False):
+    """A comma-separated list of names from `allowed` (or `all` when `everything`)."""
+
     def parse(text):
         items = [s.strip() for s in text.split(",") if s.strip()]
+        if everything and items == ["all"]:
+            return list(allowed)
         bad = [s for s in items if s not in allowed]
         if bad:
             raise argparse.ArgumentTypeError(f"unknown {bad[0]!r}; choose from {', '.join(allowed)}")
@@ -58,8 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated: numpy,torch,jax")
     p.add_argument("--shapes", type=_csv(ALL_SHAPES), default=list(ALL_SHAPES),
                    help="comma-separated: S1,S2,S2-tied,S3")
-    p.add_argument("--rules", type=_csv(ALL_RULES), default=list(ALL_RULES),
-                   help="comma-separated: adam,adamw,momentum")
+    p.add_argument("--rules", type=_csv(tuple(RULES), everything=True), default=default_rules(),
+                   help=f"comma-separated, or all: {','.join(RULES)} (default: "
+                   f"{','.join(default_rules())})")
     p.add_argument("--repeats", type=int, default=None,
                    help="timed steps per row (default 7, --quick 5; fast rows take more)")
     p.add_argument("--compile-limit", type=float, default=None, metavar="S",
@@ -159,7 +155,8 @@ def _time_every_row(run: _Run, impls: list, progress) -> None:
     for name in opts.shapes:
         data = make_data(run.shapes[name])
         for rule in opts.rules:
-            ref = reference(rule, data)
+            runs = RULES[rule].shapes(data.shape) is None
+            ref = reference(rule, data, CHECK_STEPS) if runs else None
             group = []
             for impl in impls:
                 progress(f"{name} {rule}: {impl.backend} {impl.name}")
@@ -184,7 +181,7 @@ def _time_pairs(run: _Run, impls: list, progress) -> None:
     ours = [i for i in impls if i.ours]
     if "S2" in opts.shapes and "S2-tied" in opts.shapes:
         for impl in ours:
-            for rule in opts.rules:
+            for rule in [r for r in opts.rules if RULES[r].shapes(run.shapes["S2"]) is None]:
                 progress(f"S2-tied against S2, paired: {impl.backend} {impl.name} {rule}")
                 run.paired.append(paired_tie_ratio(impl, run.shapes, rule, pairs))
     if "adam" not in opts.rules:
@@ -223,9 +220,10 @@ def _write_json(run: _Run, elapsed: float, load: dict) -> None:
         "versions": run.versions,
         "machine": {"arch": platform.machine(), "cores": run.threads, "platform": platform.platform()},
         "bandwidth": run.bandwidth,
-        "bytes_per_param": BYTES_PER_PARAM,
-        "bytes_model": BYTES_MODEL,
+        "bytes_per_param": {name: RULES[name].bytes_per_param for name in run.opts.rules},
+        "bytes_model": {name: RULES[name].bytes_model for name in run.opts.rules},
         "hyperparameters": HYPERPARAMETERS,
+        "rules": {name: repr(RULES[name].ours()) for name in run.opts.rules},
         "shapes": {n: {"tensors": shapes[n].n_tensors, "places": shapes[n].n_places,
                        "params": shapes[n].n_params, "layout": shapes[n].layout}
                    for n in run.opts.shapes},

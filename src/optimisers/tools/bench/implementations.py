@@ -1,5 +1,7 @@
 """The rows of the bench: `optimisers` on NumPy, PyTorch and JAX, and its peers (a naive NumPy loop,
-torch.optim with foreach off, on and fused, optax under `jit` with and without donation).
+torch.optim with foreach off, on and fused, optax under `jit` with and without donation). Each row
+builds its rule from the rule's entry in `rules.RULES`; a peer the entry lacks is absent, and
+`Impl.absent` says why.
 
 Peers that have no notion of tied weights get the tied parameter once with its gradients already
 summed, which is what autograd / `jax.grad` would hand them; `optimisers` gets the tied model and
@@ -16,7 +18,8 @@ import numpy as np
 
 import optimisers as opt
 
-from .models import BETAS, EPS, LR_ADAM, LR_MOMENTUM, RHO, WEIGHT_DECAY, Data, Shape, get
+from .models import Data, Shape, get
+from .rules import RULES, BenchRule
 
 
 @dataclass
@@ -25,6 +28,7 @@ class Runner:
     fetch: Callable[[], tuple]  # -> (distinct parameters as NumPy float32, tie status or None)
     setup_s: float | None = None
     compile_s: float | None = None
+    note: str | None = None  # shown beside the row: a torch peer from another package
 
 
 @dataclass
@@ -35,14 +39,11 @@ class Impl:
     ours: bool = False
     jit_key: str | None = None  # rows sharing a key share the compile-time limit
     tracemalloc: bool = False  # NumPy rows: memory by tracemalloc (RSS as a cross-check)
+    absent: Callable[[BenchRule], str | None] = lambda rule: None  # why this row cannot run a rule
 
 
 def optimisers_rule(rule: str) -> opt.Rule:
-    if rule == "adam":
-        return opt.Adam(eta=LR_ADAM, beta=BETAS, epsilon=EPS)
-    if rule == "adamw":
-        return opt.AdamW(eta=LR_ADAM, beta=BETAS, lambd=WEIGHT_DECAY, epsilon=EPS)
-    return opt.Momentum(eta=LR_MOMENTUM, rho=RHO)
+    return RULES[rule].ours()
 
 
 def _tie_status(model, shape: Shape, same) -> str | None:
@@ -121,72 +122,47 @@ def _optimisers_jax(data: Data, rule: str) -> Runner:
 # --- peers ---------------------------------------------------------------------------------------
 
 
-def _naive_step(rule, xs, gs, ms, vs, t):
-    """One step written directly, array by array, as a NumPy user would (in place where easy)."""
-    f = np.float32
-    if rule == "momentum":
-        rho, lr = f(RHO), f(LR_MOMENTUM)
-        for x, g, v in zip(xs, gs, ms):
-            v *= rho
-            v += lr * g
-            x -= v
-        return
-    b1, b2, eps, lr = f(BETAS[0]), f(BETAS[1]), f(EPS), f(LR_ADAM)
-    c1, c2 = f(1 - BETAS[0] ** t), f(1 - BETAS[1] ** t)
-    decay = f(1 - LR_ADAM * WEIGHT_DECAY)
-    for x, g, m, v in zip(xs, gs, ms, vs):
-        m *= b1
-        m += (1 - b1) * g
-        v *= b2
-        v += (1 - b2) * (g * g)
-        step = (lr / c1) * m / (np.sqrt(v / c2) + eps)
-        if rule == "adamw":
-            x *= decay
-        x -= step
-
-
 def _naive_numpy(data: Data, rule: str) -> Runner:
     xs = [p.copy() for p in data.params]
-    ms = [np.zeros_like(p) for p in data.params]
-    vs = [np.zeros_like(p) for p in data.params] if rule != "momentum" else None
+    step_at = RULES[rule].naive(xs)
     gs = data.grads_sum
     t = [0]
 
     def step():
         t[0] += 1
-        _naive_step(rule, xs, gs, ms, vs, t[0])
+        step_at(gs, t[0])
 
     return Runner(step, lambda: (xs, None))
+
+
+def _no_naive(rule: BenchRule) -> str | None:
+    return None if rule.naive is not None else f"no naive NumPy formula for {rule.title}"
 
 
 def _torch_optim(kind: str):
     def make(data: Data, rule: str) -> Runner:
         import torch
 
+        peer = RULES[rule].torch
         params = [torch.nn.Parameter(torch.tensor(a)) for a in data.params]
         for p, g in zip(params, data.grads_sum):
             p.grad = torch.tensor(g)
-        flags = {"loop": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}[kind]
-        if rule == "momentum":
-            o = torch.optim.SGD(params, lr=LR_MOMENTUM, momentum=RHO, **flags)
-        elif rule == "adamw":
-            o = torch.optim.AdamW(params, lr=LR_ADAM, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY,
-                                  **flags)
-        else:
-            o = torch.optim.Adam(params, lr=LR_ADAM, betas=BETAS, eps=EPS, **flags)
-        return Runner(o.step, lambda: ([p.detach().numpy() for p in params], None))
+        o = peer.make(torch, params, **peer.variants[kind])
+        note = None if peer.name.startswith("torch.optim.") else peer.name
+        return Runner(o.step, lambda: ([p.detach().numpy() for p in params], None), note=note)
 
     return make
 
 
-def _optax_transform(rule: str):
-    import optax
+def _no_torch(kind: str):
+    def absent(rule: BenchRule) -> str | None:
+        if rule.torch is None:
+            return f"torch.optim has no {rule.title}"
+        if kind not in rule.torch.variants:
+            return f"{rule.torch.name} has no {kind} variant"
+        return None
 
-    if rule == "momentum":
-        return optax.sgd(LR_MOMENTUM, momentum=RHO)
-    if rule == "adamw":
-        return optax.adamw(LR_ADAM, b1=BETAS[0], b2=BETAS[1], eps=EPS, weight_decay=WEIGHT_DECAY)
-    return optax.adam(LR_ADAM, b1=BETAS[0], b2=BETAS[1], eps=EPS)
+    return absent
 
 
 def _optax(donate: bool):
@@ -195,8 +171,9 @@ def _optax(donate: bool):
         import jax.numpy as jnp
         import optax
 
-        tx = _optax_transform(rule)
-        params = data.distinct_tree([jnp.array(a) for a in data.params])
+        peer = RULES[rule].optax
+        tx = peer.make(optax)
+        params = peer.wrap(data.distinct_tree([jnp.array(a) for a in data.params]))
         grads = data.distinct_tree([jnp.array(g) for g in data.grads_sum])
         state = tx.init(params)
 
@@ -217,23 +194,28 @@ def _optax(donate: bool):
             box[0], box[1] = out
 
         def fetch():
-            return [np.asarray(get(box[0], p)) for p in data.shape.paths], None
+            model = peer.unwrap(box[0])
+            return [np.asarray(get(model, p)) for p in data.shape.paths], None
 
         return Runner(step, fetch, compile_s=compile_s)
 
     return make
 
 
+def _no_optax(rule: BenchRule) -> str | None:
+    return None if rule.optax is not None else f"optax has no {rule.title}"
+
+
 IMPLS = [
     Impl("numpy", "optimisers update_", _optimisers_numpy, ours=True, tracemalloc=True),
-    Impl("numpy", "naive NumPy loop", _naive_numpy, tracemalloc=True),
+    Impl("numpy", "naive NumPy loop", _naive_numpy, tracemalloc=True, absent=_no_naive),
     Impl("torch", "optimisers update_", _optimisers_torch, ours=True),
-    Impl("torch", "torch.optim foreach=False", _torch_optim("loop")),
-    Impl("torch", "torch.optim foreach=True", _torch_optim("foreach")),
-    Impl("torch", "torch.optim fused", _torch_optim("fused")),
+    Impl("torch", "torch.optim foreach=False", _torch_optim("loop"), absent=_no_torch("loop")),
+    Impl("torch", "torch.optim foreach=True", _torch_optim("foreach"), absent=_no_torch("foreach")),
+    Impl("torch", "torch.optim fused", _torch_optim("fused"), absent=_no_torch("fused")),
     Impl("jax", "optimisers jit+donate", _optimisers_jax, ours=True, jit_key="optimisers"),
-    Impl("jax", "optax jit+donate", _optax(True), jit_key="optax"),
-    Impl("jax", "optax jit", _optax(False), jit_key="optax"),
+    Impl("jax", "optax jit+donate", _optax(True), jit_key="optax", absent=_no_optax),
+    Impl("jax", "optax jit", _optax(False), jit_key="optax", absent=_no_optax),
 ]
 
 #: The peer each backend's rows are compared with: the fastest of the established libraries.

@@ -7,7 +7,8 @@ import platform
 
 from .bandwidth import KERNELS
 from .implementations import BEST_PEER, FALLBACK_PEER, IMPLS
-from .models import ATOL, BYTES_MODEL, BYTES_PER_PARAM, CHECK_STEPS, RTOL
+from .models import CHECK_STEPS
+from .rules import RULES
 
 OURS = {impl.backend: impl.name for impl in IMPLS if impl.ours}
 _SHORT_PEER = {"torch.optim fused": "torch fused", "optax jit+donate": "optax j+d",
@@ -36,27 +37,36 @@ def header(opts, threads: int, versions: dict, bw: dict, shapes: dict) -> list[s
         f"measured at the start and after each shape ({', '.join(f'{x:.1f}' for x in samples)})"
     )
     out.append("  (copy and triad also pay uncounted write-allocate reads; an optimiser step does not)")
-    out.append("  bytes per float32 parameter per step: "
-               + "; ".join(f"{k}: {v}" for k, v in BYTES_MODEL.items()))
+    out.append("  bytes per float32 parameter per step:")
+    out += [f"    {k}: {RULES[k].bytes_model}" for k in opts.rules]
     for name in opts.shapes:
         s = shapes[name]
-        floors = ", ".join(
-            f"{rule} {BYTES_PER_PARAM[rule] * s.n_params / floor / 1e6:.2f} ms" for rule in opts.rules
-        )
+        floors = ", ".join(f"{rule} {_floor_ms(rule, s.n_params, floor)}" for rule in opts.rules)
         out.append(f"  {name:7} {s.n_tensors:5d} tensors, {s.n_places:5d} places, {s.n_params:>10,} "
                    f"params ({s.layout}); floor: {floors}")
     return out
 
 
+def _floor_ms(rule: str, n_params: int, floor_gbs: float) -> str:
+    per_param = RULES[rule].bytes_per_param
+    return "—" if per_param is None else f"{per_param * n_params / floor_gbs / 1e6:.2f} ms"
+
+
 def agreement_line(shape: str, rule: str, group: list) -> str:
     """How many rows of one (shape, rule) agree with the float64 reference, and the largest error."""
+    ran = [r for r in group if "absent" not in r]
+    if not ran and group:
+        return f"check {shape} {rule}: not run ({group[0]['absent']})"
+    if RULES[rule].naive is None:
+        return f"check {shape} {rule}: not checked (no naive formula, the float64 reference, in the table)"
     checked = [r for r in group if "agree" in r]
     bad = [r for r in checked if not r["agree"]]
     worst = max(checked, key=lambda r: r["max_abs_err"], default=None)
+    atol, rtol = RULES[rule].tolerance
     line = (
         f"check {shape} {rule}: {len(checked) - len(bad)}/{len(checked)} implementations "
         f"agree with the float64 reference after {CHECK_STEPS} steps "
-        f"(|err| <= {ATOL:g} + {RTOL:g}|x|)"
+        f"(|err| <= {atol:g} + {rtol:g}|x|)"
     )
     if worst is not None:
         line += f"; largest |err| {worst['max_abs_err']:.1e} ({worst['backend']} {worst['impl']})"
@@ -71,15 +81,19 @@ def fill_ratios(rows: list, floor_gbs: float | None) -> None:
     """Add each row's floor (`floor_ms`, `x_floor`) and its ratio to its peer (`peer`, `x_peer`)."""
     by = {(r["backend"], r["impl"], r["shape"], r["rule"]): r for r in rows}
     for r in rows:
-        if floor_gbs:
-            r["floor_ms"] = BYTES_PER_PARAM[r["rule"]] * r["params"] / (floor_gbs * 1e9) * 1e3
+        per_param = RULES[r["rule"]].bytes_per_param
+        if floor_gbs and per_param is not None:
+            r["floor_ms"] = per_param * r["params"] / (floor_gbs * 1e9) * 1e3
             if "median_ms" in r:
                 r["x_floor"] = r["median_ms"] / r["floor_ms"]
                 r["x_floor_min"] = r["min_ms"] / r["floor_ms"]
         if "median_ms" not in r:
             continue
-        for backend, name in (BEST_PEER[r["backend"]], FALLBACK_PEER.get(r["backend"])):
-            peer = by.get((backend, name, r["shape"], r["rule"])) if name else None
+        # (the torch rows have no fallback: before rules without a torch peer, a missing fused row
+        # never reached the second, absent, one)
+        for backend, name in [BEST_PEER[r["backend"]], *[FALLBACK_PEER[b] for b in [r["backend"]]
+                                                          if b in FALLBACK_PEER]]:
+            peer = by.get((backend, name, r["shape"], r["rule"]))
             if peer is not None and "median_ms" in peer:
                 r["peer"] = name
                 r["x_peer"] = r["median_ms"] / peer["median_ms"]
@@ -93,16 +107,26 @@ def _fmt(value, spec, width):
     return (format(value, spec) if value is not None else "-").rjust(width)
 
 
-def _table_line(r: dict) -> str:
-    lead = f"{r['backend']:7} {r['impl']:26} {r['shape']:7} {r['rule']:8} "
+def _table_line(r: dict, rule_width: int = 8) -> str:
+    lead = f"{r['backend']:7} {r['impl']:26} {r['shape']:7} {r['rule']:{rule_width}} "
     if "median_ms" not in r:
-        why = f"skipped ({r['skipped']})" if "skipped" in r else f"n/a (error: {r.get('error')})"
+        if "absent" in r:
+            why = f"— ({r['absent']})"
+        elif "skipped" in r:
+            why = f"skipped ({r['skipped']})"
+        else:
+            why = f"n/a (error: {r.get('error')})"
         return lead + why[:110]
     extra = r.get("extra_bytes")
     method = {"tracemalloc": "t", "rss-hwm": "r"}.get(r.get("extra_method"), "")
-    agree = "ok" if r["agree"] else f"DIFF {r['max_abs_err']:.1e}"
+    if "agree" not in r:
+        agree = "unchecked"
+    else:
+        agree = "ok" if r["agree"] else f"DIFF {r['max_abs_err']:.1e}"
     if r.get("ties"):
         agree += ", " + r["ties"]
+    if r.get("note"):
+        agree += f" ({r['note']})"
     return (
         lead
         + f"{r['median_ms']:8.2f} {r['min_ms']:8.2f} {r['max_ms']:8.2f} {r['repeats']:3d} "
@@ -118,13 +142,14 @@ def _table_line(r: dict) -> str:
 
 
 def format_table(rows: list) -> str:
+    w = max([8] + [len(r["rule"]) for r in rows])
     head = (
-        f"{'backend':7} {'impl':26} {'shape':7} {'rule':8} {'median':>8} {'min':>8} {'max':>8} "
+        f"{'backend':7} {'impl':26} {'shape':7} {'rule':{w}} {'median':>8} {'min':>8} {'max':>8} "
         f"{'n':>3} {'xfloor':>7} {'xpeer':>6} {'peer':11} {'compile':>8} {'setup':>7} "
         f"{'extraMB':>8} {'xparam':>6} agree"
     )
     units = (
-        f"{'':7} {'':26} {'':7} {'':8} {'ms':>8} {'ms':>8} {'ms':>8} {'':>3} {'':>7} {'':>6} {'':11} "
+        f"{'':7} {'':26} {'':7} {'':{w}} {'ms':>8} {'ms':>8} {'ms':>8} {'':>3} {'':>7} {'':>6} {'':11} "
         f"{'s':>8} {'ms':>7} {'':>8} {'':>6}"
     )
     lines = [head, units.rstrip(), "-" * len(head)]
@@ -134,7 +159,7 @@ def format_table(rows: list) -> str:
         if last is not None and group != last:
             lines.append("")
         last = group
-        lines.append(_table_line(r))
+        lines.append(_table_line(r, w))
     return "\n".join(lines)
 
 

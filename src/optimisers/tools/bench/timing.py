@@ -14,6 +14,7 @@ from typing import Any
 from .implementations import Impl, Runner
 from .memory import rss_extra, tracemalloc_extra
 from .models import CHECK_STEPS, Data, Shape, agrees, make_data
+from .rules import RULES
 
 
 def _error_line(e: Exception) -> str:
@@ -67,15 +68,25 @@ def _skip_reason(impl: Impl, shape: Shape, opts, compile_seen: dict) -> str | No
             f"{opts.compile_limit:g} s")
 
 
-def _check(runner: Runner, ref: list, row: dict) -> float:
-    """Run the check steps, record agreement with the reference; returns the last step's seconds."""
+def _absent_reason(impl: Impl, shape: Shape, rule: str) -> str | None:
+    """Why this row cannot run: the rule cannot take the shape, or this library lacks the rule."""
+    return RULES[rule].shapes(shape) or impl.absent(RULES[rule])
+
+
+def _check(runner: Runner, ref: list | None, rule: str, row: dict) -> float:
+    """Run the check steps, record agreement with the reference (when the rule has one); returns
+    the last step's seconds."""
     est = 0.0
     for _ in range(CHECK_STEPS):
         t0 = time.perf_counter()
         runner.step()
         est = time.perf_counter() - t0
     got, ties = runner.fetch()
-    ok, worst = agrees(got, ref)
+    if ref is None:
+        if ties is not None:
+            row["ties"] = ties
+        return est
+    ok, worst = agrees(got, ref, *RULES[rule].tolerance)
     row["agree"] = ok and ties != "TIES BROKEN"
     row["max_abs_err"] = worst
     if ties is not None:
@@ -94,14 +105,17 @@ def _time_row(runner: Runner, est: float, opts, row: dict) -> None:
     row["max_ms"] = max(times) * 1e3
 
 
-def _measure(impl: Impl, data: Data, rule: str, ref: list, opts, compile_seen: dict, row: dict) -> None:
+def _measure(impl: Impl, data: Data, rule: str, ref: list | None, opts, compile_seen: dict,
+             row: dict) -> None:
     runner = impl.make(data, rule)
+    if runner.note is not None:
+        row["note"] = runner.note
     if runner.compile_s is not None:
         row["compile_s"] = runner.compile_s
         compile_seen[(impl.jit_key, data.shape.name)] = (f"{impl.name} {rule}", runner.compile_s)
     if runner.setup_s is not None:
         row["setup_ms"] = runner.setup_s * 1e3
-    est = _check(runner, ref, row)
+    est = _check(runner, ref, rule, row)
     _time_row(runner, est, opts, row)
     if opts.rss_ok:
         row["extra_bytes_rss"] = rss_extra(runner.step)
@@ -120,12 +134,17 @@ def _add_extra_memory(row: dict, shape: Shape) -> None:
         row["extra_x_params"] = extra / (4 * shape.n_params)
 
 
-def run_row(impl: Impl, data: Data, rule: str, ref: list, opts, compile_seen: dict) -> dict:
-    """One implementation on one shape and rule: checked against `ref`, timed, memory measured. A
-    row that raises is reported (`error`, `traceback`), not fatal."""
+def run_row(impl: Impl, data: Data, rule: str, ref: list | None, opts, compile_seen: dict) -> dict:
+    """One implementation on one shape and rule: checked against `ref` (None: unchecked), timed,
+    memory measured. A row that cannot run says why (`absent`); a row that raises is reported
+    (`error`, `traceback`), not fatal."""
     shape = data.shape
     row: dict[str, Any] = {"backend": impl.backend, "impl": impl.name, "shape": shape.name, "rule": rule,
                            "tensors": shape.n_tensors, "params": shape.n_params}
+    absent = _absent_reason(impl, shape, rule)
+    if absent is not None:
+        row["absent"] = absent
+        return row
     skipped = _skip_reason(impl, shape, opts, compile_seen)
     if skipped is not None:
         row["skipped"] = skipped

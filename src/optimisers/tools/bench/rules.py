@@ -1,0 +1,394 @@
+"""The rules the bench steps: one `BenchRule` per rule in `RULES`, holding everything the rows of
+that rule need (ours, its torch and optax peers, a naive NumPy formula, the bytes of its floor).
+
+To bench another rule, add one entry to `RULES`. Give every implementation the same
+hyperparameters, chosen where the peers compute the same steps as `optimisers` (the rule's
+docstring and `tests/rules_registry.py` in the repository name the mapping), and steps well above
+the check's tolerance (about 1e-7 for the parameters of about 0.02: steps of 1e-5 or more). A
+library without the rule gets `None`: its rows say so ("—") instead of running.
+
+The naive formula is written once, for any float dtype: run in float32 it is the "naive NumPy loop"
+row, run in float64 it is the reference every row is checked against (without one, rows are
+timed but unchecked).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+import optimisers as opt
+
+from .models import ATOL, RTOL
+
+#: A naive formula: given the parameter arrays (stepped in place), `step(grads, t)` for t = 1, 2, ...
+Naive = Callable[[list], Callable[[list, int], None]]
+
+#: torch.optim's three ways of running one rule: the bench's torch rows, by kind.
+TORCH_OPTIM_VARIANTS = {"loop": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}
+
+
+@dataclass(frozen=True)
+class TorchPeer:
+    """A torch optimiser with the rule. `make(torch, params, **flags)` builds it over a list of
+    `torch.nn.Parameter` whose `.grad` is set; `variants` are the bench's torch rows it has
+    (kind -> the keyword arguments that select it). A class from another package (no
+    foreach/fused) has just `{"loop": {}}`; its other rows say so."""
+
+    name: str  # e.g. "torch.optim.Adam", for the rows that say it lacks a variant
+    make: Callable[..., Any]
+    variants: dict = field(default_factory=lambda: dict(TORCH_OPTIM_VARIANTS))
+
+
+@dataclass(frozen=True)
+class OptaxPeer:
+    """An optax transformation with the rule: `make(optax)`. A transformation that trains more
+    than the parameters (optax.lookahead trains `LookaheadParams(fast, slow)`) gives `wrap(params)`,
+    what it trains, and `unwrap(trained)`, the parameters the model holds."""
+
+    make: Callable[[Any], Any]
+    wrap: Callable[[Any], Any] = lambda params: params
+    unwrap: Callable[[Any], Any] = lambda trained: trained
+
+
+def every_shape(shape) -> str | None:
+    """The default shape predicate: every shape is fine."""
+    return None
+
+
+def only_matrices(shape) -> str | None:
+    """The shape predicate of a rule whose peers take only parameters of two or more dimensions
+    (Muon, SOAP): why `shape` cannot be run, or None."""
+    vectors = sum(len(s) < 2 for s in shape.shapes)
+    if vectors:
+        return f"needs >=2-D parameters; {shape.name} has {vectors} of fewer dimensions"
+    return None
+
+
+@dataclass(frozen=True)
+class BenchRule:
+    """One rule of the bench. `ours()` is the `optimisers` rule; `torch`, `optax`, `naive` the peers
+    (None where a library lacks the rule); `bytes_per_param` the DRAM bytes per float32 parameter
+    of one step of an ideal streaming implementation, counted as STREAM counts them (each array
+    read or written once, write-allocate traffic not counted; the floor of a step is this times the
+    distinct parameters over the measured bandwidth), with `bytes_model` saying how (None: not a
+    streaming rule, e.g. one whose per-array norms need a pass before the step: no floor);
+    `shapes(shape)` why a shape cannot be run, or None; `in_default_run`: run without `--rules`;
+    `tolerance` (atol, rtol) against the float64 reference."""
+
+    name: str  # the --rules name
+    title: str  # how the rows name it ("torch.optim has no LAMB")
+    ours: Callable[[], opt.Rule]
+    torch: TorchPeer | None
+    optax: OptaxPeer | None
+    naive: Naive | None
+    bytes_per_param: int | None
+    bytes_model: str
+    shapes: Callable[[Any], str | None] = every_shape
+    in_default_run: bool = False
+    tolerance: tuple = (ATOL, RTOL)
+
+
+# --- hyperparameters (the same for every implementation of a rule) ----------------------------
+
+LR_ADAM = 1e-3
+BETAS = (0.9, 0.999)
+EPS = 1e-8
+WEIGHT_DECAY = 0.01  # AdamW: optimisers `lambd`, torch `weight_decay`, optax `weight_decay`
+LR_MOMENTUM = 1e-2
+RHO = 0.9  # torch/optax `momentum`
+
+# LAMB and LARS move each array by a fraction of its own norm (the trust ratio): these rates give
+# steps of about 1e-4 and 2e-5 of parameters about 0.02, well above the check's tolerance
+LR_LAMB, EPS_LAMB = 1e-2, 1e-6  # optax.lamb's default eps, and ours
+LR_LARS, TRUST_LARS = 1.0, 1e-3  # optax.lars's default trust_coefficient, and ours
+BETAS_ADOPT, EPS_ADOPT = (0.9, 0.9999), 1e-6  # ADOPT's (and optax.contrib.adopt's) defaults
+BETAS_ADEMAMIX, ALPHA_ADEMAMIX = (0.9, 0.999, 0.9999), 5.0  # AdEMAMix's defaults (b1, b2, b3)
+# Lookahead synchronises on every k-th step: k = 3 puts a synchronisation inside the check's
+# three steps, and makes two of every three timed steps plain Adam steps (the median is one)
+K_LOOKAHEAD, ALPHA_LOOKAHEAD = 3, 0.5
+
+HYPERPARAMETERS = {"adam_lr": LR_ADAM, "betas": BETAS, "eps": EPS, "weight_decay": WEIGHT_DECAY,
+                   "momentum_lr": LR_MOMENTUM, "rho": RHO}
+
+
+# --- naive formulas: array by array, in place where easy, as a NumPy user would write them -------
+
+
+def _zeros(xs):
+    return [np.zeros_like(x) for x in xs]
+
+
+def _norm(a):
+    return np.sqrt(np.vdot(a, a))
+
+
+def _trust_ratio(x, u, trust, eps):
+    """`trust·‖x‖/(‖u‖ + eps)`, or 1 where either norm is 0 (as optax)."""
+    nx, nu = _norm(x), _norm(u)
+    return x.dtype.type(1) if nx == 0 or nu == 0 else x.dtype.type(trust) * nx / (nu + x.dtype.type(eps))
+
+
+def _naive_momentum(xs):
+    vs = _zeros(xs)
+
+    def step(gs, t):
+        f = xs[0].dtype.type
+        rho, lr = f(RHO), f(LR_MOMENTUM)
+        for x, g, v in zip(xs, gs, vs):
+            v *= rho
+            v += lr * g
+            x -= v
+
+    return step
+
+
+def _naive_adam(decay: float = 0.0) -> Naive:
+    def make(xs):
+        ms, vs = _zeros(xs), _zeros(xs)
+
+        def step(gs, t):
+            f = xs[0].dtype.type
+            b1, b2, eps, lr = f(BETAS[0]), f(BETAS[1]), f(EPS), f(LR_ADAM)
+            c1, c2 = f(1 - BETAS[0] ** t), f(1 - BETAS[1] ** t)
+            keep = f(1 - LR_ADAM * decay)
+            for x, g, m, v in zip(xs, gs, ms, vs):
+                m *= b1
+                m += (1 - b1) * g
+                v *= b2
+                v += (1 - b2) * (g * g)
+                s = (lr / c1) * m / (np.sqrt(v / c2) + eps)
+                if decay:
+                    x *= keep
+                x -= s
+
+        return step
+
+    return make
+
+
+def _naive_lamb(xs):
+    ms, vs = _zeros(xs), _zeros(xs)
+
+    def step(gs, t):
+        f = xs[0].dtype.type
+        b1, b2, eps, lr, wd = f(BETAS[0]), f(BETAS[1]), f(EPS_LAMB), f(LR_LAMB), f(WEIGHT_DECAY)
+        c1, c2 = f(1 - BETAS[0] ** t), f(1 - BETAS[1] ** t)
+        for x, g, m, v in zip(xs, gs, ms, vs):
+            m *= b1
+            m += (1 - b1) * g
+            v *= b2
+            v += (1 - b2) * (g * g)
+            u = (m / c1) / (np.sqrt(v / c2) + eps) + wd * x
+            x -= (lr * _trust_ratio(x, u, 1.0, 0.0)) * u
+
+    return step
+
+
+def _naive_lars(xs):
+    vs = _zeros(xs)
+
+    def step(gs, t):
+        f = xs[0].dtype.type
+        beta, lr, wd = f(RHO), f(LR_LARS), f(WEIGHT_DECAY)
+        for x, g, v in zip(xs, gs, vs):
+            u = g + wd * x
+            v *= beta
+            v += (lr * _trust_ratio(x, u, TRUST_LARS, 0.0)) * u
+            x -= v
+
+    return step
+
+
+def _naive_adopt(xs):
+    ms, vs = _zeros(xs), _zeros(xs)
+
+    def step(gs, t):
+        f = xs[0].dtype.type
+        b1, b2, eps, lr = f(BETAS_ADOPT[0]), f(BETAS_ADOPT[1]), f(EPS_ADOPT), f(LR_ADAM)
+        for x, g, m, v in zip(xs, gs, ms, vs):
+            if t == 1:  # the first step only records the second moment
+                v[...] = g * g
+                continue
+            bound = f((t - 1) ** 0.25)
+            u = np.clip(g / np.maximum(np.sqrt(v), eps), -bound, bound)
+            m *= b1
+            m += (1 - b1) * u
+            v *= b2
+            v += (1 - b2) * (g * g)
+            x -= lr * m
+
+    return step
+
+
+def _naive_ademamix(xs):
+    fasts, slows, vs = _zeros(xs), _zeros(xs), _zeros(xs)
+
+    def step(gs, t):
+        f = xs[0].dtype.type
+        b1, b2, b3 = (f(b) for b in BETAS_ADEMAMIX)
+        alpha, eps, lr, wd = f(ALPHA_ADEMAMIX), f(EPS), f(LR_ADAM), f(WEIGHT_DECAY)
+        c1, c2 = f(1 - BETAS_ADEMAMIX[0] ** t), f(1 - BETAS_ADEMAMIX[1] ** t)
+        for x, g, m1, m2, v in zip(xs, gs, fasts, slows, vs):
+            m1 *= b1
+            m1 += (1 - b1) * g
+            m2 *= b3
+            m2 += (1 - b3) * g
+            v *= b2
+            v += (1 - b2) * (g * g)
+            x -= lr * ((m1 / c1 + alpha * m2) / (np.sqrt(v / c2) + eps) + wd * x)
+
+    return step
+
+
+def _naive_lookahead(inner: Naive, k: int, alpha: float) -> Naive:
+    """`inner` moves the (fast) parameters; every k-th step the slow copies move `alpha` of the way
+    to them and the parameters restart from there."""
+
+    def make(xs):
+        slows = [x.copy() for x in xs]
+        inner_step = inner(xs)
+
+        def step(gs, t):
+            inner_step(gs, t)
+            if t % k:
+                return
+            a = xs[0].dtype.type(alpha)
+            for x, s in zip(xs, slows):
+                s += a * (x - s)
+                x[...] = s
+
+        return step
+
+    return make
+
+
+def _lookahead_params(params):
+    """What optax.lookahead trains, both parts at `params`; the slow part a copy, not the same
+    arrays, since jit cannot donate one buffer twice."""
+    import jax
+    import optax
+
+    return optax.LookaheadParams(fast=params, slow=jax.tree.map(lambda a: a.copy(), params))
+
+
+# --- the table ----------------------------------------------------------------------------------
+
+_ADAM_BYTES = "read x, g, m, v; write x, m, v: 7 arrays x 4 bytes = 28"
+_NORMS = "not streaming (its per-array norms need a pass over the array before the step): no floor"
+
+RULES: dict[str, BenchRule] = {r.name: r for r in [
+    BenchRule(
+        "adam", "Adam",
+        lambda: opt.Adam(eta=LR_ADAM, beta=BETAS, epsilon=EPS),
+        TorchPeer("torch.optim.Adam",
+                  lambda torch, ps, **kw: torch.optim.Adam(ps, lr=LR_ADAM, betas=BETAS, eps=EPS, **kw)),
+        OptaxPeer(lambda optax: optax.adam(LR_ADAM, b1=BETAS[0], b2=BETAS[1], eps=EPS)),
+        _naive_adam(),
+        28, _ADAM_BYTES,
+        in_default_run=True,
+    ),
+    BenchRule(
+        "adamw", "AdamW",
+        lambda: opt.AdamW(eta=LR_ADAM, beta=BETAS, lambd=WEIGHT_DECAY, epsilon=EPS),
+        TorchPeer("torch.optim.AdamW",
+                  lambda torch, ps, **kw: torch.optim.AdamW(ps, lr=LR_ADAM, betas=BETAS, eps=EPS,
+                                                            weight_decay=WEIGHT_DECAY, **kw)),
+        OptaxPeer(lambda optax: optax.adamw(LR_ADAM, b1=BETAS[0], b2=BETAS[1], eps=EPS,
+                                            weight_decay=WEIGHT_DECAY)),
+        _naive_adam(decay=WEIGHT_DECAY),
+        28, "as Adam (the decay reads x, which Adam already reads): 28",
+        in_default_run=True,
+    ),
+    BenchRule(
+        "momentum", "Momentum",
+        lambda: opt.Momentum(eta=LR_MOMENTUM, rho=RHO),
+        TorchPeer("torch.optim.SGD",
+                  lambda torch, ps, **kw: torch.optim.SGD(ps, lr=LR_MOMENTUM, momentum=RHO, **kw)),
+        OptaxPeer(lambda optax: optax.sgd(LR_MOMENTUM, momentum=RHO)),
+        _naive_momentum,
+        20, "read x, g, v; write x, v: 5 arrays x 4 bytes = 20",
+        in_default_run=True,
+    ),
+    # optax.lamb with eps_root=0 computes ours (Adam direction plus decay, trust ratio per array)
+    BenchRule(
+        "lamb", "LAMB",
+        lambda: opt.LAMB(eta=LR_LAMB, beta=BETAS, epsilon=EPS_LAMB, lambd=WEIGHT_DECAY),
+        None,
+        OptaxPeer(lambda optax: optax.lamb(LR_LAMB, b1=BETAS[0], b2=BETAS[1], eps=EPS_LAMB, eps_root=0.0,
+                                           weight_decay=WEIGHT_DECAY)),
+        _naive_lamb,
+        None, _NORMS,
+    ),
+    # optax.lars at its default masks (decay and trust ratio on every array), as ours
+    BenchRule(
+        "lars", "LARS",
+        lambda: opt.LARS(eta=LR_LARS, beta=RHO, lambd=WEIGHT_DECAY, trust=TRUST_LARS, epsilon=0.0),
+        None,
+        OptaxPeer(lambda optax: optax.lars(LR_LARS, weight_decay=WEIGHT_DECAY, trust_coefficient=TRUST_LARS,
+                                           eps=0.0, momentum=RHO)),
+        _naive_lars,
+        None, _NORMS,
+    ),
+    # optax.contrib.adopt at its defaults: clipping at (t-1)^(1/4), no Nesterov
+    BenchRule(
+        "adopt", "ADOPT",
+        lambda: opt.ADOPT(eta=LR_ADAM, beta=BETAS_ADOPT, epsilon=EPS_ADOPT),
+        None,
+        OptaxPeer(lambda optax: optax.contrib.adopt(LR_ADAM, b1=BETAS_ADOPT[0], b2=BETAS_ADOPT[1],
+                                                    eps=EPS_ADOPT)),
+        _naive_adopt,
+        28, "as Adam: read x, g, m, v; write x, m, v = 28",
+    ),
+    # optax.contrib.ademamix with constant b3 and alpha (no warm-up schedules) and eps_root=0;
+    # both scale the weight decay by the learning rate
+    BenchRule(
+        "ademamix", "AdEMAMix",
+        lambda: opt.AdEMAMix(eta=LR_ADAM, beta=BETAS_ADEMAMIX, alpha=ALPHA_ADEMAMIX, epsilon=EPS,
+                             lambd=WEIGHT_DECAY),
+        None,
+        OptaxPeer(lambda optax: optax.contrib.ademamix(
+            LR_ADAM, b1=BETAS_ADEMAMIX[0], b2=BETAS_ADEMAMIX[1], b3=BETAS_ADEMAMIX[2],
+            alpha=ALPHA_ADEMAMIX, eps=EPS, eps_root=0.0, weight_decay=WEIGHT_DECAY)),
+        _naive_ademamix,
+        36, "read x, g, m1, m2, v; write x, m1, m2, v: 9 arrays x 4 bytes = 36",
+    ),
+    # optax.lookahead trains LookaheadParams(fast, slow): the model is its fast part
+    BenchRule(
+        "lookahead", "Lookahead(Adam)",
+        lambda: opt.Lookahead(opt.Adam(eta=LR_ADAM, beta=BETAS, epsilon=EPS), k=K_LOOKAHEAD,
+                              alpha=ALPHA_LOOKAHEAD),
+        None,
+        OptaxPeer(
+            lambda optax: optax.lookahead(optax.adam(LR_ADAM, b1=BETAS[0], b2=BETAS[1], eps=EPS),
+                                          sync_period=K_LOOKAHEAD, slow_step_size=ALPHA_LOOKAHEAD),
+            wrap=_lookahead_params,
+            unwrap=lambda trained: trained.fast,
+        ),
+        _naive_lookahead(_naive_adam(), K_LOOKAHEAD, ALPHA_LOOKAHEAD),
+        28, "Adam's 28 on the median step (a synchronisation, every k-th step, also reads and "
+        "writes the slow copy)",
+    ),
+]}
+
+
+def default_rules() -> list[str]:
+    """What runs without `--rules`."""
+    return [name for name, r in RULES.items() if r.in_default_run]
+
+
+def reference(rule: str, data, steps: int) -> list | None:
+    """Every parameter after `steps` steps with the same gradients: the naive formula in float64
+    (None if the rule has none)."""
+    naive = RULES[rule].naive
+    if naive is None:
+        return None
+    xs = [p.astype(np.float64) for p in data.params]
+    gs = [g.astype(np.float64) for g in data.grads_sum]
+    step = naive(xs)
+    for t in range(1, steps + 1):
+        step(gs, t)
+    return xs
