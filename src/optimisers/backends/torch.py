@@ -872,6 +872,19 @@ def qr(x):
     return tuple(torch.linalg.qr(x))
 
 
+def zeros(shape, like):
+    return torch.zeros(shape, dtype=like.dtype, device=like.device)
+
+
+def argsort(x, descending):
+    order = torch.argsort(x, dim=-1, stable=True)
+    return order.flip(-1) if descending else order
+
+
+def take(x, indices, axis):
+    return torch.index_select(x, axis, indices)
+
+
 def stack(xs):
     return torch.stack(xs)
 
