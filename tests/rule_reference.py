@@ -310,7 +310,7 @@ def soap(
     rotated each step), `step_size = η·√(1−β₂ᵗ)/(1−β₁ᵗ)`, ε after the root of the uncorrected
     second moment, decay after the step; every `precondition_frequency` steps one power
     iteration with QR from the previous basis, its columns (and the second moment) sorted by
-    the estimated eigenvalues first."""
+    the estimated eigenvalues first. `step.eta` may be changed between calls."""
     b1, b2 = beta
     s = {}
 
@@ -333,7 +333,8 @@ def soap(
         s["m"] = b1 * s["m"] + (1 - b1) * g
         s["v"] = b2 * s["v"] + (1 - b2) * rotate(g) ** 2
         direction = rotate(rotate(s["m"]) / (np.sqrt(s["v"]) + epsilon), back=True)
-        new_x = (x - eta * np.sqrt(1 - b2**t) / (1 - b1**t) * direction) * (1 - eta * lambd)
+        lr = step.eta
+        new_x = (x - lr * np.sqrt(1 - b2**t) / (1 - b1**t) * direction) * (1 - lr * lambd)
         for i in s["L"]:
             s["L"][i] = shampoo_beta * s["L"][i] + (1 - shampoo_beta) * _gram(g, i)
         if t % precondition_frequency == 0:
@@ -344,6 +345,7 @@ def soap(
                 s["Q"][i] = np.linalg.qr(L @ Q[:, order])[0]
         return x - new_x
 
+    step.eta = eta
     return step
 
 
