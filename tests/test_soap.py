@@ -345,3 +345,33 @@ def test_agrees_with_heavyball_through_the_first_refresh(shape, monkeypatch):
         moved = np.max(np.abs(model["x"] - x0))
         err = np.max(np.abs(p.detach().numpy() - model["x"]))
         assert err <= 1e-3 * max(moved, 1e-3), f"step {t}: {err:.3g} off, moved {moved:.3g}"
+
+
+@pytest.mark.parametrize("backend", ["numpy", "torch", "jax"])
+@pytest.mark.parametrize("bad_call", [0, 3], ids=["first", "refresh"])
+def test_a_nan_gradient_gives_nan_steps_as_in_adam_and_skip_non_finite_skips_it(backend, bad_call):
+    """NumPy's and PyTorch's eigh and qr raise on NaN; SOAP gives NaN steps on every backend (the
+    NaN reaches the parameter at the next move), and SkipNonFinite skips the step."""
+    x0, grads = initial_model(), gradients(steps=6)
+    grads[bad_call] = {k: np.full_like(v, np.nan) for k, v in grads[bad_call].items()}
+    dtype = np.float32 if backend == "jax" else np.float64
+    rule = opt.SOAP(precondition_frequency=2)
+    last = our_trajectory(rule, x0, grads, backend, dtype)[-1]
+    assert np.isnan(last["w"]).all() and np.isnan(last["k"]).all()
+    skipping = our_trajectory(opt.SkipNonFinite(rule), x0, grads, backend, dtype)[-1]
+    kept = [g for t, g in enumerate(grads) if t != bad_call]
+    want = reference_trajectory({"precondition_frequency": 2}, x0, kept, dtype=dtype)[-1]
+    assert_close([skipping], [want], rounded(x0, dtype), TOLERANCE[dtype])
+
+
+def test_skip_non_finite_under_jit_keeps_none_parts_of_a_state():
+    """SOAP's axes without a basis (and Descent's state) are None; SkipNonFinite under jit selects
+    between the old and new state part by part, and has nothing to select for those."""
+    model = {"b": jnp.ones(3), "w": jnp.ones((2, 2))}
+    rule = opt.SkipNonFinite(opt.OptimiserChain(opt.Descent(0.1), opt.SOAP()))
+    state = opt.setup(rule, model)
+    for g in (1.0, np.nan, 1.0):
+        grads = {k: jnp.full_like(v, g) for k, v in model.items()}
+        state, model = jax.jit(opt.update)(state, model, grads)
+    assert state["b"].state[1] == 1  # one skipped
+    assert all(bool(jnp.isfinite(v).all()) for v in model.values())

@@ -143,10 +143,24 @@ def _wide(a):
     return ops.cast(a, np.float32) if ops.dtype_epsilon(a) > np.finfo(np.float32).eps else a
 
 
+def _finite_or_zero(a):
+    """`(a, True)` for a finite matrix, else `(zeros, False)`: NumPy's and PyTorch's eigh and qr
+    raise on inf or NaN (XLA's return NaN), and a NaN gradient should give NaN steps, as in
+    Adam, on every backend alike."""
+    finite = ops.all_finite(a)
+    return ops.where(finite, a, ops.zeros_like(a)), finite
+
+
+def _nan_unless(finite, q):
+    return ops.where(finite, q, ops.full_like(q, float("nan")))
+
+
 def _eigenbasis(lm):
     """The eigenvectors of `lm` as columns, by descending eigenvalue."""
-    w, q = ops.eigh(_wide(lm))
-    return ops.astype(ops.take(q, ops.argsort(w, descending=True), 1), lm)
+    lw, finite = _finite_or_zero(_wide(lm))
+    w, q = ops.eigh(lw)
+    q = _nan_unless(finite, ops.take(q, ops.argsort(w, descending=True), 1))
+    return ops.astype(q, lm)
 
 
 def _refresh(ls, qs, m, v):
@@ -162,7 +176,7 @@ def _refresh(ls, qs, m, v):
         lw, qw = _wide(lm), _wide(q)
         order = ops.argsort(ops.sum(qw * ops.matmul(lw, qw), axis=0), descending=True)
         v = ops.take(v, order, i)
-        power = ops.matmul(lw, ops.take(qw, order, 1))
-        new.append(ops.astype(ops.qr(power)[0], q))
+        power, finite = _finite_or_zero(ops.matmul(lw, ops.take(qw, order, 1)))
+        new.append(ops.astype(_nan_unless(finite, ops.qr(power)[0]), q))
     qs = tuple(new)
     return _rotate(m, qs, back=False), v, qs
