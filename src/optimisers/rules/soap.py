@@ -20,41 +20,60 @@ __all__ = ["SOAP"]
 
 @dataclass(frozen=True)
 class SOAP(Rule):
-    """SOAP (Vyas et al., "SOAP: Improving and Stabilizing Shampoo using Adam", 2024), the
+    """SOAP (Vyas et al., "SOAP: Improving and Stabilizing Shampoo using Adam", 2024,
+    arXiv:2409.11321): Adam run in the eigenbasis of Shampoo's preconditioner, with the
     paper's algorithm and defaults.
 
-    For every axis `i` of a parameter of size `nᵢ ≤ max_precond_dim` (1-D parameters only with
-    `precondition_1d=True`), a Shampoo preconditioner `Lᵢ ← σLᵢ + (1−σ)·Gᵢ Gᵢᵀ` (σ =
-    `shampoo_beta`, `Gᵢ Gᵢᵀ` the gradient contracted with itself over every other axis, so `L`
-    and `R` of a matrix) and an orthogonal basis `Qᵢ` of its eigenvectors, columns by descending
-    eigenvalue. `rot(a)` multiplies axis `i` of `a` by `Qᵢᵀ`, `rot⁻¹` by `Qᵢ`; axes without a
-    basis are left alone. Step `t` (its first call is step 0):
+    Every axis `i` of a parameter with `nᵢ ≤ max_precond_dim` entries (a 1-D parameter only with
+    `precondition_1d=True`; a scalar has none) gets Shampoo's preconditioner
+    `Lᵢ ← σ·Lᵢ + (1−σ)·GᵢGᵢᵀ` (σ = `shampoo_beta`, `GᵢGᵢᵀ` the gradient contracted with itself
+    over every other axis: `L = GGᵀ` and `R = GᵀG` for a matrix) and an orthogonal basis `Qᵢ` of
+    its eigenvectors, columns by descending eigenvalue. `rot(a)` multiplies axis `i` of `a` by
+    `Qᵢᵀ` and `rot⁻¹(a)` by `Qᵢ` (for a matrix, `QLᵀ·a·QR` and `QL·a·QRᵀ`); axes without a
+    basis are left alone. On step `t`, counting the first call as step 0:
 
-    - `t = 0`: `Lᵢ` from `g`, `Qᵢ = eigh(Lᵢ)`; the parameter does not move (no decay either),
-      so the gradient never meets a basis made from itself;
+    - `t = 0`: `Lᵢ` from `g` and `Qᵢ = eigh(Lᵢ)`; the parameter does not move (no decay
+      either), so that the gradient never meets a basis made from itself;
     - `t ≥ 1`: `g' = rot(g)`, `m ← β₁m + (1−β₁)g'`, `v ← β₂v + (1−β₂)g'²` (both kept in the
-      eigenbasis), `u = rot⁻¹(m / (√v + ε))`, and `x_new = (x − η·√(1−β₂ᵗ)/(1−β₁ᵗ)·u)·(1 − ηλ)`
-      (decoupled decay after the step, as the original); then `Lᵢ` takes `g`, and when
-      `t % precondition_frequency == 0` each basis is refreshed by one step of power iteration:
-      the columns of `Qᵢ` sorted by `diag(QᵢᵀLᵢQᵢ)` descending, `Qᵢ = qr(Lᵢ Qᵢ).q`; `v` is
-      permuted along axis `i` with the columns (not rotated) and `m` is rotated into the new
-      basis.
+      eigenbasis), `u = rot⁻¹(m / (√v + ε))`, and
+      `x_new = (x − η·√(1−β₂ᵗ)/(1−β₁ᵗ)·u)·(1 − η·λ)`: ε after the root of the uncorrected
+      second moment, the decoupled decay after the step, as the reference implementation. Then
+      `Lᵢ` takes `g`, and when `t % precondition_frequency == 0` each basis is refreshed by one
+      step of power iteration: the columns of `Qᵢ` sorted by their estimated eigenvalues
+      `diag(QᵢᵀLᵢQᵢ)` descending, `Qᵢ ← qr(Lᵢ·Qᵢ).q`; `v` is permuted along axis `i` with the
+      columns (not rotated into the new basis) and `m` is rotated into it.
 
-    The refresh is chosen with `ops.cond`, so the rule runs under `jax.jit`; the eigen- and QR
-    decompositions run in float32 or wider. State `(m, v, L, Q, t)`, with `L` and `Q` one
-    `nᵢ×nᵢ` matrix (or None) per axis: it is not shaped like the parameter. Which axes have a
-    basis is decided at `setup` (`max_precond_dim`, `precondition_1d`); `adjust` of those two
-    takes effect for new state only. Real parameters only. The original's other options are at
-    its defaults: dimensions are not merged (`merge_dims=False`), gradients not normalised,
-    bias correction on, channels first.
+    State `(m, v, L, Q, t)`: `L` and `Q` hold one `nᵢ×nᵢ` matrix per axis (None for an axis
+    without a basis), so the state is not shaped like the parameter and costs `2·Σnᵢ²` numbers
+    more than Adam's. Which axes have a basis is fixed at `setup`: `adjust` of
+    `max_precond_dim` or `precondition_1d` applies to new state only. The refresh is chosen with
+    `ops.cond` on the step, so the rule runs under `jax.jit` without retracing; `eigh` and `qr`
+    run in float32 or wider (NumPy has no float16 `eigh`). A non-finite gradient gives NaN
+    steps, as in Adam, on every backend (wrap in `SkipNonFinite` to skip such steps). Not
+    elementwise (the rotations couple an array); real parameters only.
+
+    A repeated eigenvalue leaves its eigenvectors to the linear-algebra library: on a matrix
+    whose one axis is longer than the other by two or more, the first `GGᵀ` has a repeated
+    zero eigenvalue, and NumPy, PyTorch and XLA (jitted or not) choose different bases of its
+    eigenspace. Each is a valid SOAP step, but the runs then differ by more than rounding.
+
+    The reference implementation's options are at their defaults: dimensions are not merged
+    (`merge_dims=False`), gradients not normalised, bias correction on, channels first.
 
     Defaults: `eta=3e-3, beta=(0.95, 0.95), shampoo_beta=0.95, epsilon=1e-8, lambd=0.01,
     precondition_frequency=10, max_precond_dim=10000, precondition_1d=False` (the last keyword
-    only). The reference implementation's `SOAP(lr=eta, betas=beta, shampoo_beta=shampoo_beta,
-    eps=epsilon, weight_decay=lambd, precondition_frequency, max_precond_dim)` computes the same
-    steps. heavyball's `SOAP` is a variant (it debiases `shampoo_beta`, decays before the step,
-    and defaults to `betas=(0.9, 0.95)`, frequency 2, `max_precond_dim=2048`,
-    `merge_dims=True`). PyTorch and optax have no SOAP.
+    only). The reference implementation (github.com/nikhilvyas/SOAP) `SOAP(params, lr=eta,
+    betas=beta, shampoo_beta=shampoo_beta, eps=epsilon, weight_decay=lambd,
+    precondition_frequency=..., max_precond_dim=..., precondition_1d=...)` computes the same
+    steps (to rounding: it computes its bases in float32; its `shampoo_beta=-1` default means
+    `beta[1]`, 0.95 at the defaults). heavyball's `SOAP(params, lr=eta,
+    betas=beta, shampoo_beta=shampoo_beta, eps=epsilon, weight_decay=lambd,
+    precondition_frequency=..., max_precond_dim=..., merge_dims=False, warmup_steps=0)` is a
+    variant whose steps agree to about 1e-4 of the distance moved until their refresh steps
+    part: it refreshes when a cumulative `1/precondition_frequency` per call crosses an integer
+    (one call before ours where that sum is exact), decays before the step, and lifts the null
+    space in its QR. Its defaults differ: `betas=(0.9, 0.95)`, `precondition_frequency=2`,
+    `max_precond_dim=2048`, `merge_dims=True`. PyTorch and optax have no SOAP.
     """
 
     eta: float = 3e-3
