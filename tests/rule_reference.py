@@ -283,6 +283,72 @@ def lars(eta=0.001, beta=0.9, lambd=0.0, trust=0.001, epsilon=0.0, nesterov=Fals
     return step
 
 
+def _along(matrix, a, axis):
+    """`matrix @ a` along `axis` of `a` (that axis indexes matrix's columns)."""
+    return np.moveaxis(np.tensordot(matrix, a, axes=([1], [axis])), 0, axis)
+
+
+def _gram(g, axis):
+    """The gradient times its transpose over every axis but `axis`: L = G Gᵀ, R = Gᵀ G."""
+    flat = np.moveaxis(g, axis, 0).reshape(g.shape[axis], -1)
+    return flat @ flat.T
+
+
+def soap(
+    eta=3e-3,
+    beta=(0.95, 0.95),
+    shampoo_beta=0.95,
+    epsilon=1e-8,
+    lambd=0.01,
+    precondition_frequency=10,
+    max_precond_dim=10000,
+    precondition_1d=False,
+):
+    """SOAP as Algorithm 3 of Vyas et al. (2024) with the reference implementation's choices:
+    the first call only builds the preconditioners and their eigenbases (no move); Adam runs on
+    the rotated gradient with the rotated first moment (kept here in the original basis and
+    rotated each step), `step_size = η·√(1−β₂ᵗ)/(1−β₁ᵗ)`, ε after the root of the uncorrected
+    second moment, decay after the step; every `precondition_frequency` steps one power
+    iteration with QR from the previous basis, its columns (and the second moment) sorted by
+    the estimated eigenvalues first. `step.eta` may be changed between calls."""
+    b1, b2 = beta
+    s = {}
+
+    def step(x, g):
+        g = np.asarray(g, dtype=np.float64)
+        if not s:
+            rotated = g.ndim != 1 or precondition_1d
+            axes = [i for i, n in enumerate(g.shape) if rotated and n <= max_precond_dim]
+            s["L"] = {i: (1 - shampoo_beta) * _gram(g, i) for i in axes}
+            s["Q"] = {i: np.linalg.eigh(L)[1][:, ::-1] for i, L in s["L"].items()}
+            s.update(t=0, m=np.zeros_like(g), v=np.zeros_like(g))
+            return None
+
+        def rotate(a, back=False):
+            for i, Q in s["Q"].items():
+                a = _along(Q if back else Q.T, a, i)
+            return a
+
+        s["t"] = t = s["t"] + 1
+        s["m"] = b1 * s["m"] + (1 - b1) * g
+        s["v"] = b2 * s["v"] + (1 - b2) * rotate(g) ** 2
+        direction = rotate(rotate(s["m"]) / (np.sqrt(s["v"]) + epsilon), back=True)
+        lr = step.eta
+        new_x = (x - lr * np.sqrt(1 - b2**t) / (1 - b1**t) * direction) * (1 - lr * lambd)
+        for i in s["L"]:
+            s["L"][i] = shampoo_beta * s["L"][i] + (1 - shampoo_beta) * _gram(g, i)
+        if t % precondition_frequency == 0:
+            for i, L in s["L"].items():
+                Q = s["Q"][i]
+                order = np.argsort(-np.diag(Q.T @ L @ Q), kind="stable")
+                s["v"] = np.take(s["v"], order, axis=i)
+                s["Q"][i] = np.linalg.qr(L @ Q[:, order])[0]
+        return x - new_x
+
+    step.eta = eta
+    return step
+
+
 def weight_decay(lambd=5e-4):
     return lambda x, g: g + lambd * x
 

@@ -102,6 +102,12 @@ class RuleInfo:
     reference: Callable | None = None  # rule_reference factory, the rule's keyword arguments
     complex: bool = True  # takes complex parameters (else setup raises TypeError)
     elementwise: bool = True  # each element's step depends on that element alone
+    # its steps depend on a basis of eigenvectors, which is arbitrary within a repeated
+    # eigenvalue's eigenspace: a matrix's first G Gᵀ has a repeated zero eigenvalue on an axis
+    # longer than the other by 2 or more, where NumPy, torch, XLA (and jit and eager) choose
+    # different bases, each a valid step. Tests comparing two implementations give such a rule
+    # arrays without such an axis (square matrices).
+    ambiguous_basis: bool = False
     torch: TorchPeer | None = None
     optax: Callable | None = None  # (optax, rule) -> transformation whose updates are added
     # hyperparameters per family of generic tests (see the module docstring). The `toy` learning
@@ -465,6 +471,33 @@ RULES: tuple[RuleInfo, ...] = (
         optax32=[hp(eta=1.0), hp("nesterov", eta=1.0, lambd=0.1, trust=0.01, nesterov=True)],
         checkpoint=[hp(eta=1.0, lambd=0.01)],
     ),
+    # Adam in the eigenbasis of per-axis preconditioners: not elementwise, state of other shapes
+    # (matrices per axis); torch.optim and optax have no SOAP (tests/test_soap.py: the reference
+    # implementation's numbers and heavyball's). A 1-D parameter is rotated only with
+    # precondition_1d, and its first preconditioner (rank 1) then has a repeated zero eigenvalue
+    # too (see `ambiguous_basis`). Contractions sum in memory order: strided and contiguous
+    # parameters round differently, so no `train` family (tests/test_soap.py: to rounding).
+    RuleInfo(
+        opt.SOAP,
+        dict(
+            eta=3e-3,
+            beta=(0.95, 0.95),
+            shampoo_beta=0.95,
+            epsilon=1e-8,
+            lambd=0.01,
+            precondition_frequency=10,
+            max_precond_dim=10000,
+            precondition_1d=False,
+        ),
+        ref.soap,
+        complex=False,
+        elementwise=False,
+        ambiguous_basis=True,
+        toy=[hp(eta=0.05), hp("often", eta=0.05, precondition_frequency=3, lambd=0.0)],
+        jit=[hp(), hp("often", precondition_frequency=2, lambd=0.1)],
+        checkpoint=[hp(eta=0.01, precondition_frequency=3)],
+        train=(),
+    ),
     RuleInfo(
         opt.WeightDecay,
         dict(lambd=5e-4),
@@ -690,6 +723,15 @@ COMPOSITES: tuple[Composite, ...] = (
         _fam("checkpoint"),
     ),
 )
+
+
+def ambiguous_basis(rule: opt.Rule) -> bool:
+    """Whether `rule`'s steps depend on an arbitrary eigenbasis (see `RuleInfo.ambiguous_basis`)."""
+    if isinstance(rule, opt.OptimiserChain):
+        return any(ambiguous_basis(r) for r in rule.rules)
+    if isinstance(rule, (opt.MixedPrecision, opt.SkipNonFinite, opt.Lookahead)):
+        return ambiguous_basis(rule.rule)
+    return RULE_INFO[type(rule)].ambiguous_basis
 
 
 def supports_complex(rule: opt.Rule) -> bool:

@@ -25,6 +25,8 @@ CASES = {
     "sum_axis": (lambda x: ops.sum(x, axis=-1, keepdims=True), lambda a: a.sum(-1, keepdims=True)),
     "mean_axes": (lambda x: ops.mean(x, axis=(0, 2)), lambda a: a.mean((0, 2))),
     "stack": (lambda x: ops.stack([x, 2 * x]), lambda a: np.stack([a, 2 * a])),
+    "take": (lambda x: ops.take(x, ops.argsort(x[0, 0]), 2), lambda a: a[:, :, np.argsort(a[0, 0])]),
+    "zeros": (lambda x: ops.zeros((2, 3), x) + x[0, 0, 0], lambda a: np.full((2, 3), a[0, 0, 0])),
     # a reconstruction is unique where the factors are not (signs of eigenvectors, of q's columns)
     "qr": (lambda x: (lambda q, r: ops.matmul(q, r))(*ops.qr(x[0])), lambda a: a[0]),
 }
@@ -63,3 +65,18 @@ def test_dtype_epsilon_is_the_dtypes(backend):
     to, _ = BACKENDS[backend]
     assert ops.dtype_epsilon(to(A)) == float(np.finfo(np.float32).eps)
     assert ops.dtype_epsilon(to(A.astype(np.float16))) == float(np.finfo(np.float16).eps)
+
+
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+def test_argsort_is_stable_and_descending_reverses_it(backend):
+    to, wrap = BACKENDS[backend]
+    x = to(np.array([2.0, 1.0, 2.0, 0.0, 1.0], np.float32))
+    assert host(wrap(ops.argsort)(x)).tolist() == [3, 1, 4, 0, 2]
+    assert host(wrap(lambda v: ops.argsort(v, descending=True))(x)).tolist() == [2, 0, 4, 1, 3]
+
+
+@pytest.mark.parametrize("backend", ["numpy", "torch", "jax"])
+def test_zeros_have_the_dtype_of_like(backend):
+    to, _ = BACKENDS[backend]
+    z = ops.zeros((2, 3), to(A.astype(np.float16)))
+    assert tuple(z.shape) == (2, 3) and str(z.dtype).endswith("float16") and not host(z).any()

@@ -28,6 +28,7 @@ __all__ = [
     "abs",
     "abs2",
     "all_finite",
+    "argsort",
     "astype",
     "backend",
     "cast",
@@ -55,8 +56,10 @@ __all__ = [
     "sqrt",
     "stack",
     "sum",
+    "take",
     "tensordot",
     "where",
+    "zeros",
     "zeros_like",
     "GradientError",
     "check_gradient_dtype",
@@ -247,3 +250,20 @@ def stack(xs):
 def dtype_epsilon(x) -> float:
     """The machine epsilon of `x`'s real dtype, as a Python float (float32: 2⁻²³)."""
     return backend(x).dtype_epsilon(x)
+
+
+def zeros(shape, like):
+    """Zeros of the given shape with `like`'s dtype (and device): state of another shape than
+    the parameter's, such as a matrix per axis."""
+    return backend(like).zeros(tuple(shape), like)
+
+
+def argsort(x, descending=False):
+    """The indices that sort the last axis of `x` ascending, ties in index order (a stable sort);
+    `descending=True` is that order reversed (ties last index first)."""
+    return backend(x).argsort(x, descending)
+
+
+def take(x, indices, axis):
+    """The entries of `x` at `indices` (a 1-D integer array) along `axis`."""
+    return backend(x).take(x, indices, axis)

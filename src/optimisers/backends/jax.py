@@ -1103,6 +1103,19 @@ def qr(x):
     return tuple(jnp.linalg.qr(x))
 
 
+def zeros(shape, like):
+    return jnp.zeros(shape, like.dtype)
+
+
+def argsort(x, descending):
+    order = jnp.argsort(x, axis=-1, stable=True)
+    return order[..., ::-1] if descending else order
+
+
+def take(x, indices, axis):
+    return jnp.take(x, indices, axis=axis)
+
+
 def stack(xs):
     return jnp.stack(xs)
 

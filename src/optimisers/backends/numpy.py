@@ -460,6 +460,19 @@ def qr(x):
     return np.linalg.qr(x)
 
 
+def zeros(shape, like):
+    return np.zeros(shape, like.dtype)
+
+
+def argsort(x, descending):
+    order = np.argsort(x, axis=-1, kind="stable")
+    return order[..., ::-1] if descending else order
+
+
+def take(x, indices, axis):
+    return np.take(x, indices, axis=axis)
+
+
 def stack(xs):
     return np.stack(xs)
 

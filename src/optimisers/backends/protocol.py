@@ -59,6 +59,9 @@ class ArrayMaths(Maths, Protocol):
     def qr(self, x: Array) -> tuple: ...  # reduced (q, r)
     def stack(self, xs: list) -> Array: ...  # along a new leading axis
     def dtype_epsilon(self, x: Array) -> float: ...  # machine epsilon of x's real dtype
+    def zeros(self, shape: tuple, like: Array) -> Array: ...  # like's dtype and device
+    def argsort(self, x: Array, descending: bool) -> Array: ...  # last axis, stable
+    def take(self, x: Array, indices: Array, axis: int) -> Array: ...
 
 
 @runtime_checkable

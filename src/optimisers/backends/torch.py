@@ -865,11 +865,26 @@ def mean(x, axis=None, keepdims=False):
 
 
 def eigh(x):
-    return tuple(torch.linalg.eigh(x))
+    # LAPACK's results are column-major; row-major, as NumPy's, so that state made of them rounds
+    # the same in later products as the same state loaded from a checkpoint
+    return tuple(t.contiguous() for t in torch.linalg.eigh(x))
 
 
 def qr(x):
-    return tuple(torch.linalg.qr(x))
+    return tuple(t.contiguous() for t in torch.linalg.qr(x))
+
+
+def zeros(shape, like):
+    return torch.zeros(shape, dtype=like.dtype, device=like.device)
+
+
+def argsort(x, descending):
+    order = torch.argsort(x, dim=-1, stable=True)
+    return order.flip(-1) if descending else order
+
+
+def take(x, indices, axis):
+    return torch.index_select(x, axis, indices)
 
 
 def stack(xs):

@@ -313,7 +313,8 @@ class SkipNonFinite(_Wrapper):
         flatten_state(inner, old_parts)
         new_parts: list = []
         spec = flatten_state(new_inner, new_parts)
-        kept = [ops.where(ok, n, o) for n, o in zip(new_parts, old_parts)]
+        # None parts (Descent's state, SOAP's axes without a basis) have nothing to select
+        kept = [n if n is None else ops.where(ok, n, o) for n, o in zip(new_parts, old_parts)]
         if isinstance(step, NewValue):
             step = NewValue(ops.where(ok, step.value, x))
         elif step is not None:

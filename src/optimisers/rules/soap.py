@@ -1,0 +1,201 @@
+"""SOAP: Adam run in the eigenbasis of Shampoo's preconditioner.
+
+An array's step couples all its elements (they are rotated together), so SOAP is not elementwise:
+a parameter array is always stepped whole. The conventions every rule here follows are in
+`optimisers.rules`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from optimisers import ops
+from optimisers.core.rule import Rule, check_range
+from optimisers.rules.common import cast, nonnegative, real_only
+
+__all__ = ["SOAP"]
+
+
+@dataclass(frozen=True)
+class SOAP(Rule):
+    """SOAP (Vyas et al., "SOAP: Improving and Stabilizing Shampoo using Adam", 2024,
+    arXiv:2409.11321): Adam run in the eigenbasis of Shampoo's preconditioner, with the
+    paper's algorithm and defaults.
+
+    Every axis `i` of a parameter with `nᵢ ≤ max_precond_dim` entries (a 1-D parameter only with
+    `precondition_1d=True`; a scalar has none) gets Shampoo's preconditioner
+    `Lᵢ ← σ·Lᵢ + (1−σ)·GᵢGᵢᵀ` (σ = `shampoo_beta`, `GᵢGᵢᵀ` the gradient contracted with itself
+    over every other axis: `L = GGᵀ` and `R = GᵀG` for a matrix) and an orthogonal basis `Qᵢ` of
+    its eigenvectors, columns by descending eigenvalue. `rot(a)` multiplies axis `i` of `a` by
+    `Qᵢᵀ` and `rot⁻¹(a)` by `Qᵢ` (for a matrix, `QLᵀ·a·QR` and `QL·a·QRᵀ`); axes without a
+    basis are left alone. On step `t`, counting the first call as step 0:
+
+    - `t = 0`: `Lᵢ` from `g` and `Qᵢ = eigh(Lᵢ)`; the parameter does not move (no decay
+      either), so that the gradient never meets a basis made from itself;
+    - `t ≥ 1`: `g' = rot(g)`, `m ← β₁m + (1−β₁)g'`, `v ← β₂v + (1−β₂)g'²` (both kept in the
+      eigenbasis), `u = rot⁻¹(m / (√v + ε))`, and
+      `x_new = (x − η·√(1−β₂ᵗ)/(1−β₁ᵗ)·u)·(1 − η·λ)`: ε after the root of the uncorrected
+      second moment, the decoupled decay after the step, as the reference implementation. Then
+      `Lᵢ` takes `g`, and when `t % precondition_frequency == 0` each basis is refreshed by one
+      step of power iteration: the columns of `Qᵢ` sorted by their estimated eigenvalues
+      `diag(QᵢᵀLᵢQᵢ)` descending, `Qᵢ ← qr(Lᵢ·Qᵢ).q`; `v` is permuted along axis `i` with the
+      columns (not rotated into the new basis) and `m` is rotated into it.
+
+    State `(m, v, L, Q, t)`: `L` and `Q` hold one `nᵢ×nᵢ` matrix per axis (None for an axis
+    without a basis), so the state is not shaped like the parameter and costs `2·Σnᵢ²` numbers
+    more than Adam's. Which axes have a basis is fixed at `setup`: `adjust` of
+    `max_precond_dim` or `precondition_1d` applies to new state only. The refresh is chosen with
+    `ops.cond` on the step, so the rule runs under `jax.jit` without retracing; `eigh` and `qr`
+    run in float32 or wider (NumPy has no float16 `eigh`). A non-finite gradient gives NaN
+    steps, as in Adam, on every backend (wrap in `SkipNonFinite` to skip such steps). Not
+    elementwise (the rotations couple an array); real parameters only.
+
+    A repeated eigenvalue leaves its eigenvectors to the linear-algebra library: on a matrix
+    whose one axis is longer than the other by two or more, the first `GGᵀ` has a repeated
+    zero eigenvalue, and NumPy, PyTorch and XLA (jitted or not) choose different bases of its
+    eigenspace. Each is a valid SOAP step, but the runs then differ by more than rounding.
+
+    The reference implementation's options are at their defaults: dimensions are not merged
+    (`merge_dims=False`), gradients not normalised, bias correction on, channels first.
+
+    Defaults: `eta=3e-3, beta=(0.95, 0.95), shampoo_beta=0.95, epsilon=1e-8, lambd=0.01,
+    precondition_frequency=10, max_precond_dim=10000, precondition_1d=False` (the last keyword
+    only). The reference implementation (github.com/nikhilvyas/SOAP) `SOAP(params, lr=eta,
+    betas=beta, shampoo_beta=shampoo_beta, eps=epsilon, weight_decay=lambd,
+    precondition_frequency=..., max_precond_dim=..., precondition_1d=...)` computes the same
+    steps (to rounding: it computes its bases in float32; its `shampoo_beta=-1` default means
+    `beta[1]`, 0.95 at the defaults). heavyball's `SOAP(params, lr=eta,
+    betas=beta, shampoo_beta=shampoo_beta, eps=epsilon, weight_decay=lambd,
+    precondition_frequency=..., max_precond_dim=..., merge_dims=False, warmup_steps=0)` is a
+    variant whose steps agree to about 1e-4 of the distance moved until their refresh steps
+    part: it refreshes when a cumulative `1/precondition_frequency` per call crosses an integer
+    (one call before ours where that sum is exact), decays before the step, and lifts the null
+    space in its QR. Its defaults differ: `betas=(0.9, 0.95)`, `precondition_frequency=2`,
+    `max_precond_dim=2048`, `merge_dims=True`. PyTorch and optax have no SOAP.
+    """
+
+    eta: float = 3e-3
+    beta: tuple = (0.95, 0.95)
+    shampoo_beta: float = 0.95
+    epsilon: float = 1e-8
+    lambd: float = 0.01
+    precondition_frequency: int = 10
+    max_precond_dim: int = 10000
+    precondition_1d: bool = field(default=False, kw_only=True)
+
+    def validate(self):
+        check_range(self, "beta", 0.0, 1.0, high_open=True)
+        check_range(self, "shampoo_beta", 0.0, 1.0, high_open=True)
+        nonnegative(self, "epsilon", "lambd", "max_precond_dim")
+        check_range(self, "precondition_frequency", 1, np.inf)
+
+    def init(self, x):
+        real_only(self, x)
+        sizes = [n if self._has_basis(x, n) else None for n in x.shape]
+        matrices = tuple(None if n is None else ops.zeros((n, n), x) for n in sizes)
+        return ops.zeros_like(x), ops.zeros_like(x), matrices, matrices, 0
+
+    def _has_basis(self, x, n):
+        return n <= self.max_precond_dim and (len(x.shape) != 1 or self.precondition_1d)
+
+    def apply(self, state, x, dx):
+        t = state[-1]
+        return ops.cond(t == 0, lambda: self._first(state, dx), lambda: self._step(state, x, dx))
+
+    def _first(self, state, g):
+        m, v, ls, qs, t = state
+        ls = self._accumulate(ls, g)
+        qs = tuple(None if lm is None else _eigenbasis(lm) for lm in ls)
+        return (m, v, ls, qs, t + 1), ops.zeros_like(g)
+
+    def _step(self, state, x, g):
+        m, v, ls, qs, t = state
+        b1, b2 = self.beta
+        cb1, cm, cb2, cv = cast(x, b1, 1 - b1, b2, 1 - b2)
+        g_rot = _rotate(g, qs, back=False)
+        m = cb1 * m + cm * g_rot
+        v = cb2 * v + cv * g_rot * g_rot
+        u = _rotate(m / (ops.sqrt(v) + ops.epsilon(self.epsilon, x)), qs, back=True)
+        size, decay = cast(x, self.eta * (1 - b2**t) ** 0.5 / (1 - b1**t), self.eta * self.lambd)
+        step = size * u
+        step = step + decay * (x - step)  # x − step, then decayed: x_new = (x − η·u)(1 − ηλ)
+        ls = self._accumulate(ls, g)
+        refresh = t % self.precondition_frequency == 0
+        m, v, qs = ops.cond(refresh, lambda: _refresh(ls, qs, m, v), lambda: (m, v, qs))
+        return (m, v, ls, qs, t + 1), step
+
+    def _accumulate(self, ls, g):
+        """Each axis' `L ← σL + (1−σ)·G Gᵀ` (G Gᵀ contracts every other axis)."""
+        out = []
+        for i, lm in enumerate(ls):
+            if lm is None:
+                out.append(None)
+                continue
+            rest = [j for j in range(len(g.shape)) if j != i]
+            sigma, rate = cast(lm, self.shampoo_beta, 1 - self.shampoo_beta)
+            out.append(sigma * lm + rate * ops.tensordot(g, g, (rest, rest)))
+        return tuple(out)
+
+
+def _rotate(a, qs, back):
+    """`a` with axis `i` multiplied by `Qᵢᵀ` (into the eigenbasis), or by `Qᵢ` with `back`; axes
+    without a basis unchanged. Each contraction moves its axis last, so after all axes the
+    order is the original one."""
+    if all(q is None for q in qs):
+        return a
+    for q in qs:
+        a = _first_axis_last(a) if q is None else ops.tensordot(a, q, ([0], [1 if back else 0]))
+    return a
+
+
+def _first_axis_last(a):
+    shape = tuple(a.shape)
+    moved = ops.matrix_transpose(ops.reshape(a, (shape[0], -1)))
+    return ops.reshape(moved, (*shape[1:], shape[0]))
+
+
+def _wide(a):
+    """`a` in float32 when narrower: NumPy has no float16 eigh, and half precision is too coarse
+    for a decomposition."""
+    return ops.cast(a, np.float32) if ops.dtype_epsilon(a) > np.finfo(np.float32).eps else a
+
+
+def _finite_or_zero(a):
+    """`(a, True)` for a finite matrix, else `(zeros, False)`: NumPy's and PyTorch's eigh and qr
+    raise on inf or NaN (XLA's return NaN), and a NaN gradient should give NaN steps, as in
+    Adam, on every backend alike."""
+    finite = ops.all_finite(a)
+    return ops.where(finite, a, ops.zeros_like(a)), finite
+
+
+def _nan_unless(finite, q):
+    return ops.where(finite, q, ops.full_like(q, float("nan")))
+
+
+def _eigenbasis(lm):
+    """The eigenvectors of `lm` as columns, by descending eigenvalue."""
+    lw, finite = _finite_or_zero(_wide(lm))
+    w, q = ops.eigh(lw)
+    q = _nan_unless(finite, ops.take(q, ops.argsort(w, descending=True), 1))
+    return ops.astype(q, lm)
+
+
+def _refresh(ls, qs, m, v):
+    """One step of power iteration per basis: its columns sorted by their estimated eigenvalues
+    `diag(QᵀLQ)` descending (`v` permuted with them), then `Q = qr(L·Q).q`. `m` is rotated from
+    the old bases into the new ones."""
+    m = _rotate(m, qs, back=True)
+    new = []
+    for i, (lm, q) in enumerate(zip(ls, qs)):
+        if q is None:
+            new.append(None)
+            continue
+        lw, qw = _wide(lm), _wide(q)
+        order = ops.argsort(ops.sum(qw * ops.matmul(lw, qw), axis=0), descending=True)
+        v = ops.take(v, order, i)
+        power, finite = _finite_or_zero(ops.matmul(lw, ops.take(qw, order, 1)))
+        new.append(ops.astype(_nan_unless(finite, ops.qr(power)[0]), q))
+    qs = tuple(new)
+    return _rotate(m, qs, back=False), v, qs
