@@ -103,6 +103,8 @@ class Adafactor(Rule):
     def apply(self, state, x, dx):
         *moments, t = state
         t = t + 1
+        if math.prod(x.shape) == 0:  # no entries: the means over an empty axis would be NaN
+            return (*moments, t), ops.zeros_like(x)
         new = t**self.beta2_decay  # 1 − β₂ₜ, in the hyperparameters' precision
         g2 = ops.abs2(dx)
         eps1 = ops.dtype_epsilon(x) if self.epsilon[0] is None else self.epsilon[0]
