@@ -114,7 +114,7 @@ class Adafactor(Rule):
             row = keep * row + new * ops.mean(g2, axis=-1, keepdims=True)
             col = keep * col + new * ops.mean(g2, axis=-2, keepdims=True)
             floor = ops.maximum(ops.mean(row, axis=-2, keepdims=True), ops.epsilon(eps1, g2))
-            v, moments = row * col / floor, (row, col)
+            v, moments = row * (col / floor), (row, col)  # the division on the small factor
         else:
             (v,) = moments
             v = keep * v + new * g2
