@@ -2,7 +2,8 @@
 the two coincide, see the rule's docstring) where the generic tests of `rules_registry.py` do not
 reach: matrices, 3-D and 4-D arrays (factored over their last two dimensions), vectors and scalars
 (a full second moment) in one model; a tied weight; NumPy, PyTorch and JAX under `jit`; in a
-chain, through `adjust` and `freeze_`, across a checkpoint; float16/bfloat16; the state's size.
+chain, through `adjust` and `freeze_`, across a checkpoint; float16/bfloat16; the state's size; sharded
+JAX matrices (the factors sharded as the rows and columns).
 """
 
 from __future__ import annotations
@@ -458,3 +459,36 @@ def test_empty_parameters_step_without_warnings():
     state, new = opt.update(state, model, {k: np.ones_like(v) for k, v in model.items()})
     assert new["e"].shape == (0, 3) and new["v"].shape == (0,)
     assert state["e"].state[-1] == 1
+
+
+SHARDED = """
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+import optimisers as opt
+
+mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("a", "b"))
+rng = np.random.default_rng(0)
+w = jax.device_put(jnp.asarray(rng.standard_normal((8, 16)), jnp.float32), NamedSharding(mesh, P("a", "b")))
+b = jax.device_put(jnp.asarray(rng.standard_normal(16), jnp.float32), NamedSharding(mesh, P("b")))
+model = {"w": w, "b": b, "head": w}  # head is w: tied
+grads = {k: jnp.asarray(rng.standard_normal(v.shape), jnp.float32) for k, v in model.items()}
+grads = {k: jax.device_put(g, model[k].sharding) for k, g in grads.items()}
+
+state = opt.setup(opt.Adafactor(), model)
+row, col, _ = state["w"].state
+# the row factor is split as the rows are, the column factor as the columns
+assert row.sharding.spec == P("a"), row.sharding
+assert col.sharding.spec == P(None, "b"), col.sharding
+eager_state, eager = opt.update(state, model, grads)
+state, new = jax.jit(opt.update)(state, model, grads)
+assert new["w"].sharding.is_equivalent_to(w.sharding, 2) and new["b"].sharding.is_equivalent_to(b.sharding, 1)
+assert state["w"].state[0].sharding.spec == P("a") and state["w"].state[1].sharding.spec == P(None, "b")
+np.testing.assert_allclose(np.asarray(new["w"]), np.asarray(eager["w"]), rtol=1e-6)
+np.testing.assert_array_equal(np.asarray(new["w"]), np.asarray(new["head"]))
+"""
+
+
+def test_sharded_factors_follow_the_rows_and_columns_of_a_sharded_matrix():
+    from _host_devices import run_on_host_devices
+
+    run_on_host_devices(SHARDED, 8)
