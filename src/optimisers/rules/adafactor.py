@@ -67,13 +67,16 @@ class Adafactor(Rule):
     Defaults: `eta=0.01, beta2_decay=-0.8, epsilon=(None, 1e-3), d=1.0, lambd=0.0`, torch's.
     PyTorch: `torch.optim.Adafactor(lr=eta, beta2_decay, eps=epsilon, d, weight_decay=lambd)`
     computes the same steps. optax: `optax.adafactor(learning_rate=eta,
-    min_dim_size_to_factor=1, decay_rate=-beta2_decay, multiply_by_parameter_scale=True,
-    clipping_threshold=d, momentum=None, eps=1e-30, weight_decay_rate=eta·lambd)` coincides
-    while `1/√t ≥ η` (the first 10⁴ steps at η = 0.01; optax's `learning_rate` may be the
-    schedule `min(η, 1/√(count+1))` to coincide at every step), with `epsilon[1] = 1e-3` (optax
-    fixes its parameter-scale floor there), for 1-D, 2-D parameters and those whose two largest
-    dimensions are the last two (optax factors its two largest dimensions), and for gradients
-    whose squares are far above ε₁ and 1e-30 (the two place their epsilons differently).
+    min_dim_size_to_factor=1, decay_rate=-beta2_decay, decay_offset=0,
+    multiply_by_parameter_scale=True, clipping_threshold=d, momentum=None, eps=1e-30,
+    factored=True, weight_decay_rate=eta·lambd)` coincides while `1/√t ≥ η` (the first 10⁴
+    steps at η = 0.01; optax's `learning_rate` may be the schedule `min(η, 1/√(count+1))` to
+    coincide at every step), with `epsilon[1] = 1e-3` (optax fixes its parameter-scale floor
+    there), for vectors, matrices and arrays whose two largest dimensions are the last two
+    (optax factors its two largest dimensions, and only when the second largest is at least
+    `min_dim_size_to_factor`, 128 by default), and for gradients whose squares are far above ε₁
+    and 1e-30 (optax adds its eps to `|g|²`). optax computes β₂ₜ in float32, so float64 runs
+    agree to about 1e-9.
     """
 
     never_raises = True
