@@ -14,11 +14,11 @@ is about 1/d of Adam's for d×d matrices (a little more, for the vectors).
 one scalar per parameter for every class), per class, as a multiple of the parameters' bytes and
 as a ratio to torch.optim.Adam's.
 
-**Step time.** Median over `--repeats` timed steps (after two warm-up steps) of `optimizer.step()`
-with fixed gradients, for torch.optim.Adafactor (its default for-loop and `foreach=True`) and
-`optimisers.torch.Adafactor` (the drop-in class; it checks the gradients and runs the library's
-rule per parameter), each row with its ratio to torch's default. Before timing, the classes are
-checked to agree after three steps.
+**Step time.** Median over `--repeats` interleaved rounds (after two warm-up steps; each round
+times one `optimizer.step()` of every class) with fixed gradients, for torch.optim.Adafactor
+(its default for-loop and `foreach=True`) and `optimisers.torch.Adafactor` (the drop-in class;
+it checks the gradients and runs the library's rule per parameter), each row with its ratio to
+torch's default. Before timing, the classes are checked to agree after three steps.
 """
 
 from __future__ import annotations
@@ -111,18 +111,22 @@ def check_agreement(shapes) -> float:
 
 
 def time_table(shapes, repeats: int) -> list[str]:
-    medians = {}
-    for name in ("torch.optim.Adafactor", "torch.optim.Adafactor(foreach)", "optimisers.torch.Adafactor"):
-        params = make_params(shapes)
-        optimizer = OPTIMIZERS[name](params)
+    """Medians of interleaved rounds (one step of each optimizer per round), so that a shared
+    machine's load drifting during the run weighs on every row alike."""
+    names = ("torch.optim.Adafactor", "torch.optim.Adafactor(foreach)", "optimisers.torch.Adafactor")
+    optimizers = {}
+    for name in names:
+        optimizer = OPTIMIZERS[name](make_params(shapes))
         for _ in range(2):
             optimizer.step()
-        times = []
-        for _ in range(repeats):
+        optimizers[name] = optimizer
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for _ in range(repeats):
+        for name, optimizer in optimizers.items():
             start = time.perf_counter()
             optimizer.step()
-            times.append(time.perf_counter() - start)
-        medians[name] = statistics.median(times)
+            times[name].append(time.perf_counter() - start)
+    medians = {name: statistics.median(ts) for name, ts in times.items()}
     base = medians["torch.optim.Adafactor"]
     lines = [f"{'optimizer':<32} {'median ms':>10} {'/ torch':>8}"]
     for name, t in medians.items():
