@@ -288,6 +288,22 @@ def test_checkpoint_round_trip_resumes_bit_for_bit(backend):
     assert all(np.array_equal(a[k], b[k]) for k in a)
 
 
+def test_checkpoint_epsilon_one_none_is_a_setting_numbers_come_from_the_checkpoint():
+    x0, grads = initial_model(), gradients(steps=2)
+    state = opt.setup(opt.Adafactor(epsilon=(None, 1e-3)), x0)
+    for g in grads:
+        state, _ = opt.update(state, x0, g)
+    saved = opt.state_dict(state)
+    with pytest.raises(opt.CheckpointError, match=r"epsilon\[0\]"):
+        opt.load_state_dict(opt.setup(opt.Adafactor(epsilon=(1e-20, 1e-3)), x0), saved)
+    numbered = opt.setup(opt.Adafactor(epsilon=(1e-20, 1e-3)), x0)
+    numbered, _ = opt.update(numbered, x0, grads[0])
+    loaded = opt.load_state_dict(
+        opt.setup(opt.Adafactor(0.3, epsilon=(1e-9, 1e-2)), x0), opt.state_dict(numbered)
+    )
+    assert loaded["w"].rule == opt.Adafactor(epsilon=(1e-20, 1e-3))
+
+
 # --- float16 / bfloat16 ------------------------------------------------------------------------
 
 
