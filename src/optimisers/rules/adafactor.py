@@ -117,12 +117,14 @@ class Adafactor(Rule):
             row = keep * row + new * ops.mean(g2, axis=-1, keepdims=True)
             col = keep * col + new * ops.mean(g2, axis=-2, keepdims=True)
             floor = ops.maximum(ops.mean(row, axis=-2, keepdims=True), ops.epsilon(eps1, g2))
-            v, moments = row * (col / floor), (row, col)  # the division on the small factor
+            # √V̂ = √R·√(C/floor): the roots and the division on the small factors, so the full
+            # size sees one product (√max(V̂, ε₁²) = max(√V̂, ε₁), up to rounding)
+            root, moments = ops.sqrt(row) * ops.sqrt(col / floor), (row, col)
         else:
             (v,) = moments
             v = keep * v + new * g2
-            moments = (v,)
-        u = dx / ops.sqrt(ops.maximum(v, ops.epsilon(eps1 * eps1, g2)))
+            root, moments = ops.sqrt(v), (v,)
+        u = dx / ops.maximum(root, ops.epsilon(eps1, g2))
         rms_x = _rms(x)
         eps2, rho, d, one = cast(rms_x, self.epsilon[1], _smaller(self.eta, t**-0.5), self.d, 1)
         alpha = ops.maximum(rms_x, eps2) * rho
