@@ -326,7 +326,7 @@ def test_half_precision_state_in_the_parameters_dtype_and_near_float64(dtype):
     assert all(p.dtype == dtype for k in x0 for p in state[k].state[:-1])
     ours = worst([to_numpy(model)], [exact])
     theirs = worst([{k: p.detach().double().numpy() for k, p in zip(x0, params)}], [exact])
-    assert ours <= max(1.5 * theirs, 1e-2), (ours, theirs)
+    assert ours <= 1.2 * theirs, (ours, theirs)  # observed: float16 1.07x, bfloat16 1.0x
 
 
 # --- optax --------------------------------------------------------------------------------------
