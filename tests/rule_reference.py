@@ -349,6 +349,49 @@ def soap(
     return step
 
 
+def _rms(a):
+    return np.sqrt(np.sum(_sq(a)) / max(a.size, 1))
+
+
+def adafactor(eta=1e-2, beta2_decay=-0.8, epsilon=(None, 1e-3), d=1.0, lambd=0.0):
+    """Shazeer & Stern's Algorithms 4 and 5 with torch's choices: ρ = min(η, 1/√t) as the
+    relative step, ε₁ as a floor (under the row sum and under the second moment), decoupled
+    decay η·λ·x. Matrices of a ≥2-D array are its slices over the last two axes, each factored
+    with explicit row and column sums."""
+    eps2 = epsilon[1]
+    t, moments = 0, None
+
+    def factored(r, c, g2, w, eps1):
+        m, n = g2.shape
+        for i in range(m):
+            r[i] = (1 - w) * r[i] + w * sum(g2[i, j] for j in range(n)) / n
+        for j in range(n):
+            c[j] = (1 - w) * c[j] + w * sum(g2[i, j] for i in range(m)) / m
+        total = max(sum(r) / m, eps1)
+        return np.array([[r[i] * c[j] / total for j in range(n)] for i in range(m)])
+
+    def step(x, g):
+        nonlocal t, moments
+        eps1 = np.finfo(x.dtype).eps if epsilon[0] is None else epsilon[0]
+        t += 1
+        w = t**beta2_decay  # 1 − β₂ₜ
+        g2 = _sq(g)
+        if x.ndim >= 2:
+            mats = g2.reshape(-1, *g2.shape[-2:])
+            if moments is None:
+                moments = [(np.zeros(a.shape[0]), np.zeros(a.shape[1])) for a in mats]
+            v = np.stack([factored(r, c, a, w, eps1) for (r, c), a in zip(moments, mats)]).reshape(g.shape)
+        else:
+            moments = (1 - w) * (0.0 if moments is None else moments) + w * g2
+            v = moments
+        u = g / np.sqrt(np.maximum(v, eps1**2))
+        u = u / max(1.0, _rms(u) / d)
+        alpha = max(eps2, _rms(x)) * min(eta, 1 / np.sqrt(t))
+        return alpha * u + eta * lambd * x
+
+    return step
+
+
 def weight_decay(lambd=5e-4):
     return lambda x, g: g + lambd * x
 

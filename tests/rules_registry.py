@@ -149,6 +149,22 @@ def _adamw_optax(optax, r):
     return optax.adamw(r.eta, b1=r.beta[0], b2=r.beta[1], eps=r.epsilon, weight_decay=r.lambd)
 
 
+def _adafactor_optax(optax, r):
+    """optax.adafactor at the settings where it computes our steps (see the entry)."""
+    import jax.numpy as jnp
+
+    assert r.epsilon[1] == 1e-3, "optax.adafactor's parameter-scale floor is 1e-3"
+    return optax.adafactor(
+        learning_rate=lambda count: jnp.minimum(r.eta, 1 / jnp.sqrt(count + 1.0)),
+        min_dim_size_to_factor=1,
+        decay_rate=-r.beta2_decay,
+        multiply_by_parameter_scale=True,
+        clipping_threshold=r.d,
+        momentum=None,
+        weight_decay_rate=r.eta * r.lambd if r.lambd else None,
+    )
+
+
 RULES: tuple[RuleInfo, ...] = (
     RuleInfo(
         opt.Descent,
@@ -498,6 +514,31 @@ RULES: tuple[RuleInfo, ...] = (
         checkpoint=[hp(eta=0.01, precondition_frequency=3)],
         train=(),
     ),
+    # torch.optim.Adafactor is the formula written out (ε₁'s placement, ρ = min(lr, 1/√t)).
+    # optax.adafactor coincides at decay_rate = −τ, clipping_threshold = d, no momentum, its
+    # parameter-scale floor 1e-3 = ε₂, min_dim_size_to_factor = 1 (it factors the two largest
+    # dimensions: the only two of a matrix), a learning-rate schedule min(η, 1/√t) and
+    # weight_decay_rate = η·λ; it adds its eps = 1e-30 to |g|², ours floors with ε₁: equal for
+    # gradients far above both. Its β₂ₜ is float32 (so no optax64: tests/test_adafactor.py compares
+    # float64 runs at the precision that allows).
+    RuleInfo(
+        opt.Adafactor,
+        dict(eta=1e-2, beta2_decay=-0.8, epsilon=(None, 1e-3), d=1.0, lambd=0.0),
+        ref.adafactor,
+        elementwise=False,
+        train=[hp(), hp("lambd", lambd=0.1)],
+        toy=[hp(eta=0.1), hp("lambd", eta=0.1, lambd=1e-3, d=2.0, epsilon=(1e-12, 1e-2))],
+        jit=[hp(), hp("lambd", lambd=0.1, epsilon=(1e-12, 1e-2), d=1.5, beta2_decay=-0.6)],
+        torch=TorchPeer(
+            "Adafactor",
+            lambda r: dict(lr=r.eta, beta2_decay=r.beta2_decay, eps=r.epsilon, d=r.d, weight_decay=r.lambd),
+        ),
+        optax=_adafactor_optax,
+        torch64=[hp(), hp("lambd", eta=0.05, lambd=0.1, d=1.5, beta2_decay=-0.6, epsilon=(1e-20, 1e-2))],
+        optax32=[hp(), hp("lambd", eta=0.05, lambd=0.1, d=1.5, beta2_decay=-0.6)],
+        half=[hp()],
+        checkpoint=[hp(), hp("lambd", lambd=0.01)],
+    ),
     RuleInfo(
         opt.WeightDecay,
         dict(lambd=5e-4),
@@ -790,6 +831,24 @@ def layout_rules() -> dict[str, Callable[[], opt.Rule]]:
     """Name -> factory: rules that must step strided parameters like contiguous ones."""
     out = {case_id: (lambda i=info, h=h: i.make(h)) for case_id, info, h in _family("train")}
     return out | {c.name: c.make for c in COMPOSITES if "layouts" in c.families}
+
+
+def layout_reductions() -> set[str]:
+    """The names in `layout_rules()` whose rules are not elementwise: they sum over whole arrays
+    (norms, means) in memory order, so a strided parameter's steps agree with a contiguous one's
+    to rounding, not bit for bit."""
+    return {name for name, make in layout_rules().items() if not make().elementwise}
+
+
+def engine_layout_rules() -> dict[str, Callable[[], opt.Rule]]:
+    """The part of `layout_rules()` that the update engine steps over flat buffers: elementwise
+    rules, and chains that scale the whole gradient by one factor before elementwise rules. Other
+    rules (Adafactor, LAMB) are stepped one parameter at a time."""
+    return {
+        name: make
+        for name, make in layout_rules().items()
+        if make().elementwise or getattr(make(), "scaled_elementwise", False)
+    }
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,15 +17,16 @@ Conventions shared by every rule here:
   steps, so `t` is 1 on the first step.
 * Rules whose step for each element depends only on that element and on scalar state set
   `elementwise = True`, so the update engine may run them over packed chunks of parameters.
-  ClipNorm, LAMB and LARS do not (their norms couple the whole array), nor SOAP (it rotates
-  it); chains and MixedPrecision inherit the flag from their members.
+  ClipNorm, LAMB, LARS and Adafactor do not (their norms couple the whole array), nor SOAP
+  (it rotates it); chains and MixedPrecision inherit the flag from their members.
 * `apply` never writes to its inputs; the interface decides whether parameters change in place.
 * Complex parameters work wherever the maths is defined (`|g|²` is `ops.abs2`). Rules built on the
   sign or the order of numbers (Rprop, Lion, SignDecay, ClipGrad) raise TypeError for them in `init`.
 * `x_new = x - step`. In the formulas `g` is the gradient and `t` the step number.
 """
 
-from optimisers.rules import adam, adaptive, combinators, gradient, sgd, soap, trust_ratio
+from optimisers.rules import adafactor, adam, adaptive, combinators, gradient, sgd, soap, trust_ratio
+from optimisers.rules.adafactor import *  # noqa: F403
 from optimisers.rules.adam import *  # noqa: F403
 from optimisers.rules.adaptive import *  # noqa: F403
 from optimisers.rules.combinators import *  # noqa: F403
@@ -40,6 +41,7 @@ __all__ = [
     *adam.__all__,
     *trust_ratio.__all__,
     *soap.__all__,
+    *adafactor.__all__,
     *gradient.__all__,
     *combinators.__all__,
 ]

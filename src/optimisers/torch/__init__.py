@@ -9,6 +9,7 @@ signatures, defaults, group keys and `state[p]` keys.
 from optimisers.torch.dropins import (
     SGD,
     Adadelta,
+    Adafactor,
     Adagrad,
     Adam,
     Adamax,
@@ -32,4 +33,5 @@ __all__ = [
     "NAdam",
     "RAdam",
     "Rprop",
+    "Adafactor",
 ]

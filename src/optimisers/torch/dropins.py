@@ -12,6 +12,8 @@ state format) is `DropIn`, in `dropin_base` and `torch_format`.
 
 from __future__ import annotations
 
+from optimisers.rules.adafactor import Adafactor as _Adafactor
+from optimisers.rules.adafactor import is_factored
 from optimisers.rules.adam import Adam as _Adam
 from optimisers.rules.adam import AdamW as _AdamW
 from optimisers.rules.sgd import Descent
@@ -29,7 +31,10 @@ from optimisers.rules.torch_named import (
 from optimisers.torch.dropin_base import DropIn, as_number
 from optimisers.torch.torch_format import NOT_SHOWN, STEP
 
-__all__ = ["SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadelta", "Adamax", "NAdam", "RAdam", "Rprop"]
+__all__ = [
+    "SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadelta", "Adamax", "NAdam", "RAdam", "Rprop",
+    "Adafactor",
+]  # fmt: skip
 
 
 class SGD(DropIn):
@@ -269,3 +274,64 @@ class Rprop(DropIn):
 
     def _layout(self, h):
         return ("prev", "step_size", STEP)
+
+
+class Adafactor(DropIn):
+    """torch.optim.Adafactor, trained by this library: its `Adafactor` rule (factors of the last
+    two dimensions for parameters of two or more, `state[p]` keys "row_var" and "col_var" shaped
+    as torch's; "variance" for vectors and scalars). Like torch, it refuses complex parameters;
+    unlike torch, when the optimizer is made rather than at the first step. `foreach` is carried
+    along (the library groups the work its own way)."""
+
+    _l2 = False  # its weight decay is decoupled (lr·weight_decay·p), inside the rule
+
+    def __init__(
+        self, params, lr=1e-2, beta2_decay=-0.8, eps=(None, 1e-3), d=1.0, weight_decay=0.0, *,
+        foreach=None, maximize=False,
+    ):  # fmt: skip
+        super().__init__(params, dict(
+            lr=lr, beta2_decay=beta2_decay, eps=eps, d=d, weight_decay=weight_decay, foreach=foreach,
+            maximize=maximize,
+        ))  # fmt: skip
+
+    def _check(self, h, where):
+        # torch.optim.Adafactor's own checks, in its words (eps is a pair, so not the base's)
+        lr, decay = as_number(h, "lr"), as_number(h, "weight_decay")
+        if not 0.0 <= lr:
+            raise ValueError(f"{where}: Learning rate should be >= 0 but is: {lr}")
+        if not 0.0 >= h["beta2_decay"]:
+            raise ValueError(f"{where}: beta2_decay should be <= 0 but is: {h['beta2_decay']}")
+        eps = h["eps"]
+        if not (isinstance(eps, (tuple, list)) and len(eps) == 2):
+            raise ValueError(f"{where}: eps must be a pair (epsilon1 or None, epsilon2), got {eps!r}")
+        if eps[0] is not None and not 0.0 <= eps[0]:
+            raise ValueError(f"{where}: epsilon1 should be >= 0 but is: {eps[0]}")
+        if not 0.0 <= eps[1]:
+            raise ValueError(f"{where}: epsilon2 should be >= 0 but is: {eps[1]}")
+        if not 1.0 <= h["d"]:
+            raise ValueError(f"{where}: Clipping threshold d should be >= 1 but is: {h['d']}")
+        if not 0.0 <= decay:
+            raise ValueError(f"{where}: weight_decay should be >= 0 but is: {decay}")
+
+    def _rule(self, h):
+        lr, decay = as_number(h, "lr"), as_number(h, "weight_decay")
+        return _Adafactor(lr, h["beta2_decay"], tuple(h["eps"]), h["d"], decay)
+
+    def _make_group(self, group, where):
+        built = super()._make_group(group, where)
+        if built.has_complex:
+            raise RuntimeError(f"{where}: Adafactor does not support complex parameters")
+        return built
+
+    def _layout(self, h):
+        return ("variance", STEP)
+
+    def _layout_for(self, h, p):
+        return ("row_var", "col_var", STEP) if is_factored(p) else ("variance", STEP)
+
+    def _part_shape(self, name, p):
+        if name == "row_var":
+            return (*p.shape[:-1], 1)
+        if name == "col_var":
+            return (*p.shape[:-2], 1, p.shape[-1])
+        return p.shape

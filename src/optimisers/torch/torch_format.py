@@ -26,16 +26,19 @@ class _Misfit(Exception):
     """A part of a checkpoint that does not fit; its message is one of the problems reported."""
 
 
-def _decoded_part(name: str, value, p: torch.Tensor, where: str):
-    """The rule's state part `name` from torch's `value`, for parameter `p`."""
+def _decoded_part(name: str, value, p: torch.Tensor, where: str, shape=None):
+    """The rule's state part `name` from torch's `value`, for parameter `p` (of `shape`, the
+    parameter's unless given)."""
     if name == STEP or name in SCALAR_STATE:
         number = float(value) if isinstance(value, (torch.Tensor, int, float)) else math.nan
         if not math.isfinite(number) or (name == STEP and number < 0):
             raise _Misfit(f"{where}: {name!r} must be a finite number, got {value!r}")
         return int(round(number)) if name == STEP else number
-    if not isinstance(value, torch.Tensor) or value.shape != p.shape:
+    shape = p.shape if shape is None else shape
+    if not isinstance(value, torch.Tensor) or value.shape != shape:
         got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-        raise _Misfit(f"{where}: {name!r} has shape {got}, the parameter {tuple(p.shape)}")
+        whose = "the parameter" if shape == p.shape else f"expected for the parameter's {tuple(p.shape)}:"
+        raise _Misfit(f"{where}: {name!r} has shape {got}, {whose} {tuple(shape)}")
     if value.is_complex() != p.is_complex():
         raise _Misfit(f"{where}: {name!r} is {value.dtype}, the parameter {p.dtype}")
     value = value.detach().to(dtype=p.dtype, device=p.device, copy=True)
@@ -54,7 +57,16 @@ def _listed(missing: list, extra: list) -> str:
 class TorchStateFormat:
     """The part of a drop-in class that reads and writes torch.optim's state format. It uses the
     class's `_layout(h)` (torch's name of each part of the rule's state), `_built(h, where)` (the
-    rule) and `_is_group_key(key)`."""
+    rule) and `_is_group_key(key)`; a class whose state depends on the parameter's shape (torch's
+    Adafactor: factors for matrices) gives `_layout_for(h, p)` and `_part_shape(name, p)`."""
+
+    def _layout_for(self, h: dict, p: torch.Tensor) -> tuple[str, ...]:
+        """torch's name of each part of the rule's state for parameter `p`."""
+        return self._layout(h)
+
+    def _part_shape(self, name: str, p: torch.Tensor) -> torch.Size:
+        """The shape of state part `name` of parameter `p`."""
+        return p.shape
 
     def _group_of(self, position: int) -> ParamGroup:
         start = 0
@@ -70,7 +82,7 @@ class TorchStateFormat:
         parts = leaf.state if isinstance(leaf.state, tuple) else ()
         complex_ = self._model[position].is_complex()
         out: dict = {}
-        for name, part in zip(self._layout(self._group_of(position).seen), parts):
+        for name, part in zip(self._layout_for(self._group_of(position).seen, self._model[position]), parts):
             if name == NOT_SHOWN:
                 continue
             if name == STEP or name in SCALAR_STATE:
@@ -83,13 +95,16 @@ class TorchStateFormat:
         """The rule's state for parameter `position` from torch's `entry` (under group
         hyperparameters `h`); what does not fit goes to `problems`."""
         p = self._model[position]
-        layout = self._layout(h)
+        layout = self._layout_for(h, p)
         where = f"parameter {position}"
         try:
             self._check_entry_keys(entry, layout, where)
             # the step count torch does not show (SGD's): a saved buffer means a step was taken
             parts = [
-                1 if name == NOT_SHOWN else _decoded_part(name, entry[name], p, where) for name in layout
+                1
+                if name == NOT_SHOWN
+                else _decoded_part(name, entry[name], p, where, self._part_shape(name, p))
+                for name in layout
             ]
         except _Misfit as e:
             problems.append(str(e))

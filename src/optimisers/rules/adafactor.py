@@ -1,0 +1,135 @@
+"""Adafactor: a second moment kept as row and column factors, so its state is far smaller than
+the parameter (Shazeer & Stern, "Adafactor: Adaptive Learning Rates with Sublinear Memory Cost",
+2018).
+
+The relative step `max(ε₂, RMS(x))` and the update clipping use norms of whole arrays, and the
+factors average over rows and columns, so the rule is not elementwise: a parameter array is always
+stepped whole. The conventions every rule here follows are in `optimisers.rules`.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+
+from optimisers import ops
+from optimisers.core.rule import Rule, check_range
+from optimisers.rules.common import cast, nonnegative, real_zeros
+
+__all__ = ["Adafactor"]
+
+
+def is_factored(x) -> bool:
+    """Whether Adafactor keeps row and column factors for `x` (two or more dimensions) rather
+    than a full second moment (a vector or a scalar)."""
+    return len(x.shape) >= 2
+
+
+def _smaller(a, b):
+    """`min(a, b)` of two scalars, Python numbers or traced values alike (a backend is chosen by
+    its first argument, so a Python number goes second)."""
+    return ops.minimum(b, a) if isinstance(a, numbers.Number) else ops.minimum(a, b)
+
+
+def _rms(a):
+    """The root mean square of all entries of `a`, a 0-d array of its real dtype (0 for an empty
+    array)."""
+    return ops.norm(a, 2) / math.sqrt(max(math.prod(a.shape), 1))
+
+
+@dataclass(frozen=True)
+class Adafactor(Rule):
+    """Adafactor (Shazeer & Stern, "Adafactor: Adaptive Learning Rates with Sublinear Memory
+    Cost", 2018), as `torch.optim.Adafactor` computes it.
+
+    State for a parameter of two or more dimensions: `(R, C, t)`, the row factor `R` (its shape
+    with the last dimension 1) and the column factor `C` (its shape with the second-to-last
+    dimension 1), both of its real dtype; leading dimensions are batch dimensions, each slice
+    factored on its own. For a vector or a scalar: `(V, t)`, a full second moment. So a
+    `m×n` matrix keeps `m + n` numbers where Adam keeps `2mn`.
+
+    Each step, with `g` the gradient, `x` the parameter before the step, `1 − β₂ₜ = t^τ`
+    (τ = `beta2_decay`) and means over the last (`mean₋₁`) or second-to-last (`mean₋₂`) axis:
+
+    - matrices: `R ← β₂ₜR + (1−β₂ₜ)·mean₋₁|g|²`, `C ← β₂ₜC + (1−β₂ₜ)·mean₋₂|g|²`,
+      `V̂ = R·C / max(mean₋₂R, ε₁)`; vectors and scalars: `V̂ = V ← β₂ₜV + (1−β₂ₜ)|g|²`;
+    - `U = g / √max(V̂, ε₁²)`, clipped: `Û = U / max(1, RMS(U)/d)`;
+    - relative step `ρ = min(η, 1/√t)`, `α = max(ε₂, RMS(x))·ρ`;
+    - `step = α·Û + η·λ·x` (decoupled weight decay scaled by η, as torch).
+
+    `epsilon = (ε₁, ε₂)`; `ε₁ = None` is the machine epsilon of the dtype the maths runs in: the
+    parameter's, and float32 for float16/bfloat16 parameters (whose maths the library runs in
+    float32, where torch uses float16's epsilon). ε₁ is placed as torch places it (a floor under
+    the row factors' mean and under `V̂`), not added to `|g|²` as in the paper and optax. RMS is
+    over the whole array. Complex parameters use `|g|²` (as optax; torch refuses them).
+
+    Defaults: `eta=0.01, beta2_decay=-0.8, epsilon=(None, 1e-3), d=1.0, lambd=0.0`, torch's.
+    PyTorch: `torch.optim.Adafactor(lr=eta, beta2_decay, eps=epsilon, d, weight_decay=lambd)`
+    computes the same steps. optax: `optax.adafactor(learning_rate=eta,
+    min_dim_size_to_factor=1, decay_rate=-beta2_decay, decay_offset=0,
+    multiply_by_parameter_scale=True, clipping_threshold=d, momentum=None, eps=1e-30,
+    factored=True, weight_decay_rate=eta·lambd)` coincides while `1/√t ≥ η` (the first 10⁴
+    steps at η = 0.01; optax's `learning_rate` may be the schedule `min(η, 1/√(count+1))` to
+    coincide at every step), with `epsilon[1] = 1e-3` (optax fixes its parameter-scale floor
+    there), for vectors, matrices and arrays whose two largest dimensions are the last two
+    (optax factors its two largest dimensions, and only when the second largest is at least
+    `min_dim_size_to_factor`, 128 by default), and for gradients whose squares are far above ε₁
+    and 1e-30 (optax adds its eps to `|g|²`). optax computes β₂ₜ in float32, so float64 runs
+    agree to about 1e-9.
+    """
+
+    never_raises = True
+
+    eta: float = 1e-2
+    beta2_decay: float = -0.8
+    epsilon: tuple = (None, 1e-3)
+    d: float = 1.0
+    lambd: float = 0.0
+
+    def validate(self):
+        e1 = self.epsilon[0]
+        if e1 is not None:
+            if isinstance(e1, bool) or not (isinstance(e1, numbers.Real) or getattr(e1, "shape", None) == ()):
+                raise TypeError(f"Adafactor: epsilon[0] must be None or a real number, got {e1!r}")
+            if isinstance(e1, numbers.Integral):  # a float, so that jit traces it like epsilon[1]
+                object.__setattr__(self, "epsilon", (float(e1), self.epsilon[1]))
+        check_range(self, "beta2_decay", -math.inf, 0.0)
+        check_range(self, "d", 1.0, math.inf)
+        nonnegative(self, "epsilon", "lambd")
+
+    def init(self, x):
+        if is_factored(x):
+            return real_zeros(x[..., :1]), real_zeros(x[..., :1, :]), 0
+        return real_zeros(x), 0
+
+    def apply(self, state, x, dx):
+        *moments, t = state
+        t = t + 1
+        if math.prod(x.shape) == 0:  # no entries: the means over an empty axis would be NaN
+            return (*moments, t), ops.zeros_like(x)
+        new = t**self.beta2_decay  # 1 − β₂ₜ, in the hyperparameters' precision
+        g2 = ops.abs2(dx)
+        eps1 = ops.dtype_epsilon(x) if self.epsilon[0] is None else self.epsilon[0]
+        keep, new = cast(g2, 1 - new, new)
+        if is_factored(x):
+            row, col = moments
+            row = keep * row + new * ops.mean(g2, axis=-1, keepdims=True)
+            col = keep * col + new * ops.mean(g2, axis=-2, keepdims=True)
+            floor = ops.maximum(ops.mean(row, axis=-2, keepdims=True), ops.epsilon(eps1, g2))
+            # √V̂ = √R·√(C/floor): the roots and the division on the small factors, so the full
+            # size sees one product (√max(V̂, ε₁²) = max(√V̂, ε₁), up to rounding)
+            root, moments = ops.sqrt(row) * ops.sqrt(col / floor), (row, col)
+        else:
+            (v,) = moments
+            v = keep * v + new * g2
+            root, moments = ops.sqrt(v), (v,)
+        u = dx / ops.maximum(root, ops.epsilon(eps1, g2))
+        rms_x = _rms(x)
+        eps2, rho, d, one = cast(rms_x, self.epsilon[1], _smaller(self.eta, t**-0.5), self.d, 1)
+        alpha = ops.maximum(rms_x, eps2) * rho
+        scale = ops.scalar(alpha / ops.maximum(_rms(u) / d, one), x)
+        step = scale * u
+        if ops.concrete(self.lambd) != 0:  # (traced: always added)
+            step = step + ops.scalar(self.eta * self.lambd, x) * x
+        return (*moments, t), step
