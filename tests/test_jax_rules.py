@@ -141,3 +141,16 @@ def test_every_rule_jits_keeps_ties_and_equals_eager(rule):
         for k in model:
             # steps of Adam-like rules at small t: see test_adjust_between_jitted_calls...
             np.testing.assert_allclose(j[k], e[k], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("rule", RULES_UNDER_JIT, ids=repr)
+def test_every_rules_state_can_be_donated(rule):
+    """`jax.jit(update, donate_argnums=0)` donates every buffer of the state: a rule whose `init`
+    or `apply` puts one array at two places of its state would make XLA refuse the call."""
+    shapes = SQUARE_SHAPES if ambiguous_basis(rule) else SHAPES
+    model = _x0(shapes)
+    step = jax.jit(opt.update, donate_argnums=0)
+    state = opt.setup(rule, model)
+    for g in _grads(3, shapes=shapes):
+        state, model = step(state, model, g)
+    assert all(np.isfinite(np.asarray(a)).all() for a in jax.tree.leaves(model))

@@ -94,8 +94,10 @@ class SOAP(Rule):
     def init(self, x):
         real_only(self, x)
         sizes = [n if self._has_basis(x, n) else None for n in x.shape]
-        matrices = tuple(None if n is None else ops.zeros((n, n), x) for n in sizes)
-        return ops.zeros_like(x), ops.zeros_like(x), matrices, matrices, 0
+        # preconditioners and bases are distinct arrays: one buffer at two places of a state
+        # cannot be donated to a jitted step
+        ls, qs = (tuple(None if n is None else ops.zeros((n, n), x) for n in sizes) for _ in range(2))
+        return ops.zeros_like(x), ops.zeros_like(x), ls, qs, 0
 
     def _has_basis(self, x, n):
         return n <= self.max_precond_dim and (len(x.shape) != 1 or self.precondition_1d)

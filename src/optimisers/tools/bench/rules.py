@@ -111,6 +111,12 @@ BETAS_ADEMAMIX, ALPHA_ADEMAMIX = (0.9, 0.999, 0.9999), 5.0  # AdEMAMix's default
 # three steps, and makes two of every three timed steps plain Adam steps (the median is one)
 K_LOOKAHEAD, ALPHA_LOOKAHEAD = 3, 0.5
 
+# Adafactor at torch.optim's defaults but ε₁ = 1e-30 (None means the dtype's epsilon, which would
+# differ between the float32 rows and the float64 reference); optax.adafactor adds its eps = 1e-30
+# to g² where ours floors with ε₁: equal for gradients far above it
+LR_ADAFACTOR, DECAY_ADAFACTOR, EPS_ADAFACTOR = 1e-2, -0.8, (1e-30, 1e-3)
+LR_SOAP = 3e-3
+
 HYPERPARAMETERS = {"adam_lr": LR_ADAM, "betas": BETAS, "eps": EPS, "weight_decay": WEIGHT_DECAY,
                    "momentum_lr": LR_MOMENTUM, "rho": RHO}
 
@@ -244,6 +250,36 @@ def _naive_ademamix(xs):
     return step
 
 
+def _naive_adafactor(xs):
+    """torch.optim.Adafactor's maths: factored second moments of the last two axes (full for
+    vectors), the update's RMS clipped to 1, a step relative to the parameter's RMS."""
+    rows = [np.zeros(x.shape[:-1] + (1,), x.dtype) if x.ndim >= 2 else None for x in xs]
+    cols = [np.zeros(x.shape[:-2] + (1, x.shape[-1]), x.dtype) if x.ndim >= 2 else None for x in xs]
+    fulls = [None if x.ndim >= 2 else np.zeros_like(x) for x in xs]
+
+    def step(gs, t):
+        f = xs[0].dtype.type
+        eps1, eps2 = f(EPS_ADAFACTOR[0]), f(EPS_ADAFACTOR[1])
+        w = f(t**DECAY_ADAFACTOR)  # 1 − β₂ₜ
+        rho = f(min(LR_ADAFACTOR, 1 / np.sqrt(t)))
+        for i, (x, g) in enumerate(zip(xs, gs)):
+            g2 = g * g
+            if x.ndim >= 2:
+                rows[i] += w * (g2.mean(axis=-1, keepdims=True) - rows[i])
+                cols[i] += w * (g2.mean(axis=-2, keepdims=True) - cols[i])
+                v = rows[i] @ cols[i] / np.maximum(rows[i].mean(axis=-2, keepdims=True), eps1)
+            else:
+                fulls[i] += w * (g2 - fulls[i])
+                v = fulls[i]
+            u = g / np.sqrt(np.maximum(v, eps1 * eps1))
+            root_n = f(np.sqrt(max(x.size, 1)))
+            clip = max(f(1), _norm(u) / root_n)
+            alpha = max(eps2, _norm(x) / root_n) * rho
+            x -= (alpha / clip) * u
+
+    return step
+
+
 def _naive_lookahead(inner: Naive, k: int, alpha: float) -> Naive:
     """`inner` moves the (fast) parameters; every k-th step the slow copies move `alpha` of the way
     to them and the parameters restart from there."""
@@ -264,6 +300,18 @@ def _naive_lookahead(inner: Naive, k: int, alpha: float) -> Naive:
         return step
 
     return make
+
+
+def _adafactor_optax(optax):
+    """optax.adafactor where it computes torch's steps: factoring every matrix, decay rate 0.8 from
+    t = 1, no momentum, update clipping at 1, steps relative to the parameter's RMS (floor 1e-3),
+    relative step min(η, 1/√t)."""
+    import jax.numpy as jnp
+
+    return optax.adafactor(
+        learning_rate=lambda count: jnp.minimum(LR_ADAFACTOR, 1 / jnp.sqrt(count + 1.0)),
+        min_dim_size_to_factor=1, decay_rate=-DECAY_ADAFACTOR, multiply_by_parameter_scale=True,
+        clipping_threshold=1.0, momentum=None, eps=EPS_ADAFACTOR[0])
 
 
 def _lookahead_params(params):
@@ -371,6 +419,26 @@ RULES: dict[str, BenchRule] = {r.name: r for r in [
         _naive_lookahead(_naive_adam(), K_LOOKAHEAD, ALPHA_LOOKAHEAD),
         28, "Adam's 28 on the median step (a synchronisation, every k-th step, also reads and "
         "writes the slow copy)",
+    ),
+    BenchRule(
+        "adafactor", "Adafactor",
+        lambda: opt.Adafactor(eta=LR_ADAFACTOR, beta2_decay=DECAY_ADAFACTOR, epsilon=EPS_ADAFACTOR),
+        TorchPeer("torch.optim.Adafactor",
+                  lambda torch, ps, **kw: torch.optim.Adafactor(
+                      ps, lr=LR_ADAFACTOR, beta2_decay=DECAY_ADAFACTOR, eps=EPS_ADAFACTOR, weight_decay=0.0,
+                      **kw),
+                  variants={"loop": {"foreach": False}, "foreach": {"foreach": True}}),
+        OptaxPeer(_adafactor_optax),
+        _naive_adafactor,
+        None, "not streaming (the update's RMS needs a pass over the array before the step): no floor",
+    ),
+    # no torch.optim or optax SOAP: ours alone, timed and unchecked (tests/test_soap.py checks it
+    # against the paper's algorithm and heavyball's)
+    BenchRule(
+        "soap", "SOAP",
+        lambda: opt.SOAP(eta=LR_SOAP),
+        None, None, None,
+        None, "not streaming (matrix products with its eigenbases): no floor",
     ),
 ]}
 
