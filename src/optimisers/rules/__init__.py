@@ -25,11 +25,12 @@ Conventions shared by every rule here:
 * `x_new = x - step`. In the formulas `g` is the gradient and `t` the step number.
 """
 
-from optimisers.rules import adam, adaptive, combinators, gradient, sgd, trust_ratio
+from optimisers.rules import adam, adaptive, combinators, gradient, schedule_free, sgd, trust_ratio
 from optimisers.rules.adam import *  # noqa: F403
 from optimisers.rules.adaptive import *  # noqa: F403
 from optimisers.rules.combinators import *  # noqa: F403
 from optimisers.rules.gradient import *  # noqa: F403
+from optimisers.rules.schedule_free import *  # noqa: F403
 from optimisers.rules.sgd import *  # noqa: F403
 from optimisers.rules.trust_ratio import *  # noqa: F403
 
@@ -38,6 +39,7 @@ __all__ = [
     *adaptive.__all__,
     *adam.__all__,
     *trust_ratio.__all__,
+    *schedule_free.__all__,
     *gradient.__all__,
     *combinators.__all__,
 ]
