@@ -102,6 +102,9 @@ class RuleInfo:
     reference: Callable | None = None  # rule_reference factory, the rule's keyword arguments
     complex: bool = True  # takes complex parameters (else setup raises TypeError)
     elementwise: bool = True  # each element's step depends on that element alone
+    # sets the parameter to a value far from it (a NewValue): optax's `x + (new − x)` is then
+    # `new` only to within a rounding
+    sets_value: bool = False
     torch: TorchPeer | None = None
     optax: Callable | None = None  # (optax, rule) -> transformation whose updates are added
     # hyperparameters per family of generic tests (see the module docstring). The `toy` learning
@@ -432,6 +435,7 @@ RULES: tuple[RuleInfo, ...] = (
         opt.ScheduleFreeAdamW,
         dict(eta=2.5e-3, beta=(0.9, 0.999), epsilon=1e-8, lambd=0.0, warmup=0, r=0.0, weight_lr_power=2.0),
         ref.schedule_free_adamw,
+        sets_value=True,
         toy=[hp(eta=0.05), hp("warmup", eta=0.05, lambd=1e-3, warmup=10, r=1.0)],
         jit=[hp(), hp("warmup", lambd=0.1, warmup=5, r=1.0, weight_lr_power=1.0)],
         optax=lambda optax, r: optax.contrib.schedule_free_adamw(
@@ -452,7 +456,8 @@ RULES: tuple[RuleInfo, ...] = (
         opt.ScheduleFreeSGD,
         dict(eta=1.0, beta=0.9, lambd=0.0, warmup=0, r=0.0, weight_lr_power=2.0),
         ref.schedule_free_sgd,
-        toy=[hp(eta=0.05), hp("warmup", eta=0.05, lambd=1e-3, warmup=10, r=1.0)],
+        sets_value=True,
+        toy=[hp(eta=0.15), hp("warmup", eta=0.15, lambd=1e-3, warmup=10, r=1.0)],
         jit=[hp(), hp("warmup", eta=0.1, lambd=0.1, warmup=5, r=1.0, weight_lr_power=1.0)],
         optax=lambda optax, r: optax.contrib.schedule_free_sgd(
             r.eta, warmup_steps=None, b1=r.beta, weight_decay=r.lambd, weight_lr_power=r.weight_lr_power
@@ -739,6 +744,19 @@ def supports_complex(rule: opt.Rule) -> bool:
     if isinstance(rule, (opt.SkipNonFinite, opt.Lookahead)):
         return supports_complex(rule.rule)
     return RULE_INFO[type(rule)].complex
+
+
+def sets_values(rule: opt.Rule) -> bool:
+    """Whether `rule` may set parameters far from where they were (`Lookahead` at its
+    synchronisations, the schedule-free rules' `y`), where optax's `x + (new − x)` is `new` only
+    to within a rounding."""
+    if isinstance(rule, opt.OptimiserChain):
+        return any(sets_values(r) for r in rule.rules)
+    if isinstance(rule, opt.Lookahead):
+        return True
+    if isinstance(rule, (opt.MixedPrecision, opt.SkipNonFinite)):
+        return sets_values(rule.rule)
+    return RULE_INFO[type(rule)].sets_value
 
 
 # --- the cases of each family of generic tests ------------------------------------------------------
