@@ -250,7 +250,6 @@ def ademamix(eta=0.001, beta=(0.9, 0.999, 0.9999), alpha=5.0, epsilon=1e-8, lamb
     return step
 
 
-
 def _schedule_free(eta, beta1, lambd, warmup, r, weight_lr_power, direction):
     """Defazio et al. 2024, Algorithm 1 with the `schedulefree` package's warm-up and weights,
     keeping the three sequences: z (base steps), x (their weighted average, the evaluation point)
@@ -291,6 +290,7 @@ def schedule_free_adamw(
         return g / (np.sqrt(v / (1 - b2**t)) + epsilon)
 
     return _schedule_free(eta, beta[0], lambd, warmup, r, weight_lr_power, rms_scaled)
+
 
 def _norm(a):
     return np.sqrt(np.sum(_sq(a)))
