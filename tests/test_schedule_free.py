@@ -521,3 +521,16 @@ def test_dropin_state_dict_round_trip(name):
     for a, b in zip(model.parameters(), copy.parameters()):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     _assert_same_run(from_package_model, theirs_model, from_package, theirs)
+
+
+def test_a_traced_learning_rate_with_a_concrete_state():
+    """`adjust` to a traced eta inside `jit`, the state closed over (its counters plain numbers):
+    the step is traced through, and equals the eager one."""
+    model = {"w": jax.numpy.ones(3)}
+    state = opt.setup(opt.ScheduleFreeAdamW(lambd=0.1, warmup=2), model)
+    grads = {"w": jax.numpy.asarray([1.0, -2.0, 0.5])}
+
+    def stepped(eta):
+        return opt.update(opt.adjust(state, eta=eta), model, grads)[1]["w"]
+
+    np.testing.assert_allclose(jax.jit(stepped)(0.1), stepped(0.1), rtol=1e-6)

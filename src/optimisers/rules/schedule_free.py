@@ -45,7 +45,8 @@ def average_weight(rule, k, lr_max, weight_sum):
     lr = rule.eta
     if rule.warmup > 0:
         lr = lr * ops.minimum((k + 1) / rule.warmup, 1.0)
-    lr_max = ops.maximum(lr_max, lr)
+    # the backend from a value that is not a plain number (a traced or stacked one), if either is
+    lr_max = ops.maximum(lr, lr_max) if isinstance(lr_max, (int, float)) else ops.maximum(lr_max, lr)
     weight = (k + 1) ** rule.r * lr_max**rule.weight_lr_power
     weight_sum = weight_sum + weight
     c = weight / ops.where(weight_sum != 0, weight_sum, 1.0)  # w is 0 where Σw is 0
