@@ -250,6 +250,48 @@ def ademamix(eta=0.001, beta=(0.9, 0.999, 0.9999), alpha=5.0, epsilon=1e-8, lamb
     return step
 
 
+def _schedule_free(eta, beta1, lambd, warmup, r, weight_lr_power, direction):
+    """Defazio et al. 2024, Algorithm 1 with the `schedulefree` package's warm-up and weights,
+    keeping the three sequences: z (base steps), x (their weighted average, the evaluation point)
+    and y = (1−β₁)z + β₁x, the parameter. `direction(y, g, t)` is the base step's direction
+    (decay included) at the t-th step. Returns y_old − y_new."""
+    z = x = None
+    t, lr_max, weight_sum = 0, 0.0, 0.0
+
+    def step(y, g):
+        nonlocal z, x, t, lr_max, weight_sum
+        if z is None:
+            z, x = y.copy(), y.copy()
+        t += 1
+        lr = eta * (min(t / warmup, 1.0) if warmup else 1.0)
+        lr_max = max(lr_max, lr)
+        weight = t**r * lr_max**weight_lr_power
+        weight_sum += weight
+        c = weight / weight_sum if weight_sum > 0 else 0.0
+        z = z - lr * (direction(y, g, t) + lambd * y)
+        x = (1 - c) * x + c * z
+        return y - ((1 - beta1) * z + beta1 * x)
+
+    return step
+
+
+def schedule_free_sgd(eta=1.0, beta=0.9, lambd=0.0, warmup=0, r=0.0, weight_lr_power=2.0):
+    return _schedule_free(eta, beta, lambd, warmup, r, weight_lr_power, lambda y, g, t: g)
+
+
+def schedule_free_adamw(
+    eta=2.5e-3, beta=(0.9, 0.999), epsilon=1e-8, lambd=0.0, warmup=0, r=0.0, weight_lr_power=2.0
+):
+    v, b2 = 0.0, beta[1]
+
+    def rms_scaled(y, g, t):
+        nonlocal v
+        v = b2 * v + (1 - b2) * _sq(g)
+        return g / (np.sqrt(v / (1 - b2**t)) + epsilon)
+
+    return _schedule_free(eta, beta[0], lambd, warmup, r, weight_lr_power, rms_scaled)
+
+
 def _norm(a):
     return np.sqrt(np.sum(_sq(a)))
 

@@ -108,6 +108,9 @@ class RuleInfo:
     # different bases, each a valid step. Tests comparing two implementations give such a rule
     # arrays without such an axis (square matrices).
     ambiguous_basis: bool = False
+    # sets the parameter to a value far from it (a NewValue): optax's `x + (new − x)` is then
+    # `new` only to within a rounding
+    sets_value: bool = False
     torch: TorchPeer | None = None
     optax: Callable | None = None  # (optax, rule) -> transformation whose updates are added
     # hyperparameters per family of generic tests (see the module docstring). The `toy` learning
@@ -445,6 +448,46 @@ RULES: tuple[RuleInfo, ...] = (
         optax64=[hp(eta=0.01), hp("fast", eta=0.01, beta=(0.8, 0.99, 0.95), alpha=2.0, lambd=0.1)],
         optax32=[hp(eta=0.001), hp("lambd", eta=0.01, lambd=0.1)],
         checkpoint=[hp(eta=0.01, lambd=0.01)],
+    ),
+    # optax.contrib.schedule_free_adamw: the same steps when warmup=0 and r=0 (optax has no r,
+    # and in its warm-up the base step's schedule lags one step); it forms x = (y − (1−β₁)z)/β₁
+    # where we step y directly, so float32 runs agree up to rounding. The parameter is y; the
+    # package schedulefree is the oracle of tests/test_schedule_free.py
+    RuleInfo(
+        opt.ScheduleFreeAdamW,
+        dict(eta=2.5e-3, beta=(0.9, 0.999), epsilon=1e-8, lambd=0.0, warmup=0, r=0.0, weight_lr_power=2.0),
+        ref.schedule_free_adamw,
+        sets_value=True,
+        toy=[hp(eta=0.05), hp("warmup", eta=0.05, lambd=1e-3, warmup=10, r=1.0)],
+        jit=[hp(), hp("warmup", lambd=0.1, warmup=5, r=1.0, weight_lr_power=1.0)],
+        optax=lambda optax, r: optax.contrib.schedule_free_adamw(
+            r.eta,
+            warmup_steps=None,
+            b1=r.beta[0],
+            b2=r.beta[1],
+            eps=r.epsilon,
+            weight_decay=r.lambd,
+            weight_lr_power=r.weight_lr_power,
+        ),
+        optax64=[hp(eta=0.01), hp("lambd", eta=0.01, beta=(0.8, 0.99), lambd=0.1, weight_lr_power=1.0)],
+        optax32=[hp(eta=0.01), hp("lambd", eta=0.01, lambd=0.1)],
+        train=[hp(eta=1e-2, lambd=0.1, warmup=3)],
+        checkpoint=[hp(eta=0.01, lambd=0.01, warmup=3)],
+    ),
+    RuleInfo(
+        opt.ScheduleFreeSGD,
+        dict(eta=1.0, beta=0.9, lambd=0.0, warmup=0, r=0.0, weight_lr_power=2.0),
+        ref.schedule_free_sgd,
+        sets_value=True,
+        toy=[hp(eta=0.15), hp("warmup", eta=0.15, lambd=1e-3, warmup=10, r=1.0)],
+        jit=[hp(), hp("warmup", eta=0.1, lambd=0.1, warmup=5, r=1.0, weight_lr_power=1.0)],
+        optax=lambda optax, r: optax.contrib.schedule_free_sgd(
+            r.eta, warmup_steps=None, b1=r.beta, weight_decay=r.lambd, weight_lr_power=r.weight_lr_power
+        ),
+        optax64=[hp(eta=0.1), hp("lambd", eta=0.1, beta=0.8, lambd=0.1, weight_lr_power=1.0)],
+        optax32=[hp(eta=0.1), hp("lambd", eta=0.1, lambd=0.1)],
+        train=[hp(eta=0.1, lambd=0.1, warmup=3)],
+        checkpoint=[hp(eta=0.1, lambd=0.01, warmup=3)],
     ),
     # optax.lamb: Adam direction plus decay, scaled by the trust ratio of each array (as ours)
     RuleInfo(
@@ -784,6 +827,19 @@ def supports_complex(rule: opt.Rule) -> bool:
     if isinstance(rule, (opt.SkipNonFinite, opt.Lookahead)):
         return supports_complex(rule.rule)
     return RULE_INFO[type(rule)].complex
+
+
+def sets_values(rule: opt.Rule) -> bool:
+    """Whether `rule` may set parameters far from where they were (`Lookahead` at its
+    synchronisations, the schedule-free rules' `y`), where optax's `x + (new − x)` is `new` only
+    to within a rounding."""
+    if isinstance(rule, opt.OptimiserChain):
+        return any(sets_values(r) for r in rule.rules)
+    if isinstance(rule, opt.Lookahead):
+        return True
+    if isinstance(rule, (opt.MixedPrecision, opt.SkipNonFinite)):
+        return sets_values(rule.rule)
+    return RULE_INFO[type(rule)].sets_value
 
 
 # --- the cases of each family of generic tests ------------------------------------------------------

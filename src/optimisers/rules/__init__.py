@@ -25,12 +25,23 @@ Conventions shared by every rule here:
 * `x_new = x - step`. In the formulas `g` is the gradient and `t` the step number.
 """
 
-from optimisers.rules import adafactor, adam, adaptive, combinators, gradient, sgd, soap, trust_ratio
+from optimisers.rules import (
+    adafactor,
+    adam,
+    adaptive,
+    combinators,
+    gradient,
+    schedule_free,
+    sgd,
+    soap,
+    trust_ratio,
+)
 from optimisers.rules.adafactor import *  # noqa: F403
 from optimisers.rules.adam import *  # noqa: F403
 from optimisers.rules.adaptive import *  # noqa: F403
 from optimisers.rules.combinators import *  # noqa: F403
 from optimisers.rules.gradient import *  # noqa: F403
+from optimisers.rules.schedule_free import *  # noqa: F403
 from optimisers.rules.sgd import *  # noqa: F403
 from optimisers.rules.soap import *  # noqa: F403
 from optimisers.rules.trust_ratio import *  # noqa: F403
@@ -42,6 +53,7 @@ __all__ = [
     *trust_ratio.__all__,
     *soap.__all__,
     *adafactor.__all__,
+    *schedule_free.__all__,
     *gradient.__all__,
     *combinators.__all__,
 ]

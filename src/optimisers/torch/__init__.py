@@ -3,7 +3,8 @@
     from optimisers.torch import AdamW      # instead of: from torch.optim import AdamW
 
 `Optimizer(params, rule)` takes any rule of this library; the drop-in classes take torch.optim's
-signatures, defaults, group keys and `state[p]` keys.
+signatures, defaults, group keys and `state[p]` keys, and so do `AdamWScheduleFree` and
+`SGDScheduleFree`, the `schedulefree` package's classes.
 """
 
 from optimisers.torch.dropins import (
@@ -20,6 +21,7 @@ from optimisers.torch.dropins import (
     Rprop,
 )
 from optimisers.torch.optimizer import Optimizer
+from optimisers.torch.schedule_free import AdamWScheduleFree, SGDScheduleFree
 
 __all__ = [
     "Optimizer",
@@ -34,4 +36,6 @@ __all__ = [
     "RAdam",
     "Rprop",
     "Adafactor",
+    "AdamWScheduleFree",
+    "SGDScheduleFree",
 ]

@@ -1,0 +1,175 @@
+"""The `schedulefree` package's optimisers, trained by this library:
+
+    from optimisers.torch import AdamWScheduleFree    # instead of: from schedulefree import ...
+
+`AdamWScheduleFree` and `SGDScheduleFree` take the package's signatures, defaults, group keys
+and `state[p]` keys, and run the library's `ScheduleFreeAdamW` / `ScheduleFreeSGD` (so tied
+weights, flat buffers and the rest come with them). As in the package, the parameters hold `y`
+(where gradients are taken) in train mode and the average `x` in eval mode: call `.train()`
+before training (the optimizers start in eval mode, as the package's do) and `.eval()` before
+evaluating or saving the model; `step()` in eval mode raises.
+
+The package keeps its counters (`k`, `lr_max`, `weight_sum`, `scheduled_lr`) in each param group;
+the library keeps them per parameter and shows those of the group's first parameter with state
+in the group's dict after each step (the same numbers when every parameter of the group gets a
+gradient at every step). Those entries are shown, not read: editing them changes nothing, except
+in a checkpoint, where `load_state_dict` takes them as every parameter's counters (so a state
+dict written by the package loads here).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from optimisers.rules.schedule_free import ScheduleFreeAdamW, ScheduleFreeSGD
+from optimisers.torch.dropin_base import DropIn, as_number
+from optimisers.torch.torch_format import NOT_SHOWN
+
+__all__ = ["AdamWScheduleFree", "SGDScheduleFree"]
+
+_DEFAULT_FOREACH = hasattr(torch, "_foreach_mul_")
+
+_NOT_IN_TRAIN_MODE = (
+    "Optimizer was not in train mode when step is called. Please insert .train() and .eval() "
+    "calls on the optimizer. See documentation for details."
+)
+
+
+class _ScheduleFreeDropIn(DropIn):
+    """What both classes share: train/eval modes, the counters shown in the groups, and their
+    state format (the rule's state `(z, ..., k, lr_max, weight_sum)` with torch's names for the
+    arrays and the counters taken from the group)."""
+
+    _l2 = False  # the weight decay is the rule's own, at y
+
+    def _b1(self, h) -> float:
+        raise NotImplementedError
+
+    # --- modes ----------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def eval(self):
+        """Set the parameters to the average `x` (for evaluating and saving), as the package's
+        `eval()`: `p ← lerp(p, z, 1 − 1/β₁)`. Does nothing in eval mode."""
+        self._switch(False, lambda b1: 1 - 1 / b1)
+
+    @torch.no_grad()
+    def train(self):
+        """Set the parameters back to `y` (where gradients are taken), as the package's
+        `train()`: `p ← lerp(p, z, 1 − β₁)`. Does nothing in train mode."""
+        self._switch(True, lambda b1: 1 - b1)
+
+    def _switch(self, train: bool, weight) -> None:
+        position = 0
+        for g in self._groups:
+            if bool(g.entries["train_mode"]) != train:
+                w = weight(self._b1(g.entries))
+                for j in range(len(g.params)):
+                    leaf = self._flat.tree.get(position + j)
+                    if leaf is not None:  # parameters with state (a gradient seen), as the package's
+                        p = self._engine_view(self._model[position + j])
+                        p.lerp_(leaf.state[0].to(p.device), w)
+                self._show(g, train_mode=train)
+            position += len(g.params)
+
+    def step(self, closure=None):
+        if not self.param_groups[0]["train_mode"]:
+            raise RuntimeError(_NOT_IN_TRAIN_MODE)
+        loss = super().step(closure)
+        for g in self._groups:
+            self._show_counters(g)
+        return loss
+
+    # --- the counters in the group's dict ------------------------------------------------------
+
+    @staticmethod
+    def _show(g, **entries) -> None:
+        """Set entries of the group's dict that are not synced into the rule."""
+        g.entries.update(entries)
+        g.seen.update(entries)
+
+    def _show_counters(self, g) -> None:
+        leaf = next((leaf for leaf in g.leaves if leaf is not None and leaf.state is not None), None)
+        if leaf is None:
+            return
+        k, lr_max, weight_sum = leaf.state[-3:]
+        warmup = g.seen["warmup_steps"]
+        scheduled = as_number(g.seen, "lr") * (min(k / warmup, 1.0) if warmup > 0 else 1.0)
+        self._show(g, k=int(k), lr_max=float(lr_max), weight_sum=float(weight_sum), scheduled_lr=scheduled)
+
+    # --- state format ---------------------------------------------------------------------------
+
+    def _decode(self, position, h, entry, problems):
+        state = super()._decode(position, h, entry, problems)
+        if state is None:
+            return None
+        try:
+            counters = (int(h["k"]), float(h["lr_max"]), float(h["weight_sum"]))
+        except (TypeError, ValueError):
+            problems.append(
+                f"parameter {position}: the group's 'k', 'lr_max' and 'weight_sum' must be numbers, "
+                f"got {h['k']!r}, {h['lr_max']!r}, {h['weight_sum']!r}"
+            )
+            return None
+        return (*state[:-3], *counters)
+
+
+class AdamWScheduleFree(_ScheduleFreeDropIn):
+    """`schedulefree.AdamWScheduleFree`, trained by this library's `ScheduleFreeAdamW` (same
+    signature, defaults, group keys and `state[p]` keys "z" and "exp_avg_sq"; `.train()` and
+    `.eval()` switch the parameters between `y` and the average `x`)."""
+
+    def __init__(
+        self, params, lr=0.0025, betas=(0.9, 0.999), eps=1e-8, weight_decay=0, warmup_steps=0, r=0.0,
+        weight_lr_power=2.0, foreach=_DEFAULT_FOREACH,
+    ):  # fmt: skip
+        super().__init__(params, dict(
+            lr=lr, betas=betas, eps=eps, r=r, k=0, warmup_steps=warmup_steps, train_mode=False,
+            weight_sum=0.0, lr_max=-1.0, scheduled_lr=0.0, weight_lr_power=weight_lr_power,
+            weight_decay=weight_decay, foreach=foreach,
+        ))  # fmt: skip
+
+    def _b1(self, h):
+        return h["betas"][0]
+
+    def _rule(self, h):
+        return ScheduleFreeAdamW(
+            as_number(h, "lr"), tuple(h["betas"]), h["eps"], h["weight_decay"], h["warmup_steps"], h["r"],
+            h["weight_lr_power"],
+        )  # fmt: skip
+
+    def _layout(self, h):
+        return ("z", "exp_avg_sq", NOT_SHOWN, NOT_SHOWN, NOT_SHOWN)
+
+
+class SGDScheduleFree(_ScheduleFreeDropIn):
+    """`schedulefree.SGDScheduleFree`, trained by this library's `ScheduleFreeSGD` (same
+    signature, defaults, group keys and `state[p]` key "z"; `.train()` and `.eval()` switch the
+    parameters between `y` and the average `x`)."""
+
+    def __init__(
+        self, params, lr=1.0, momentum=0.9, weight_decay=0, warmup_steps=0, r=0.0, weight_lr_power=2,
+        foreach=_DEFAULT_FOREACH,
+    ):  # fmt: skip
+        super().__init__(params, dict(
+            lr=lr, momentum=momentum, r=r, k=0, warmup_steps=warmup_steps, train_mode=False,
+            weight_sum=0.0, lr_max=-1.0, scheduled_lr=0.0, weight_lr_power=weight_lr_power,
+            weight_decay=weight_decay, foreach=foreach,
+        ))  # fmt: skip
+
+    def _check(self, h, where):
+        super()._check(h, where)
+        if not 0 < as_number(h, "momentum") < 1:
+            raise ValueError(f"{where}: momentum must be between 0 and 1 exclusive: {h['momentum']!r}")
+
+    def _b1(self, h):
+        return h["momentum"]
+
+    def _rule(self, h):
+        return ScheduleFreeSGD(
+            as_number(h, "lr"), h["momentum"], h["weight_decay"], h["warmup_steps"], h["r"],
+            h["weight_lr_power"],
+        )  # fmt: skip
+
+    def _layout(self, h):
+        return ("z", NOT_SHOWN, NOT_SHOWN, NOT_SHOWN)
