@@ -4,7 +4,7 @@ naive NumPy loop, with the memory-bandwidth floor measured on the same machine i
     optimisers bench                 # full run, a few minutes on 2 cores
     optimisers bench --quick         # smaller S1/S2/S3, fewer repeats: about a minute
     optimisers bench --json out.json --backends numpy,torch --shapes S1,S3 --rules adam
-    optimisers bench --quick --rules lamb,lars,adopt,ademamix,lookahead   # or --rules all
+    optimisers bench --quick --rules lamb,lars,adopt,ademamix,lookahead,adafactor   # or --rules all
 
 What is measured (benchmarks/README.md in the repository explains every column):
 

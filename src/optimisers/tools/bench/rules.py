@@ -116,6 +116,7 @@ K_LOOKAHEAD, ALPHA_LOOKAHEAD = 3, 0.5
 # to g² where ours floors with ε₁: equal for gradients far above it
 LR_ADAFACTOR, DECAY_ADAFACTOR, EPS_ADAFACTOR = 1e-2, -0.8, (1e-30, 1e-3)
 LR_SOAP = 3e-3
+LR_SF_ADAMW, LR_SF_SGD = 2.5e-3, 1e-2  # schedule-free: the package's AdamW default, a gentle SGD rate
 
 HYPERPARAMETERS = {"adam_lr": LR_ADAM, "betas": BETAS, "eps": EPS, "weight_decay": WEIGHT_DECAY,
                    "momentum_lr": LR_MOMENTUM, "rho": RHO}
@@ -280,6 +281,64 @@ def _naive_adafactor(xs):
     return step
 
 
+def _naive_schedule_free(adam: bool) -> Naive:
+    """The schedulefree package's AdamW (adam=True) or SGD, no warm-up, r = 0, weight power 2:
+    the parameter holds y; z the base iterate; the average x is implicit in y."""
+
+    def make(xs):
+        zs, vs = [x.copy() for x in xs], _zeros(xs)
+        weight_sum = [0.0]
+
+        def step(gs, t):
+            f = xs[0].dtype.type
+            lr = LR_SF_ADAMW if adam else LR_SF_SGD
+            weight_sum[0] += lr**2
+            c = lr**2 / weight_sum[0]
+            b1 = BETAS[0] if adam else RHO
+            scale, rate = f(lr * (b1 * (1 - c) - 1)), f(lr)
+            for x, g, z, v in zip(xs, gs, zs, vs):
+                if adam:
+                    v *= f(BETAS[1])
+                    v += f(1 - BETAS[1]) * (g * g)
+                    u = g / (np.sqrt(v / f(1 - BETAS[1] ** t)) + f(EPS))
+                else:
+                    u = g
+                x += f(c) * (z - x)  # y towards z by the averaging weight
+                x += scale * u
+                z -= rate * u
+
+        return step
+
+    return make
+
+
+class _GradsRestored:
+    """An optimiser whose `step()` first puts back the gradients it was made with: the bench sets
+    `.grad` once, and schedulefree's AdamW divides `.grad` in place (its row times the copy too)."""
+
+    def __init__(self, optimizer, params):
+        self.optimizer, self.params = optimizer, params
+        self.grads = [p.grad.clone() for p in params]
+
+    def step(self):
+        for p, g in zip(self.params, self.grads):
+            p.grad.copy_(g)
+        self.optimizer.step()
+
+
+def _schedulefree_torch(name: str, restore_grads: bool = False, **kwargs):
+    """A `schedulefree` package optimiser over the parameters, in train mode (it starts in eval)."""
+
+    def make(torch, params, **flags):
+        import schedulefree
+
+        optimizer = getattr(schedulefree, name)(params, **kwargs, **flags)
+        optimizer.train()
+        return _GradsRestored(optimizer, params) if restore_grads else optimizer
+
+    return make
+
+
 def _naive_lookahead(inner: Naive, k: int, alpha: float) -> Naive:
     """`inner` moves the (fast) parameters; every k-th step the slow copies move `alpha` of the way
     to them and the parameters restart from there."""
@@ -431,6 +490,29 @@ RULES: dict[str, BenchRule] = {r.name: r for r in [
         OptaxPeer(_adafactor_optax),
         _naive_adafactor,
         None, "not streaming (the update's RMS needs a pass over the array before the step): no floor",
+    ),
+    # the schedulefree package (the oracle) and optax.contrib agree without warm-up and with r = 0
+    BenchRule(
+        "sf-adamw", "ScheduleFreeAdamW",
+        lambda: opt.ScheduleFreeAdamW(eta=LR_SF_ADAMW, beta=BETAS, epsilon=EPS),
+        TorchPeer("schedulefree.AdamWScheduleFree",
+                  _schedulefree_torch("AdamWScheduleFree", restore_grads=True, lr=LR_SF_ADAMW,
+                                      betas=BETAS, eps=EPS),
+                  variants={"loop": {}}),
+        OptaxPeer(lambda optax: optax.contrib.schedule_free_adamw(LR_SF_ADAMW, b1=BETAS[0], b2=BETAS[1],
+                                                                   eps=EPS)),
+        _naive_schedule_free(adam=True),
+        36, "read y, g, z, v; write y, z, v: 7 arrays, plus the z read again for y = 36 at most",
+    ),
+    BenchRule(
+        "sf-sgd", "ScheduleFreeSGD",
+        lambda: opt.ScheduleFreeSGD(eta=LR_SF_SGD, beta=RHO),
+        TorchPeer("schedulefree.SGDScheduleFree",
+                  _schedulefree_torch("SGDScheduleFree", lr=LR_SF_SGD, momentum=RHO),
+                  variants={"loop": {}}),
+        OptaxPeer(lambda optax: optax.contrib.schedule_free_sgd(LR_SF_SGD, b1=RHO)),
+        _naive_schedule_free(adam=False),
+        20, "read y, g, z; write y, z: 5 arrays x 4 bytes = 20",
     ),
     # no torch.optim or optax SOAP: ours alone, timed and unchecked (tests/test_soap.py checks it
     # against the paper's algorithm and heavyball's)
