@@ -17,19 +17,20 @@ Conventions shared by every rule here:
   steps, so `t` is 1 on the first step.
 * Rules whose step for each element depends only on that element and on scalar state set
   `elementwise = True`, so the update engine may run them over packed chunks of parameters.
-  ClipNorm, LAMB and LARS do not (their norms couple the whole array); chains and MixedPrecision
-  inherit the flag from their members.
+  ClipNorm, LAMB and LARS do not (their norms couple the whole array), nor Muon (its
+  orthogonalisation couples a matrix); chains and MixedPrecision inherit the flag from their members.
 * `apply` never writes to its inputs; the interface decides whether parameters change in place.
 * Complex parameters work wherever the maths is defined (`|g|²` is `ops.abs2`). Rules built on the
   sign or the order of numbers (Rprop, Lion, SignDecay, ClipGrad) raise TypeError for them in `init`.
 * `x_new = x - step`. In the formulas `g` is the gradient and `t` the step number.
 """
 
-from optimisers.rules import adam, adaptive, combinators, gradient, sgd, trust_ratio
+from optimisers.rules import adam, adaptive, combinators, gradient, muon, sgd, trust_ratio
 from optimisers.rules.adam import *  # noqa: F403
 from optimisers.rules.adaptive import *  # noqa: F403
 from optimisers.rules.combinators import *  # noqa: F403
 from optimisers.rules.gradient import *  # noqa: F403
+from optimisers.rules.muon import *  # noqa: F403
 from optimisers.rules.sgd import *  # noqa: F403
 from optimisers.rules.trust_ratio import *  # noqa: F403
 
@@ -38,6 +39,7 @@ __all__ = [
     *adaptive.__all__,
     *adam.__all__,
     *trust_ratio.__all__,
+    *muon.__all__,
     *gradient.__all__,
     *combinators.__all__,
 ]

@@ -63,7 +63,7 @@ def setup(rule, model) -> State:
             return built[key]
         if is_param(node):
             r = choose(path, node)
-            result = Leaf(r, r.init(node))
+            result = Leaf(r, _init(r, node, path))
             result._shape, result._owns = tuple(node.shape), True
             arrays.append((path, node))
         else:
@@ -88,6 +88,17 @@ def setup(rule, model) -> State:
     if arrays and jax is not None:
         jax.plan_flatten(state, arrays[0][1])
     return state
+
+
+def _init(rule, x, path):
+    """`rule.init(x)`; a parameter the rule refuses (a complex one for Lion, a vector for Muon) is
+    reported with its path."""
+    try:
+        return rule.init(x)
+    except (TypeError, ValueError) as e:
+        if type(e) not in (TypeError, ValueError):
+            raise  # a subclass may not take a message alone
+        raise type(e)(f"the parameter at {format_path(path)}: {e}") from None
 
 
 def _check_overlaps(arrays):
