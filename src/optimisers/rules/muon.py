@@ -36,9 +36,10 @@ def matrix_shape(shape) -> tuple[int, int]:
 
 
 def newton_schulz(g, coefficients, steps: int, epsilon):
-    """An approximately orthogonal matrix with `g`'s singular vectors (the singular values pushed
-    towards 1, to somewhere in about [0.7, 1.2] with the default coefficients): `g` divided by its
-    Frobenius norm (at least ε, so that a zero matrix stays zero), then `steps` times
+    """An approximately orthogonal matrix with `g`'s singular vectors, its singular values pushed
+    towards 1 (with the default coefficients and 5 steps, into [0.68, 1.21] for those at least
+    0.003 times the Frobenius norm): `g` divided by its Frobenius norm (at least ε, so that a zero
+    matrix stays zero), then `steps` times
     `X ← aX + (bA + cA²)X` with `A = XXᵀ`. `g` may hold a batch of matrices (its last two axes).
     A tall matrix is iterated as its transpose, so `A` is the smaller Gram matrix."""
     tall = g.shape[-2] > g.shape[-1]
