@@ -13,6 +13,7 @@ from optimisers.torch.dropins import (
     Adam,
     Adamax,
     AdamW,
+    Muon,
     NAdam,
     RAdam,
     RMSprop,
@@ -32,4 +33,5 @@ __all__ = [
     "NAdam",
     "RAdam",
     "Rprop",
+    "Muon",
 ]
