@@ -117,6 +117,41 @@ def jax_steps(values, grads) -> dict:
     return {"optax.contrib.muon (jit)": run_optax, "optimisers.update (jax.jit)": run_ours}
 
 
+def batching_steps(values) -> tuple[dict, dict]:
+    """The Newton–Schulz iterations alone, per matrix against one batched iteration per shape
+    (the matrices of a shape stacked): does batching pay where the library steps each matrix on
+    its own? (It did not on CPU, so the library has no batched path.)"""
+    import jax
+    import jax.numpy as jnp
+
+    from optimisers.rules.muon import NS_COEFFICIENTS, newton_schulz
+
+    def by_shape(arrays):
+        out: dict = {}
+        for a in arrays:
+            out.setdefault(tuple(a.shape), []).append(a)
+        return out
+
+    def each(groups):
+        return [newton_schulz(m, NS_COEFFICIENTS, 5, 1e-7) for ms in groups.values() for m in ms]
+
+    def stacked(groups, stack):
+        return [newton_schulz(stack(ms), NS_COEFFICIENTS, 5, 1e-7) for ms in groups.values()]
+
+    tensors = by_shape([torch.tensor(v) for v in values])
+    arrays = by_shape([jnp.asarray(v) for v in values])
+    jax_each, jax_stacked = jax.jit(each), jax.jit(lambda g: stacked(g, jnp.stack))
+    on_torch = {
+        "torch, per matrix": lambda: each(tensors),
+        "torch, batched": lambda: stacked(tensors, torch.stack),
+    }
+    on_jax = {
+        "jax.jit, per matrix": lambda: jax.block_until_ready(jax_each(arrays)),
+        "jax.jit, batched": lambda: jax.block_until_ready(jax_stacked(arrays)),
+    }
+    return on_torch, on_jax
+
+
 def measure(steps: dict, rounds: int) -> dict[str, float]:
     """Median milliseconds per step of each function, timed in interleaved rounds."""
     for step in steps.values():  # warm-up: state made, programs compiled
@@ -138,6 +173,9 @@ def main(argv=None) -> None:
     parser.add_argument("--rounds", type=int, default=7, help="timed steps per implementation")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     parser.add_argument("--no-jax", action="store_true", help="PyTorch rows only")
+    parser.add_argument(
+        "--batching", action="store_true", help="also time Newton–Schulz per matrix against batched"
+    )
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -151,6 +189,10 @@ def main(argv=None) -> None:
     rows = [("torch.optim.Muon", measure(torch_steps(values, grads), args.rounds))]
     if not args.no_jax:
         rows.append(("optax.contrib.muon (jit)", measure(jax_steps(values, grads), args.rounds)))
+    if args.batching:
+        on_torch, on_jax = batching_steps(values)
+        rows.append(("torch, per matrix", measure(on_torch, args.rounds)))
+        rows.append(("jax.jit, per matrix", measure(on_jax, args.rounds)))
     print(f"{'implementation':<30} {'median ms':>10} {'x peer':>7}")
     for peer, medians in rows:
         for name, ms in medians.items():
