@@ -88,14 +88,16 @@ class Muon(Rule):
     `beta` and `lambd` keyword only), torch's. PyTorch: `torch.optim.Muon(lr=eta,
     weight_decay=lambd, momentum=beta, nesterov=nesterov, ns_coefficients=ns_coefficients,
     eps=epsilon, ns_steps=ns_steps, adjust_lr_fn=scale)` is the same formula for 2-D parameters,
-    but runs the iteration in bfloat16 (its steps differ from ours by about 1%).
-    optax: `optax.contrib.muon(eta, ns_coefficients, ns_steps, beta, eps=epsilon,
-    weight_decay=lambd, nesterov=False, muon_weight_dimension_numbers=MuonDimensionNumbers(1, 0))`
-    computes the same steps for `nesterov=False` (its momentum is bias-corrected, which the
-    normalisation cancels; its Nesterov term is not, so `nesterov=True` differs) and 2-D
-    parameters: optax takes rows as the input axis, the dimension numbers `(1, 0)` make its width
-    scaling ours; with `scale="match_rms_adamw"`, `consistent_rms=0.2` and any dimension numbers.
-    optax adds ε to the norm where we take `max(‖u‖, ε)`: the same for any gradient far from 0.
+    but runs the iteration in bfloat16 (its steps differ from ours by 1-3%).
+    optax: `optax.contrib.muon(eta, ns_coeffs=ns_coefficients, ns_steps=ns_steps, beta=beta,
+    eps=epsilon, weight_decay=lambd, nesterov=False,
+    muon_weight_dimension_numbers=MuonDimensionNumbers(1, 0))` computes the same steps for
+    `nesterov=False` and 2-D parameters: its momentum is bias-corrected, a factor that the
+    normalisation cancels (its Nesterov term corrects the momentum and the gradient by different
+    factors, so `nesterov=True` differs); it takes rows as the input axis, and the dimension
+    numbers `(1, 0)` make its width scaling ours (with `scale="match_rms_adamw"`:
+    `consistent_rms=0.2`, any dimension numbers). optax adds ε to the norm where we take
+    `max(‖u‖, ε)`: the same for any gradient far from 0.
     """
 
     never_raises = True

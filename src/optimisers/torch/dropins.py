@@ -279,7 +279,7 @@ class Muon(DropIn):
     """torch.optim.Muon, trained by this library's `Muon` (the same formula: momentum average,
     Nesterov, Newton–Schulz, `adjust_lr_fn` as `scale`, decay `lr·weight_decay·p`). torch runs
     Newton–Schulz in bfloat16, this class in float32 (the parameter's dtype if wider), so its
-    steps differ from torch's by about 1%, and are the more accurate. Like torch it refuses
+    steps differ from torch's by 1-3%, and are the more accurate. Like torch it refuses
     parameters of fewer than 2 dimensions when it is made (route those to AdamW); unlike torch it
     also takes 3-D and 4-D ones, as the matrices (shape[0], the rest). Complex parameters are
     refused when it is made (torch refuses them at the first step)."""
