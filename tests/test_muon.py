@@ -414,3 +414,21 @@ def test_hyperparameters_are_checked():
             opt.Muon(**bad)
     with pytest.raises(TypeError):
         opt.Muon(0.1, 0.9, 0.0, False)  # nesterov and the rest are keyword only
+
+
+def test_generic_torch_optimizer_refuses_a_vector_at_its_first_step_changing_nothing():
+    import optimisers.torch as ot
+
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(3, 4)
+    before = [p.detach().clone() for p in layer.parameters()]
+    optimizer = ot.Optimizer(layer, opt.Muon())  # state is made lazily, at the first gradient
+    layer(torch.randn(2, 3)).sum().backward()
+    with pytest.raises(ValueError, match=r"parameter 1: Muon orthogonalises matrices"):
+        optimizer.step()
+    assert all(torch.equal(p, b) for p, b in zip(layer.parameters(), before))
+    assert optimizer.state_dict()["state"] == {}
+    # routed per parameter, as the message says
+    optimizer = ot.Optimizer(layer, lambda path, x: opt.Muon() if x.ndim >= 2 else opt.AdamW())
+    optimizer.step()
+    assert not torch.equal(layer.weight, before[0]) and not torch.equal(layer.bias, before[1])
