@@ -434,6 +434,46 @@ def adafactor(eta=1e-2, beta2_decay=-0.8, epsilon=(None, 1e-3), d=1.0, lambd=0.0
     return step
 
 
+def _orthogonalised(u, coefficients, steps, epsilon):
+    """Keller Jordan's quintic Newton–Schulz, written on the singular values: each iteration
+    X ↦ aX + b(XXᵀ)X + c(XXᵀ)²X maps X = U·diag(σ)·Vᵀ to U·diag(aσ + bσ³ + cσ⁵)·Vᵀ, started from
+    u divided by its Frobenius norm (at least ε). An array of more than 2 axes is the matrix
+    (shape[0], the rest)."""
+    matrix = np.asarray(u, np.float64).reshape(u.shape[0], -1)
+    U, sigma, Vt = np.linalg.svd(matrix, full_matrices=False)
+    sigma = sigma / max(np.sqrt(np.sum(sigma**2)), epsilon)
+    a, b, c = coefficients
+    for _ in range(steps):
+        sigma = a * sigma + b * sigma**3 + c * sigma**5
+    return ((U * sigma) @ Vt).reshape(u.shape)
+
+
+def muon(
+    eta=0.001,
+    beta=0.95,
+    lambd=0.1,
+    nesterov=True,
+    ns_steps=5,
+    ns_coefficients=(3.4445, -4.7750, 2.0315),
+    epsilon=1e-7,
+    scale="original",
+):
+    m = 0.0
+
+    def step(x, g):
+        nonlocal m
+        m = beta * m + (1 - beta) * g
+        u = (1 - beta) * g + beta * m if nesterov else m
+        rows, cols = x.shape[0], x.size // x.shape[0]
+        if scale == "original":
+            factor = np.sqrt(max(1.0, rows / cols))
+        else:  # "match_rms_adamw"
+            factor = 0.2 * np.sqrt(max(rows, cols))
+        return eta * factor * _orthogonalised(u, ns_coefficients, ns_steps, epsilon) + eta * lambd * x
+
+    return step
+
+
 def weight_decay(lambd=5e-4):
     return lambda x, g: g + lambd * x
 

@@ -101,6 +101,9 @@ class RuleInfo:
     defaults: dict | None  # the documented defaults; None: a hyperparameter has no default
     reference: Callable | None = None  # rule_reference factory, the rule's keyword arguments
     complex: bool = True  # takes complex parameters (else setup raises TypeError)
+    # the fewest axes a parameter may have (Muon: 2, it orthogonalises matrices; setup raises
+    # ValueError for fewer); the generic tests give their arrays the shapes `shaped` says
+    min_ndim: int = 0
     elementwise: bool = True  # each element's step depends on that element alone
     # its steps depend on a basis of eigenvectors, which is arbitrary within a repeated
     # eigenvalue's eigenspace: a matrix's first G Gᵀ has a repeated zero eigenvalue on an axis
@@ -165,6 +168,22 @@ def _adafactor_optax(optax, r):
         clipping_threshold=r.d,
         momentum=None,
         weight_decay_rate=r.eta * r.lambd if r.lambd else None,
+    )
+
+
+def _muon_optax(optax, r):
+    assert not r.nesterov, "optax.contrib.muon's Nesterov term is bias-corrected: nesterov=False"
+    rms = r.scale == "match_rms_adamw"
+    return optax.contrib.muon(
+        r.eta,
+        ns_coeffs=r.ns_coefficients,
+        ns_steps=r.ns_steps,
+        beta=r.beta,
+        eps=r.epsilon,
+        weight_decay=r.lambd,
+        nesterov=False,
+        muon_weight_dimension_numbers=optax.contrib.MuonDimensionNumbers(1, 0),
+        consistent_rms=0.2 if rms else None,
     )
 
 
@@ -582,6 +601,37 @@ RULES: tuple[RuleInfo, ...] = (
         half=[hp()],
         checkpoint=[hp(), hp("lambd", lambd=0.01)],
     ),
+    # optax.contrib.muon bias-corrects its momentum: the normalisation before Newton–Schulz
+    # cancels that for nesterov=False, not for its Nesterov term, so it is compared at
+    # nesterov=False; its width scaling takes rows as the input axis, dimension numbers (1, 0)
+    # make it ours. torch.optim.Muon iterates in bfloat16: tests/test_muon.py compares with it.
+    RuleInfo(
+        opt.Muon,
+        dict(
+            eta=0.001,
+            beta=0.95,
+            lambd=0.1,
+            nesterov=True,
+            ns_steps=5,
+            ns_coefficients=(3.4445, -4.7750, 2.0315),
+            epsilon=1e-7,
+            scale="original",
+        ),
+        ref.muon,
+        complex=False,
+        min_ndim=2,
+        elementwise=False,
+        toy=[hp(eta=0.02, lambd=0.0), hp("plain", eta=0.02, lambd=0.0, nesterov=False)],
+        jit=[hp(), hp("rms", nesterov=False, scale="match_rms_adamw")],
+        optax=_muon_optax,
+        # optax adds ε to the norm where we take max(norm, ε): 1e-7 moves float64 steps by ~1e-10
+        optax64=[
+            hp(eta=0.01, nesterov=False, epsilon=1e-30),
+            hp("rms", eta=0.01, nesterov=False, epsilon=1e-30, scale="match_rms_adamw"),
+        ],
+        optax32=[hp(eta=0.01, nesterov=False)],
+        checkpoint=[hp(eta=0.01)],
+    ),
     RuleInfo(
         opt.WeightDecay,
         dict(lambd=5e-4),
@@ -840,6 +890,45 @@ def sets_values(rule: opt.Rule) -> bool:
     if isinstance(rule, (opt.MixedPrecision, opt.SkipNonFinite)):
         return sets_values(rule.rule)
     return RULE_INFO[type(rule)].sets_value
+
+
+def min_ndim(rule: opt.Rule) -> int:
+    """The fewest axes a parameter of `rule` may have (0: any array)."""
+    if isinstance(rule, opt.OptimiserChain):
+        return max((min_ndim(r) for r in rule.rules), default=0)
+    if isinstance(rule, (opt.MixedPrecision, opt.SkipNonFinite, opt.Lookahead)):
+        return min_ndim(rule.rule)
+    return RULE_INFO[type(rule)].min_ndim
+
+
+def shaped(rule: opt.Rule, shape: tuple) -> tuple:
+    """`shape` for a parameter of `rule`: as it is, or with trailing axes of length 1 up to the
+    axes the rule needs (a vector (n,) becomes the matrix (n, 1) for Muon). The size is kept, so
+    test data made for `shape` reshapes to it."""
+    shape = tuple(shape)
+    return shape + (1,) * max(0, min_ndim(rule) - len(shape))
+
+
+def shaped_like(rule: opt.Rule, tree):
+    """A dict or list of arrays (any backend) with each array reshaped as `shaped` says (the same
+    objects where nothing changes)."""
+    if isinstance(tree, dict):
+        return {k: shaped_like(rule, v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [shaped_like(rule, v) for v in tree]
+    want = shaped(rule, tree.shape)
+    return tree if tuple(tree.shape) == want else tree.reshape(want)
+
+
+def routed(rule: opt.Rule):
+    """What to give `setup` to train a model whose arrays have any shape with `rule`: `rule`
+    itself, or, for a rule that needs more axes than some arrays have (Muon's matrices), a
+    function `(path, x) -> rule` giving those arrays AdamW, as Muon's users route biases and
+    normalisation scales."""
+    k = min_ndim(rule)
+    if k == 0:
+        return rule
+    return lambda path, x: rule if len(x.shape) >= k else opt.AdamW(1e-3)
 
 
 # --- the cases of each family of generic tests ------------------------------------------------------

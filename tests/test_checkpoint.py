@@ -29,7 +29,7 @@ from _checkpoint_helpers import (
 )
 from optimisers import schedules
 from optimisers.core.state import leaf_paths
-from rules_registry import checkpoint_rules
+from rules_registry import checkpoint_rules, routed
 
 # --- the state dict ------------------------------------------------------------------------------
 
@@ -145,12 +145,12 @@ def test_every_rule_resumes_bit_for_bit(rule, tmp_path):
     rng = np.random.default_rng(SEED)
     model = make_model(rng)
     grads = [make_grads(rng, model) for _ in range(6)]
-    state = opt.setup(rule, model)
+    state = opt.setup(routed(rule), model)
     for g in grads[:3]:
         state, model = opt.update_(state, model, g)
     opt.save(tmp_path / "opt.npz", state)
     resumed_model = copy_model(model)
-    resumed = opt.load(tmp_path / "opt.npz", opt.setup(rule, resumed_model))
+    resumed = opt.load(tmp_path / "opt.npz", opt.setup(routed(rule), resumed_model))
     for g in grads[3:]:
         state, model = opt.update_(state, model, g)
         resumed, resumed_model = opt.update_(resumed, resumed_model, g)

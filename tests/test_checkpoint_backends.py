@@ -12,7 +12,7 @@ import pytest
 import optimisers as opt
 from _host_devices import run_on_host_devices
 from optimisers.schedules import Cosine, Join, Linear
-from rules_registry import checkpoint_rules
+from rules_registry import checkpoint_rules, routed
 
 torch = pytest.importorskip("torch")
 jax = pytest.importorskip("jax")
@@ -85,11 +85,11 @@ def test_torch_resume_bit_for_bit(rule, tmp_path):
 
     torch.manual_seed(0)
     full = TiedLM()
-    full, _ = torch_train(full, opt.setup(rule, full), batches, sched, 0, 10)[::-1]
+    full, _ = torch_train(full, opt.setup(routed(rule), full), batches, sched, 0, 10)[::-1]
 
     torch.manual_seed(0)
     model = TiedLM()
-    state, model = torch_train(model, opt.setup(rule, model), batches, sched, 0, 4)
+    state, model = torch_train(model, opt.setup(routed(rule), model), batches, sched, 0, 4)
     assert state["norm"]["weight"].frozen
     opt.save(tmp_path / "opt.npz", state)
     torch.save(model.state_dict(), tmp_path / "model.pt")
@@ -98,7 +98,7 @@ def test_torch_resume_bit_for_bit(rule, tmp_path):
     torch.manual_seed(123)  # a fresh model, different initial weights, then the saved ones
     model = TiedLM()
     model.load_state_dict(torch.load(tmp_path / "model.pt"))
-    state = opt.load(tmp_path / "opt.npz", opt.setup(rule, model))
+    state = opt.load(tmp_path / "opt.npz", opt.setup(routed(rule), model))
     assert state["norm"]["weight"].frozen
     assert state["head"]["weight"] is state["embed"]["weight"]
     state, model = torch_train(model, state, batches, sched, 4, 10)

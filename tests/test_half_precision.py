@@ -18,7 +18,7 @@ import optimisers as opt
 import optimisers.torch as opt_torch
 from optimisers.core.state import flatten_state, leaf_paths
 from rules_registry import RULES as REGISTRY
-from rules_registry import torch_cases
+from rules_registry import shaped, torch_cases
 
 jnp = pytest.importorskip("jax.numpy")
 ml_dtypes = pytest.importorskip("ml_dtypes")  # NumPy's bfloat16 (a dependency of JAX)
@@ -66,20 +66,22 @@ def _as_float64(a):
 
 def train_ours(rule, backend, name, path="update"):
     x, gs = _inputs(DTYPES[name][0])
-    model = {"w": _to(backend, x, name)}
+    shape = shaped(rule, x.shape)  # as many axes as the rule needs
+    model = {"w": _to(backend, x.reshape(shape), name)}
     state = opt.setup(rule, model)
     for g in gs:
-        state, model = getattr(opt, path)(state, model, {"w": _to(backend, g, name)})
+        state, model = getattr(opt, path)(state, model, {"w": _to(backend, g.reshape(shape), name)})
     return state, model
 
 
 def train_float64(rule, name):
     x, gs = _inputs(DTYPES[name][0])
-    model = {"w": x}
+    shape = shaped(rule, x.shape)
+    model = {"w": x.reshape(shape)}
     state = opt.setup(rule, model)
     for g in gs:
-        state, model = opt.update(state, model, {"w": g})
-    return model["w"]
+        state, model = opt.update(state, model, {"w": g.reshape(shape)})
+    return model["w"].reshape(x.shape)
 
 
 def train_torch(make, name, **implementation):
@@ -147,7 +149,7 @@ def test_state_stays_in_the_parameters_dtype_and_both_paths_agree(rule, name, ba
     np.testing.assert_array_equal(_as_float64(model["w"]), _as_float64(pure["w"]))
     dtype = model["w"].dtype
     arrays = [_state_arrays(s) for s in (state, pure_state)]
-    has_state = bool(_state_arrays(opt.setup(make(), {"w": np.zeros(4)})))
+    has_state = bool(_state_arrays(opt.setup(make(), {"w": np.zeros(shaped(make(), (4,)))})))
     assert bool(arrays[0]) == has_state and all(p.dtype == dtype for parts in arrays for p in parts)
     for a, b in zip(*arrays, strict=True):
         np.testing.assert_array_equal(_as_float64(a), _as_float64(b))

@@ -16,7 +16,7 @@ import optax
 import pytest
 
 import optimisers as opt
-from rules_registry import ambiguous_basis, jit_rules, optax_cases
+from rules_registry import ambiguous_basis, jit_rules, optax_cases, shaped_like
 
 STEPS = 100
 SHAPES = {"w": (7, 5), "b": (5,)}
@@ -73,9 +73,9 @@ def _rel(a, b):
 @pytest.mark.parametrize("name", list(CASES))
 def test_rule_matches_optax_over_100_steps(name):
     rule, tx = CASES[name].ours(), CASES[name].theirs(optax)
-    x0 = _x0()
-    ours = _run_ours(rule, x0, GRADS)
-    theirs = _run_optax(tx, x0, GRADS)
+    x0, grads = shaped_like(rule, _x0()), shaped_like(rule, GRADS)
+    ours = _run_ours(rule, x0, grads)
+    theirs = _run_optax(tx, x0, grads)
     # float32 rounding, with float32 bias corrections (1 - β₂ᵗ) as the worst-conditioned part
     assert max(_rel(a, b) for a, b in zip(ours, theirs)) < 2e-5
     final_move = max(float(jnp.max(jnp.abs(theirs[-1][k] - x0[k]))) for k in x0)
@@ -128,10 +128,10 @@ RULES_UNDER_JIT = jit_rules()
 @pytest.mark.parametrize("rule", RULES_UNDER_JIT, ids=repr)
 def test_every_rule_jits_keeps_ties_and_equals_eager(rule):
     shapes = SQUARE_SHAPES if ambiguous_basis(rule) else SHAPES
-    x0 = _x0(shapes)
+    x0 = shaped_like(rule, _x0(shapes))
     model = {"a": x0["w"], "b": x0["b"], "tied": x0["w"]}
     grads = [
-        {"a": g["w"], "b": g["b"], "tied": 0.5 * g["w"]} for g in _grads(6, shapes=shapes)
+        {"a": g["w"], "b": g["b"], "tied": 0.5 * g["w"]} for g in shaped_like(rule, _grads(6, shapes=shapes))
     ]
     eager = _run_ours(rule, model, grads, jit=False)
     jitted = _run_ours(rule, model, grads, jit=True)
@@ -148,9 +148,9 @@ def test_every_rules_state_can_be_donated(rule):
     """`jax.jit(update, donate_argnums=0)` donates every buffer of the state: a rule whose `init`
     or `apply` puts one array at two places of its state would make XLA refuse the call."""
     shapes = SQUARE_SHAPES if ambiguous_basis(rule) else SHAPES
-    model = _x0(shapes)
+    model = shaped_like(rule, _x0(shapes))
     step = jax.jit(opt.update, donate_argnums=0)
     state = opt.setup(rule, model)
-    for g in _grads(3, shapes=shapes):
+    for g in shaped_like(rule, _grads(3, shapes=shapes)):
         state, model = step(state, model, g)
     assert all(np.isfinite(np.asarray(a)).all() for a in jax.tree.leaves(model))

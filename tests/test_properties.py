@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import optimisers as opt
-from rules_registry import RULES
+from rules_registry import RULES, shaped
 
 N_ARRAYS = 4
 SHAPES = [(2,), (3,), (2, 2), ()]
@@ -94,7 +94,8 @@ def check_tied_tree(tree, seed, inplace, share, rule, data):
     if share:  # the same container at two places, each place with its own gradient
         tree = {"x": tree, "y": tree}
     rng = np.random.default_rng(seed)
-    arrays = [rng.standard_normal(s) if s else np.array(rng.standard_normal()) for s in SHAPES]
+    shapes = [shaped(rule, s) for s in SHAPES]  # as many axes as the rule needs
+    arrays = [rng.standard_normal(s) if s else np.array(rng.standard_normal()) for s in shapes]
     model = materialise(tree, arrays, {})
     where = places(tree)
     reference = {i: arrays[i].copy() for _, i in where}

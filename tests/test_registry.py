@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import inspect
 
+import numpy as np
 import pytest
 
 import optimisers as opt
@@ -39,3 +40,14 @@ def test_reference_formula_has_the_documented_defaults(info):
         if name in parameters:  # e.g. ClipNorm's `throw` does not change the numbers
             assert parameters[name].default == value, f"{info.reference.__name__}({name}=...)"
     assert set(parameters) <= set(info.defaults)
+
+
+@pytest.mark.parametrize("info", RULES, ids=lambda i: i.name)
+def test_min_ndim_is_the_librarys(info):
+    """A rule takes arrays of `min_ndim` axes; one axis fewer is refused at setup, naming the path."""
+    rule = info.make(info.toy[0])
+    k = info.min_ndim
+    opt.setup(rule, {"x": np.ones((2,) * k)})
+    if k > 0:
+        with pytest.raises(ValueError, match=r"the parameter at x: "):
+            opt.setup(rule, {"x": np.ones((2,) * (k - 1))})

@@ -34,7 +34,7 @@ from optimisers import (
     WeightDecay,
 )
 from rules_registry import RULES as REGISTRY
-from rules_registry import supports_complex, toy_cases
+from rules_registry import shaped, shaped_like, supports_complex, toy_cases
 
 RULES = toy_cases()
 IDS = [repr(c.rule).replace(" ", "") for c in RULES]
@@ -86,7 +86,8 @@ def same_bits(a, b) -> bool:
 
 
 # --- convergence on three toy losses ------------------------------------------------------------
-# The model is {"w": (5,), "b": (1,)}; each loss returns (value, gradient tree) in float64.
+# The model is {"w": (5,), "b": (1,)} (shaped as each rule needs, see `rules_registry.shaped`);
+# each loss returns (value, gradient tree) in float64.
 
 _G = rng(1234)
 _TARGET = _G.standard_normal(6)
@@ -97,7 +98,7 @@ _LABELS = np.sign(_X @ (2 * _G.standard_normal(5)) + 0.5 + 0.5 * _G.standard_nor
 
 
 def _flat(model):
-    return np.concatenate([model["w"].astype(np.float64), model["b"].astype(np.float64)])
+    return np.concatenate([model["w"].astype(np.float64).ravel(), model["b"].astype(np.float64).ravel()])
 
 
 def _split(z):
@@ -144,12 +145,12 @@ REDUCTION = 0.1  # every rule must shrink the gap to the minimum tenfold on ever
 @pytest.mark.parametrize("case", case_params(lambda c: c.steps > 0))
 def test_converges(case, loss_name):
     loss_fn, minimum = LOSSES[loss_name]
-    model = {"w": np.zeros(5, case.dtype), "b": np.zeros(1, case.dtype)}
+    model = {k: np.zeros(shaped(case.rule, (n,)), case.dtype) for k, n in (("w", 5), ("b", 1))}
     state = opt.setup(case.rule, model)
     start = loss_fn(model)[0] - minimum
     for _ in range(case.steps):
         _, grads = loss_fn(model)
-        grads = {k: g.astype(case.dtype) for k, g in grads.items()}
+        grads = shaped_like(case.rule, {k: g.astype(case.dtype) for k, g in grads.items()})
         state, model = opt.update_(state, model, grads)
     gap = loss_fn(model)[0] - minimum
     assert model["w"].dtype == case.dtype
@@ -161,18 +162,20 @@ def test_converges(case, loss_name):
 DTYPES = [np.float16, np.float32, np.float64, np.complex64]
 
 
-def small_model(dtype, seed=0):
+def small_model(dtype, seed=0, rule=None):
+    """{"w": (3, 4), "b": (4,)} of random numbers, shaped as `rule` needs."""
     gen = rng(seed)
     model = {"w": gen.standard_normal((3, 4)), "b": gen.standard_normal(4)}
     if np.dtype(dtype).kind == "c":
         model = {k: v + 1j * gen.standard_normal(v.shape) for k, v in model.items()}
-    return {k: v.astype(dtype) for k, v in model.items()}
+    model = {k: v.astype(dtype) for k, v in model.items()}
+    return model if rule is None else shaped_like(rule, model)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
 @pytest.mark.parametrize("case", case_params())
 def test_dtype_is_preserved(case, dtype):
-    model = small_model(dtype)
+    model = small_model(dtype, rule=case.rule)
     if np.dtype(dtype).kind == "c" and not supports_complex(case.rule):
         with pytest.raises(TypeError, match="complex"):
             opt.setup(case.rule, model)
@@ -186,7 +189,7 @@ def test_dtype_is_preserved(case, dtype):
     if isinstance(case.rule, MixedPrecision):
         allowed.add(np.dtype(case.rule.dtype))
     for x in model.values():
-        assert x.dtype == dtype and x.shape in ((3, 4), (4,))
+        assert x.dtype == dtype and x.shape in ((3, 4), shaped(case.rule, (4,)))
         assert np.all(np.isfinite(x))
     for part in state_parts(state):
         if isinstance(part, (int, float)):
@@ -197,7 +200,7 @@ def test_dtype_is_preserved(case, dtype):
 @pytest.mark.parametrize("case", case_params())
 def test_update_and_update_in_place_agree_bitwise(case):
     dtype = case.dtype if case.dtype != np.float64 else np.float32
-    models = [small_model(dtype), small_model(dtype)]
+    models = [small_model(dtype, rule=case.rule), small_model(dtype, rule=case.rule)]
     states = [opt.setup(case.rule, m) for m in models]
     gen = rng(2)
     for _ in range(5):
@@ -213,7 +216,7 @@ def test_update_and_update_in_place_agree_bitwise(case):
 
 @pytest.mark.parametrize("case", case_params())
 def test_update_leaves_its_inputs_alone(case):
-    model = small_model(case.dtype if case.dtype != np.float64 else np.float32)
+    model = small_model(case.dtype if case.dtype != np.float64 else np.float32, rule=case.rule)
     state = opt.setup(case.rule, model)
     gen = rng(3)
     state, _ = opt.update(state, model, random_like(model, gen))  # state arrays now non-trivial
@@ -266,7 +269,7 @@ REFERENCE_PARAMS = [
 
 @pytest.mark.parametrize("case, dtype", REFERENCE_PARAMS)
 def test_matches_reference_formulas(case, dtype):
-    model = small_model(dtype, seed=4)
+    model = small_model(dtype, seed=4, rule=case.rule)
     grads_list = reference_gradients(model, 20, seed=5)
     expected = reference_trajectory(case, model, grads_list)
     state = opt.setup(case.rule, model)

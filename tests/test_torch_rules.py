@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import optimisers as opt
-from rules_registry import supports_complex, toy_cases
+from rules_registry import shaped, supports_complex, toy_cases
 
 STEPS = 4
 CASES = [pytest.param(c, id=repr(c.rule).replace(" ", "")) for c in toy_cases()]
@@ -20,9 +20,10 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 class Tied(nn.Module):
-    """Two linear maps sharing one weight (a Parameter at two places) and a bias each."""
+    """Two linear maps sharing one weight (a Parameter at two places) and a bias each; the biases
+    shaped as `rule` needs (see `rules_registry.shaped`)."""
 
-    def __init__(self, dtype):
+    def __init__(self, dtype, rule=None):
         super().__init__()
         g = torch.Generator().manual_seed(0)
         w = torch.randn(4, 3, generator=g, dtype=torch.float64).to(dtype)
@@ -32,6 +33,9 @@ class Tied(nn.Module):
             self.enc.bias.copy_(torch.randn(4, generator=g, dtype=torch.float64).to(dtype))
             self.dec.bias.copy_(torch.randn(4, generator=g, dtype=torch.float64).to(dtype))
         self.enc.weight = self.dec.weight = nn.Parameter(w)
+        if rule is not None and shaped(rule, (4,)) != (4,):
+            for layer in (self.enc, self.dec):
+                layer.bias = nn.Parameter(layer.bias.detach().reshape(shaped(rule, (4,))))
 
 
 def gradients(model, step):
@@ -68,7 +72,7 @@ def state_tensors(state):
 
 @pytest.mark.parametrize("case", CASES)
 def test_same_numbers_as_numpy(case):
-    model = Tied(torch.float64)
+    model = Tied(torch.float64, case.rule)
     w, eb, db = (p.detach().numpy().copy() for p in values(model))
     as_numpy = {"enc": {"weight": w, "bias": eb}, "dec": {"weight": w, "bias": db}}
     st, snp = opt.setup(case.rule, model), opt.setup(case.rule, as_numpy)
@@ -90,9 +94,9 @@ def test_same_numbers_as_numpy(case):
 def test_dtypes_pure_and_in_place(case, dtype):
     if dtype.is_complex and not supports_complex(case.rule):
         with pytest.raises(TypeError, match="complex"):
-            opt.setup(case.rule, Tied(dtype))
+            opt.setup(case.rule, Tied(dtype, case.rule))
         return
-    a, b = Tied(dtype), Tied(dtype)
+    a, b = Tied(dtype, case.rule), Tied(dtype, case.rule)
     sa, sb = opt.setup(case.rule, a), opt.setup(case.rule, b)
     for k in range(STEPS):
         g = gradients(a, k)

@@ -18,7 +18,8 @@ Conventions shared by every rule here:
 * Rules whose step for each element depends only on that element and on scalar state set
   `elementwise = True`, so the update engine may run them over packed chunks of parameters.
   ClipNorm, LAMB, LARS and Adafactor do not (their norms couple the whole array), nor SOAP
-  (it rotates it); chains and MixedPrecision inherit the flag from their members.
+  (it rotates it) or Muon (its orthogonalisation couples a matrix); chains and MixedPrecision
+  inherit the flag from their members.
 * `apply` never writes to its inputs; the interface decides whether parameters change in place.
 * Complex parameters work wherever the maths is defined (`|g|²` is `ops.abs2`). Rules built on the
   sign or the order of numbers (Rprop, Lion, SignDecay, ClipGrad) raise TypeError for them in `init`.
@@ -31,6 +32,7 @@ from optimisers.rules import (
     adaptive,
     combinators,
     gradient,
+    muon,
     schedule_free,
     sgd,
     soap,
@@ -41,6 +43,7 @@ from optimisers.rules.adam import *  # noqa: F403
 from optimisers.rules.adaptive import *  # noqa: F403
 from optimisers.rules.combinators import *  # noqa: F403
 from optimisers.rules.gradient import *  # noqa: F403
+from optimisers.rules.muon import *  # noqa: F403
 from optimisers.rules.schedule_free import *  # noqa: F403
 from optimisers.rules.sgd import *  # noqa: F403
 from optimisers.rules.soap import *  # noqa: F403
@@ -54,6 +57,7 @@ __all__ = [
     *soap.__all__,
     *adafactor.__all__,
     *schedule_free.__all__,
+    *muon.__all__,
     *gradient.__all__,
     *combinators.__all__,
 ]

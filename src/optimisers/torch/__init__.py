@@ -15,6 +15,7 @@ from optimisers.torch.dropins import (
     Adam,
     Adamax,
     AdamW,
+    Muon,
     NAdam,
     RAdam,
     RMSprop,
@@ -38,4 +39,5 @@ __all__ = [
     "Adafactor",
     "AdamWScheduleFree",
     "SGDScheduleFree",
+    "Muon",
 ]

@@ -16,6 +16,8 @@ from optimisers.rules.adafactor import Adafactor as _Adafactor
 from optimisers.rules.adafactor import is_factored
 from optimisers.rules.adam import Adam as _Adam
 from optimisers.rules.adam import AdamW as _AdamW
+from optimisers.rules.muon import NS_COEFFICIENTS
+from optimisers.rules.muon import Muon as _Muon
 from optimisers.rules.sgd import Descent
 from optimisers.rules.torch_named import (
     TorchAdadelta,
@@ -33,7 +35,7 @@ from optimisers.torch.torch_format import NOT_SHOWN, STEP
 
 __all__ = [
     "SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadelta", "Adamax", "NAdam", "RAdam", "Rprop",
-    "Adafactor",
+    "Adafactor", "Muon",
 ]  # fmt: skip
 
 
@@ -335,3 +337,55 @@ class Adafactor(DropIn):
         if name == "col_var":
             return (*p.shape[:-2], 1, p.shape[-1])
         return p.shape
+
+
+class Muon(DropIn):
+    """torch.optim.Muon, trained by this library's `Muon` (the same formula: momentum average,
+    Nesterov, Newton–Schulz, `adjust_lr_fn` as `scale`, decay `lr·weight_decay·p`). torch runs
+    Newton–Schulz in bfloat16, this class in float32 (the parameter's dtype if wider), so its
+    steps differ from torch's by 1-3%, and are the more accurate. Like torch it refuses
+    parameters of fewer than 2 dimensions when it is made (route those to AdamW); unlike torch it
+    also takes 3-D and 4-D ones, as the matrices (shape[0], the rest). Complex parameters are
+    refused when it is made (torch refuses them at the first step)."""
+
+    _l2 = False  # the decay is the rule's own, decoupled
+    _one_part = True  # the rule's state is the momentum buffer alone
+
+    def __init__(
+        self, params, lr=1e-3, weight_decay=0.1, momentum=0.95, nesterov=True,
+        ns_coefficients=NS_COEFFICIENTS, eps=1e-7, ns_steps=5, adjust_lr_fn=None,
+    ):  # fmt: skip
+        super().__init__(params, dict(
+            lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
+            ns_coefficients=ns_coefficients, eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn,
+        ))  # fmt: skip
+
+    def _check(self, h, where):
+        super()._check(h, where)
+        if h["adjust_lr_fn"] not in (None, "original", "match_rms_adamw"):
+            raise ValueError(f"{where}: Adjust learning rate function {h['adjust_lr_fn']} is not supported")
+
+    def _rule(self, h):
+        return _Muon(
+            h["lr"], h["momentum"], h["weight_decay"], nesterov=h["nesterov"], ns_steps=h["ns_steps"],
+            ns_coefficients=tuple(h["ns_coefficients"]), epsilon=h["eps"],
+            scale=h["adjust_lr_fn"] or "original",
+        )  # fmt: skip
+
+    def _layout(self, h):
+        return ("momentum_buffer",)
+
+    def _make_group(self, group, where):
+        made = super()._make_group(group, where)
+        names = made.entries.get("param_names") or [None] * len(made.params)
+        for i, (p, name) in enumerate(zip(made.params, names)):
+            what = f"{where}, parameter {i}" + (f" ({name})" if name else "")
+            if p.ndim < 2:
+                raise ValueError(
+                    f"{what}: Muon only supports parameters of at least 2 dimensions (matrices), got "
+                    f"one of shape {tuple(p.shape)}; give biases, normalisation weights (and, as "
+                    "advised, embeddings and the output head) to another optimizer such as AdamW"
+                )
+            if p.is_complex():
+                raise ValueError(f"{what}: Muon does not support complex parameters")
+        return made

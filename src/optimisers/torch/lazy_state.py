@@ -98,12 +98,21 @@ class LazyState:
         if not born:
             return born
         with torch.no_grad():
-            for i in born:
-                leaf = self._leaf_at[i]
-                # fresh arrays: the engine keeps them as its buffers, no copy
-                set_state(leaf, leaf.rule.init(self._engine_view(self._model[i])), owned=True)
+            made = {i: self._first_state(i) for i in born}  # all made before any is kept
+        for i, state in made.items():
+            set_state(self._leaf_at[i], state, owned=True)  # fresh arrays: the engine keeps them
         self._ready(born)
         return born
+
+    def _first_state(self, position: int):
+        """The rule's initial state for the parameter at `position`; a parameter the rule
+        refuses (a vector for Muon) is reported with its position."""
+        try:
+            return self._leaf_at[position].rule.init(self._engine_view(self._model[position]))
+        except (TypeError, ValueError) as e:
+            if type(e) not in (TypeError, ValueError):
+                raise  # a subclass may not take a message alone
+            raise type(e)(f"parameter {position}: {e}") from None
 
     def _forget(self, positions) -> None:
         """Drop the state of these parameters: it is made afresh at their next gradient."""

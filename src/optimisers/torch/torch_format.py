@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -68,6 +68,9 @@ class TorchStateFormat:
         """The shape of state part `name` of parameter `p`."""
         return p.shape
 
+    #: the rule's state is one array (Muon's momentum), not a tuple of parts
+    _one_part: ClassVar[bool] = False
+
     def _group_of(self, position: int) -> ParamGroup:
         start = 0
         for g in self._groups:
@@ -79,7 +82,8 @@ class TorchStateFormat:
     def _entry(self, position: int, leaf) -> dict:
         """`state[p]` with torch's keys: the rule's state arrays (complex again for a complex
         parameter) and "step" as torch keeps it."""
-        parts = leaf.state if isinstance(leaf.state, tuple) else ()
+        state = leaf.state
+        parts = (state,) if self._one_part else state if isinstance(state, tuple) else ()
         complex_ = self._model[position].is_complex()
         out: dict = {}
         for name, part in zip(self._layout_for(self._group_of(position).seen, self._model[position]), parts):
@@ -109,7 +113,9 @@ class TorchStateFormat:
         except _Misfit as e:
             problems.append(str(e))
             return None
-        return tuple(parts) if parts else None
+        if not parts:
+            return None
+        return parts[0] if self._one_part else tuple(parts)
 
     def _check_entry_keys(self, entry, layout: tuple, where: str) -> None:
         if not isinstance(entry, Mapping):
