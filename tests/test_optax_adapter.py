@@ -74,11 +74,11 @@ PARAMS += [pytest.param(rule, id=repr(rule).replace(" ", "")) for rule in jit_ru
 @pytest.mark.parametrize("rule", PARAMS)
 @pytest.mark.parametrize("jitted", [False, True], ids=["eager", "jit"])
 def test_apply_updates_equals_update_bit_for_bit(rule, jitted):
-    rule = routed(rule)  # the bias to AdamW where the rule takes matrices only (Muon)
-    tx = transform(rule)
+    chosen = routed(rule)  # the bias to AdamW where the rule takes matrices only (Muon)
+    tx = transform(chosen)
     model = tied_model()
     # init is setup: eager and jitted, the transform computes what update computes
-    state, ref_state = tx.init(model), opt.setup(rule, model)
+    state, ref_state = tx.init(model), opt.setup(chosen, model)
     assert state["embed"] is state["unembed"]
     assert bits(state) == bits(ref_state)
 
