@@ -33,6 +33,7 @@ from optimisers.rules import (
     combinators,
     gradient,
     muon,
+    routing,
     schedule_free,
     sgd,
     soap,
@@ -44,6 +45,7 @@ from optimisers.rules.adaptive import *  # noqa: F403
 from optimisers.rules.combinators import *  # noqa: F403
 from optimisers.rules.gradient import *  # noqa: F403
 from optimisers.rules.muon import *  # noqa: F403
+from optimisers.rules.routing import *  # noqa: F403
 from optimisers.rules.schedule_free import *  # noqa: F403
 from optimisers.rules.sgd import *  # noqa: F403
 from optimisers.rules.soap import *  # noqa: F403
@@ -58,6 +60,7 @@ __all__ = [
     *adafactor.__all__,
     *schedule_free.__all__,
     *muon.__all__,
+    *routing.__all__,
     *gradient.__all__,
     *combinators.__all__,
 ]
