@@ -116,6 +116,9 @@ K_LOOKAHEAD, ALPHA_LOOKAHEAD = 3, 0.5
 # to g² where ours floors with ε₁: equal for gradients far above it
 LR_ADAFACTOR, DECAY_ADAFACTOR, EPS_ADAFACTOR = 1e-2, -0.8, (1e-30, 1e-3)
 LR_SOAP = 3e-3
+# Muon at torch.optim.Muon's defaults but Nesterov off, where optax.contrib.muon computes the same
+# steps (its Nesterov term is bias-corrected); torch.optim.Muon iterates in bfloat16, 1-3% apart
+LR_MUON, BETA_MUON, DECAY_MUON, NS_MUON = 2e-2, 0.95, 0.1, (3.4445, -4.7750, 2.0315)
 LR_SF_ADAMW, LR_SF_SGD = 2.5e-3, 1e-2  # schedule-free: the package's AdamW default, a gentle SGD rate
 
 HYPERPARAMETERS = {"adam_lr": LR_ADAM, "betas": BETAS, "eps": EPS, "weight_decay": WEIGHT_DECAY,
@@ -339,6 +342,36 @@ def _schedulefree_torch(name: str, restore_grads: bool = False, **kwargs):
     return make
 
 
+def _newton_schulz(u):
+    """Keller Jordan's quintic iteration, 5 steps, on the wider orientation of the matrix."""
+    f = u.dtype.type
+    a, b, c = (f(k) for k in NS_MUON)
+    tall = u.shape[0] > u.shape[1]
+    X = u.T if tall else u
+    X = X / max(_norm(X), f(1e-7))
+    for _ in range(5):
+        A = X @ X.T
+        X = a * X + (b * A + c * (A @ A)) @ X
+    return X.T if tall else X
+
+
+def _naive_muon(xs):
+    ms = _zeros(xs)
+
+    def step(gs, t):
+        f = xs[0].dtype.type
+        beta, lr, wd = f(BETA_MUON), f(LR_MUON), f(DECAY_MUON)
+        for x, g, m in zip(xs, gs, ms):
+            m += (1 - beta) * (g - m)
+            rows, cols = x.shape[0], x.size // x.shape[0]
+            scale = f(np.sqrt(max(1.0, rows / cols)))
+            o = _newton_schulz(m.reshape(rows, cols)).reshape(x.shape)
+            x *= 1 - lr * wd
+            x -= lr * scale * o
+
+    return step
+
+
 def _naive_lookahead(inner: Naive, k: int, alpha: float) -> Naive:
     """`inner` moves the (fast) parameters; every k-th step the slow copies move `alpha` of the way
     to them and the parameters restart from there."""
@@ -513,6 +546,20 @@ RULES: dict[str, BenchRule] = {r.name: r for r in [
         OptaxPeer(lambda optax: optax.contrib.schedule_free_sgd(LR_SF_SGD, b1=RHO)),
         _naive_schedule_free(adam=False),
         20, "read y, g, z; write y, z: 5 arrays x 4 bytes = 20",
+    ),
+    BenchRule(
+        "muon", "Muon",
+        lambda: opt.Muon(eta=LR_MUON, beta=BETA_MUON, lambd=DECAY_MUON, nesterov=False),
+        TorchPeer("torch.optim.Muon",
+                  lambda torch, ps, **kw: torch.optim.Muon(ps, lr=LR_MUON, weight_decay=DECAY_MUON,
+                                                           momentum=BETA_MUON, nesterov=False, **kw),
+                  variants={"loop": {}}),
+        OptaxPeer(lambda optax: optax.contrib.muon(
+            LR_MUON, ns_coeffs=NS_MUON, ns_steps=5, beta=BETA_MUON, eps=1e-7, weight_decay=DECAY_MUON,
+            nesterov=False, muon_weight_dimension_numbers=optax.contrib.MuonDimensionNumbers(1, 0))),
+        _naive_muon,
+        None, "not streaming (matrix products): no floor",
+        shapes=only_matrices,
     ),
     # no torch.optim or optax SOAP: ours alone, timed and unchecked (tests/test_soap.py checks it
     # against the paper's algorithm and heavyball's)
