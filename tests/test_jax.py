@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 import optimisers as opt
 from optimisers import Leaf, State
-from rules_registry import jit_rules
+from rules_registry import ambiguous_basis, jit_rules
 
 
 def rand(*shape, seed=0, dtype=jnp.float32):
@@ -434,6 +434,10 @@ def test_a_jitted_step_traces_once_through_steps_and_a_schedule(name):
     assert len(traces) == 1
     assert state["embed"] is state["unembed"]
     np.testing.assert_array_equal(model["embed"], model["unembed"])
+    if ambiguous_basis(_ONE_COMPILE_RULES[name]()):
+        # SOAP: these gradients are of rank 1, whose repeated zero eigenvalue XLA's and eager eigh
+        # give different (equally valid) bases for; test_jax_rules compares it on square ones
+        return
     # the same steps as eager updates, which compute the schedule's scalars in double precision
     for k in ("embed", "unembed"):
         close(model[k], eager[k], 1e-3 if dtype == jnp.float16 else 2e-5, 1e-6)
