@@ -16,8 +16,10 @@ from optimisers.core.state import flatten_state, unflatten_state
 CHUNK_SCALE = 1  # tests shrink chunks to exercise packing and splitting on small models
 MIN_CHUNK = 1 << 14  # elements: below this, the Python cost per chunk outweighs its work
 # A group is cut into at least this many chunks per worker, so that the temporaries of the chunks
-# in flight stay within 0.25x of the group's parameter bytes (benchmarks/memory.py --first)
-CHUNKS_PER_WORKER = 32
+# in flight stay a fraction of the group's parameter bytes (benchmarks/memory.py --first: about
+# 0.3x on a 4M-element NumPy model). 32 brought that under 0.2x but made NumPy Adam steps of
+# 1-4M elements 1.4-1.5x slower (more chunks, each with a fixed Python and thread cost)
+CHUNKS_PER_WORKER = 16
 
 
 def scales_gradient(rule) -> bool:
