@@ -25,6 +25,7 @@ import pytest
 
 import optimisers as opt
 import rule_reference as ref
+from rules_registry import _muon_optax
 
 torch = pytest.importorskip("torch")
 
@@ -205,21 +206,6 @@ def test_is_torch_optim_muons_formula_in_float32(setting):
 # --- optax.contrib.muon ---------------------------------------------------------------------------
 
 
-def optax_muon(r):
-    """optax.contrib.muon with the settings where it is `r` (see the registry's entry)."""
-    return optax.contrib.muon(
-        r.eta,
-        ns_coeffs=r.ns_coefficients,
-        ns_steps=r.ns_steps,
-        beta=r.beta,
-        eps=r.epsilon,
-        weight_decay=r.lambd,
-        nesterov=False,
-        muon_weight_dimension_numbers=optax.contrib.MuonDimensionNumbers(1, 0),
-        consistent_rms=0.2 if r.scale == "match_rms_adamw" else None,
-    )
-
-
 @pytest.mark.parametrize("setting", ["plain", "rms-plain"])
 def test_tied_model_under_jit_matches_optax_fed_the_summed_gradient(setting):
     hyper = dict(eta=0.02, nesterov=False)
@@ -230,7 +216,7 @@ def test_tied_model_under_jit_matches_optax_fed_the_summed_gradient(setting):
     W = jnp.asarray(x0["wide"], jnp.float32)
     model = {"enc": W, "dec": W, "tall": jnp.asarray(x0["tall"], jnp.float32)}
     state = opt.setup(rule, model)
-    tx = optax_muon(rule)
+    tx = _muon_optax(optax, rule)  # the registry's mapping
     params = {"w": W, "tall": model["tall"]}
     theirs_state = tx.init(params)
 

@@ -21,22 +21,11 @@ import torch
 import optimisers
 import optimisers.torch as ot
 from _torch_models import batch, lm_loss, make_gpt
+from test_muon import float32_torch_muon
 
 STEPS = 20
 
 pytestmark = pytest.mark.usefixtures("single_thread")
-
-
-class float32_newton_schulz:
-    """torch.optim.Muon with its Newton–Schulz in float32: `Tensor.bfloat16`, which it calls on
-    the direction, made a copy in the tensor's own dtype."""
-
-    def __enter__(self):
-        self.saved = torch.Tensor.bfloat16
-        torch.Tensor.bfloat16 = lambda t: t.clone()
-
-    def __exit__(self, *exc):
-        torch.Tensor.bfloat16 = self.saved
 
 
 def muon_groups(model):
@@ -115,7 +104,7 @@ def test_trains_like_torch_optim_muon_with_hf_style_groups(kw):
     ours, ref, exact = copy.deepcopy(start), copy.deepcopy(start), copy.deepcopy(start)
     train(ours, optimizers(ours, ot.Muon, **kw))
     train(ref, optimizers(ref, torch.optim.Muon, **kw))
-    with float32_newton_schulz():
+    with float32_torch_muon():
         train(exact, optimizers(exact, torch.optim.Muon, **kw))
     assert ours.head.weight is ours.embed.weight
     assert worst_difference(ours, ref, start) < 0.03
@@ -128,7 +117,7 @@ def test_group_values_and_state_equal_torchs_in_float32():
     start = make_gpt()
     ours, exact = copy.deepcopy(start), copy.deepcopy(start)
     opt, _ = mine = optimizers(ours, ot.Muon)
-    with float32_newton_schulz():
+    with float32_torch_muon():
         torch_opt, _ = theirs = optimizers(exact, torch.optim.Muon)
         train(exact, theirs, steps=5)
     train(ours, mine, steps=5)
@@ -162,7 +151,7 @@ def test_state_dict_round_trip_resumes_bit_for_bit():
 def test_resumes_from_a_torch_optim_muon_checkpoint_and_back():
     """torch.optim.Muon's checkpoint (its Newton–Schulz in float32, so that the runs compare to
     float32 rounding) continues in ours as in torch, and ours loads into torch.optim.Muon."""
-    with float32_newton_schulz():
+    with float32_torch_muon():
         whole = make_gpt()
         theirs = optimizers(whole, torch.optim.Muon)
         train(whole, theirs, steps=4)
@@ -182,7 +171,7 @@ def test_resumes_from_a_torch_optim_muon_checkpoint_and_back():
     assert worst_difference(resumed, whole, at_save) < 1e-4
 
     before, back = copy.deepcopy(resumed), copy.deepcopy(resumed)
-    with float32_newton_schulz():
+    with float32_torch_muon():
         torch_opts = optimizers(back, torch.optim.Muon)
         torch_opts[0].load_state_dict(_roundtrip(mine[0].state_dict()))
         torch_opts[1].load_state_dict(_roundtrip(mine[1].state_dict()))
