@@ -20,14 +20,23 @@ IN_PLACE_ENGINE = True
 FAST_PATHS: dict = {}  # no kernels of its own: the engine's chunks are NumPy's fast path
 
 
-def engine_marks(xs):
-    """No cheap marks: the engine checks each array every step."""
-    return None
+def engine_marks(xs) -> list:
+    """For each array, what `engine_ok`, `memory_order` and the engine's dtype and shape checks
+    read of it (an ndarray's type and memory stay; its shape, strides, dtype and writeability
+    can be set in place): while the marks are unchanged, so are those checks' results. Another
+    type (a subclass) gets a mark equal to nothing, so it is checked every time."""
+    ndarray = np.ndarray
+    return [
+        (x.shape, x.strides, x.dtype, x.flags.writeable) if type(x) is ndarray else object() for x in xs
+    ]
 
 
 def fit_as_they_are(gs, xs, dtype, device):
-    """No one-pass test: the engine converts each gradient as needed."""
-    return None
+    """For each gradient, whether it already is what the engine steps its parameter with (an
+    ndarray of the group's `dtype`, laid out as its parameter): `astype` and `laid_out_like` would
+    hand it back unchanged."""
+    ndarray = np.ndarray
+    return [type(g) is ndarray and g.dtype is dtype and g.strides == x.strides for g, x in zip(gs, xs)]
 
 try:  # NumPy >= 2
     from numpy.lib.array_utils import byte_bounds as _byte_bounds
@@ -203,9 +212,26 @@ def concat(arrays):
     return np.concatenate(arrays)
 
 
-def concat_flat(arrays):
-    """All elements of `arrays`, raveled and joined, in one call."""
-    return np.concatenate(arrays, axis=None)
+def empty_flat(n, like):
+    """An uninitialised 1-D array of `n` elements of `like`'s dtype."""
+    return np.empty(n, like.dtype)
+
+
+def join_into(out, arrays, orders):
+    """Every element of `arrays`, each raveled in its memory order `orders[i]`, joined into the
+    1-D `out` (one call where all are row major)."""
+    if any(o is not None for o in orders):
+        arrays = [a if o is None else flat_in(a, o) for a, o in zip(arrays, orders)]
+    np.concatenate(arrays, axis=None, out=out)
+
+
+def split_into(flat, arrays, orders):
+    """Copy the consecutive pieces of the 1-D `flat` into `arrays`, each in its memory order."""
+    copyto, lo = np.copyto, 0
+    for a, o in zip(arrays, orders):
+        hi = lo + a.size
+        copyto(a if a.ndim == 1 else flat_in(a, o), flat[lo:hi])
+        lo = hi
 
 
 def copy_into(dst, src):

@@ -196,23 +196,38 @@ def engine_ok(x) -> bool:
 
 
 _PLAIN = (torch.Tensor, nn.Parameter)
+_PLAIN_TYPES = set(_PLAIN)
 
 
-def engine_marks(xs) -> list:
-    """For each tensor, what `engine_ok`, `memory_order` and the engine's dtype, device and shape
-    checks read of it: while the marks are unchanged, so are those checks' results. Another kind
-    of tensor (a DTensor, a subclass) gets a mark equal to nothing, so it is checked every time."""
-    return [
-        (x.data_ptr(), x.dtype, x.shape, x.stride(), x.device, x.is_inference())
-        if type(x) in _PLAIN
-        else object()
-        for x in xs
-    ]
+def engine_marks(xs):
+    """What `engine_ok`, `memory_order` and the engine's dtype, device and shape checks read of
+    the tensors `xs`: while the marks are unchanged, so are those checks' results. Plain tensors
+    are marked in bulk by their memory addresses, shapes, strides and dtypes (a `.data` swap or
+    `.to()` gives new memory; a view of the same memory changes shape, strides or dtype); another
+    kind of tensor (a DTensor, a subclass) gets a mark equal to nothing, checked every time."""
+    if not set(map(type, xs)) <= _PLAIN_TYPES:
+        return [object()]
+    return (
+        [x.data_ptr() for x in xs],
+        [x.shape for x in xs],
+        [x.stride() for x in xs],
+        {x.dtype for x in xs},
+    )
 
 
 def fit_as_they_are(gs, xs, dtype, device) -> list:
     """For each gradient, whether it already is what the engine steps its parameter with (of the
-    group's `dtype` and `device`): `astype` and `laid_out_like` would hand it back unchanged."""
+    group's `dtype` and `device`): `astype` and `laid_out_like` would hand it back unchanged. The
+    usual case (plain tensors, all fit) is decided in bulk."""
+    if (
+        set(map(type, gs)) <= _PLAIN_TYPES
+        and {g.dtype for g in gs} == {dtype}
+        and {g.device for g in gs} == {device}
+        and {g.layout for g in gs} == {_STRIDED}
+        and not any([g.requires_grad for g in gs])
+        and [g.stride() for g in gs] == [x.stride() for x in xs]
+    ):
+        return [True] * len(gs)
     return [
         type(g) in _PLAIN
         and g.layout is _STRIDED
@@ -391,9 +406,24 @@ def concat(tensors):
         return torch.cat(tensors)
 
 
-def concat_flat(tensors):
+def empty_flat(n, like):
+    """An uninitialised 1-D tensor of `n` elements of `like`'s dtype, on its device."""
+    return torch.empty(n, dtype=like.dtype, device=like.device)
+
+
+def join_into(out, tensors, orders):
+    """Every element of `tensors`, each raveled in its memory order `orders[i]`, joined into the
+    1-D `out` with one call."""
     with torch.no_grad():
-        return torch.cat([t.reshape(-1) for t in tensors])
+        torch.cat([t if t.dim() == 1 else flat_in(t, o) for t, o in zip(tensors, orders)], out=out)
+
+
+def split_into(flat, tensors, orders):
+    """Copy the consecutive pieces of the 1-D `flat` into `tensors`, each in its memory order,
+    with one call."""
+    with torch.no_grad():
+        outs = [t if t.dim() == 1 else flat_in(t, o) for t, o in zip(tensors, orders)]
+        torch.split_with_sizes_copy(flat, [t.numel() for t in outs], out=outs)
 
 
 def copy_into(dst, src):

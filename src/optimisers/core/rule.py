@@ -338,7 +338,18 @@ _SCHEDULABLE: dict[type, tuple[str, ...]] = {}  # rule class -> its fields that 
 
 
 def scheduled_fields(rule) -> tuple[str, ...]:
-    """The names of `rule`'s own fields that hold a schedule (in a tuple field: any element)."""
+    """The names of `rule`'s own fields that hold a schedule (in a tuple field: any element).
+    Asked at every `apply`, so a rule (immutable) keeps the answer."""
+    own = getattr(rule, "__dict__", None)
+    found = own.get("_scheduled_fields") if own is not None else None
+    if found is None:
+        found = _scheduled_fields(rule)
+        if own is not None:
+            own["_scheduled_fields"] = found  # not a field: equality, hashing and repr ignore it
+    return found
+
+
+def _scheduled_fields(rule) -> tuple[str, ...]:
     cls = type(rule)
     names = _SCHEDULABLE.get(cls)
     if names is None:

@@ -2,12 +2,13 @@
 
 Leafs that share a rule object, backend, dtype, device and scalar state (step counters) form a
 group whose state arrays the engine holds as 1-D buffers: a large parameter's own state arrays,
-raveled, and one buffer per state position for each run of small parameters packed together;
+raveled, and one buffer per state position for all its small parameters packed together;
 each Leaf's state is a view into them. A step runs the rule's own `apply` on cache-sized chunks of
 the buffers (for NumPy in parallel threads, since ufuncs release the GIL), writes the new state
-back into the chunk and subtracts the step from the parameter in place. Small parameters are
-packed into shared chunks, so a model of thousands of tiny arrays costs a few calls per chunk
-instead of a dozen per array.
+back into the chunk and subtracts the step from the parameter in place. The small parameters and
+their gradients are joined into two flat buffers for the step (one call each), stepped in runs
+of whole chunks, and copied back with one call, so a model of thousands of tiny arrays costs a
+few calls per chunk instead of a dozen per array.
 
 Only rules that declare `elementwise = True` are grouped: their update of each element depends
 only on that element and on scalars shared by the group, so a chunk computes exactly what the
@@ -23,9 +24,8 @@ path give the same numbers bit for bit.
 
 from __future__ import annotations
 
-import collections
 import functools
-import itertools
+import operator
 import os
 from concurrent.futures import ThreadPoolExecutor
 
@@ -52,21 +52,17 @@ def _pool() -> ThreadPoolExecutor:
     return _POOL
 
 
-def _in_order(fn, items):
-    """`map(fn, items)` on the pool, with at most four items per worker in flight, so results
-    the caller has not consumed yet (packed runs' steps awaiting write-back) do not pile up."""
-    pool, window = _pool(), 4 * (os.cpu_count() or 1)
-    items = iter(items)
-    pending = collections.deque(pool.submit(fn, item) for item in itertools.islice(items, window))
-    while pending:
-        result = pending.popleft().result()
-        following = next(items, _END)
-        if following is not _END:
-            pending.append(pool.submit(fn, following))
-        yield result
-
-
-_END = object()
+def _map(fn, chunks, threads: bool) -> list:
+    """`[fn(c) for c in chunks]`, on the pool if `threads`: each worker takes one contiguous
+    share of the chunks as one task, so that a step pays one hand-over per worker rather than
+    one per chunk (chunks can then be small, and their temporaries few, at little cost)."""
+    workers = os.cpu_count() or 1
+    if not threads or len(chunks) < 2 or workers < 2:
+        return [fn(c) for c in chunks]
+    n = len(chunks)
+    shares = [chunks[k * n // workers : (k + 1) * n // workers] for k in range(workers)]
+    done = _pool().map(lambda share: [fn(c) for c in share], [s for s in shares if s])
+    return [result for results in done for result in results]
 
 
 def eligible(leaf, x) -> bool:
@@ -86,6 +82,9 @@ class Group(GroupLayout):
         super().__init__(leaves, xs)
         self._sums: dict[int, object] = {}  # member -> its summed-gradient buffer (tied members)
         self._marks = None  # the members' `engine_marks` at their last full check
+        self._owners = None  # (marks, parameters, their memory owners): see `param_owners`
+        self._staged = None  # `(xs, dxs)` whose packed members are in `_staging` this step
+        self._staging = None  # this step's `staging()` buffers
 
     def ready_members(self, found):
         """Every member's contribution to this update, or None if some member cannot step in
@@ -108,6 +107,28 @@ class Group(GroupLayout):
             return None
         self._marks = now
         return members
+
+    def unchanged(self, xs) -> bool:
+        """Are `xs` (the members' parameters, as planned) unchanged since their last full check,
+        by their engine marks?"""
+        marks = self.b.engine_marks(xs)
+        return marks is not None and self._marks is not None and marks == self._marks
+
+    def param_owners(self, xs) -> set:
+        """The memory owners of the members' parameters `xs` (checked against the marks this
+        step), kept while they are the same objects with the same marks."""
+        kept = self._owners
+        if (
+            kept is not None
+            and self._marks is not None
+            and kept[0] is self._marks
+            and len(xs) == len(kept[1])
+            and all(map(operator.is_, xs, kept[1]))
+        ):
+            return kept[2]
+        owners = set(self.b.memory_owners(xs))
+        self._owners = (self._marks, list(xs), owners)
+        return owners
 
     def _fit(self, xs) -> bool:
         """Is each parameter still as planned: its shape, dtype, device and memory order, and
@@ -144,13 +165,19 @@ class Group(GroupLayout):
                 out.append(self.b.laid_out_like(dx, x))  # chunks read it in x's memory order
                 given.append(dx)
                 continue
-            buf = self._sums.get(i)
-            if buf is None:
-                buf = self._sums[i] = ops.zeros_like(x)
-            self.b.sum_into(buf, grads)
+            buf = self.summed(i, x, grads)
             out.append(buf)
             given.append(buf)
         return out, given
+
+    def summed(self, i, x, grads):
+        """Member `i`'s gradients (each fit for its parameter `x` as it is), summed into the
+        buffer the member keeps for that."""
+        buf = self._sums.get(i)
+        if buf is None:
+            buf = self._sums[i] = ops.zeros_like(x)
+        self.b.sum_into(buf, grads)
+        return buf
 
     def intact(self) -> bool:
         rule = self.leaves[0].rule
@@ -170,27 +197,40 @@ class Group(GroupLayout):
     def step(self, xs, dxs, factors=None):
         """Update every member in place: `xs`, `dxs` are the parameters and summed gradients.
 
-        Big chunks are views of one parameter and are written where they are computed. A packed
-        run's step is written back to its parameters by this thread, as each chunk's result comes
-        in: that is Python work per parameter, and two threads taking turns at the GIL for it are
-        slower than one."""
+        Big chunks are views of one parameter and are written where they are computed. The
+        packed members are joined into the staging buffers once (one call each for parameters and
+        gradients), their runs' chunks step those buffers, and the result is copied back into the
+        parameters at the end: no Python work per parameter inside the chunks."""
         rule = self.leaves[0].rule
         if factors is None and self._step_fast(rule, xs, dxs):
             return
         chunks = self.chunks
-        scalars = None
         with self.b.no_grad():  # PyTorch: the step is data, not a graph
+            self._stage(xs, dxs)
             compute = functools.partial(self._chunk, rule, xs=xs, dxs=dxs, factors=factors)
-            if len(chunks) > 1 and self.b.ENGINE_THREADS:
-                # packed runs hand their steps back to this thread: bound how many wait
-                done = _in_order(compute, chunks) if self.has_runs else _pool().map(compute, chunks)
-            else:
-                done = map(compute, chunks)
-            for chunk, (new_scalars, run_step) in zip(chunks, done):
-                scalars = new_scalars if scalars is None else scalars
-                if run_step is not None:
-                    self._write_run(chunk, xs, run_step)
-        self.scalars = scalars
+            done = _map(compute, chunks, self.threads)
+            if self.has_runs:
+                p0 = self.packed_from
+                self.b.split_into(self._staging[0], xs[p0:], self.orders[p0:])
+        self.unstage()
+        self.scalars = done[0]
+
+    def unstage(self) -> None:
+        """Let go of what `_stage` made and refers to (after a step, or a failed rehearsal)."""
+        self._staged = self._staging = None
+
+    def _stage(self, xs, dxs) -> None:
+        """Join the packed members' parameters and gradients into the staging buffers (once per
+        step: a rehearsal does it before the step)."""
+        staged = self._staged
+        if not self.has_runs or (staged is not None and staged[0] is xs and staged[1] is dxs):
+            return
+        p0 = self.packed_from
+        self._staging = flat_x, flat_g = self.staging(xs[p0])
+        orders = self.orders[p0:]
+        self.b.join_into(flat_x, xs[p0:], orders)
+        self.b.join_into(flat_g, dxs[p0:], orders)
+        self._staged = xs, dxs
 
     def _step_fast(self, rule, xs, dxs) -> bool:
         """Step every member with the backend's own kernel for `rule`, if it has one that takes
@@ -212,11 +252,9 @@ class Group(GroupLayout):
         `step` has written any chunk, so that a failed `update_` changes nothing."""
         rule = self.leaves[0].rule
         with self.b.no_grad():
+            self._stage(xs, dxs)
             check = functools.partial(self._chunk, rule, xs=xs, dxs=dxs, factors=factors, write=False)
-            if len(self.chunks) > 1 and self.b.ENGINE_THREADS:
-                collections.deque(_pool().map(check, self.chunks), maxlen=0)
-            else:
-                collections.deque(map(check, self.chunks), maxlen=0)
+            _map(check, self.chunks, self.threads)
 
     def trusted(self) -> bool:
         """Can this step run without a rehearsal: does the rule promise not to raise? (A scaled
@@ -228,22 +266,19 @@ class Group(GroupLayout):
         return not self.b.raises_on_values()  # NumPy under np.seterr(all="raise")
 
     def _chunk(self, rule, chunk, *, xs, dxs, factors=None, write=True):
-        """Compute one chunk: `(new scalars, step)`, the step left to the caller for a packed run
-        (a big chunk is written here). With `write=False` only compute and check."""
+        """Compute and write one chunk (of a parameter, or of the staging buffers for a run):
+        the new scalars. With `write=False` only compute and check."""
         b = self.b
         if chunk[0] == "big":
             _, i, start, stop = chunk
             x = b.flat_in(xs[i], self.orders[i])[start:stop]  # a view: parameters here are dense
             dx = b.flat_in(dxs[i], self.orders[i])[start:stop]
-        else:
+        else:  # a run: its range of the staging buffers, and its buffer slices, whole
             _, i, j, _ = chunk
-            start, stop = 0, self.offsets[j] - self.offsets[i]  # the run's own buffer, whole
-            orders = self.orders[i:j]
-            if any(o is not None for o in orders):
-                x = b.concat([b.flat_in(v, o) for v, o in zip(xs[i:j], orders)])
-                dx = b.concat([b.flat_in(v, o) for v, o in zip(dxs[i:j], orders)])
-            else:
-                x, dx = b.concat_flat(xs[i:j]), b.concat_flat(dxs[i:j])
+            start, stop = 0, self.offsets[j] - self.offsets[i]
+            lo = self.offsets[i] - self.offsets[self.packed_from]
+            flat_x, flat_g = self._staging
+            x, dx = flat_x[lo : lo + stop], flat_g[lo : lo + stop]
         parts = [
             buf[i][start:stop] if a else s for a, buf, s in zip(self.array_at, self.buffers, self.scalars)
         ]
@@ -260,23 +295,12 @@ class Group(GroupLayout):
         for a, old, new in zip(self.array_at, parts, new_parts):
             if a and new is not old:
                 b.copy_into(old, new)
-        scalars = [None if a else p for a, p in zip(self.array_at, new_parts)]
-        if chunk[0] == "run":
-            return scalars, step
         if step is not None:
             if isinstance(step, NewValue):
                 b.assign_(x, step.value)
             else:
                 b.subtract_(x, step)
-        return scalars, None
-
-    def _write_run(self, chunk, xs, step):
-        _, i, j, bounds = chunk
-        setting = isinstance(step, NewValue)
-        write = self.b.assign_ if setting else self.b.subtract_
-        delta = step.value if setting else step
-        for v, order, (lo, hi) in zip(xs[i:j], self.orders[i:j], bounds):
-            write(v if v.ndim == 1 else self.b.flat_in(v, order), delta[lo:hi])
+        return [None if a else p for a, p in zip(self.array_at, new_parts)]
 
 
 def _check_chunk(rule, x, parts, new_parts, step) -> None:

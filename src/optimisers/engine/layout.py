@@ -16,10 +16,12 @@ from optimisers.core.state import flatten_state, unflatten_state
 CHUNK_SCALE = 1  # tests shrink chunks to exercise packing and splitting on small models
 MIN_CHUNK = 1 << 14  # elements: below this, the Python cost per chunk outweighs its work
 # A group is cut into at least this many chunks per worker, so that the temporaries of the chunks
-# in flight stay a fraction of the group's parameter bytes (benchmarks/memory.py --first: about
-# 0.3x on a 4M-element NumPy model). 32 brought that under 0.2x but made NumPy Adam steps of
-# 1-4M elements 1.4-1.5x slower (more chunks, each with a fixed Python and thread cost)
-CHUNKS_PER_WORKER = 16
+# in flight (one per worker, a handful of chunk-sized arrays each) stay under a quarter of the
+# group's parameter bytes (benchmarks/memory.py --first: 0.3x at 16, 0.15-0.2x at 32)
+CHUNKS_PER_WORKER = 32
+# Groups smaller than this (elements) step on one thread: two threads taking turns at the GIL for
+# the Python of small chunks were no faster, and one worker has half the temporaries in flight
+THREADS_FROM = 1 << 21
 
 
 def scales_gradient(rule) -> bool:
@@ -36,7 +38,10 @@ class GroupLayout:
         b.engine_start()
         sizes = [b.numel(x) for x in xs]
         self.scaled = scales_gradient(leaves[0].rule)  # a factor per member: see `factors`
-        self.chunk = self._chunk_size(b, sum(sizes))
+        total = sum(sizes)
+        many = total >= THREADS_FROM // CHUNK_SCALE
+        self.threads = b.ENGINE_THREADS and many and (os.cpu_count() or 1) > 1
+        self.chunk = self._chunk_size(b, total, self.threads)
         # small parameters last, so that they pack into a few long runs however the model
         # interleaves them with large ones (a bias after each weight matrix)
         order = sorted(range(len(xs)), key=lambda i: sizes[i] < self.chunk // 4)
@@ -54,24 +59,28 @@ class GroupLayout:
         self.array_at = [b.is_buffer(p) for p in per_leaf[0]]
         self.scalars = [None if a else p for a, p in zip(self.array_at, per_leaf[0])]
         self.chunks = self._plan_chunks()
+        runs = [c for c in self.chunks if c[0] == "run"]
+        # the packed members (the smallest, sorted last): one flat range of every buffer
+        self.packed_from = runs[0][1] if runs else len(leaves)
         self.buffers = self._take_state(leaves, per_leaf, xs)
-        self.has_runs = any(c[0] == "run" for c in self.chunks)
+        self.has_runs = bool(runs)
         self._member_parts: dict[int, list] = {}
 
     @staticmethod
-    def _chunk_size(b, total: int) -> int:
+    def _chunk_size(b, total: int, threads: bool) -> int:
         """The backend's chunk, smaller for a small group: the chunks in flight (a handful of
         temporaries each) must stay a small fraction of the group's own size (`benchmarks/memory.py`
         measures the peak; smaller chunks cost more Python per step)."""
-        workers = (os.cpu_count() or 1) if b.ENGINE_THREADS else 1
+        workers = (os.cpu_count() or 1) if threads else 1
         largest = max(4, b.ENGINE_CHUNK // CHUNK_SCALE)
         smallest = max(4, MIN_CHUNK // CHUNK_SCALE)
         return max(smallest, min(largest, total // (CHUNKS_PER_WORKER * workers)))
 
     def _take_state(self, leaves, per_leaf, xs):
         """The members' state arrays in the form the chunks read, for each array part a dict
-        from a big member or a packed run (by its first member) to a 1-D array, and each member's
-        state made views of them. A big member whose arrays are its own (`Leaf._owns`: made by
+        from a big member or a packed run (by its first member) to a 1-D array (a packed run's:
+        its range of one buffer that holds every packed member), and each member's state made
+        views of them. A big member whose arrays are its own (`Leaf._owns`: made by
         setup, a copy or a load) keeps them (raveled views, no copy: a copy of the whole state at
         once was the first step's peak); a run's small members are copied into one buffer, a run
         at a time, and their old arrays are let go before the next run is copied. Arrays that
@@ -80,6 +89,7 @@ class GroupLayout:
         b, array_at = self.b, self.array_at
         buffers = [{} if a else None for a in array_at]
         seen = set(b.memory_owners(xs))
+        packed = None
         for chunk in self.chunks:
             i = chunk[1]
             if chunk[0] == "big":
@@ -94,10 +104,15 @@ class GroupLayout:
             else:
                 j = chunk[2]
                 members = list(range(i, j))
-                flats = [
-                    b.concat([b.flat_in(per_leaf[m][k], self.orders[m]) for m in members]) if a else None
-                    for k, a in enumerate(array_at)
-                ]
+                if packed is None:  # one buffer per array part for all packed members
+                    n = self.offsets[-1] - self.offsets[self.packed_from]
+                    packed = [b.zeros((n,), p) if a else None for p, a in zip(per_leaf[i], array_at)]
+                lo = self.offsets[i] - self.offsets[self.packed_from]
+                hi = lo + self.offsets[j] - self.offsets[i]
+                flats = [p[lo:hi] if a else None for p, a in zip(packed, array_at)]
+                for k, flat in enumerate(flats):
+                    if flat is not None:  # a run at a time: its old arrays go before the next's are read
+                        b.join_into(flat, [per_leaf[m][k] for m in members], self.orders[i:j])
             for k, flat in enumerate(flats):
                 if flat is not None:
                     buffers[k][i] = flat
@@ -111,6 +126,13 @@ class GroupLayout:
                 leaves[m]._state = unflatten_state(self.spec, iter(parts))
                 leaves[m]._group = self
         return buffers
+
+    def staging(self, like):
+        """`(flat_x, flat_g)`: new buffers for the packed members' parameters and gradients,
+        joined, which their runs' chunks read and step. Made for one step: kept, they would hold
+        twice the packed parameters' bytes between steps. `like`: a parameter of the group."""
+        n = self.offsets[-1] - self.offsets[self.packed_from]
+        return self.b.empty_flat(n, like), self.b.empty_flat(n, like)
 
     def _own(self, p, seen, mine, order):
         """`p` raveled in its parameter's memory order `order`: a view of it where the step may

@@ -55,6 +55,7 @@ class Plan:
                 continue
             by_key.setdefault(key, []).append((leaf, x))
         self.groups = [Group([m[0] for m in ms], [m[1] for m in ms]) for ms in by_key.values()]
+        self.route = None  # where its members sit in the model (`optimisers.verbs.replay`)
 
     def intact(self) -> bool:
         return all(g.intact() for g in self.groups)
@@ -104,7 +105,7 @@ def _unalias(prepared) -> None:
     first (one set lookup per gradient), so the exact test runs only where they match."""
     owners: dict = {}  # backend -> the memory owners of its parameters in this step
     for group, xs, _, _ in prepared:
-        owners.setdefault(group.b, set()).update(group.b.memory_owners(xs))
+        owners.setdefault(group.b, set()).update(group.param_owners(xs))
     for group, _, dxs, _ in prepared:
         b, held = group.b, owners[group.b]
         for i in [i for i, owner in enumerate(b.memory_owners(dxs)) if owner in held]:
@@ -114,16 +115,27 @@ def _unalias(prepared) -> None:
 
 
 def execute(work) -> None:
-    """Step the selected groups in place. Every scaled group's factors are computed first, and a
-    group whose rule may raise is rehearsed, all of them before any is stepped, so that an error
-    leaves every parameter and state as it was."""
-    prepared = []
+    """Step the selected groups in place (see `run`)."""
+    ready = []
     for group, members in work:
         dxs, given = group.gradients(members)
-        prepared.append((group, [c.x for c in members], dxs, group.factors(given)))
+        ready.append((group, [c.x for c in members], dxs, given))
+    run(ready)
+
+
+def run(ready) -> None:
+    """Step groups in place: `ready` lists `(group, xs, dxs, given)`, the members' parameters and
+    summed gradients (`dxs` laid out as the parameters, `given` as they came). Every scaled
+    group's factors are computed first, and a group whose rule may raise is rehearsed, all of
+    them before any is stepped, so that an error leaves every parameter and state as it was."""
+    prepared = [(group, xs, dxs, group.factors(given)) for group, xs, dxs, given in ready]
     _unalias(prepared)
-    for group, xs, dxs, factors in prepared:
-        if not group.trusted():
-            group.rehearse(xs, dxs, factors)
-    for group, xs, dxs, factors in prepared:
-        group.step(xs, dxs, factors)
+    try:
+        for group, xs, dxs, factors in prepared:
+            if not group.trusted():
+                group.rehearse(xs, dxs, factors)
+        for group, xs, dxs, factors in prepared:
+            group.step(xs, dxs, factors)
+    finally:
+        for group, *_ in prepared:
+            group.unstage()  # (a failed rehearsal leaves the gradients it staged)

@@ -23,7 +23,18 @@ _NARROW = frozenset({"float16", "bfloat16"})
 def narrow(x) -> bool:
     """Is `x` an array of float16 or bfloat16 (any backend: torch.float16, NumPy, ml_dtypes)?"""
     dtype = getattr(x, "dtype", None)
-    return dtype is not None and str(dtype).rpartition(".")[2] in _NARROW
+    if dtype is None:
+        return False
+    try:
+        return _NARROW_DTYPES[dtype]
+    except KeyError:
+        found = _NARROW_DTYPES[dtype] = str(dtype).rpartition(".")[2] in _NARROW
+        return found
+    except TypeError:  # an unhashable dtype
+        return str(dtype).rpartition(".")[2] in _NARROW
+
+
+_NARROW_DTYPES: dict = {}  # dtype -> narrow? (a dtype's name is slow to make: asked every chunk)
 
 
 def widened(x):

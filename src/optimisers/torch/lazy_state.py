@@ -94,7 +94,8 @@ class LazyState:
 
     def _initialise(self, grads: dict) -> list[int]:
         """Make the state of parameters that have their first gradient; returns their positions."""
-        born = [i for i in grads if i not in self._flat.tree]
+        have = self._flat.tree
+        born = [i for i in grads if i not in have]
         if not born:
             return born
         with torch.no_grad():

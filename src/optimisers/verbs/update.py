@@ -22,6 +22,7 @@ from optimisers.core.state import (
 )
 from optimisers.core.tree import kind_of
 from optimisers.engine import chunked, plan
+from optimisers.verbs import replay
 from optimisers.verbs.compute import compute, located
 from optimisers.verbs.gather import gather
 from optimisers.verbs.locks import lock
@@ -93,6 +94,11 @@ def update_(state: State, model, *grads):
 
 
 def _update_(state: State, model, grads: tuple):
+    try:
+        if replay.step(state, model, grads[0]):  # the usual step: as the last one went
+            return state, model
+    except ops.GradientError as e:
+        raise located(e, state.tree) from None
     found = gather(state.tree, model, grads[0], state._keys)
     work = plan.select(state, found)
     in_engine = {id(leaf) for group, _ in work for leaf in group.leaves}
@@ -101,6 +107,7 @@ def _update_(state: State, model, grads: tuple):
         plan.execute(work)  # checks everything before it writes
     except ops.GradientError as e:
         raise located(e, state.tree) from None
+    replay.remember(state, model, found, work, results)
     for key, (new_state, _) in results.items():
         found[key].leaf.state = new_state
     if all(step is None for _, step in results.values()):

@@ -1,0 +1,186 @@
+"""Replay: an `update_` that follows the route of an earlier step.
+
+Where every parameter of a State steps in place in the engine's groups, the general path
+(`gather`, then `plan.select` and `Group.gradients`) does Python work per parameter on every
+step: it walks the trees, checks each gradient, builds a contribution and compares marks, one
+array at a time. A `Route`, recorded after such a step, holds what that step found: the
+containers it walked, the array at each place and the group member each place feeds. A later
+step walks only those containers and compares what it finds with the route in bulk: the same
+state tree, the same arrays with unchanged engine marks, and gradients that the backend would
+use as they are (type, dtype, layout, shape). If all agree the groups step; if anything differs
+nothing has been written, and the general path runs instead (reporting any error as it always
+does) and records a new route.
+"""
+
+from __future__ import annotations
+
+import operator
+
+from optimisers.core.state import Leaf
+from optimisers.core.tree import kind_of
+from optimisers.engine import plan as planning
+from optimisers.verbs.gather import _grad_children
+
+
+class _Off(Exception):
+    """This step does not follow the route."""
+
+
+class _Container:
+    """A container of the state tree and the model node it stood for when the route was made."""
+
+    __slots__ = ("snode", "keys", "values", "leaf_keys", "subs", "model_type", "child_keys")
+
+    def __init__(self, snode, node, leaf_keys, subs, child_keys):
+        self.snode = snode
+        self.keys = list(snode)
+        self.values = list(snode.values())
+        self.leaf_keys = leaf_keys  # the keys of its Leafs, in the order of the route's places
+        self.subs = subs  # [(key, _Container)] of its non-empty sub-trees
+        self.model_type = type(node)
+        self.child_keys = child_keys  # the model node's child keys (new ones: new parameters)
+
+    def unchanged(self) -> bool:
+        snode = self.snode
+        return (
+            len(snode) == len(self.values)
+            and all(map(operator.is_, snode.values(), self.values))
+            and list(snode) == self.keys
+        )
+
+
+def _walk(container, node, grad, xs, gs):
+    """Append the model's array and the gradient at each of the route's places under `node`."""
+    if type(node) is not container.model_type or not container.unchanged():
+        raise _Off
+    kind = kind_of(node)
+    children = dict(kind.children(node))
+    if children.keys() != container.child_keys:
+        raise _Off
+    grad_of = _grad_children(node, kind, children, grad, ()).get
+    xs.extend(map(children.__getitem__, container.leaf_keys))
+    gs.extend(map(grad_of, container.leaf_keys))
+    for key, sub in container.subs:
+        _walk(sub, children[key], grad_of(key), xs, gs)
+
+
+def _record(snode, node, leaves, xs):
+    """The `_Container` of `snode` (and its sub-trees), appending each place's Leaf and array."""
+    kind = kind_of(node)
+    children = dict(kind.children(node))
+    leaf_keys, subs = [], []
+    for key, sub in snode.items():
+        if type(sub) is Leaf:
+            leaf_keys.append(key)
+            leaves.append(sub)
+            xs.append(children[key])
+    for key, sub in snode.items():
+        if type(sub) is not Leaf and sub:
+            subs.append((key, _record(sub, children[key], leaves, xs)))
+    return _Container(snode, node, leaf_keys, subs, children.keys() | set())
+
+
+class Route:
+    """The places of a State's planned step (see the module's docstring)."""
+
+    def __init__(self, tree, model, groups):
+        self.tree = tree
+        leaves: list = []
+        self.xs: list = []
+        self.root = _record(tree, model, leaves, self.xs)
+        member = {id(leaf): (g, m) for g, group in enumerate(groups) for m, leaf in enumerate(group.leaves)}
+        first: list[list] = [[None] * len(group.leaves) for group in groups]
+        extra: list[dict] = [{} for _ in groups]
+        for place, leaf in enumerate(leaves):
+            g, m = member[id(leaf)]
+            if first[g][m] is None:
+                first[g][m] = place
+            else:
+                extra[g].setdefault(m, []).append(place)
+        self.shapes = [x.shape for x in self.xs]
+        # per group: its members' parameters, each member's first place, a tied member's others
+        self.groups = [
+            (group, [self.xs[p] for p in places], places, sorted(more.items()))
+            for group, places, more in zip(groups, first, extra)
+        ]
+        self.stale = False  # a step did not follow it: the next general step records anew
+
+    @classmethod
+    def record(cls, state, model, plan):
+        """The route of the general step just taken, or None where a replay could not serve it
+        (a model that is one array)."""
+        if type(state.tree) is not dict or not state.tree:
+            return None
+        return cls(state.tree, model, plan.groups)
+
+    def ready(self, state, model, grads):
+        """`[(group, xs, dxs, given)]` for `plan.run` if this step follows the route, else None."""
+        if state.tree is not self.tree:
+            return None
+        xs: list = []
+        gs: list = []
+        try:
+            _walk(self.root, model, grads, xs, gs)
+        except Exception:  # noqa: BLE001 - any difference: the general path reports it
+            self.stale = True
+            return None
+        if len(xs) != len(self.xs) or not all(map(operator.is_, xs, self.xs)):
+            self.stale = True
+            return None
+        try:
+            if [g.shape for g in gs] != self.shapes:
+                return None
+        except AttributeError:  # a missing gradient, or not an array
+            return None
+        return self._gradients(gs)
+
+    def _gradients(self, gs):
+        ready = []
+        for group, xs, places, tied in self.groups:
+            if not group.intact() or any(leaf.frozen for leaf in group.leaves):
+                return None
+            if not group.unchanged(xs):
+                return None
+            dxs = list(map(gs.__getitem__, places))
+            if not _fit(group, dxs, xs):
+                return None
+            for m, more in tied:
+                others = [gs[p] for p in more]
+                if not _fit(group, others, [xs[m]] * len(others)):
+                    return None
+                dxs[m] = group.summed(m, xs[m], [dxs[m], *others])
+            ready.append((group, xs, dxs, dxs))
+        return ready
+
+
+def _fit(group, gs, xs) -> bool:
+    fit = group.b.fit_as_they_are(gs, xs, group.dtype, group.device)
+    return fit is not None and all(fit)
+
+
+def remember(state, model, found, work, results) -> None:
+    """After a general `update_`: record its route where every Leaf stepped in the engine's
+    groups (and the State's plan has none that still serves)."""
+    plan = state._plan
+    if plan is None or results or plan.converted or len(work) != len(plan.groups):
+        return
+    route = getattr(plan, "route", None)
+    if route is not None and not route.stale:
+        return
+    if sum(len(group.leaves) for group, _ in work) != len(found):
+        return  # some Leaf had no gradient, or steps outside the engine
+    plan.route = Route.record(state, model, plan)
+
+
+def step(state, model, grads) -> bool:
+    """Step `state` and `model` along the route of the State's plan, if this step follows it:
+    whether it did (False: nothing was written)."""
+    plan = state._plan
+    route = getattr(plan, "route", None)
+    if route is None:
+        return False
+    ready = route.ready(state, model, grads)
+    if ready is None:
+        return False
+    planning.run(ready)
+    return True

@@ -1,0 +1,287 @@
+"""`update_` along a recorded route (`optimisers.verbs.replay`): after a general step, later steps
+walk only the recorded containers and compare in bulk. Each test steps one copy of a model with
+`update_` (which replays from its second step) and another with the pure `update` (which always
+takes the general path), and requires the same numbers bit for bit; the changes a user can make
+between steps must make the replay give way to the general path, which steps or refuses them as
+it always does."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+
+import optimisers as opt
+from optimisers.verbs import replay
+
+pytestmark = pytest.mark.usefixtures("tiny_chunks")  # packed runs and split arrays on small models
+
+
+@pytest.fixture
+def replays(monkeypatch):
+    """The results of every `replay.step` call in the test (True: the step was replayed)."""
+    calls: list[bool] = []
+    original = replay.step
+
+    def spy(*args):
+        calls.append(original(*args))
+        return calls[-1]
+
+    monkeypatch.setattr(replay, "step", spy)
+    return calls
+
+
+def _numpy_model(seed=0, dtype=np.float32):
+    rng = np.random.default_rng(seed)
+    shared = rng.standard_normal((6, 5)).astype(dtype)
+    return {
+        "embed": shared,
+        "blocks": [
+            {"w": rng.standard_normal((5, 5)).astype(dtype), "b": rng.standard_normal(5).astype(dtype)}
+            for _ in range(30)
+        ],
+        "big": rng.standard_normal(3000).astype(dtype),
+        "fortran": np.asfortranarray(rng.standard_normal((7, 9)).astype(dtype)),
+        "head": shared,  # tied to the embedding
+    }
+
+
+def _grads_like(model, seed):
+    rng = np.random.default_rng(seed)
+
+    def grad(x):
+        return np.asarray(rng.standard_normal(x.shape), dtype=x.dtype, order="K").copy(order="K")
+
+    return {
+        "embed": grad(model["embed"]),
+        "blocks": [{"w": grad(b["w"]), "b": grad(b["b"])} for b in model["blocks"]],
+        "big": grad(model["big"]),
+        "fortran": np.asfortranarray(grad(model["fortran"])),
+        "head": grad(model["head"]),
+    }
+
+
+def _arrays(tree):
+    if isinstance(tree, dict):
+        return [a for k in sorted(tree) for a in _arrays(tree[k])]
+    if isinstance(tree, list):
+        return [a for v in tree for a in _arrays(v)]
+    return [tree]
+
+
+def _same(a, b):
+    for x, y in zip(_arrays(a), _arrays(b), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+RULES = {
+    "adam": lambda: opt.Adam(1e-2),
+    "adamw": lambda: opt.AdamW(1e-2, lambd=0.1),
+    "momentum": lambda: opt.Momentum(1e-2, 0.9),
+    "clipnorm-adam": lambda: opt.OptimiserChain(opt.ClipNorm(1.0), opt.Adam(1e-2)),
+    "descent": lambda: opt.Descent(0.1),
+}
+
+
+@pytest.mark.parametrize("rule", list(RULES))
+def test_replayed_steps_equal_the_general_path(rule, replays):
+    model = _numpy_model()
+    reference = copy.deepcopy(model)
+    state = opt.setup(RULES[rule](), model)
+    ref_state = opt.setup(RULES[rule](), reference)
+    for k in range(5):
+        state, model = opt.update_(state, model, _grads_like(model, k))
+        ref_state, reference = opt.update(ref_state, reference, _grads_like(reference, k))
+        _same(model, reference)
+    assert model["head"] is model["embed"]  # the tie holds
+    assert replays[1:] == [True] * 4  # the first step records the route, the others replay it
+    _same(opt.state_dict(state), opt.state_dict(ref_state))
+
+
+def test_torch_adapter_replays_and_equals_torch_optim(replays):
+    torch = pytest.importorskip("torch")
+    import optimisers.torch as ot
+
+    gen = torch.Generator().manual_seed(0)
+    values = [torch.randn(s, generator=gen) for s in [(8,)] * 40 + [(3, 4)] * 10 + [(2000,)]]
+    ours = [torch.nn.Parameter(v.clone()) for v in values]
+    theirs = [torch.nn.Parameter(v.clone()) for v in values]
+    mine = ot.Optimizer(ours, opt.Momentum(1e-2, 0.9))
+    ref = torch.optim.SGD(theirs, lr=1e-2, momentum=0.9)
+    for k in range(4):
+        gen = torch.Generator().manual_seed(100 + k)
+        for a, b in zip(ours, theirs):
+            g = torch.randn(a.shape, generator=gen)
+            a.grad, b.grad = g.clone(), g.clone()
+        mine.step()
+        ref.step()
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-6, atol=1e-7)
+    assert replays[-2:] == [True, True]
+
+
+def _stepped_pair(rule=lambda: opt.Adam(1e-2), steps=2):
+    model = _numpy_model()
+    reference = copy.deepcopy(model)
+    state, ref_state = opt.setup(rule(), model), opt.setup(rule(), reference)
+    for k in range(steps):
+        state, model = opt.update_(state, model, _grads_like(model, k))
+        ref_state, reference = opt.update(ref_state, reference, _grads_like(reference, k))
+    return state, model, ref_state, reference
+
+
+def _unchanged_by(call, state, model):
+    before_model, before_state = copy.deepcopy(model), copy.deepcopy(opt.state_dict(state))
+    call()
+    _same(model, before_model)
+    _same(opt.state_dict(state), before_state)
+
+
+def test_a_bad_gradient_after_replays_is_refused_naming_its_path(replays):
+    state, model, _, _ = _stepped_pair(steps=3)
+    grads = _grads_like(model, 9)
+    grads["blocks"][4]["w"] = np.zeros((5, 4), np.float32)
+
+    def call():
+        with pytest.raises(ValueError, match=r"blocks.*4.*w.*shape \(5, 4\)"):
+            opt.update_(state, model, grads)
+
+    _unchanged_by(call, state, model)
+    assert replays[-1] is False
+
+
+def test_a_gradient_left_out_steps_the_rest_as_update_does(replays):
+    state, model, ref_state, reference = _stepped_pair()
+    grads = _grads_like(model, 5)
+    grads["blocks"][3]["b"] = None
+    state, model = opt.update_(state, model, grads)
+    ref_state, reference = opt.update(ref_state, reference, copy.deepcopy(grads))
+    _same(model, reference)
+    assert replays[-1] is False
+    for k in range(6, 8):  # and back to replaying once every gradient is there again
+        state, model = opt.update_(state, model, _grads_like(model, k))
+        ref_state, reference = opt.update(ref_state, reference, _grads_like(reference, k))
+    _same(model, reference)
+    assert replays[-1] is True
+
+
+def test_gradients_of_another_dtype_are_converted_as_update_does(replays):
+    state, model, ref_state, reference = _stepped_pair()
+    grads = _grads_like(model, 5)
+    grads["big"] = grads["big"].astype(np.float64) * 1.1  # not the parameter's dtype
+    grads["blocks"][0]["w"] = np.ascontiguousarray(grads["blocks"][0]["w"].T).T  # another layout
+    state, model = opt.update_(state, model, grads)
+    ref_state, reference = opt.update(ref_state, reference, grads)
+    _same(model, reference)
+    assert replays[-1] is False
+
+
+def test_a_gradient_that_is_a_view_of_a_parameter(replays):
+    state, model, ref_state, reference = _stepped_pair()
+    grads = _grads_like(model, 5)
+    grads["big"] = model["big"][::-1]  # reads the parameter that the step writes
+    ref_grads = _grads_like(reference, 5)
+    ref_grads["big"] = reference["big"][::-1].copy()
+    state, model = opt.update_(state, model, grads)
+    ref_state, reference = opt.update(ref_state, reference, ref_grads)
+    _same(model, reference)
+
+
+def test_a_replaced_parameter_is_stepped_and_the_route_recorded_again(replays):
+    state, model, ref_state, reference = _stepped_pair()
+    new = np.arange(5, dtype=np.float32)
+    model["blocks"][2]["b"] = new
+    reference["blocks"][2]["b"] = new.copy()
+    for k in range(5, 8):
+        state, model = opt.update_(state, model, _grads_like(model, k))
+        ref_state, reference = opt.update(ref_state, reference, _grads_like(reference, k))
+    _same(model, reference)
+    assert model["blocks"][2]["b"] is new  # stepped in place
+    assert replays[-3:] == [False, True, True]
+
+
+def test_a_parameter_added_after_setup_is_refused(replays):
+    state, model, _, _ = _stepped_pair()
+    model["blocks"][1]["extra"] = np.ones(3, np.float32)
+    grads = _grads_like(model, 5)
+
+    def call():
+        with pytest.raises(KeyError, match=r"blocks.*1.*extra"):
+            opt.update_(state, model, grads)
+
+    _unchanged_by(call, state, model)
+
+
+def test_a_reshaped_parameter_is_refused(replays):
+    state, model, _, _ = _stepped_pair()
+    model["blocks"][0]["w"].shape = (25,)  # in place: the same object, another shape
+    grads = _grads_like(model, 5)
+
+    def call():
+        with pytest.raises(ValueError, match=r"blocks.*0.*w.*shape \(25,\)"):
+            opt.update_(state, model, grads)
+
+    _unchanged_by(call, state, model)
+
+
+def test_a_read_only_parameter_is_not_written(replays):
+    state, model, ref_state, reference = _stepped_pair()
+    model["big"].flags.writeable = False
+    state, model = opt.update_(state, model, _grads_like(model, 5))
+    ref_state, reference = opt.update(ref_state, reference, _grads_like(reference, 5))
+    _same(model, reference)
+    assert replays[-1] is False
+
+
+def test_state_changes_between_steps(replays):
+    state, model, ref_state, reference = _stepped_pair()
+    # a Leaf replaced in a sub-tree (its container is the same dict)
+    state["blocks"][3]["w"] = opt.setup(opt.Momentum(1e-2), model["blocks"][3]["w"])
+    ref_state["blocks"][3]["w"] = opt.setup(opt.Momentum(1e-2), reference["blocks"][3]["w"])
+    for k in range(5, 7):
+        state, model = opt.update_(state, model, _grads_like(model, k))
+        ref_state, reference = opt.update(ref_state, reference, _grads_like(reference, k))
+    _same(model, reference)
+    # a changed hyperparameter, and a frozen part
+    opt.adjust_(state, eta=1e-3)
+    opt.freeze_(state["blocks"][5])
+    ref_state = opt.adjust(ref_state, eta=1e-3)
+    opt.freeze_(ref_state["blocks"][5])
+    for k in range(7, 10):
+        state, model = opt.update_(state, model, _grads_like(model, k))
+        ref_state, reference = opt.update(ref_state, reference, _grads_like(reference, k))
+    _same(model, reference)
+
+
+def test_torch_parameter_swapped_under_the_route(replays):
+    torch = pytest.importorskip("torch")
+    import optimisers.torch as ot
+
+    gen = torch.Generator().manual_seed(0)
+    values = [torch.randn(s, generator=gen) for s in [(6,)] * 30 + [(4, 4)]]
+    ours = [torch.nn.Parameter(v.clone()) for v in values]
+    theirs = [torch.nn.Parameter(v.clone()) for v in values]
+    mine = ot.Optimizer(ours, opt.Momentum(1e-2, 0.9))
+    ref = torch.optim.SGD(theirs, lr=1e-2, momentum=0.9)
+
+    def step(k):
+        gen = torch.Generator().manual_seed(100 + k)
+        for a, b in zip(ours, theirs):
+            g = torch.randn(a.shape, generator=gen)  # laid out as its parameter, as autograd's are
+            a.grad, b.grad = torch.empty_like(a).copy_(g), torch.empty_like(b).copy_(g)
+        mine.step()
+        ref.step()
+
+    step(0)
+    step(1)
+    for p in (ours[-1], theirs[-1]):  # same values, transposed memory: the marks must notice
+        p.data = p.data.t().contiguous().t()
+    for p in (ours[3], theirs[3]):
+        p.data = p.data.clone()
+    for k in range(2, 5):
+        step(k)
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-6, atol=1e-7)
+    # the swap is seen; the engine plans its groups and route again, and replays them
+    assert replays[-3] is False and replays[-1] is True
