@@ -285,3 +285,27 @@ def test_torch_parameter_swapped_under_the_route(replays):
         torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-6, atol=1e-7)
     # the swap is seen; the engine plans its groups and route again, and replays them
     assert replays[-3] is False and replays[-1] is True
+
+
+def test_a_model_that_changes_every_step_stops_being_recorded(replays, monkeypatch):
+    """A route that goes stale at every step (new arrays each time) is recorded a bounded number
+    of times, and the steps still equal the pure path's."""
+    recorded: list = []
+    original = replay.Route.record.__func__
+
+    def counting(cls, *args):
+        recorded.append(1)
+        return original(cls, *args)
+
+    monkeypatch.setattr(replay.Route, "record", classmethod(counting))
+    model = [np.ones(4, np.float32) * k for k in range(20)]
+    state = opt.setup(opt.Momentum(1e-2, 0.9), model)
+    reference_state = opt.setup(opt.Momentum(1e-2, 0.9), copy.deepcopy(model))
+    reference = copy.deepcopy(model)
+    for step in range(2 * replay._RECORDINGS + 4):
+        model = [x.copy() for x in model]  # new arrays, the same values
+        grads = [np.full(4, step + k, np.float32) for k in range(20)]
+        state, model = opt.update_(state, model, grads)
+        reference_state, reference = opt.update(reference_state, reference, grads)
+    _same(model, reference)
+    assert len(recorded) == replay._RECORDINGS

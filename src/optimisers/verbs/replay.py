@@ -104,6 +104,7 @@ class Route:
             for group, places, more in zip(groups, first, extra)
         ]
         self.stale = False  # a step did not follow it: the next general step records anew
+        self.recorded = 1  # how many routes this plan has recorded, this one included
 
     @classmethod
     def record(cls, state, model, plan):
@@ -165,11 +166,17 @@ def remember(state, model, found, work, results) -> None:
     if plan is None or results or plan.converted or len(work) != len(plan.groups):
         return
     route = getattr(plan, "route", None)
-    if route is not None and not route.stale:
-        return
+    if route is not None and (not route.stale or route.recorded >= _RECORDINGS):
+        return  # it serves; or it went stale every time (a new model each step): stop walking
     if sum(len(group.leaves) for group, _ in work) != len(found):
         return  # some Leaf had no gradient, or steps outside the engine
-    plan.route = Route.record(state, model, plan)
+    new = Route.record(state, model, plan)
+    if new is not None:
+        new.recorded = 1 if route is None else route.recorded + 1
+    plan.route = new
+
+
+_RECORDINGS = 8  # routes recorded for one plan at most (each is a walk of the whole model)
 
 
 def step(state, model, grads) -> bool:
