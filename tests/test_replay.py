@@ -201,25 +201,29 @@ def test_a_replaced_parameter_is_stepped_and_the_route_recorded_again(replays):
     assert replays[-3:] == [False, True, True]
 
 
-def test_a_parameter_added_after_setup_is_refused(replays):
-    state, model, _, _ = _stepped_pair()
+def _add_a_parameter(model):
     model["blocks"][1]["extra"] = np.ones(3, np.float32)
-    grads = _grads_like(model, 5)
-
-    def call():
-        with pytest.raises(KeyError, match=r"blocks.*1.*extra"):
-            opt.update_(state, model, grads)
-
-    _unchanged_by(call, state, model)
 
 
-def test_a_reshaped_parameter_is_refused(replays):
+def _reshape_in_place(model):
+    model["blocks"][0]["w"].shape = (25,)  # the same object, another shape
+
+
+@pytest.mark.parametrize(
+    "change, error, match",
+    [
+        (_add_a_parameter, KeyError, r"blocks.*1.*extra"),
+        (_reshape_in_place, ValueError, r"blocks.*0.*w.*shape \(25,\)"),
+    ],
+    ids=["added-after-setup", "reshaped"],
+)
+def test_a_model_changed_after_replays_is_refused(replays, change, error, match):
     state, model, _, _ = _stepped_pair()
-    model["blocks"][0]["w"].shape = (25,)  # in place: the same object, another shape
+    change(model)
     grads = _grads_like(model, 5)
 
     def call():
-        with pytest.raises(ValueError, match=r"blocks.*0.*w.*shape \(25,\)"):
+        with pytest.raises(error, match=match):
             opt.update_(state, model, grads)
 
     _unchanged_by(call, state, model)

@@ -183,6 +183,11 @@ class Group(GroupLayout):
         rule = self.leaves[0].rule
         return all(leaf._group is self and leaf.rule is rule for leaf in self.leaves)
 
+    def steppable(self) -> bool:
+        """Intact, and no member frozen: in one pass over the members."""
+        rule = self.leaves[0].rule
+        return all(leaf._group is self and leaf.rule is rule and not leaf.frozen for leaf in self.leaves)
+
     # --- one step ---------------------------------------------------------------------------
 
     def factors(self, dxs):

@@ -77,7 +77,7 @@ def _record(snode, node, leaves, xs):
     for key, sub in snode.items():
         if type(sub) is not Leaf and sub:
             subs.append((key, _record(sub, children[key], leaves, xs)))
-    return _Container(snode, node, leaf_keys, subs, children.keys() | set())
+    return _Container(snode, node, leaf_keys, subs, frozenset(children))
 
 
 class Route:
@@ -138,9 +138,7 @@ class Route:
     def _gradients(self, gs):
         ready = []
         for group, xs, places, tied in self.groups:
-            if not group.intact() or any(leaf.frozen for leaf in group.leaves):
-                return None
-            if not group.unchanged(xs):
+            if not (group.steppable() and group.unchanged(xs)):
                 return None
             dxs = list(map(gs.__getitem__, places))
             if not _fit(group, dxs, xs):
