@@ -51,6 +51,7 @@ def test_bench_smallest_run_prints_table_and_writes_json(tmp_path, capsys):
     rows = doc["rows"]
     assert {(r["backend"], r["impl"]) for r in rows} == {
         ("numpy", "optimisers update_"),
+        ("numpy", "optimisers update_, flat views"),
         ("numpy", "naive NumPy loop"),
     }
     naive = next(r for r in rows if r["impl"] == "naive NumPy loop")
@@ -58,10 +59,12 @@ def test_bench_smallest_run_prints_table_and_writes_json(tmp_path, capsys):
     for r in rows:  # a row may be n/a (error), but a row that ran must agree
         assert "error" in r or r["agree"], r
     # without torch, NumPy is compared with the naive loop, as the median of one over the other
-    ours = next(r for r in rows if r["impl"] == "optimisers update_")
-    (entry,) = doc["summary"]
-    assert entry["what"] == "numpy S3: optimisers update_ / naive NumPy loop" and not entry["paired"]
-    assert entry["ratio"] == pytest.approx(ours["median_ms"] / naive["median_ms"])
+    entries = doc["summary"]
+    assert len(entries) == 2  # the usual row, and the row over flat views
+    for impl, entry in zip(("optimisers update_", "optimisers update_, flat views"), entries):
+        ours = next(r for r in rows if r["impl"] == impl)
+        assert entry["what"] == f"numpy S3: {impl} / naive NumPy loop" and not entry["paired"]
+        assert entry["ratio"] == pytest.approx(ours["median_ms"] / naive["median_ms"])
 
 
 def test_bench_times_s2_tied_against_s2_in_alternation(tmp_path, capsys):
@@ -83,7 +86,7 @@ def test_summary_prefers_the_paired_ratio():
         for impl, ms in (("optimisers update_", 6.0), ("torch.optim fused", 4.0))
     ]
     report.fill_ratios(rows, None)
-    paired_peers = [{"backend": "torch", "shape": "S1", "ratio_median": 0.9}]
+    paired_peers = [{"backend": "torch", "impl": "optimisers update_", "shape": "S1", "ratio_median": 0.9}]
     s1, s3 = report.summary(rows, paired_peers=paired_peers)
     assert s1 == {"what": "torch S1: optimisers update_ / torch.optim fused", "ratio": 0.9,
                   "ratio_of_minimums": None, "paired": True}
@@ -191,7 +194,7 @@ def test_a_rule_without_a_naive_formula_is_timed_but_unchecked(monkeypatch):
     monkeypatch.setitem(RULES, entry.name, entry)
     data = make_data(Shape("tiny", [("w",)], [(8, 4)]))
     opts = argparse.Namespace(compile_limit=1e9, warmup=0, repeats=1, quick=True, rss_ok=False, profile=0)
-    ours, naive = [i for i in IMPLS if i.backend == "numpy"]
+    ours, naive = [i for i in IMPLS if i.backend == "numpy" and not i.flat]
     rows = [run_row(impl, data, entry.name, None, opts, {}) for impl in (ours, naive)]
     assert rows[0]["median_ms"] > 0 and "agree" not in rows[0]
     assert rows[1] == {**rows[1], "absent": "no naive NumPy formula for Momentum"}

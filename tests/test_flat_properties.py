@@ -51,20 +51,58 @@ def models(draw):
     frozen = [k for k in model if draw(st.integers(0, 4)) == 0]
     rule = draw(st.integers(0, len(RULES) - 1))
     missing = draw(st.lists(st.integers(0, n - 1), max_size=3))
+    if draw(st.booleans()):  # the row-major arrays as views of one flat buffer per dtype (spans)
+        _into_flat_buffers(arrays, model)
     return model, frozen, rule, missing
 
 
-def _grads(model, step, missing):
-    """Gradients shaped as the model; those at positions in `missing` left out at odd steps."""
+def _into_flat_buffers(arrays, model):
+    """Replace each C-contiguous array of `model` by a view of a flat buffer of its dtype, back to
+    back in the order of `arrays` (ties stay ties)."""
+    moved = [x for x in arrays if x.flags.c_contiguous]
+    bases = {dt: np.empty(sum(x.size for x in moved if x.dtype == dt), dt) for dt in {x.dtype for x in moved}}
+    at = dict.fromkeys(bases, 0)
+    view_of = {}
+    for x in moved:
+        start = at[x.dtype]
+        view = bases[x.dtype][start : start + x.size].reshape(x.shape)
+        view[...] = x
+        view_of[id(x)] = view
+        at[x.dtype] = start + x.size
+    for key, xs in model.items():
+        model[key] = [view_of.get(id(x), x) for x in xs]
+
+
+def _grads(model, step, missing, flat=None):
+    """Gradients shaped as the model; those at positions in `missing` left out at odd steps.
+    With `flat` (a dict kept between steps), each array's first gradient is a view of a flat
+    buffer laid out as the parameters' (the same views every step, values written in place)."""
     rng = np.random.default_rng(step)
     out, k = {}, 0
     for key, xs in model.items():
         out[key] = []
         for x in xs:
             g = rng.standard_normal(x.shape).astype(x.dtype)
+            if flat is not None and id(x) not in flat.setdefault("seen", set()):
+                flat["seen"].add(id(x))
+                view = flat.setdefault(id(x), _grad_view(x, flat))
+                view[...] = g
+                g = view
             out[key].append(None if (k in missing and step % 2) else g)
             k += 1
+    flat is not None and flat.pop("seen")
     return out
+
+
+def _grad_view(x, flat):
+    """A view of the flat gradient buffer at `x`'s place in its flat parameter buffer, if it is
+    a view of one; else a new array."""
+    base = x.base if x.base is not None and x.flags.c_contiguous else None
+    if base is None or base.ndim != 1:
+        return np.empty_like(x)
+    grads = flat.setdefault(("base", id(base)), (base, np.empty_like(base)))[1]
+    start = (x.__array_interface__["data"][0] - base.__array_interface__["data"][0]) // x.itemsize
+    return grads[start : start + x.size].reshape(x.shape)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -80,8 +118,9 @@ def test_in_place_engine_equals_pure_path(drawn):
         for key in frozen:
             opt.freeze_(state[key])
             opt.freeze_(ref_state[key])
+        flat_grads: dict = {}
         for step in range(4):
-            state, model = opt.update_(state, model, _grads(model, step, missing))
+            state, model = opt.update_(state, model, _grads(model, step, missing, flat_grads))
             ref_state, reference = opt.update(ref_state, reference, _grads(reference, step, missing))
             for key in model:
                 for x, y in zip(model[key], reference[key], strict=True):

@@ -38,6 +38,35 @@ def fit_as_they_are(gs, xs, dtype, device):
     ndarray = np.ndarray
     return [type(g) is ndarray and g.dtype is dtype and g.strides == x.strides for g, x in zip(gs, xs)]
 
+def addresses(xs) -> list:
+    return [x.__array_interface__["data"][0] for x in xs]
+
+
+def flat_span(xs):
+    """A 1-D view of the memory that the arrays `xs` fill back to back in this order (each C
+    contiguous and writable, all of one owner and dtype), or None. Addresses alone are not
+    enough: two allocations may lie next to each other."""
+    x0 = xs[0]
+    if any(type(x) is not np.ndarray for x in xs):
+        return None
+    owner, dtype = memory_owners([x0])[0], x0.dtype
+    at = start = addresses([x0])[0]
+    for x in xs:
+        flags = x.flags
+        if not (flags.c_contiguous and flags.writeable) or x.dtype != dtype:
+            return None
+        if addresses([x])[0] != at or memory_owners([x])[0] != owner:
+            return None
+        at += x.nbytes
+    return np.lib.stride_tricks.as_strided(x0.reshape(-1), ((at - start) // x0.itemsize,), (x0.itemsize,))
+
+
+def span_marks(xs):
+    """The marks of arrays found in a span, for each step's check: an ndarray's memory never
+    moves, so with the objects themselves (the caller compares those) its engine marks do."""
+    return engine_marks(xs)
+
+
 try:  # NumPy >= 2
     from numpy.lib.array_utils import byte_bounds as _byte_bounds
 except ImportError:  # pragma: no cover - NumPy 1.x

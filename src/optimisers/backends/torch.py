@@ -197,6 +197,7 @@ def engine_ok(x) -> bool:
 
 _PLAIN = (torch.Tensor, nn.Parameter)
 _PLAIN_TYPES = set(_PLAIN)
+_DATA_PTR = torch.Tensor.data_ptr
 
 
 def engine_marks(xs):
@@ -208,11 +209,48 @@ def engine_marks(xs):
     if not set(map(type, xs)) <= _PLAIN_TYPES:
         return [object()]
     return (
-        [x.data_ptr() for x in xs],
+        list(map(_DATA_PTR, xs)),
         [x.shape for x in xs],
         [x.stride() for x in xs],
         {x.dtype for x in xs},
     )
+
+
+def addresses(xs) -> list:
+    return list(map(_DATA_PTR, xs))
+
+
+def flat_span(xs):
+    """A 1-D view of the memory that the tensors `xs` fill back to back in this order (each
+    contiguous, all of one storage, dtype and device), or None. Addresses alone are not enough:
+    two storages may lie next to each other."""
+    x0 = xs[0]
+    if not set(map(type, xs)) <= _PLAIN_TYPES:
+        return None
+    storage, item, dtype, device = _storage_ptr(x0), x0.element_size(), x0.dtype, x0.device
+    at = start = x0.data_ptr()
+    for x in xs:
+        if (
+            x.data_ptr() != at
+            or x.dtype != dtype
+            or x.device != device
+            or not x.is_contiguous()
+            or _storage_ptr(x) != storage
+        ):
+            return None
+        at += x.numel() * item
+    with torch.no_grad():
+        return x0.detach().as_strided(((at - start) // item,), (1,))
+
+
+def span_marks(xs):
+    """The marks of tensors found in a span, for each step's check: their addresses. With the
+    objects themselves (the caller compares those), an address still in the span means the tensor
+    still views its segment (the span's memory is held, so no other storage can be there); only an
+    in-place change of a tensor's own metadata (`t_()`, `as_strided_`) goes unseen."""
+    if not set(map(type, xs)) <= _PLAIN_TYPES:
+        return [object()]
+    return list(map(_DATA_PTR, xs))
 
 
 def fit_as_they_are(gs, xs, dtype, device) -> list:

@@ -12,6 +12,8 @@ from typing import Any
 
 from optimisers.core.tree import format_path
 
+_WATCHED = frozenset(("rule", "frozen", "_group"))
+
 
 class Leaf:
     """One trainable array's optimiser: its `rule`, the rule's `state`, and whether it is `frozen`.
@@ -20,6 +22,14 @@ class Leaf:
     """
 
     __slots__ = ("rule", "_state", "frozen", "_group", "_shape", "_placed", "_owns")
+    # how many times any Leaf's rule, frozen flag or engine group was set: the engine checks its
+    # groups' members again only after one was (`Group.steppable`), not on every step
+    edits = 0
+
+    def __setattr__(self, name, value):
+        object.__setattr__(self, name, value)
+        if name in _WATCHED:
+            Leaf.edits += 1
 
     def __init__(self, rule, state, frozen: bool = False):
         self.rule = rule

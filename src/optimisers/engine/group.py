@@ -28,10 +28,11 @@ import functools
 import operator
 import os
 from concurrent.futures import ThreadPoolExecutor
+from itertools import repeat
 
 from optimisers import ops
 from optimisers.core.rule import NewValue
-from optimisers.core.state import flatten_state, unflatten_state
+from optimisers.core.state import Leaf, flatten_state, unflatten_state
 from optimisers.engine import fast_paths, precision
 from optimisers.engine.layout import GroupLayout, scales_gradient
 
@@ -43,6 +44,7 @@ from optimisers.engine.layout import GroupLayout, scales_gradient
 # once per step), so chunks are views of the parameter's memory and the state views
 # (`shaped_in`) have the parameter's layout.
 _POOL: ThreadPoolExecutor | None = None
+_GROUP_OF, _RULE_OF, _FROZEN = (operator.attrgetter(a) for a in ("_group", "rule", "frozen"))
 
 
 def _pool() -> ThreadPoolExecutor:
@@ -85,6 +87,12 @@ class Group(GroupLayout):
         self._owners = None  # (marks, parameters, their memory owners): see `param_owners`
         self._staged = None  # `(xs, dxs)` whose packed members are in `_staging` this step
         self._staging = None  # this step's `staging()` buffers
+        # a span's checks: its parameters' `span_marks`, and the gradients last found to be
+        # views of one flat buffer as `(dxs, their span_marks, the buffer's view)`
+        self._span_marks = None if self.span is None else self.b.span_marks(self._span_xs)
+        self._grad_span = None
+        self._checked = None  # the gradients `span_ready` found in `_grad_span` this step
+        self._steppable_at = None  # `Leaf.edits` when `steppable` last found every member ready
 
     def ready_members(self, found):
         """Every member's contribution to this update, or None if some member cannot step in
@@ -98,15 +106,59 @@ class Group(GroupLayout):
             members.append(c)
         # the parameters as they were at the last full check (the usual step): nothing that
         # check read has changed, so it is not redone per parameter
-        now = self.b.engine_marks([c.x for c in members])
+        xs = [c.x for c in members]
+        now = self.b.engine_marks(xs)
         if now is None:
-            return members if self._fit([c.x for c in members]) else None
-        if now == self._marks:
+            return members if self._fit(xs) and self._respan(xs) else None
+        if now == self._marks and self._in_span(xs):
             return members
-        if not self._fit([c.x for c in members]):
+        if not self._fit(xs) or not self._respan(xs):
             return None
         self._marks = now
         return members
+
+    def _in_span(self, xs) -> bool:
+        """Are `xs` the parameters that a span group's span holds, as they were?"""
+        return self.span is None or (
+            all(map(operator.is_, xs, self._span_xs)) and self.b.span_marks(xs) == self._span_marks
+        )
+
+    def _respan(self, xs) -> bool:
+        """Does a span group's span hold `xs` (a view made anew where other parameters, or the
+        same ones moved together as by a `.to()` of the flat buffer, fill it in order)?"""
+        if self._in_span(xs):
+            return True
+        span = self.b.flat_span(xs)
+        if span is None:
+            return False
+        self.span, self._span_xs, self._span_marks = span, list(xs), self.b.span_marks(xs)
+        self._grad_span = None
+        return True
+
+    def span_ready(self, xs, dxs) -> bool:
+        """Can this step run on a span group's flat buffers as they were last step: the same
+        parameters (`xs`, the caller has compared them) where they were, and the same gradients
+        (`dxs`), still views of one flat buffer? Two bulk reads, instead of every check of
+        `ready_members` and `gradients`."""
+        kept = self._grad_span
+        if (
+            kept is None
+            or not self.steppable()
+            or len(dxs) != len(kept[0])
+            or not all(map(operator.is_, dxs, kept[0]))
+            or not self._in_span(xs)
+            or self.b.span_marks(dxs) != kept[1]
+        ):
+            return False
+        self._checked = dxs
+        return True
+
+    def gradient_owner(self, dxs):
+        """The one memory owner of the gradients `dxs`, where `span_ready` found them in the
+        flat gradient buffer this step; else None."""
+        if self._checked is not dxs:
+            return None
+        return self.b.memory_owners([self._grad_span[2]])[0]
 
     def unchanged(self, xs) -> bool:
         """Are `xs` (the members' parameters, as planned) unchanged since their last full check,
@@ -184,9 +236,18 @@ class Group(GroupLayout):
         return all(leaf._group is self and leaf.rule is rule for leaf in self.leaves)
 
     def steppable(self) -> bool:
-        """Intact, and no member frozen: in one pass over the members."""
-        rule = self.leaves[0].rule
-        return all(leaf._group is self and leaf.rule is rule and not leaf.frozen for leaf in self.leaves)
+        """Intact, and no member frozen: checked again only after some Leaf was edited."""
+        if self._steppable_at == Leaf.edits:
+            return True
+        leaves, rule = self.leaves, self.leaves[0].rule
+        ok = (
+            all(map(operator.is_, map(_GROUP_OF, leaves), repeat(self)))
+            and all(map(operator.is_, map(_RULE_OF, leaves), repeat(rule)))
+            and not any(map(_FROZEN, leaves))
+        )
+        if ok:
+            self._steppable_at = Leaf.edits
+        return ok
 
     # --- one step ---------------------------------------------------------------------------
 
@@ -214,7 +275,7 @@ class Group(GroupLayout):
             self._stage(xs, dxs)
             compute = functools.partial(self._chunk, rule, xs=xs, dxs=dxs, factors=factors)
             done = _map(compute, chunks, self.threads)
-            if self.has_runs:
+            if self.has_runs:  # (a span's chunks wrote the parameters themselves)
                 p0 = self.packed_from
                 self.b.split_into(self._staging[0], xs[p0:], self.orders[p0:])
         self.unstage()
@@ -222,13 +283,20 @@ class Group(GroupLayout):
 
     def unstage(self) -> None:
         """Let go of what `_stage` made and refers to (after a step, or a failed rehearsal)."""
-        self._staged = self._staging = None
+        self._staged = self._staging = self._checked = None
 
     def _stage(self, xs, dxs) -> None:
         """Join the packed members' parameters and gradients into the staging buffers (once per
-        step: a rehearsal does it before the step)."""
+        step: a rehearsal does it before the step). A span is its own staging buffer for the
+        parameters, and so are the gradients where they are views of one flat buffer too."""
         staged = self._staged
-        if not self.has_runs or (staged is not None and staged[0] is xs and staged[1] is dxs):
+        if staged is not None and staged[0] is xs and staged[1] is dxs:
+            return
+        if self.span is not None:
+            self._staging = self.span, self._gradient_span(dxs)
+            self._staged = xs, dxs
+            return
+        if not self.has_runs:
             return
         p0 = self.packed_from
         self._staging = flat_x, flat_g = self.staging(xs[p0])
@@ -237,14 +305,42 @@ class Group(GroupLayout):
         self.b.join_into(flat_g, dxs[p0:], orders)
         self._staged = xs, dxs
 
+    def _gradient_span(self, dxs):
+        """The members' gradients `dxs` as one 1-D array in the span's order: a view of the flat
+        buffer they are views of, laid out as the parameters (kept to compare with the next
+        step's), else joined into a new one."""
+        b, kept = self.b, self._grad_span
+        if self._checked is dxs:
+            return kept[2]
+        if (
+            kept is not None
+            and len(dxs) == len(kept[0])
+            and all(map(operator.is_, dxs, kept[0]))
+            and b.span_marks(dxs) == kept[1]
+        ):
+            return kept[2]
+        flat = b.flat_span(dxs)
+        if flat is not None and [g.shape for g in dxs] == self.shapes:
+            self._grad_span = list(dxs), b.span_marks(dxs), flat
+            return flat
+        flat = b.empty_flat(self.offsets[-1], self.span)
+        b.join_into(flat, dxs, self.orders)
+        return flat
+
     def _step_fast(self, rule, xs, dxs) -> bool:
         """Step every member with the backend's own kernel for `rule`, if it has one that takes
-        them; whether it did."""
+        them; whether it did. A span steps as one array: one kernel call."""
         found = fast_paths.find(self.b, rule)
         if found is None or self.array_at != fast_paths.STATE_ARRAYS[found[0]]:
             return False
         _, kernel, args = found
-        arrays = [self.member_parts(k) for k, a in enumerate(self.array_at) if a]
+        if self.span is not None:
+            self._stage(xs, dxs)
+            xs, dxs = self._staging
+            xs, dxs = [xs], [dxs]
+            arrays = [[buf[0]] for buf, a in zip(self.buffers, self.array_at) if a]
+        else:
+            arrays = [self.member_parts(k) for k, a in enumerate(self.array_at) if a]
         t = self.scalars[-1] + 1
         if not kernel.step_many(args, xs, dxs, *arrays, t):
             return False
@@ -278,6 +374,10 @@ class Group(GroupLayout):
             _, i, start, stop = chunk
             x = b.flat_in(xs[i], self.orders[i])[start:stop]  # a view: parameters here are dense
             dx = b.flat_in(dxs[i], self.orders[i])[start:stop]
+        elif chunk[0] == "flat":  # a range of the span and of the packed buffers
+            _, i, start, stop = chunk
+            flat_x, flat_g = self._staging
+            x, dx = flat_x[start:stop], flat_g[start:stop]
         else:  # a run: its range of the staging buffers, and its buffer slices, whole
             _, i, j, _ = chunk
             start, stop = 0, self.offsets[j] - self.offsets[i]

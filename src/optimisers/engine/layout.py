@@ -45,6 +45,16 @@ class GroupLayout:
         # small parameters last, so that they pack into a few long runs however the model
         # interleaves them with large ones (a bias after each weight matrix)
         order = sorted(range(len(xs)), key=lambda i: sizes[i] < self.chunk // 4)
+        # parameters that are views of one flat buffer, back to back (`optimisers.torch.flatten_`,
+        # or a model built over one array): the chunks step that buffer itself, in address order
+        self.span = None
+        if not self.scaled and len(xs) > 1:
+            where = b.addresses(xs)
+            by_address = sorted(range(len(xs)), key=where.__getitem__)
+            self.span = b.flat_span([xs[i] for i in by_address])
+            if self.span is not None:
+                order = by_address
+        self._span_xs = None if self.span is None else [xs[i] for i in order]  # what it holds
         leaves, xs, self.sizes = [leaves[i] for i in order], [xs[i] for i in order], [sizes[i] for i in order]
         self.leaves = leaves  # their rule is read from the first at each step: adjust_ may change it
         self.dtype, self.device = xs[0].dtype, getattr(xs[0], "device", None)
@@ -60,10 +70,11 @@ class GroupLayout:
         self.scalars = [None if a else p for a, p in zip(self.array_at, per_leaf[0])]
         self.chunks = self._plan_chunks()
         runs = [c for c in self.chunks if c[0] == "run"]
-        # the packed members (the smallest, sorted last): one flat range of every buffer
-        self.packed_from = runs[0][1] if runs else len(leaves)
+        # the packed members (the smallest, sorted last; in a span, all): one flat range of
+        # every buffer
+        self.packed_from = 0 if self.span is not None else runs[0][1] if runs else len(leaves)
         self.buffers = self._take_state(leaves, per_leaf, xs)
-        self.has_runs = bool(runs)
+        self.has_runs = bool(runs)  # (a span has none: its chunks step the span itself)
         self._member_parts: dict[int, list] = {}
 
     @staticmethod
@@ -90,7 +101,7 @@ class GroupLayout:
         buffers = [{} if a else None for a in array_at]
         seen = set(b.memory_owners(xs))
         packed = None
-        for chunk in self.chunks:
+        for chunk in self._member_runs() if self.span is not None else self.chunks:
             i = chunk[1]
             if chunk[0] == "big":
                 if per_leaf[i] is None:  # taken at its first chunk
@@ -125,6 +136,8 @@ class GroupLayout:
                 per_leaf[m] = None  # the old arrays go as soon as the member holds the new ones
                 leaves[m]._state = unflatten_state(self.spec, iter(parts))
                 leaves[m]._group = self
+        if self.span is not None:  # the flat chunks read the whole packed buffers
+            buffers = [None if p is None else {0: p} for p in packed]
         return buffers
 
     def staging(self, like):
@@ -143,9 +156,25 @@ class GroupLayout:
         seen.add(owner)
         return b.flat_in(p, order) if keep else b.concat([b.flat_in(p, order)])
 
+    def _member_runs(self):
+        """A span's members in runs of about a chunk's elements ("run", i, j, None): the pieces in
+        which `_take_state` moves their state into the packed buffers."""
+        runs, i = [], 0
+        for j in range(1, len(self.sizes) + 1):
+            if j == len(self.sizes) or self.offsets[j] - self.offsets[i] >= self.chunk:
+                runs.append(("run", i, j, None))
+                i = j
+        return runs
+
     def _plan_chunks(self):
         """("big", i, a, b): elements a..b of leaf i; ("run", i, j, bounds): small leaves i..j-1
-        packed, leaf i+k at elements bounds[k] of the packed chunk."""
+        packed, leaf i+k at elements bounds[k] of the packed chunk; ("flat", 0, a, b): elements
+        a..b of a span (every member, back to back) and of the packed buffers."""
+        if self.span is not None:
+            total = self.offsets[-1]
+            pieces = max(1, round(total / self.chunk))
+            bounds = [total * k // pieces for k in range(pieces + 1)]
+            return [("flat", 0, a, b) for a, b in zip(bounds, bounds[1:])]
         # smaller parameters are packed together (not in a scaled group: a factor per member)
         chunk, small = self.chunk, 0 if self.scaled else self.chunk // 4
         chunks, run_start, run_size = [], None, 0

@@ -108,6 +108,9 @@ def _unalias(prepared) -> None:
         owners.setdefault(group.b, set()).update(group.param_owners(xs))
     for group, _, dxs, _ in prepared:
         b, held = group.b, owners[group.b]
+        one = group.gradient_owner(dxs)  # a span's gradients, all views of one flat buffer
+        if one is not None and one not in held:
+            continue
         for i in [i for i, owner in enumerate(b.memory_owners(dxs)) if owner in held]:
             same = (x for g, xs, _, _ in prepared if g.b is b for x in xs)
             if any(b.shares_memory(dxs[i], x) for x in same):

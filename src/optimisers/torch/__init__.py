@@ -4,7 +4,8 @@
 
 `Optimizer(params, rule)` takes any rule of this library; the drop-in classes take torch.optim's
 signatures, defaults, group keys and `state[p]` keys, and so do `AdamWScheduleFree` and
-`SGDScheduleFree`, the `schedulefree` package's classes.
+`SGDScheduleFree`, the `schedulefree` package's classes. `flatten_(model)` moves parameters and
+gradients into flat buffers, which a step takes as one array.
 """
 
 from optimisers.torch.dropins import (
@@ -21,11 +22,14 @@ from optimisers.torch.dropins import (
     RMSprop,
     Rprop,
 )
+from optimisers.torch.flat import FlatBuffers, flatten_
 from optimisers.torch.optimizer import Optimizer
 from optimisers.torch.schedule_free import AdamWScheduleFree, SGDScheduleFree
 
 __all__ = [
     "Optimizer",
+    "flatten_",
+    "FlatBuffers",
     "SGD",
     "Adam",
     "AdamW",

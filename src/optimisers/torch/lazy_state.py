@@ -95,9 +95,9 @@ class LazyState:
     def _initialise(self, grads: dict) -> list[int]:
         """Make the state of parameters that have their first gradient; returns their positions."""
         have = self._flat.tree
+        if grads.keys() <= have.keys():
+            return []
         born = [i for i in grads if i not in have]
-        if not born:
-            return born
         with torch.no_grad():
             made = {i: self._first_state(i) for i in born}  # all made before any is kept
         for i, state in made.items():

@@ -26,6 +26,7 @@ from torch import nn
 from optimisers.core.rule import Rule
 from optimisers.core.state import State
 from optimisers.torch.checkpointing import Checkpointing
+from optimisers.torch.flat import has_flat_grads, zero_flat_grads_
 from optimisers.torch.hyperparameters import adjusted_rule, check_switches, unknown_key_error
 from optimisers.torch.lazy_state import LazyState, replan
 from optimisers.torch.param_groups import (
@@ -156,6 +157,26 @@ class Optimizer(LazyState, Checkpointing, torch.optim.Optimizer):
                 loss = closure()
         _eager_step(self)
         return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """torch.optim's, except that gradients that are views of a flat buffer (made by
+        `optimisers.torch.flatten_`) are zeroed in place and kept, whatever `set_to_none` says."""
+        params = [p for g in self.param_groups for p in g["params"]]
+        rest = zero_flat_grads_(params) if has_flat_grads() else params
+        if len(rest) == len(params):
+            super().zero_grad(set_to_none)
+            return
+        for p in rest:
+            if p.grad is None:
+                continue
+            if set_to_none:
+                p.grad = None
+                continue
+            if p.grad.grad_fn is not None:
+                p.grad.detach_()
+            else:
+                p.grad.requires_grad_(False)
+            p.grad.zero_()
 
     def _step(self):
         undo = self._sync()

@@ -29,7 +29,7 @@ class _Off(Exception):
 class _Container:
     """A container of the state tree and the model node it stood for when the route was made."""
 
-    __slots__ = ("snode", "keys", "values", "leaf_keys", "subs", "model_type", "child_keys")
+    __slots__ = ("snode", "keys", "values", "leaf_keys", "subs", "model_type", "child_keys", "whole")
 
     def __init__(self, snode, node, leaf_keys, subs, child_keys):
         self.snode = snode
@@ -39,6 +39,11 @@ class _Container:
         self.subs = subs  # [(key, _Container)] of its non-empty sub-trees
         self.model_type = type(node)
         self.child_keys = child_keys  # the model node's child keys (new ones: new parameters)
+        # a list, tuple or dict whose every entry is a place (a model of many small arrays): its
+        # arrays, and gradients in a container of its type, are taken whole
+        self.whole = type(node) in (list, tuple, dict) and not subs and leaf_keys == list(
+            node if type(node) is dict else range(len(node))
+        )
 
     def unchanged(self) -> bool:
         snode = self.snode
@@ -53,6 +58,14 @@ def _walk(container, node, grad, xs, gs):
     """Append the model's array and the gradient at each of the route's places under `node`."""
     if type(node) is not container.model_type or not container.unchanged():
         raise _Off
+    if container.whole and type(grad) is type(node) and len(grad) == len(node) == len(container.leaf_keys):
+        if type(node) is dict:  # (a key of `grad` the model lacks leaves a None: no replay)
+            xs.extend(map(node.__getitem__, container.leaf_keys))
+            gs.extend(map(grad.get, container.leaf_keys))
+        else:
+            xs.extend(node)
+            gs.extend(grad)
+        return
     kind = kind_of(node)
     children = dict(kind.children(node))
     if children.keys() != container.child_keys:
@@ -97,7 +110,6 @@ class Route:
                 first[g][m] = place
             else:
                 extra[g].setdefault(m, []).append(place)
-        self.shapes = [x.shape for x in self.xs]
         # per group: its members' parameters, each member's first place, a tied member's others
         self.groups = [
             (group, [self.xs[p] for p in places], places, sorted(more.items()))
@@ -128,28 +140,34 @@ class Route:
         if len(xs) != len(self.xs) or not all(map(operator.is_, xs, self.xs)):
             self.stale = True
             return None
-        try:
-            if [g.shape for g in gs] != self.shapes:
-                return None
-        except AttributeError:  # a missing gradient, or not an array
-            return None
         return self._gradients(gs)
 
     def _gradients(self, gs):
         ready = []
         for group, xs, places, tied in self.groups:
+            dxs = list(map(gs.__getitem__, places))
+            if group.span is not None and not tied and group.span_ready(xs, dxs):
+                ready.append((group, xs, dxs, dxs))  # the gradients of the step before, in place
+                continue
             if not (group.steppable() and group.unchanged(xs)):
                 return None
-            dxs = list(map(gs.__getitem__, places))
-            if not _fit(group, dxs, xs):
+            if not (_shaped(dxs, group.shapes) and _fit(group, dxs, xs)):
                 return None
             for m, more in tied:
                 others = [gs[p] for p in more]
-                if not _fit(group, others, [xs[m]] * len(others)):
+                n = len(others)
+                if not (_shaped(others, [group.shapes[m]] * n) and _fit(group, others, [xs[m]] * n)):
                     return None
                 dxs[m] = group.summed(m, xs[m], [dxs[m], *others])
             ready.append((group, xs, dxs, dxs))
         return ready
+
+
+def _shaped(gs, shapes) -> bool:
+    try:
+        return [g.shape for g in gs] == shapes
+    except AttributeError:  # a missing gradient, or not an array
+        return False
 
 
 def _fit(group, gs, xs) -> bool:

@@ -178,7 +178,7 @@ def _time_pairs(run: _Run, impls: list, progress) -> None:
     and for Adam each of ours against its peer on S1 and S2."""
     opts = run.opts
     pairs = 6 if opts.quick else 15
-    ours = [i for i in impls if i.ours]
+    ours = [i for i in impls if i.ours and not i.flat]
     if "S2" in opts.shapes and "S2-tied" in opts.shapes:
         for impl in ours:
             for rule in [r for r in opts.rules if RULES[r].shapes(run.shapes["S2"]) is None]:

@@ -18,7 +18,7 @@ import numpy as np
 
 import optimisers as opt
 
-from .models import Data, Shape, get
+from .models import Data, Shape, get, nest
 from .rules import RULES, BenchRule
 
 
@@ -40,6 +40,7 @@ class Impl:
     jit_key: str | None = None  # rows sharing a key share the compile-time limit
     tracemalloc: bool = False  # NumPy rows: memory by tracemalloc (RSS as a cross-check)
     absent: Callable[[BenchRule], str | None] = lambda rule: None  # why this row cannot run a rule
+    flat: bool = False  # ours, with the parameters and gradients as views of flat buffers
 
 
 def optimisers_rule(rule: str) -> opt.Rule:
@@ -87,6 +88,45 @@ def _optimisers_torch(data: Data, rule: str) -> Runner:
 
     model = data.model(lambda a: torch.nn.Parameter(torch.tensor(a)))
     grads = data.grad_tree(torch.tensor)
+    return _optimisers_in_place(model, grads, rule, lambda x: x.detach().numpy(), data.shape)
+
+
+def _views_of_one_buffer(values, make):
+    """Each of `values` (NumPy arrays) copied into one new flat buffer `make(total)`, back to
+    back; the views, in order."""
+    base = make(sum(v.size for v in values))
+    out, at = [], 0
+    for v in values:
+        view = base[at : at + v.size].reshape(v.shape)
+        view[...] = v
+        out.append(view)
+        at += v.size
+    return out
+
+
+def _optimisers_numpy_flat(data: Data, rule: str) -> Runner:
+    """NumPy arrays that are views of one flat buffer, and gradients views of another: the engine
+    steps the buffers as one array (a tied place's extra gradient is its own array)."""
+    params = _views_of_one_buffer(data.params, lambda n: np.empty(n, np.float32))
+    grads = _views_of_one_buffer(data.grads, lambda n: np.empty(n, np.float32))
+    model = nest([*zip(data.shape.paths, params), *((p, params[i]) for p, i in data.shape.ties.items())])
+    grad_tree = nest([*zip(data.shape.paths, grads), *data.tie_grads.items()])
+    return _optimisers_in_place(model, grad_tree, rule, lambda x: x, data.shape)
+
+
+def _optimisers_torch_flat(data: Data, rule: str) -> Runner:
+    """`optimisers.torch.flatten_` on the parameters: their data and `.grad` views of flat buffers."""
+    import torch
+
+    from optimisers.torch import flatten_
+
+    model = data.model(lambda a: torch.nn.Parameter(torch.tensor(a)))
+    params = [get(model, p) for p in data.shape.paths]
+    flatten_(params)
+    for p, g in zip(params, data.grads):
+        p.grad.copy_(torch.from_numpy(g))
+    tie_grads = [(path, torch.tensor(g)) for path, g in data.tie_grads.items()]
+    grads = nest([*((path, p.grad) for path, p in zip(data.shape.paths, params)), *tie_grads])
     return _optimisers_in_place(model, grads, rule, lambda x: x.detach().numpy(), data.shape)
 
 
@@ -209,7 +249,10 @@ def _no_optax(rule: BenchRule) -> str | None:
 IMPLS = [
     Impl("numpy", "optimisers update_", _optimisers_numpy, ours=True, tracemalloc=True),
     Impl("numpy", "naive NumPy loop", _naive_numpy, tracemalloc=True, absent=_no_naive),
+    Impl("numpy", "optimisers update_, flat views", _optimisers_numpy_flat, ours=True, tracemalloc=True,
+         flat=True),
     Impl("torch", "optimisers update_", _optimisers_torch, ours=True),
+    Impl("torch", "optimisers update_, flatten_", _optimisers_torch_flat, ours=True, flat=True),
     Impl("torch", "torch.optim foreach=False", _torch_optim("loop"), absent=_no_torch("loop")),
     Impl("torch", "torch.optim foreach=True", _torch_optim("foreach"), absent=_no_torch("foreach")),
     Impl("torch", "torch.optim fused", _torch_optim("fused"), absent=_no_torch("fused")),

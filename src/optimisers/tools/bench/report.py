@@ -10,7 +10,8 @@ from .implementations import BEST_PEER, FALLBACK_PEER, IMPLS
 from .models import CHECK_STEPS
 from .rules import RULES
 
-OURS = {impl.backend: impl.name for impl in IMPLS if impl.ours}
+OURS = {impl.backend: impl.name for impl in IMPLS if impl.ours and not impl.flat}  # the main rows
+OURS_FLAT = {impl.backend: impl.name for impl in IMPLS if impl.ours and impl.flat}
 _SHORT_PEER = {"torch.optim fused": "torch fused", "optax jit+donate": "optax j+d",
                "naive NumPy loop": "naive np"}
 
@@ -204,12 +205,13 @@ def _against_peers(by: dict, paired_peers: list) -> list[dict]:
     """Adam: each `optimisers` row over its peer's, the paired ratio where there is one."""
     pair = {(p["backend"], p["shape"]): p for p in paired_peers if "ratio_median" in p}
     out = []
-    for backend, impl in OURS.items():
+    for backend, impl in [*OURS.items(), *OURS_FLAT.items()]:
         for shape in ("S1", "S2", "S3"):
             r = by.get((backend, impl, shape, "adam"))
             if r is None or "x_peer" not in r:
                 continue
             p = pair.get((backend, shape)) if r["peer"] == BEST_PEER[backend][1] else None
+            p = p if p is not None and p.get("impl") == impl else None
             out.append({"what": f"{backend} {shape}: {impl} / {r['peer']}",
                         "ratio": p["ratio_median"] if p else r["x_peer"],
                         "ratio_of_minimums": None if p else r["x_peer_min"], "paired": p is not None})
