@@ -5,19 +5,23 @@ from __future__ import annotations
 import builtins
 import contextlib
 import ctypes
+import operator
 import os
 import platform
 
 import numpy as np
 
 from optimisers import ops
+from optimisers.backends import numpy_kernels
 
 # --- how the update treats NumPy (see optimisers.backends.protocol) ---------------------------
 
 no_grad = contextlib.nullcontext  # no autograd
 SHARE_SCALAR_STATE = False
 IN_PLACE_ENGINE = True
-FAST_PATHS: dict = {}  # no kernels of its own: the engine's chunks are NumPy's fast path
+# Adam/AdamW compiled by numba where it is installed; else none: the engine's chunks are NumPy's
+# fast path
+FAST_PATHS = numpy_kernels.FAST_PATHS
 
 
 def engine_marks(xs) -> list:
@@ -26,9 +30,12 @@ def engine_marks(xs) -> list:
     can be set in place): while the marks are unchanged, so are those checks' results. Another
     type (a subclass) gets a mark equal to nothing, so it is checked every time."""
     ndarray = np.ndarray
-    return [
-        (x.shape, x.strides, x.dtype, x.flags.writeable) if type(x) is ndarray else object() for x in xs
-    ]
+    if set(map(type, xs)) == {ndarray}:  # the usual case, in one pass of C
+        return list(map(_MARKS, xs))
+    return [_MARKS(x) if type(x) is ndarray else object() for x in xs]
+
+
+_MARKS = operator.attrgetter("shape", "strides", "dtype", "flags.writeable")
 
 
 def fit_as_they_are(gs, xs, dtype, device):

@@ -334,18 +334,39 @@ class Group(GroupLayout):
         if found is None or self.array_at != fast_paths.STATE_ARRAYS[found[0]]:
             return False
         _, kernel, args = found
-        if self.span is not None:
-            self._stage(xs, dxs)
-            xs, dxs = self._staging
-            xs, dxs = [xs], [dxs]
-            arrays = [[buf[0]] for buf, a in zip(self.buffers, self.array_at) if a]
+        joined = self.span is not None or kernel.joined
+        if joined:
+            parts = self._flat_parts(xs, dxs)
         else:
-            arrays = [self.member_parts(k) for k, a in enumerate(self.array_at) if a]
+            parts = (xs, dxs, *[self.member_parts(k) for k, a in enumerate(self.array_at) if a])
         t = self.scalars[-1] + 1
-        if not kernel.step_many(args, xs, dxs, *arrays, t):
+        if not kernel.step_many(args, *parts, t):
             return False
+        if joined and self.has_runs:
+            p0 = self.packed_from
+            self.b.split_into(self._staging[0], xs[p0:], self.orders[p0:])
         self.scalars = [None] * (len(self.scalars) - 1) + [t]
         return True
+
+    def _flat_parts(self, xs, dxs):
+        """`(parameters, gradients, *state arrays)` as lists of 1-D arrays for a kernel that takes
+        them joined: one entry per big member (views of it), one for the packed members (the
+        staging buffers and the packed state), or one for a span."""
+        b, arrays = self.b, [k for k, a in enumerate(self.array_at) if a]
+        with b.no_grad():
+            self._stage(xs, dxs)
+        if self.span is not None:
+            return [self._staging[0]], [self._staging[1]], *[[self.buffers[k][0]] for k in arrays]
+        p0, orders = self.packed_from, self.orders
+        flat_xs = [b.flat_in(xs[i], orders[i]) for i in range(p0)]
+        flat_dxs = [b.flat_in(dxs[i], orders[i]) for i in range(p0)]
+        state = [[self.buffers[k][i] for i in range(p0)] for k in arrays]
+        if self.has_runs:
+            flat_xs.append(self._staging[0])
+            flat_dxs.append(self._staging[1])
+            for k, parts in zip(arrays, state):
+                parts.append(self.packed[k])
+        return flat_xs, flat_dxs, *state
 
     def rehearse(self, xs, dxs, factors=None) -> None:
         """Run the rule on every chunk without writing anything, checking what it returns: a

@@ -136,6 +136,7 @@ class GroupLayout:
                 per_leaf[m] = None  # the old arrays go as soon as the member holds the new ones
                 leaves[m]._state = unflatten_state(self.spec, iter(parts))
                 leaves[m]._group = self
+        self.packed = packed  # the packed members' buffers, whole (None: no packed members)
         if self.span is not None:  # the flat chunks read the whole packed buffers
             buffers = [None if p is None else {0: p} for p in packed]
         return buffers

@@ -1,0 +1,71 @@
+"""NumPy's own kernels for the engine, compiled by numba where it is installed (optional).
+
+A NumPy Adam step written with ufuncs makes about a dozen passes over memory (each operation
+reads its inputs and writes a temporary); the loop below makes one, on every core, and so runs
+at about the memory's bandwidth (`benchmarks/run.py`: 1M float32 elements in ~1 ms against
+~11 ms for the ufuncs). It computes each element with the very operations, in the very order and
+dtype, of the library's `Adam` and `AdamW` (`optimisers.rules.adam`), without fused multiply-adds
+or reassociation (numba's default), so it gives the ufuncs' results bit for bit; the tests check
+it against the per-Leaf path. float16 and bfloat16 (computed in float32 by the engine) keep the
+ufunc path.
+
+Without numba (or with `OPTIMISERS_NUMBA=0` in the environment) NumPy has no kernels and the
+engine's chunks run the rules' own maths. numba compiles a kernel the first time a group uses it
+(about a second, kept on disk for the next process).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Callable
+from typing import NamedTuple
+
+import numpy as np
+
+AVAILABLE = os.environ.get("OPTIMISERS_NUMBA", "1") != "0" and importlib.util.find_spec("numba") is not None
+# elements: smaller arrays step on one thread (waking numba's threads costs more than they save)
+PARALLEL_FROM = 1 << 16
+_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+
+
+def _kernel(parallel: bool):
+    """The compiled kernel (over all cores, or on one), imported at its first use."""
+    from optimisers.backends import numpy_adam_numba
+
+    return numpy_adam_numba.adam_parallel if parallel else numpy_adam_numba.adam_serial
+
+
+def _adam_step_many(args, xs, dxs, ms, vs, t) -> bool:
+    """Adam or AdamW steps of 1-D arrays in place (`t` counts this step); False where the kernel
+    cannot take them (another dtype, a non-contiguous array)."""
+    dtype = xs[0].dtype
+    if dtype not in _DTYPES:
+        return False
+    for arrays in (xs, dxs, ms, vs):
+        if any(a.dtype != dtype or a.ndim != 1 or not a.flags.c_contiguous for a in arrays):
+            return False
+    T = dtype.type
+    b1, b2 = args.beta1, args.beta2
+    cb1, cm, cb2, cv = T(b1), T(1 - b1), T(b2), T(1 - b2)
+    eta, bc1, bc2 = T(args.lr), T(1 - b1**t), T(1 - b2**t)
+    scale, eps = eta / bc1, T(args.epsilon)
+    decay = eta * T(args.weight_decay) if args.decoupled else T(0)
+    for x, g, m, v in zip(xs, dxs, ms, vs):
+        kernel = _kernel(x.shape[0] >= PARALLEL_FROM)
+        kernel(x, g, m, v, cb1, cm, cb2, cv, scale, bc2, eps, decay, bool(args.decoupled))
+    return True
+
+
+def _no_apply(args, state, x, dx):
+    """One parameter on the per-Leaf path: the rule's own maths (None)."""
+    return None
+
+
+class _FastPath(NamedTuple):
+    apply: Callable  # (args, state, x, dx) -> None: the per-Leaf path keeps the rule's maths
+    step_many: Callable  # (args, xs, dxs, *state parts, t) -> whether it stepped them
+    joined: bool = True  # takes 1-D arrays that may join many parameters
+
+
+FAST_PATHS = {"adam": _FastPath(_no_apply, _adam_step_many)} if AVAILABLE else {}

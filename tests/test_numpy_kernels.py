@@ -1,0 +1,124 @@
+"""NumPy's compiled Adam/AdamW kernel (`optimisers.backends.numpy_kernels`, with numba): the engine
+steps with it, and it gives the rules' own maths (the pure `update`) bit for bit; without it (numba
+missing, or a dtype it does not take) the engine's chunks do."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+
+import optimisers as opt
+import optimisers.backends.numpy as numpy_backend
+import optimisers.backends.numpy_kernels as kernels
+
+
+def _model(dtype, seed=0):
+    rng = np.random.default_rng(seed)
+    shared = rng.standard_normal((9, 4)).astype(dtype)
+    return {
+        "big": rng.standard_normal((300, 300)).astype(dtype),  # past PARALLEL_FROM: all cores
+        "fortran": np.asfortranarray(rng.standard_normal((70, 50)).astype(dtype)),
+        "small": [rng.standard_normal(k).astype(dtype) for k in (1, 7, 64, 100) * 10],
+        "embed": shared,
+        "head": shared,  # tied
+    }
+
+
+def _grads(model, seed):
+    rng = np.random.default_rng(seed)
+
+    def g(x):
+        out = np.empty_like(x)  # laid out as the parameter
+        out[...] = rng.standard_normal(x.shape)
+        return out
+
+    return {
+        "big": g(model["big"]),
+        "fortran": g(model["fortran"]),
+        "small": [g(x) for x in model["small"]],
+        "embed": g(model["embed"]),
+        "head": g(model["head"]),
+    }
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """The arrays each call of the Adam kernel got (its parameters' sizes)."""
+    calls: list = []
+    if "adam" not in numpy_backend.FAST_PATHS:
+        return calls
+    path = numpy_backend.FAST_PATHS["adam"]
+    step_many = path.step_many
+
+    def spy(args, xs, *rest):
+        stepped = step_many(args, xs, *rest)
+        calls.append([x.size for x in xs] if stepped else None)
+        return stepped
+
+    monkeypatch.setitem(numpy_backend.FAST_PATHS, "adam", path._replace(step_many=spy))
+    return calls
+
+
+def _leaves(model):
+    return [model["big"], model["fortran"], model["embed"], *model["small"]]
+
+
+def _steps_equal_the_pure_path(rule, dtype, steps=4):
+    model = _model(dtype)
+    reference = copy.deepcopy(model)
+    state, ref_state = opt.setup(rule, model), opt.setup(rule, reference)
+    for k in range(steps):
+        state, model = opt.update_(state, model, _grads(model, k))
+        ref_state, reference = opt.update(ref_state, reference, _grads(reference, k))
+        for x, y in zip(_leaves(model), _leaves(reference), strict=True):
+            assert x.dtype == y.dtype
+            np.testing.assert_array_equal(x, y)
+    assert model["head"] is model["embed"]
+
+
+RULES = {
+    "adam": lambda: opt.Adam(1e-2),
+    "adamw": lambda: opt.AdamW(1e-2, lambd=0.1),  # decay scaled by eta (couple=True)
+    "adamw uncoupled": lambda: opt.AdamW(1e-2, lambd=0.1, couple=False),
+}
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("rule", list(RULES))
+def test_kernel_equals_the_rules_maths(rule, dtype, kernel_calls):
+    pytest.importorskip("numba")
+    _steps_equal_the_pure_path(RULES[rule](), dtype)
+    if rule == "adamw uncoupled":  # not the kernel's formula: the chunks step it
+        assert kernel_calls == []
+        return
+    assert len(kernel_calls) == 4 and None not in kernel_calls
+    # every distinct element once, in a few calls: the big member as itself, the others joined
+    total = sum(x.size for x in _leaves(_model(dtype)))
+    assert all(sizes[0] == 90000 and sum(sizes) == total and len(sizes) <= 3 for sizes in kernel_calls)
+
+
+def test_without_kernels_the_chunks_step(monkeypatch, kernel_calls):
+    monkeypatch.setattr(numpy_backend, "FAST_PATHS", {})
+    _steps_equal_the_pure_path(opt.Adam(1e-2), np.float32)
+    assert kernel_calls == []
+
+
+def test_float16_takes_the_chunks(kernel_calls):
+    _steps_equal_the_pure_path(opt.Adam(1e-2), np.float16)
+    assert all(call is None for call in kernel_calls)  # offered, refused: computed in float32
+
+
+def test_kernel_refuses_what_it_cannot_step():
+    pytest.importorskip("numba")
+    args = next(iter(kernels.FAST_PATHS.values())), None
+    step_many = args[0].step_many
+    from optimisers.engine.fast_paths import AdamArgs
+
+    a = AdamArgs(1e-3, 0.9, 0.999, 1e-8, 0.0, False)
+    x = np.zeros((4, 4), np.float32)
+    strided = np.zeros(8, np.float32)[::2]
+    assert not step_many(a, [x], [x.copy()], [x.copy()], [x.copy()], 1)  # not 1-D
+    assert not step_many(a, [strided], [strided.copy()], [strided.copy()], [strided.copy()], 1)
+    assert not step_many(a, [x.ravel()], [x.ravel().astype(np.float64)], [x.ravel()], [x.ravel()], 1)
