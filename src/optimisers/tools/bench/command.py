@@ -19,7 +19,7 @@ from . import report
 from .bandwidth import measure_bandwidth
 from .implementations import BEST_PEER, IMPLS
 from .memory import can_reset_hwm
-from .models import ALL_BACKENDS, ALL_SHAPES, CHECK_STEPS, make_data, make_shapes
+from .models import ALL_BACKENDS, ALL_SHAPES, CHECK_STEPS, EXTRA_SHAPES, make_data, make_shapes
 from .rules import HYPERPARAMETERS, RULES, default_rules, reference
 from .timing import paired_peer_ratio, paired_tie_ratio, run_row
 
@@ -51,8 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     p.add_argument("--backends", type=_csv(ALL_BACKENDS), default=list(ALL_BACKENDS),
                    help="comma-separated: numpy,torch,jax")
-    p.add_argument("--shapes", type=_csv(ALL_SHAPES), default=list(ALL_SHAPES),
-                   help="comma-separated: S1,S2,S2-tied,S3")
+    p.add_argument("--shapes", type=_csv(ALL_SHAPES + EXTRA_SHAPES), default=list(ALL_SHAPES),
+                   help="comma-separated: S1,S2,S2-tied,S3 (default), and S3-matrices (4000 16x16 "
+                   "matrices, for muon and clip-adamw)")
     p.add_argument("--rules", type=_csv(tuple(RULES), everything=True), default=default_rules(),
                    help=f"comma-separated, or all: {','.join(RULES)} (default: "
                    f"{','.join(default_rules())})")

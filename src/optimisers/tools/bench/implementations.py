@@ -159,6 +159,45 @@ def _optimisers_jax(data: Data, rule: str) -> Runner:
     return Runner(step, fetch, setup_s=setup_s, compile_s=compile_s)
 
 
+def _optimisers_jax_flat(data: Data, rule: str) -> Runner:
+    """The model kept as one flat vector (`destructure`'s), which the model views through
+    `rebuild`: the jitted step updates one array however many the model has. Its gradient is
+    what `jax.vjp` of `rebuild` gives for the gradient at every place (a tie's places summed)."""
+    import jax
+    import jax.numpy as jnp
+
+    flat, rebuild = opt.destructure(data.model(jnp.array))
+    (grad,) = jax.vjp(rebuild, flat)[1](data.grad_tree(jnp.array))
+    t0 = time.perf_counter()
+    state = opt.setup(optimisers_rule(rule), flat)
+    setup_s = time.perf_counter() - t0
+    jax.block_until_ready((flat, grad))
+    t0 = time.perf_counter()
+    compiled = jax.jit(opt.update, donate_argnums=(0, 1)).lower(state, flat, grad).compile()
+    compile_s = time.perf_counter() - t0
+    box = [state, flat]
+
+    def step():
+        out = compiled(box[0], box[1], grad)
+        jax.block_until_ready(out)
+        box[0], box[1] = out
+
+    def fetch():
+        m = rebuild(box[1])
+        xs = [np.asarray(get(m, p)) for p in data.shape.paths]
+        return xs, _tie_status(m, data.shape, lambda a, b: bool(np.array_equal(a, b)))
+
+    return Runner(step, fetch, setup_s=setup_s, compile_s=compile_s)
+
+
+def _not_elementwise(rule: BenchRule) -> str | None:
+    """Why a rule cannot step the model as one flat vector: one whose maths looks at a whole
+    array (a norm, a matrix) would see the whole model instead."""
+    if getattr(rule.ours(), "elementwise", False):
+        return None
+    return f"{rule.title} is not elementwise: on one flat vector it would see the whole model"
+
+
 # --- peers ---------------------------------------------------------------------------------------
 
 
@@ -257,6 +296,8 @@ IMPLS = [
     Impl("torch", "torch.optim foreach=True", _torch_optim("foreach"), absent=_no_torch("foreach")),
     Impl("torch", "torch.optim fused", _torch_optim("fused"), absent=_no_torch("fused")),
     Impl("jax", "optimisers jit+donate", _optimisers_jax, ours=True, jit_key="optimisers"),
+    Impl("jax", "optimisers jit+donate, flat vector", _optimisers_jax_flat, ours=True,
+         jit_key="optimisers-flat", flat=True, absent=_not_elementwise),
     Impl("jax", "optax jit+donate", _optax(True), jit_key="optax", absent=_no_optax),
     Impl("jax", "optax jit", _optax(False), jit_key="optax", absent=_no_optax),
 ]

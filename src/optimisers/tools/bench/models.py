@@ -13,6 +13,9 @@ ATOL, RTOL = 1e-7, 1e-6  # float32 tolerance against the float64 reference (step
 
 ALL_BACKENDS = ("numpy", "torch", "jax")
 ALL_SHAPES = ("S1", "S2", "S2-tied", "S3")
+# run when named (`--shapes S3-matrices`): many small matrices, for the matrix rules (Muon) and
+# the chains with a norm per array (ClipNorm+AdamW)
+EXTRA_SHAPES = ("S3-matrices",)
 
 
 @dataclass
@@ -80,6 +83,8 @@ def make_shapes(quick: bool) -> dict[str, Shape]:
         ),
         "S3": Shape("S3", [(i,) for i in range(n_small)], [(256,)] * n_small,
                     layout=f"a list of {n_small} vectors of 256"),
+        "S3-matrices": Shape("S3-matrices", [(i,) for i in range(n_small)], [(16, 16)] * n_small,
+                             layout=f"a list of {n_small} matrices of 16x16"),
     }
 
 

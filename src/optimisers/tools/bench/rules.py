@@ -98,6 +98,7 @@ LR_ADAM = 1e-3
 BETAS = (0.9, 0.999)
 EPS = 1e-8
 WEIGHT_DECAY = 0.01  # AdamW: optimisers `lambd`, torch `weight_decay`, optax `weight_decay`
+CLIP = 0.1  # ClipNorm's bound: the bench's gradients of 256 elements have norms of about 0.16
 LR_MOMENTUM = 1e-2
 RHO = 0.9  # torch/optax `momentum`
 
@@ -178,6 +179,39 @@ def _naive_adam(decay: float = 0.0) -> Naive:
         return step
 
     return make
+
+
+def _naive_clip_adamw(xs):
+    """Each array's gradient clipped to norm CLIP, then AdamW."""
+    adamw = _naive_adam(decay=WEIGHT_DECAY)(xs)
+
+    def step(gs, t):
+        f = xs[0].dtype.type
+        clipped = []
+        for g in gs:
+            norm = np.sqrt(np.sum(g.astype(np.float64) ** 2))
+            clipped.append(g * f(min(1.0, CLIP / norm)) if norm > CLIP else g)
+        adamw(clipped, t)
+
+    return step
+
+
+class _ClippedEachTensor:
+    """torch's AdamW after clipping each tensor's gradient to norm CLIP (a loop of
+    `clip_grad_norm_` over the tensors, as a training loop writes it); `.grad` is put back first
+    (the bench sets it once, and clipping scales it in place)."""
+
+    def __init__(self, torch, params, **kw):
+        self.torch, self.params = torch, params
+        self.grads = [p.grad.clone() for p in params]
+        self.optimizer = torch.optim.AdamW(params, lr=LR_ADAM, betas=BETAS, eps=EPS,
+                                           weight_decay=WEIGHT_DECAY, **kw)
+
+    def step(self):
+        for p, g in zip(self.params, self.grads):
+            p.grad.copy_(g)
+            self.torch.nn.utils.clip_grad_norm_([p], CLIP)
+        self.optimizer.step()
 
 
 def _naive_lamb(xs):
@@ -452,6 +486,18 @@ RULES: dict[str, BenchRule] = {r.name: r for r in [
         _naive_momentum,
         20, "read x, g, v; write x, v: 5 arrays x 4 bytes = 20",
         in_default_run=True,
+    ),
+    # each array's gradient clipped to a norm, then AdamW: optax clips by the global norm or a
+    # block's RMS only, so it has no peer here
+    BenchRule(
+        "clip-adamw", "ClipNorm+AdamW",
+        lambda: opt.OptimiserChain(opt.ClipNorm(CLIP),
+                                   opt.AdamW(eta=LR_ADAM, beta=BETAS, lambd=WEIGHT_DECAY, epsilon=EPS)),
+        TorchPeer("torch clip_grad_norm_ per tensor + AdamW", _ClippedEachTensor),
+        None,
+        _naive_clip_adamw,
+        None, "not streaming (each array's norm needs a pass over its gradient before the step): "
+        "no floor",
     ),
     # optax.lamb with eps_root=0 computes ours (Adam direction plus decay, trust ratio per array)
     BenchRule(
