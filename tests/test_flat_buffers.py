@@ -92,6 +92,20 @@ def test_numpy_span_equals_per_array_path(rule, chunks, replays, request):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def test_numpy_span_state_is_made_flat_and_kept():
+    """`setup` makes the state of a span as views of one buffer per state array, and the first
+    step keeps that buffer (no copy of the whole state, which would hold it twice)."""
+    model, grads, gbase = _numpy_flat()
+    state = opt.setup(opt.Adam(1e-2), model)
+    m_views = [state[i].state[0] for i in range(len(model))]
+    assert all(np.shares_memory(m_views[0].base, m) for m in m_views)
+    gbase[...] = 0.25
+    state, model = opt.update_(state, model, grads)
+    (group,) = _span_groups(state)
+    assert np.shares_memory(group.packed[0], m_views[0].base)  # the buffer setup made
+    assert all(np.shares_memory(state[i].state[0], m) for i, m in enumerate(m_views))
+
+
 def _numpy_pair(rule="adam"):
     model, grads, gbase = _numpy_flat()
     reference = [x.copy() for x in model]
@@ -252,6 +266,18 @@ def test_adam_on_flat_buffers_equals_torch_fused_on_one_flat_tensor(monkeypatch)
         reference.step()
         assert torch.equal(torch.cat([p.detach().reshape(-1) for p in ps]), whole.detach())
     assert calls == [1] * 5  # one kernel call per step, on the whole buffer
+
+
+def test_adapter_makes_a_span_state_flat():
+    model = TiedNet()
+    flatten_(model)
+    o = DropInAdamW(model.parameters())
+    _loss(model, 0).backward()
+    o.step()
+    (group,) = _span_groups(o._flat)
+    states = [o.state[p] for p in model.parameters()]
+    storage = group.packed[0].untyped_storage().data_ptr()
+    assert all(s["exp_avg"].untyped_storage().data_ptr() == storage for s in states)
 
 
 def test_sgd_on_flat_buffers_equals_sgd_per_tensor():

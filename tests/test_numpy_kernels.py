@@ -122,3 +122,22 @@ def test_kernel_refuses_what_it_cannot_step():
     assert not step_many(a, [x], [x.copy()], [x.copy()], [x.copy()], 1)  # not 1-D
     assert not step_many(a, [strided], [strided.copy()], [strided.copy()], [strided.copy()], 1)
     assert not step_many(a, [x.ravel()], [x.ravel().astype(np.float64)], [x.ravel()], [x.ravel()], 1)
+
+
+def test_two_threads_step_at_once():
+    """Two States updated from two threads at the same time (numba's default threading layer
+    would abort the process on two parallel kernels at once)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def train(seed):
+        model = {"w": np.random.default_rng(seed).standard_normal(1 << 17).astype(np.float32)}
+        reference = copy.deepcopy(model)
+        state, ref_state = opt.setup(opt.Adam(1e-2), model), opt.setup(opt.Adam(1e-2), reference)
+        for k in range(20):
+            g = {"w": np.random.default_rng(k).standard_normal(1 << 17).astype(np.float32)}
+            state, model = opt.update_(state, model, g)
+            ref_state, reference = opt.update(ref_state, reference, g)
+        return np.array_equal(model["w"], reference["w"])
+
+    with ThreadPoolExecutor(2) as pool:
+        assert all(pool.map(train, range(4)))

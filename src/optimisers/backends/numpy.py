@@ -45,6 +45,7 @@ def fit_as_they_are(gs, xs, dtype, device):
     ndarray = np.ndarray
     return [type(g) is ndarray and g.dtype is dtype and g.strides == x.strides for g, x in zip(gs, xs)]
 
+
 def addresses(xs) -> list:
     return [x.__array_interface__["data"][0] for x in xs]
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import threading
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -52,9 +53,17 @@ def _adam_step_many(args, xs, dxs, ms, vs, t) -> bool:
     scale, eps = eta / bc1, T(args.epsilon)
     decay = eta * T(args.weight_decay) if args.decoupled else T(0)
     for x, g, m, v in zip(xs, dxs, ms, vs):
-        kernel = _kernel(x.shape[0] >= PARALLEL_FROM)
-        kernel(x, g, m, v, cb1, cm, cb2, cv, scale, bc2, eps, decay, bool(args.decoupled))
+        if x.shape[0] >= PARALLEL_FROM:
+            # numba's default threading layer aborts the process when two threads run parallel
+            # kernels at once (two States updated from two threads): one at a time
+            with _PARALLEL:
+                _kernel(True)(x, g, m, v, cb1, cm, cb2, cv, scale, bc2, eps, decay, bool(args.decoupled))
+        else:
+            _kernel(False)(x, g, m, v, cb1, cm, cb2, cv, scale, bc2, eps, decay, bool(args.decoupled))
     return True
+
+
+_PARALLEL = threading.Lock()
 
 
 def _no_apply(args, state, x, dx):

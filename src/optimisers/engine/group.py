@@ -124,8 +124,8 @@ class Group(GroupLayout):
         )
 
     def _respan(self, xs) -> bool:
-        """Does a span group's span hold `xs` (a view made anew where other parameters, or the
-        same ones moved together as by a `.to()` of the flat buffer, fill it in order)?"""
+        """Does a span group's span hold `xs`? (Its view is made anew where they fill one flat
+        buffer in order again, as after `flatten_` was called once more.)"""
         if self._in_span(xs):
             return True
         span = self.b.flat_span(xs)
@@ -319,7 +319,7 @@ class Group(GroupLayout):
             and b.span_marks(dxs) == kept[1]
         ):
             return kept[2]
-        flat = b.flat_span(dxs)
+        flat = b.flat_span(dxs) if dxs[0].dtype == self.dtype else None
         if flat is not None and [g.shape for g in dxs] == self.shapes:
             self._grad_span = list(dxs), b.span_marks(dxs), flat
             return flat

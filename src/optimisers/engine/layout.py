@@ -100,6 +100,10 @@ class GroupLayout:
         b, array_at = self.b, self.array_at
         buffers = [{} if a else None for a in array_at]
         seen = set(b.memory_owners(xs))
+        if self.span is not None:
+            kept = self._state_spans(leaves, per_leaf, seen)
+            if kept is not None:
+                return kept
         packed = None
         for chunk in self._member_runs() if self.span is not None else self.chunks:
             i = chunk[1]
@@ -140,6 +144,29 @@ class GroupLayout:
         if self.span is not None:  # the flat chunks read the whole packed buffers
             buffers = [None if p is None else {0: p} for p in packed]
         return buffers
+
+    def _state_spans(self, leaves, per_leaf, seen):
+        """A span's buffers where its members' state arrays already fill one flat buffer each,
+        in the span's order (made so by `setup`: `optimisers.verbs.initial_state`), their own and
+        apart from the parameters: kept as they are, with no copy. Else None."""
+        b = self.b
+        if not all(leaf._owns or leaf._group is not None for leaf in leaves):
+            return None
+        packed = []
+        for k, a in enumerate(self.array_at):
+            if not a:
+                packed.append(None)
+                continue
+            parts = [p[k] for p in per_leaf]
+            flat = b.flat_span(parts) if all(p.shape == x for p, x in zip(parts, self.shapes)) else None
+            if flat is None or parts[0].dtype != self.dtype or b.memory_owners([flat])[0] in seen:
+                return None
+            seen.add(b.memory_owners([flat])[0])
+            packed.append(flat)
+        for leaf in leaves:
+            leaf._group = self  # (its state is already views of the buffers)
+        self.packed = packed
+        return [None if p is None else {0: p} for p in packed]
 
     def staging(self, like):
         """`(flat_x, flat_g)`: new buffers for the packed members' parameters and gradients,

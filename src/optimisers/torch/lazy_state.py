@@ -12,6 +12,7 @@ from collections.abc import Mapping, MutableMapping
 import torch
 
 from optimisers.core.state import Leaf, State
+from optimisers.verbs.initial_state import initial_states
 
 
 def set_state(leaf: Leaf, state, *, owned: bool) -> None:
@@ -98,8 +99,9 @@ class LazyState:
         if grads.keys() <= have.keys():
             return []
         born = [i for i in grads if i not in have]
-        with torch.no_grad():
-            made = {i: self._first_state(i) for i in born}  # all made before any is kept
+        with torch.no_grad():  # all made before any is kept (over one buffer where they fill one)
+            items = [(self._leaf_at[i].rule, self._engine_view(self._model[i]), i) for i in born]
+            made = dict(zip(born, initial_states(items, lambda rule, x, i: self._first_state(i))))
         for i, state in made.items():
             set_state(self._leaf_at[i], state, owned=True)  # fresh arrays: the engine keeps them
         self._ready(born)

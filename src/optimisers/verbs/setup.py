@@ -12,6 +12,7 @@ from optimisers.core.state import (
     State,
 )
 from optimisers.core.tree import format_path, is_param, kind_of, trainable_children
+from optimisers.verbs.initial_state import initial_states
 
 
 def rule_chooser(rule):
@@ -59,6 +60,7 @@ def setup(rule, model) -> State:
     chosen: dict[int, tuple] = {}  # id(parameter) -> (its first path, the rule chosen there)
     arrays: list[tuple[tuple, Any]] = []
     keys: dict[tuple, frozenset] = {}  # see State._keys
+    made: list[tuple] = []  # (Leaf, rule, parameter, path), in the order of the walk
 
     def build(node, path):
         key = id(node)
@@ -69,9 +71,10 @@ def setup(rule, model) -> State:
         if is_param(node):
             r = choose(path, node)
             chosen[key] = (path, r)
-            result = Leaf(r, _init(r, node, path))
+            result = Leaf(r, None)  # its state: below, with the others (`initial_states`)
             result._shape, result._owns = tuple(node.shape), True
             arrays.append((path, node))
+            made.append((result, r, node, path))
         else:
             kind = kind_of(node)
             result = None
@@ -89,22 +92,13 @@ def setup(rule, model) -> State:
         return result
 
     tree = build(model, ())
+    for (leaf, *_), state in zip(made, initial_states([m[1:] for m in made])):
+        leaf._state = state
     _check_overlaps(arrays)
     state = State(tree, keys)
     if arrays and jax is not None:
         jax.plan_flatten(state, arrays[0][1])
     return state
-
-
-def _init(rule, x, path):
-    """`rule.init(x)`, with the parameter's path named in a refusal (a rule that is not defined
-    for complex parameters, or for arrays of this shape)."""
-    try:
-        return rule.init(x)
-    except (TypeError, ValueError) as e:
-        if e.args and isinstance(e.args[0], str):  # the same exception, its message prefixed
-            e.args = (f"the parameter at {format_path(path)}: {e.args[0]}", *e.args[1:])
-        raise
 
 
 def _confirm_rules(node, path, choose, chosen):
