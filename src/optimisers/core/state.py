@@ -32,22 +32,23 @@ class Leaf:
             Leaf.edits += 1
 
     def __init__(self, rule, state, frozen: bool = False):
-        self.rule = rule
-        self._state = state
-        self.frozen = frozen
-        self._group = None  # set while the update engine keeps this state in flat group buffers
+        init = object.__setattr__  # a new Leaf is in no engine group yet: nothing to count
+        init(self, "rule", rule)
+        init(self, "_state", state)
+        init(self, "frozen", frozen)
+        init(self, "_group", None)  # set while the update engine keeps this state in flat group buffers
         # the shape of the parameter the state was made for (`setup` records it; None: not known
         # yet, read from the state's arrays at the next update). An update refuses a parameter of
         # another shape: the state's arrays would not fit it.
-        self._shape = None
+        init(self, "_shape", None)
         # placed at another position by hand (`state["b"] = state["a"]`): its places may hold
         # different arrays, which the next update makes equal. Otherwise other values at a tied
         # place mean the model changed after setup, and an update refuses them.
-        self._placed = False
+        init(self, "_placed", False)
         # its state's arrays are its own alone (made for it by setup, a copy or a load): the
         # update engine may keep them as its buffers and step them in place instead of copying
         # them (arrays that a user assigned, or that another State shares, are copied)
-        self._owns = False
+        init(self, "_owns", False)
 
     def _successor(self, rule, state) -> Leaf:
         """A new Leaf with `rule` and `state`, frozen as this one is and knowing what it knows of
