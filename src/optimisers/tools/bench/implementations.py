@@ -162,12 +162,13 @@ def _optimisers_jax(data: Data, rule: str) -> Runner:
 def _optimisers_jax_flat(data: Data, rule: str) -> Runner:
     """The model kept as one flat vector (`destructure`'s), which the model views through
     `rebuild`: the jitted step updates one array however many the model has. Its gradient is
-    what `jax.vjp` of `rebuild` gives for the gradient at every place (a tie's places summed)."""
+    what `jax.grad` through `rebuild` gives: each distinct parameter's gradient, summed over a
+    tie's places, in `destructure`'s order (that of the distinct parameters)."""
     import jax
     import jax.numpy as jnp
 
     flat, rebuild = opt.destructure(data.model(jnp.array))
-    (grad,) = jax.vjp(rebuild, flat)[1](data.grad_tree(jnp.array))
+    grad, _ = opt.destructure(data.distinct_tree([jnp.array(g) for g in data.grads_sum]))
     t0 = time.perf_counter()
     state = opt.setup(optimisers_rule(rule), flat)
     setup_s = time.perf_counter() - t0
