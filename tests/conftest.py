@@ -26,3 +26,16 @@ def tiny_chunks(monkeypatch):
     import optimisers.engine.layout as _engine_layout
 
     monkeypatch.setattr(_engine_layout, "CHUNK_SCALE", 1024)
+
+
+@pytest.fixture
+def compiled_kernels():
+    """NumPy's compiled kernels (numba, where installed) compiled and loaded before a test
+    measures memory: numba's compiler allocates once per process, which is no step's memory."""
+    import numpy as np
+
+    import optimisers as opt
+
+    for n in (8, 1 << 17):  # the one-thread kernel and the parallel one
+        model = [np.ones(n, np.float32), np.ones(n, np.float32)]
+        opt.update_(opt.setup(opt.Adam(1e-3), model), model, [np.ones(n, np.float32)] * 2)

@@ -60,7 +60,7 @@ def loaded(state, model):
 
 
 @pytest.mark.parametrize("start", ["setup", "deepcopy", "load"])
-def test_numpy_first_step_needs_no_more_than_a_steady_step(start):
+def test_numpy_first_step_needs_no_more_than_a_steady_step(start, compiled_kernels):
     """Before, the first update_ copied the whole state into the engine's buffers (2x the
     parameters for Adam on top of a steady step's temporaries)."""
     tracemalloc.start()

@@ -122,7 +122,7 @@ def peak_and_kept(step, state, model, grads):
     [opt.Adam(1e-3), opt.OptimiserChain(opt.ClipNorm(1.0), opt.Adam(1e-3))],
     ids=repr,
 )
-def test_peak_memory_of_a_step(rule):
+def test_peak_memory_of_a_step(rule, compiled_kernels):
     """One 4M-element parameter (16 MB): `update_` stays well under half a parameter's bytes
     above its start (the ClipNorm chain took 6x before it ran in the engine), and the pure
     `update` holds little beyond its results (new parameter and state: 3x for Adam)."""

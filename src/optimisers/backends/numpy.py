@@ -69,6 +69,11 @@ def flat_span(xs):
     return np.lib.stride_tricks.as_strided(x0.reshape(-1), ((at - start) // x0.itemsize,), (x0.itemsize,))
 
 
+def repeat_each(values, counts):
+    """A 1-D array of each of the scalars `values` repeated `counts` times, in their dtype."""
+    return np.repeat(np.asarray(values), counts)
+
+
 def span_marks(xs):
     """The marks of arrays found in a span, for each step's check: an ndarray's memory never
     moves, so with the objects themselves (the caller compares those) its engine marks do."""

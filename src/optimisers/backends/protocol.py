@@ -155,4 +155,5 @@ class InPlaceEngine(Backend, Protocol):
     def addresses(self, xs: list) -> list: ...  # where each array's first element is
     def flat_span(self, xs: list) -> Array | None: ...  # 1-D view of the memory xs fill in order
     def span_marks(self, xs: list) -> Any: ...  # cheap marks of arrays found in a span
+    def repeat_each(self, values: list, counts: list) -> Array: ...  # values[k] counts[k] times, 1-D
     def is_buffer(self, value: Any) -> bool: ...

@@ -243,6 +243,13 @@ def flat_span(xs):
         return x0.detach().as_strided(((at - start) // item,), (1,))
 
 
+def repeat_each(values, counts):
+    """A 1-D tensor of each of the 0-d tensors `values` repeated `counts` times, in their dtype."""
+    with torch.no_grad():
+        values = torch.stack(values)
+        return torch.repeat_interleave(values, torch.tensor(counts, device=values.device))
+
+
 def span_marks(xs):
     """The marks of tensors found in a span, for each step's check: their addresses. With the
     objects themselves (the caller compares those), an address still in the span means the tensor

@@ -15,7 +15,7 @@ only on that element and on scalars shared by the group, so a chunk computes exa
 whole array would. So are chains whose first member scales the whole gradient by one factor
 (`OptimiserChain(ClipNorm(), Adam())`: `scaled_elementwise`): each member's factor is computed
 over its whole gradient before any chunk is stepped, and the chunks run `apply_scaled` with it
-(such a group packs no small parameters together, since each has its own factor).
+(a run of packed small members gets an array holding each member's factor at its elements).
 
 Everything else takes the ordinary per-Leaf path, and so does a Leaf whose parameter changed
 under the plan (converted, reshaped, no longer writable in place); the engine and the per-Leaf
@@ -411,8 +411,9 @@ class Group(GroupLayout):
         state = unflatten_state(self.spec, iter(parts))
         if factors is None:
             new_state, step = precision.run(rule.apply, state, x, dx)
-        else:  # a scaled group's chunk lies within one member (no packing)
-            new_state, step = precision.run(rule.apply_scaled, state, x, dx, factors[i])
+        else:  # a scaled group: the member's factor, or each packed member's over its elements
+            factor = factors[i] if chunk[0] == "big" else self._run_factors(factors, chunk)
+            new_state, step = precision.run(rule.apply_scaled, state, x, dx, factor)
         new_parts: list = []
         flatten_state(new_state, new_parts)
         if not write:
@@ -427,6 +428,13 @@ class Group(GroupLayout):
             else:
                 b.subtract_(x, step)
         return [None if a else p for a, p in zip(self.array_at, new_parts)]
+
+
+    def _run_factors(self, factors, chunk):
+        """A packed run's factors, one per element (each member's over its elements): the
+        products `factor · dx` are those of each member's own factor, element by element."""
+        _, i, j, bounds = chunk
+        return self.b.repeat_each(factors[i:j], [hi - lo for lo, hi in bounds])
 
 
 def _check_chunk(rule, x, parts, new_parts, step) -> None:

@@ -203,8 +203,8 @@ class GroupLayout:
             pieces = max(1, round(total / self.chunk))
             bounds = [total * k // pieces for k in range(pieces + 1)]
             return [("flat", 0, a, b) for a, b in zip(bounds, bounds[1:])]
-        # smaller parameters are packed together (not in a scaled group: a factor per member)
-        chunk, small = self.chunk, 0 if self.scaled else self.chunk // 4
+        # smaller parameters are packed together (in a scaled group each with its own factor)
+        chunk, small = self.chunk, self.chunk // 4
         chunks, run_start, run_size = [], None, 0
 
         def run(i, j):
