@@ -33,7 +33,11 @@ try:
 except ImportError:  # run from a checkout that is not installed
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
     import optimisers as opt
+from optimisers.tools.bench.implementations import views_of_one_buffer
 from optimisers.tools.bench.models import make_shapes
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from memory import _torch_peak  # noqa: E402  (the allocation peak, as memory.py measures it)
 
 
 def _values(shape):
@@ -44,14 +48,7 @@ def _values(shape):
 
 
 def _views(values):
-    base = np.empty(sum(v.size for v in values), np.float32)
-    out, at = [], 0
-    for v in values:
-        view = base[at : at + v.size].reshape(v.shape)
-        view[...] = v
-        out.append(view)
-        at += v.size
-    return out
+    return views_of_one_buffer(values, lambda n: np.empty(n, np.float32))
 
 
 def numpy_row(shape, flat: bool) -> tuple:
@@ -79,25 +76,6 @@ def numpy_row(shape, flat: bool) -> tuple:
     return held / nbytes, (first_peak - held) / nbytes, step / nbytes
 
 
-def _torch_events(run):
-    import torch  # noqa: F401
-    from torch.profiler import ProfilerActivity, profile
-
-    gc.collect()
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        out = run()
-        gc.collect()
-    level = peak = 0
-    events = sorted(
-        (e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-        key=lambda e: e.start_ns(),
-    )
-    for e in events:
-        level += e.nbytes()
-        peak = max(peak, level)
-    return out, level, peak
-
-
 def torch_row(shape, flat: bool) -> tuple:
     import torch
 
@@ -122,10 +100,10 @@ def torch_row(shape, flat: bool) -> tuple:
     def step():
         box[0], box[1] = opt.update_(box[0], box[1], grads)
 
-    _, level_first, peak_first = _torch_events(first)
+    peak_first, level_first = _torch_peak(first)
     for _ in range(2):
         step()
-    _, _, peak_step = _torch_events(step)
+    peak_step, _ = _torch_peak(step)
     return level_first / nbytes, (peak_first - level_first) / nbytes, peak_step / nbytes
 
 

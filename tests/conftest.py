@@ -39,3 +39,19 @@ def compiled_kernels():
     for n in (8, 1 << 17):  # the one-thread kernel and the parallel one
         model = [np.ones(n, np.float32), np.ones(n, np.float32)]
         opt.update_(opt.setup(opt.Adam(1e-3), model), model, [np.ones(n, np.float32)] * 2)
+
+
+@pytest.fixture
+def replays(monkeypatch):
+    """The results of every `update_` route replay in the test (True: the step was replayed)."""
+    from optimisers.verbs import replay
+
+    calls: list[bool] = []
+    original = replay.step
+
+    def spy(*args):
+        calls.append(original(*args))
+        return calls[-1]
+
+    monkeypatch.setattr(replay, "step", spy)
+    return calls

@@ -13,23 +13,8 @@ import numpy as np
 import pytest
 
 import optimisers as opt
-from optimisers.verbs import replay
 
 SIZES = [(3, 5), (7,), (11, 13), (1,), (64,), (2, 3, 4)] * 5
-
-
-@pytest.fixture
-def replays(monkeypatch):
-    """The results of every `replay.step` call in the test (True: the step was replayed)."""
-    calls: list[bool] = []
-    original = replay.step
-
-    def spy(*args):
-        calls.append(original(*args))
-        return calls[-1]
-
-    monkeypatch.setattr(replay, "step", spy)
-    return calls
 
 
 def _views(values, base):

@@ -18,20 +18,6 @@ from optimisers.verbs import replay
 pytestmark = pytest.mark.usefixtures("tiny_chunks")  # packed runs and split arrays on small models
 
 
-@pytest.fixture
-def replays(monkeypatch):
-    """The results of every `replay.step` call in the test (True: the step was replayed)."""
-    calls: list[bool] = []
-    original = replay.step
-
-    def spy(*args):
-        calls.append(original(*args))
-        return calls[-1]
-
-    monkeypatch.setattr(replay, "step", spy)
-    return calls
-
-
 def _numpy_model(seed=0, dtype=np.float32):
     rng = np.random.default_rng(seed)
     shared = rng.standard_normal((6, 5)).astype(dtype)

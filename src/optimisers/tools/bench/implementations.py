@@ -91,7 +91,7 @@ def _optimisers_torch(data: Data, rule: str) -> Runner:
     return _optimisers_in_place(model, grads, rule, lambda x: x.detach().numpy(), data.shape)
 
 
-def _views_of_one_buffer(values, make):
+def views_of_one_buffer(values, make):
     """Each of `values` (NumPy arrays) copied into one new flat buffer `make(total)`, back to
     back; the views, in order."""
     base = make(sum(v.size for v in values))
@@ -107,8 +107,8 @@ def _views_of_one_buffer(values, make):
 def _optimisers_numpy_flat(data: Data, rule: str) -> Runner:
     """NumPy arrays that are views of one flat buffer, and gradients views of another: the engine
     steps the buffers as one array (a tied place's extra gradient is its own array)."""
-    params = _views_of_one_buffer(data.params, lambda n: np.empty(n, np.float32))
-    grads = _views_of_one_buffer(data.grads, lambda n: np.empty(n, np.float32))
+    params = views_of_one_buffer(data.params, lambda n: np.empty(n, np.float32))
+    grads = views_of_one_buffer(data.grads, lambda n: np.empty(n, np.float32))
     model = nest([*zip(data.shape.paths, params), *((p, params[i]) for p, i in data.shape.ties.items())])
     grad_tree = nest([*zip(data.shape.paths, grads), *data.tie_grads.items()])
     return _optimisers_in_place(model, grad_tree, rule, lambda x: x, data.shape)
@@ -130,16 +130,14 @@ def _optimisers_torch_flat(data: Data, rule: str) -> Runner:
     return _optimisers_in_place(model, grads, rule, lambda x: x.detach().numpy(), data.shape)
 
 
-def _optimisers_jax(data: Data, rule: str) -> Runner:
+def _jitted(data: Data, rule: str, model, grads, setup_model, as_model) -> Runner:
+    """`optimisers.update` under `jax.jit` with donation, stepping `model` (its state set up from
+    `setup_model`) with `grads`; `as_model(trained)` is the model tree the check reads."""
     import jax
-    import jax.numpy as jnp
 
-    model = data.model(jnp.array)
     t0 = time.perf_counter()
-    state = opt.setup(optimisers_rule(rule), model)
+    state = opt.setup(optimisers_rule(rule), setup_model)
     setup_s = time.perf_counter() - t0
-    model = opt.distinct_buffers(model)  # JAX refuses to donate one buffer twice
-    grads = data.grad_tree(jnp.array)
     jax.block_until_ready((model, grads))
     t0 = time.perf_counter()
     compiled = jax.jit(opt.update, donate_argnums=(0, 1)).lower(state, model, grads).compile()
@@ -152,11 +150,19 @@ def _optimisers_jax(data: Data, rule: str) -> Runner:
         box[0], box[1] = out
 
     def fetch():
-        m = box[1]
+        m = as_model(box[1])
         xs = [np.asarray(get(m, p)) for p in data.shape.paths]
         return xs, _tie_status(m, data.shape, lambda a, b: bool(np.array_equal(a, b)))
 
     return Runner(step, fetch, setup_s=setup_s, compile_s=compile_s)
+
+
+def _optimisers_jax(data: Data, rule: str) -> Runner:
+    import jax.numpy as jnp
+
+    model = data.model(jnp.array)
+    donated = opt.distinct_buffers(model)  # JAX refuses to donate one buffer twice
+    return _jitted(data, rule, donated, data.grad_tree(jnp.array), model, lambda m: m)
 
 
 def _optimisers_jax_flat(data: Data, rule: str) -> Runner:
@@ -164,31 +170,11 @@ def _optimisers_jax_flat(data: Data, rule: str) -> Runner:
     `rebuild`: the jitted step updates one array however many the model has. Its gradient is
     what `jax.grad` through `rebuild` gives: each distinct parameter's gradient, summed over a
     tie's places, in `destructure`'s order (that of the distinct parameters)."""
-    import jax
     import jax.numpy as jnp
 
     flat, rebuild = opt.destructure(data.model(jnp.array))
     grad, _ = opt.destructure(data.distinct_tree([jnp.array(g) for g in data.grads_sum]))
-    t0 = time.perf_counter()
-    state = opt.setup(optimisers_rule(rule), flat)
-    setup_s = time.perf_counter() - t0
-    jax.block_until_ready((flat, grad))
-    t0 = time.perf_counter()
-    compiled = jax.jit(opt.update, donate_argnums=(0, 1)).lower(state, flat, grad).compile()
-    compile_s = time.perf_counter() - t0
-    box = [state, flat]
-
-    def step():
-        out = compiled(box[0], box[1], grad)
-        jax.block_until_ready(out)
-        box[0], box[1] = out
-
-    def fetch():
-        m = rebuild(box[1])
-        xs = [np.asarray(get(m, p)) for p in data.shape.paths]
-        return xs, _tie_status(m, data.shape, lambda a, b: bool(np.array_equal(a, b)))
-
-    return Runner(step, fetch, setup_s=setup_s, compile_s=compile_s)
+    return _jitted(data, rule, flat, grad, flat, rebuild)
 
 
 def _not_elementwise(rule: BenchRule) -> str | None:
