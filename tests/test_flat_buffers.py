@@ -141,6 +141,52 @@ def test_numpy_span_changes_between_steps(change):
         ours, ref = _step_both(ours, ref, grads, ref_grads)
 
 
+def _outcome(call):
+    """What `call()` did: its exception's type and message, or None."""
+    try:
+        call()
+    except Exception as e:  # noqa: BLE001 - compared, not hidden
+        return type(e), str(e)
+    return None
+
+
+IN_PLACE_CHANGES = {  # what a user can set on an ndarray that stays the same object
+    "parameter reshaped": lambda xs, gs: setattr(xs[2], "shape", (13, 11)),
+    "parameter read-only": lambda xs, gs: setattr(xs[2].flags, "writeable", False),
+    "parameter dtype": lambda xs, gs: setattr(xs[4], "dtype", np.int32),
+    "gradient reshaped": lambda xs, gs: setattr(gs[2], "shape", (13, 11)),
+    "gradient dtype": lambda xs, gs: setattr(gs[4], "dtype", np.int32),
+}
+
+
+@pytest.mark.parametrize("change", list(IN_PLACE_CHANGES))
+def test_numpy_span_sees_in_place_changes_as_separate_arrays_do(change, replays):
+    """A span's checks read marks of each view, not every attribute: a change set in place on a
+    view (the same object) must give what it gives to separate arrays, error or numbers."""
+    ours, _ = _numpy_pair()
+    theirs = [x.copy() for x in ours[1]], [g.copy() for g in ours[2]]
+    ref_state = opt.setup(opt.Adam(1e-2), theirs[0])
+    gbase = ours[3]
+    for step in range(3):
+        gbase[...] = np.float32(0.25 * (step + 1))
+        for g in theirs[1]:
+            g[...] = np.float32(0.25 * (step + 1))
+        opt.update_(ours[0], ours[1], ours[2])
+        opt.update_(ref_state, *theirs)
+    assert replays[-1] is True  # on the span's checks
+    IN_PLACE_CHANGES[change](*ours[1:3])
+    IN_PLACE_CHANGES[change](*theirs)
+    before = [x.copy() for x in ours[1]]
+    got = _outcome(lambda: opt.update_(ours[0], ours[1], ours[2]))
+    assert got == _outcome(lambda: opt.update_(ref_state, *theirs))
+    assert replays[-1] is False  # the span's checks saw it
+    if got is not None:  # refused: nothing changed
+        for x, y in zip(ours[1], before):
+            np.testing.assert_array_equal(x, y)
+    for x, y in zip(ours[1], theirs[0], strict=True):
+        np.testing.assert_array_equal(x, y)
+
+
 def test_numpy_wrong_gradient_after_span_steps_is_refused():
     ours, ref = _numpy_pair()
     gbase = ours[3]
