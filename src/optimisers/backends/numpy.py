@@ -35,7 +35,8 @@ def engine_marks(xs) -> list:
     return [_MARKS(x) if type(x) is ndarray else object() for x in xs]
 
 
-_MARKS = operator.attrgetter("shape", "strides", "dtype", "flags.writeable")
+# (a flags object is a snapshot that compares by value, cheaper to read than one flag)
+_MARKS = operator.attrgetter("shape", "strides", "dtype", "flags")
 
 
 def fit_as_they_are(gs, xs, dtype, device):
