@@ -41,3 +41,28 @@ def test_torch_norm_other_orders_match_numpy(p):
     x = torch.tensor(BIG)
     exact = np.linalg.norm(BIG.astype(np.float64).ravel(), p)
     np.testing.assert_allclose(float(ops.norm(x, p)), exact, rtol=1e-4)
+
+
+def _arrays_of_repeated_sizes(dtype, seed):
+    """Many arrays in a few sizes (arrays of one size are reduced together), in mixed order, one
+    not contiguous, one of more than one of `norm`'s chunks, and zeros."""
+    rng = np.random.default_rng(seed)
+    shapes = [(16, 16), (256,), (3,), (7, 5), (300_000,), (1,)] * 3 + [(16, 16)] * 20
+    rng.shuffle(shapes)
+    out = [(rng.standard_normal(s) * rng.uniform(0.01, 100)).astype(dtype) for s in shapes]
+    out[3] = np.zeros_like(out[3])
+    out.append(rng.standard_normal((12, 8)).astype(dtype)[:, ::2])  # (12, 4), strided
+    return out
+
+
+@pytest.mark.parametrize("p", [2, 1, np.inf, -np.inf, 0, 3.0])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16])
+@pytest.mark.parametrize("to", [np.asarray, torch.from_numpy, jnp.asarray], ids=["numpy", "torch", "jax"])
+def test_norms_of_many_arrays_are_each_arrays_norm_bit_for_bit(to, dtype, p):
+    """`ops.norms` (segmented, for ClipNorm's factors over an engine group) gives each array
+    exactly `ops.norm`'s value, so `update_` and `update` clip by the same factors."""
+    xs = [to(a) for a in _arrays_of_repeated_sizes(dtype, seed=1)]
+    got = np.asarray(ops.norms(xs, p))
+    want = np.array([np.asarray(ops.norm(x, p)) for x in xs])
+    assert got.shape == (len(xs),) and got.dtype == want.dtype
+    np.testing.assert_array_equal(got, want)

@@ -143,6 +143,12 @@ def norm(x, p):
     return backend(x).norm(x, p)
 
 
+def norms(xs, p):
+    """The p-norm of each of `xs` (arrays of one backend and dtype) as a 1-D array, each exactly
+    what `norm` gives it; computed together where the backend can (a segmented reduction)."""
+    return backend(xs[0]).norms(list(xs), p)
+
+
 def isfinite(x):
     """Python bool for a concrete scalar; None when the value is traced and cannot be inspected."""
     return backend(x).isfinite(x)

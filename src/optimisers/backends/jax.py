@@ -199,6 +199,10 @@ def _norm_fixed(a, p):
     return jnp.sum(a ** jnp.asarray(p, a.dtype)) ** jnp.asarray(1 / p, a.dtype)
 
 
+def norms(xs, p):
+    return jnp.stack([norm(x, p) for x in xs])
+
+
 def norm(x, p):
     a = jnp.abs(jnp.ravel(x))
     if a.size == 0:

@@ -244,9 +244,11 @@ def flat_span(xs):
 
 
 def repeat_each(values, counts):
-    """A 1-D tensor of each of the 0-d tensors `values` repeated `counts` times, in their dtype."""
+    """A 1-D tensor of each of `values` (0-d tensors, or one 1-D tensor) repeated `counts` times,
+    in their dtype."""
     with torch.no_grad():
-        values = torch.stack(values)
+        if not isinstance(values, torch.Tensor):
+            values = torch.stack(values)
         return torch.repeat_interleave(values, torch.tensor(counts, device=values.device))
 
 
@@ -582,6 +584,26 @@ def norm(x, p):
         parts = [torch.linalg.vector_norm(c, ord=p) for c in flat.split(_NORM_CHUNK)]
         return torch.linalg.vector_norm(torch.stack(parts), ord=p)
     return torch.linalg.vector_norm(x, ord=p)
+
+
+def norms(xs, p):
+    """Each tensor's `norm`, as a 1-D tensor. On the CPU, one `torch._foreach_norm` call for
+    tensors that `norm` takes whole: a loop in C++ over the very kernel `norm` calls, so the same
+    bits (clip_grad_norm_ uses it too). Elsewhere (CUDA's foreach kernel sums in another order)
+    a `norm` per tensor."""
+    foreach = getattr(torch, "_foreach_norm", None)
+    if (
+        foreach is not None
+        and p in _FOREACH_NORM_P
+        and set(map(type, xs)) <= _PLAIN_TYPES
+        and {(x.device.type, x.dtype) for x in xs} in ({("cpu", torch.float32)}, {("cpu", torch.float64)})
+        and all(0 < n <= _NORM_CHUNK for n in map(torch.Tensor.numel, xs))
+    ):
+        return torch.stack(foreach(xs, p))
+    return torch.stack([norm(x, p) for x in xs])
+
+
+_FOREACH_NORM_P = (2.0, 1.0, float("inf"))
 
 
 def isfinite(x):

@@ -252,13 +252,15 @@ class Group(GroupLayout):
     # --- one step ---------------------------------------------------------------------------
 
     def factors(self, dxs):
-        """For a scaled group, each member's factor over its whole gradient (this may raise:
-        ClipNorm of a non-finite gradient), else None."""
+        """For a scaled group, each member's factor over its whole gradient, indexed by member (a
+        list, or a 1-D array); else None. This may raise: ClipNorm of a non-finite gradient."""
         if not self.scaled:
             return None
         first = self.leaves[0].rule.rules[0]
         with self.b.no_grad():
-            return [first.gradient_factor(precision.widened(dx)) for dx in dxs]
+            dxs = [precision.widened(dx) for dx in dxs]
+            many = getattr(first, "gradient_factors", None)  # all at once, the same numbers
+            return many(dxs) if many is not None else [first.gradient_factor(dx) for dx in dxs]
 
     def step(self, xs, dxs, factors=None):
         """Update every member in place: `xs`, `dxs` are the parameters and summed gradients.

@@ -139,5 +139,15 @@ class ClipNorm(Rule):
         # the norm may be wider than dx (float16 sums in float32), so cast the factor back
         return ops.scalar(omega / ops.maximum(n, omega), dx)
 
+    def gradient_factors(self, dxs):
+        """`gradient_factor` of each of `dxs` (of one backend and dtype), the same numbers, as a
+        1-D array, with their norms taken together (`ops.norms`): the in-place engine's factors
+        for a group of many small parameters."""
+        ns = ops.norms(dxs, self.p)
+        if self.throw and ops.isfinite(ns) is False:
+            return [self.gradient_factor(dx) for dx in dxs]  # raises, naming the norm
+        omega = ops.scalar(self.omega, ns)
+        return ops.astype(omega / ops.maximum(ns, omega), dxs[0])
+
     def apply(self, state, x, dx):
         return state, self.gradient_factor(dx) * dx
