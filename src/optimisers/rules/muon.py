@@ -131,12 +131,23 @@ class Muon(Rule):
             raise TypeError(f"Muon is not defined for complex parameters; got an array of dtype {x.dtype}")
         return ops.zeros_like(x)
 
+    #: `apply_stacked` steps many parameters of one shape at once (`optimisers.engine.stacked`)
+    stacks = True
+
     def apply(self, state, x, dx):
+        return self._step(state, x, dx, tuple(x.shape))
+
+    def apply_stacked(self, state, x, dx):
+        """`apply` of parameters of one shape stacked along a new first axis, each with the
+        numbers of its own `apply`: the Newton–Schulz products run batched."""
+        return self._step(state, x, dx, tuple(x.shape[1:]))
+
+    def _step(self, state, x, dx, shape):
         beta, keep = cast(dx, self.beta, 1 - self.beta)
         m = beta * state + keep * dx
         u = keep * dx + beta * m if self.nesterov else m
-        rows, cols = matrix_shape(x.shape)
-        matrix = ops.reshape(u, (rows, cols))
+        rows, cols = matrix_shape(shape)
+        matrix = ops.reshape(u, (*x.shape[: len(x.shape) - len(shape)], rows, cols))
         if not _computed_wide(matrix):
             matrix = ops.cast(matrix, np.float32)
         o = newton_schulz(matrix, self.ns_coefficients, self.ns_steps, self.epsilon)

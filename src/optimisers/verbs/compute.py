@@ -15,6 +15,7 @@ from optimisers.core.state import (
 )
 from optimisers.core.tree import format_path
 from optimisers.engine import chunked, fast_paths, precision
+from optimisers.engine import stacked as stacks
 from optimisers.verbs.gather import Contribution
 
 
@@ -24,6 +25,7 @@ def compute(found: dict[int, Contribution], tree, skip=frozenset(), pure=False) 
     `pure`, `{id(leaf): (new_state, new_value)}`: each step is applied to a new array at once,
     so that no step outlives its Leaf's turn (and large parameters are stepped in chunks)."""
     results = {}
+    stacked = stacks.stacked_results(found, skip)  # many small matrices of one rule: one call
     for key, c in found.items():
         if c.leaf.frozen or not c.grads or key in skip:
             continue
@@ -31,6 +33,11 @@ def compute(found: dict[int, Contribution], tree, skip=frozenset(), pure=False) 
         b = ops.backend(c.x)
         fast = fast_paths.find(b, rule)  # a backend's own kernel, if any
         try:
+            if key in stacked:
+                result = stacked[key]
+                _check_step(rule, result, c.x)
+                results[key] = (result[0], _new_value(c.x, result[1])) if pure else result
+                continue
             dx = c.dx()
             # rules compute data, not graphs: a step that uses the parameter (WeightDecay, AdamW)
             # must not leave state holding an autograd graph that grows every step

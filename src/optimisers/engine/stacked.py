@@ -1,0 +1,89 @@
+"""Many small parameters of one matrix rule and one shape, stepped as one stack.
+
+A matrix rule (Muon) cannot be cut into chunks as an elementwise one can, so each parameter is
+its own call, and for a model of thousands of small matrices (per-head or per-expert weights)
+the calls cost far more than the arithmetic. A rule that sets `stacks = True` also has
+`apply_stacked(state, x, dx)`: `apply` for arrays with a leading axis of parameters, giving each
+parameter the numbers its own `apply` gives it (Muon's matrix products become batched products,
+the same products in one call; the tests compare bit for bit). Here such parameters are stacked,
+stepped in one call, and each Leaf gets views of the stacked new state and step.
+
+Only on eager backends: under `jit` (JAX) XLA compiles each slice taken out of a stack about as
+slowly as a whole step of that parameter. Only small parameters, in stacks of bounded size: a
+big matrix gains nothing from sharing a call, and a stack is a copy of what it holds.
+"""
+
+from __future__ import annotations
+
+from optimisers import ops
+from optimisers.core.rule import NewValue
+from optimisers.core.state import flatten_state, scalar_key, unflatten_state
+from optimisers.engine import precision
+
+STACK_BELOW = 1 << 16  # elements: larger parameters step alone
+STACK_ELEMENTS = 1 << 22  # elements in one stack at most (each stacked array is a copy)
+
+
+def stacked_results(found, skip) -> dict:
+    """`{id(leaf): (new_state, step)}` for the Leafs of `found` (not in `skip`) that step in
+    stacks of two or more. A stack whose `apply_stacked` raises is left out: its Leafs step one
+    by one, which reports the error where it happens."""
+    stacks: dict = {}
+    for key, c in found.items():
+        rule = c.leaf.rule
+        if key in skip or c.leaf.frozen or not c.grads or not getattr(rule, "stacks", False):
+            continue
+        b = ops.backend(c.x)
+        if not (b.IN_PLACE_ENGINE and b.engine_ok(c.x) and b.numel(c.x) < STACK_BELOW):
+            continue
+        parts: list = []
+        spec = flatten_state(c.leaf.state, parts)
+        if not all(p.shape == c.x.shape for p in parts if b.is_buffer(p)):
+            continue
+        scalars = tuple(scalar_key(p) for p in parts if not b.is_buffer(p))
+        kind = (id(rule), b, tuple(c.x.shape), c.x.dtype, getattr(c.x, "device", None), spec, scalars)
+        stacks.setdefault(kind, []).append(c)
+    results: dict = {}
+    for members in stacks.values():
+        per_stack = max(2, STACK_ELEMENTS // ops.backend(members[0].x).numel(members[0].x))
+        for lo in range(0, len(members), per_stack):
+            part = members[lo : lo + per_stack]
+            if len(part) >= 2:
+                results.update(_step_stack(part))
+    return results
+
+
+def _step_stack(members) -> dict:
+    """Step `members` (Contributions of one rule, shape, dtype and state layout) as one stack."""
+    rule, b = members[0].leaf.rule, ops.backend(members[0].x)
+    try:
+        dxs = [c.dx() for c in members]
+        states = []
+        for c in members:
+            parts: list = []
+            spec = flatten_state(c.leaf.state, parts)
+            states.append(parts)
+        stacked = [
+            ops.stack([s[i] for s in states]) if b.is_buffer(p) else p for i, p in enumerate(states[0])
+        ]
+        with b.no_grad():
+            new_state, step = precision.run(
+                rule.apply_stacked,
+                unflatten_state(spec, iter(stacked)),
+                ops.stack([c.x for c in members]),
+                ops.stack(dxs),
+            )
+    except Exception:  # noqa: BLE001 - one by one, the per-Leaf path reports it where it is
+        return {}
+    new_parts: list = []
+    new_spec = flatten_state(new_state, new_parts)
+    value = step.value if isinstance(step, NewValue) else step
+    # each member's views, split off in one call per array
+    columns = [list(p) if b.is_buffer(p) else [p] * len(members) for p in new_parts]
+    steps = [None] * len(members) if value is None else list(value)
+    if isinstance(step, NewValue):
+        steps = [NewValue(v) for v in steps]
+    return {
+        id(c.leaf): (unflatten_state(new_spec, iter(own)), own_step)
+        for c, own_step, own in zip(members, steps, zip(*columns))
+    }

@@ -1,0 +1,153 @@
+"""Small parameters of one matrix rule and one shape step as one stack (`optimisers.engine.stacked`):
+on NumPy each must get exactly the numbers it gets stepped alone (its own State, so no stack), on
+`update` and `update_`, through ties, frozen members and narrow dtypes. On PyTorch a batched matrix
+product may round otherwise than a single one (torch multiplies small matrices in a batch with
+its own loop, larger ones with MKL's batched gemm), so a stacked matrix agrees with it stepped
+alone to float rounding, and `update` and `update_` (both stacking) agree bit for bit."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import optimisers as opt
+from optimisers.engine import stacked
+
+torch = pytest.importorskip("torch")
+
+SHAPES = [(16, 16)] * 5 + [(8, 32)] * 3 + [(32, 8)] * 3 + [(4, 3, 3, 3)] * 2 + [(5, 7)]
+
+
+@pytest.fixture
+def stacks(monkeypatch):
+    """The sizes of the stacks stepped during the test."""
+    seen: list = []
+    step_stack = stacked._step_stack
+
+    def spy(members):
+        seen.append(len(members))
+        return step_stack(members)
+
+    monkeypatch.setattr(stacked, "_step_stack", spy)
+    return seen
+
+
+def _model(to, dtype, seed=0):
+    rng = np.random.default_rng(seed)
+    params = [to(rng.standard_normal(s).astype(np.float32), dtype) for s in SHAPES]
+    return {"ps": params, "tied": params[1]}  # the second matrix at two places
+
+
+def _grads(model, to, dtype, k):
+    rng = np.random.default_rng(100 + k)
+    g = lambda x: to(rng.standard_normal(tuple(x.shape)).astype(np.float32), dtype)  # noqa: E731
+    return {"ps": [g(x) for x in model["ps"]], "tied": g(model["tied"])}
+
+
+def _numpy(a, dtype):
+    return a.astype(dtype)
+
+
+def _torch(a, dtype):
+    return torch.from_numpy(a).to(dtype)
+
+
+def _as_np(x):
+    return x.float().numpy() if hasattr(x, "numpy") else np.asarray(x)
+
+
+BACKENDS = {
+    "numpy-float32": (_numpy, np.float32),
+    "numpy-float64": (_numpy, np.float64),
+    "torch-float32": (_torch, torch.float32),
+    "torch-float64": (_torch, torch.float64),
+    "torch-bfloat16": (_torch, torch.bfloat16),
+}
+
+
+def _alone(model, grads, rule, states):
+    """Each distinct parameter stepped by its own State (one Leaf: never stacked)."""
+    out = []
+    for i, x in enumerate(model["ps"]):
+        g = grads["ps"][i] + grads["tied"] if i == 1 else grads["ps"][i]
+        states[i], x = opt.update(states[i], x, g)
+        out.append(x)
+    return {"ps": out, "tied": out[1]}
+
+
+@pytest.mark.parametrize("in_place", [True, False], ids=["update_", "update"])
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+def test_stacked_muon_equals_each_parameter_alone(backend, in_place, stacks):
+    to, dtype = BACKENDS[backend]
+    rule = opt.Muon(0.02, lambd=0.1)
+    model, reference = _model(to, dtype), _model(to, dtype)
+    state = opt.setup(rule, model)
+    ref_states = [opt.setup(rule, x) for x in reference["ps"]]
+    for k in range(3):
+        grads = _grads(model, to, dtype, k)
+        if in_place:
+            state, model = opt.update_(state, model, grads)
+        else:
+            state, model = opt.update(state, model, grads)
+        reference = _alone(reference, grads, rule, ref_states)
+        for x, y in zip(model["ps"], reference["ps"], strict=True):
+            _same(x, y, backend)
+        assert model["tied"] is model["ps"][1]
+    assert sorted(stacks[-4:]) == [2, 3, 3, 5]  # each shape of more than one parameter, once
+    for i, ref in enumerate(ref_states):  # the state, read per parameter, is each one's own
+        (own,) = ref.leaves()
+        _same(state["ps"][i].state, own.state, backend)
+
+
+def _same(x, y, backend):
+    if backend.startswith("numpy"):
+        np.testing.assert_array_equal(_as_np(x), _as_np(y))
+    else:  # rounding of torch's batched product (float64: 1e-16 relative; bfloat16: the same)
+        rtol = {"torch-float32": 1e-5, "torch-float64": 1e-12, "torch-bfloat16": 0}[backend]
+        np.testing.assert_allclose(_as_np(x), _as_np(y), rtol=rtol, atol=rtol / 10)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_torch_stacked_update_and_update_agree_bit_for_bit(dtype, stacks):
+    rule = opt.Muon(0.02, lambd=0.1)
+    model, pure = _model(_torch, dtype), _model(_torch, dtype)
+    state, pure_state = opt.setup(rule, model), opt.setup(rule, pure)
+    for k in range(3):
+        grads = _grads(model, _torch, dtype, k)
+        state, model = opt.update_(state, model, grads)
+        pure_state, pure = opt.update(pure_state, pure, grads)
+        for x, y in zip(model["ps"], pure["ps"], strict=True):
+            assert torch.equal(x, y)
+    assert len(stacks) == 2 * 3 * 4
+
+
+def test_frozen_and_other_rules_stay_out_of_a_stack(stacks):
+    rng = np.random.default_rng(0)
+    model = [rng.standard_normal((6, 6)).astype(np.float32) for _ in range(6)]
+    rules = [opt.Muon(0.02)] * 3 + [opt.Muon(0.05)] * 3  # two rules: two stacks
+    state = opt.setup(lambda path, x: rules[path[0]], model)
+    opt.freeze_(state[0])
+    before = model[0].copy()
+    grads = [rng.standard_normal((6, 6)).astype(np.float32) for _ in range(6)]
+    opt.update_(state, model, grads)
+    np.testing.assert_array_equal(model[0], before)
+    assert sorted(stacks) == [2, 3]
+
+
+def test_large_matrices_step_alone(stacks):
+    n = int(np.sqrt(stacked.STACK_BELOW)) + 1
+    model = [np.ones((n, n), np.float32) for _ in range(2)]
+    state = opt.setup(opt.Muon(0.02), model)
+    opt.update_(state, model, [np.ones((n, n), np.float32)] * 2)
+    assert stacks == []
+
+
+def test_a_bad_gradient_in_a_stack_is_reported_where_it_is():
+    model = [np.ones((4, 4), np.float32) for _ in range(3)]
+    state = opt.setup(opt.Muon(0.02), model)
+    before = [x.copy() for x in model]
+    grads = [np.ones((4, 4), np.float32), np.ones((4, 4), np.float32), np.ones((4, 4), np.complex64)]
+    with pytest.raises(Exception, match=r"gradient at 2"):
+        opt.update_(state, model, grads)
+    for x, y in zip(model, before):
+        np.testing.assert_array_equal(x, y)
