@@ -90,6 +90,7 @@ class Group(GroupLayout):
         # a span's checks: its parameters' `span_marks`, and the gradients last found to be
         # views of one flat buffer as `(dxs, their span_marks, the buffer's view)`
         self._span_marks = None if self.span is None else self.b.span_marks(self._span_xs)
+        self._span_list = None  # a list of the parameters `_in_span` found to be `_span_xs`
         self._grad_span = None
         self._checked = None  # the gradients `span_ready` found in `_grad_span` this step
         self._steppable_at = None  # `Leaf.edits` when `steppable` last found every member ready
@@ -118,10 +119,16 @@ class Group(GroupLayout):
         return members
 
     def _in_span(self, xs) -> bool:
-        """Are `xs` the parameters that a span group's span holds, as they were?"""
-        return self.span is None or (
-            all(map(operator.is_, xs, self._span_xs)) and self.b.span_marks(xs) == self._span_marks
-        )
+        """Are `xs` the parameters that a span group's span holds, as they were? (A list found to
+        hold them is remembered: a replay passes the same list, which nothing changes, each step.)"""
+        if self.span is None:
+            return True
+        if not (xs is self._span_list or all(map(operator.is_, xs, self._span_xs))):
+            return False
+        if self.b.span_marks(xs) != self._span_marks:
+            return False
+        self._span_list = xs
+        return True
 
     def _respan(self, xs) -> bool:
         """Does a span group's span hold `xs`? (Its view is made anew where they fill one flat
@@ -132,6 +139,7 @@ class Group(GroupLayout):
         if span is None:
             return False
         self.span, self._span_xs, self._span_marks = span, list(xs), self.b.span_marks(xs)
+        self._span_list = None
         self._grad_span = None
         return True
 

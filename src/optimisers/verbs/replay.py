@@ -115,6 +115,7 @@ class Route:
             (group, [self.xs[p] for p in places], places, sorted(more.items()))
             for group, places, more in zip(groups, first, extra)
         ]
+        self.every_place = first[0] if len(groups) == 1 and first[0] == list(range(len(leaves))) else None
         self.stale = False  # a step did not follow it: the next general step records anew
         self.recorded = 1  # how many routes this plan has recorded, this one included
 
@@ -145,7 +146,8 @@ class Route:
     def _gradients(self, gs):
         ready = []
         for group, xs, places, tied in self.groups:
-            dxs = list(map(gs.__getitem__, places))
+            # (one group at every place, in order: the walk's list itself)
+            dxs = gs if places is self.every_place else list(map(gs.__getitem__, places))
             if group.span is not None and not tied and group.span_ready(xs, dxs):
                 ready.append((group, xs, dxs, dxs))  # the gradients of the step before, in place
                 continue
