@@ -187,6 +187,46 @@ def test_numpy_span_sees_in_place_changes_as_separate_arrays_do(change, replays)
         np.testing.assert_array_equal(x, y)
 
 
+@pytest.mark.parametrize("tied_at", [0, 7, len(SIZES) - 1])
+@pytest.mark.parametrize("backend", ["numpy", "torch"])
+def test_span_with_a_tied_member_steps_in_pieces(backend, tied_at):
+    """A member at a second place has a second gradient: its summed gradient is its own array,
+    and the kernel steps the span in pieces around it (no copy of the other gradients), with the
+    numbers of separate arrays: bit for bit on NumPy; on torch to the rounding of its fused
+    kernel, which takes a tensor's last elements on another path."""
+    model, grads, gbase = _numpy_flat()
+    reference = [x.copy() for x in model]
+    if backend == "torch":  # views of one tensor each: the parameters, and the gradients
+        torch = pytest.importorskip("torch")
+        as_torch = torch.from_numpy
+        model = [as_torch(np.concatenate([x.ravel() for x in model]))]
+        model = [v.view(x.shape) for v, x in zip(model[0].split([x.size for x in reference]), reference)]
+        grads = [v.view(s) for v, s in zip(as_torch(gbase).split([g.size for g in grads]), SIZES)]
+        reference = [as_torch(x) for x in reference]
+    else:
+        as_torch = None
+    rule = opt.AdamW(1e-2, lambd=0.1)
+    tree, ref_tree = {"ps": model, "tie": model[tied_at]}, {"ps": reference, "tie": reference[tied_at]}
+    state, ref_state = opt.setup(rule, tree), opt.setup(rule, ref_tree)
+    rng = np.random.default_rng(5)
+    for _ in range(4):
+        gbase[...] = rng.standard_normal(gbase.shape).astype(gbase.dtype)  # (torch's view it)
+        extra = rng.standard_normal(SIZES[tied_at]).astype(np.float32)
+        extra = extra if as_torch is None else as_torch(extra)
+        state, tree = opt.update_(state, tree, {"ps": grads, "tie": extra})
+        copies = [g.clone() if as_torch else g.copy() for g in grads]
+        ref_state, ref_tree = opt.update(ref_state, ref_tree, {"ps": copies, "tie": extra})
+        for x, y in zip(tree["ps"], ref_tree["ps"], strict=True):
+            if as_torch is None:
+                np.testing.assert_array_equal(x, y)
+            else:
+                np.testing.assert_allclose(x.numpy(), y.numpy(), rtol=1e-6, atol=1e-7)
+    (group,) = _span_groups(state)
+    assert group._grad_pieces is not None
+    assert len(group._grad_pieces[2]) == (2 if tied_at in (0, len(SIZES) - 1) else 3)
+    assert tree["tie"] is tree["ps"][tied_at]
+
+
 def test_numpy_wrong_gradient_after_span_steps_is_refused():
     ours, ref = _numpy_pair()
     gbase = ours[3]

@@ -92,6 +92,7 @@ class Group(GroupLayout):
         self._span_marks = None if self.span is None else self.b.span_marks(self._span_xs)
         self._span_list = None  # a list of the parameters `_in_span` found to be `_span_xs`
         self._grad_span = None
+        self._grad_pieces = None  # the same for `_gradient_pieces`: (dxs, their marks, pieces)
         self._checked = None  # the gradients `span_ready` found in `_grad_span` this step
         self._steppable_at = None  # `Leaf.edits` when `steppable` last found every member ready
 
@@ -140,7 +141,7 @@ class Group(GroupLayout):
             return False
         self.span, self._span_xs, self._span_marks = span, list(xs), self.b.span_marks(xs)
         self._span_list = None
-        self._grad_span = None
+        self._grad_span = self._grad_pieces = None
         return True
 
     def span_ready(self, xs, dxs) -> bool:
@@ -337,6 +338,30 @@ class Group(GroupLayout):
         b.join_into(flat, dxs, self.orders)
         return flat
 
+    def _gradient_pieces(self, dxs):
+        """For a span whose tied members' gradients are sums of their own (`summed`) while the
+        others' are views of one flat buffer: `[(lo, hi, gradient)]`, the span cut around each
+        summed member, each gradient 1-D, so that a kernel steps the pieces in one call and no
+        gradient is copied; else None (the gradients are joined into a new buffer instead)."""
+        own = [i for i, g in enumerate(dxs) if self._sums.get(i) is g]
+        if not own:
+            return None
+        kept = self._grad_pieces
+        if kept is not None and all(map(operator.is_, dxs, kept[0])) and self.b.span_marks(dxs) == kept[1]:
+            return kept[2]
+        b, offsets, pieces, i = self.b, self.offsets, [], 0
+        for j in [*own, len(dxs)]:
+            if i < j:  # members i..j-1: views of one buffer, back to back?
+                flat = b.flat_span(dxs[i:j]) if dxs[i].dtype == self.dtype else None
+                if flat is None or [g.shape for g in dxs[i:j]] != self.shapes[i:j]:
+                    return None
+                pieces.append((offsets[i], offsets[j], flat))
+            if j < len(dxs):
+                pieces.append((offsets[j], offsets[j + 1], b.flat_in(dxs[j], self.orders[j])))
+            i = j + 1
+        self._grad_pieces = list(dxs), b.span_marks(dxs), pieces
+        return pieces
+
     def _step_fast(self, rule, xs, dxs) -> bool:
         """Step every member with the backend's own kernel for `rule`, if it has one that takes
         them; whether it did. A span steps as one array: one kernel call."""
@@ -363,6 +388,11 @@ class Group(GroupLayout):
         them joined: one entry per big member (views of it), one for the packed members (the
         staging buffers and the packed state), or one for a span."""
         b, arrays = self.b, [k for k, a in enumerate(self.array_at) if a]
+        pieces = self._gradient_pieces(dxs) if self.span is not None else None
+        if pieces is not None:  # the span cut where a tied member's gradient is its own array
+            cuts = [slice(lo, hi) for lo, hi, _ in pieces]
+            state = [[self.buffers[k][0][cut] for cut in cuts] for k in arrays]
+            return [self.span[cut] for cut in cuts], [g for _, _, g in pieces], *state
         with b.no_grad():
             self._stage(xs, dxs)
         if self.span is not None:
