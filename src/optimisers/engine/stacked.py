@@ -21,7 +21,7 @@ from optimisers.core.state import flatten_state, scalar_key, unflatten_state
 from optimisers.engine import precision
 
 STACK_BELOW = 1 << 16  # elements: larger parameters step alone
-STACK_ELEMENTS = 1 << 22  # elements in one stack at most (each stacked array is a copy)
+STACK_ELEMENTS = 1 << 20  # elements in one stack at most: its Newton–Schulz temporaries are ~10 stacks
 
 
 def stacked_results(found, skip) -> dict:
