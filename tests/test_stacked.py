@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import optimisers as opt
+from optimisers.core.state import flatten_state
 from optimisers.engine import stacked
 
 torch = pytest.importorskip("torch")
@@ -24,9 +25,9 @@ def stacks(monkeypatch):
     seen: list = []
     step_stack = stacked._step_stack
 
-    def spy(members):
+    def spy(members, **layout):
         seen.append(len(members))
-        return step_stack(members)
+        return step_stack(members, **layout)
 
     monkeypatch.setattr(stacked, "_step_stack", spy)
     return seen
@@ -75,11 +76,24 @@ def _alone(model, grads, rule, states):
     return {"ps": out, "tied": out[1]}
 
 
+RULES = {  # every built-in rule that stacks
+    "muon": lambda: opt.Muon(0.02, lambd=0.1),
+    "lamb": lambda: opt.LAMB(0.01, lambd=0.01),
+    "lars": lambda: opt.LARS(0.1, lambd=0.01, trust=0.02, nesterov=True),
+}
+
+
+def test_the_rules_here_are_those_that_stack():
+    stacking = {n for n in opt.__all__ if getattr(getattr(opt, n), "stacks", False)}
+    assert stacking == {type(make()).__name__ for make in RULES.values()}
+
+
 @pytest.mark.parametrize("in_place", [True, False], ids=["update_", "update"])
 @pytest.mark.parametrize("backend", sorted(BACKENDS))
-def test_stacked_muon_equals_each_parameter_alone(backend, in_place, stacks):
+@pytest.mark.parametrize("rule_name", sorted(RULES))
+def test_stacked_rule_equals_each_parameter_alone(rule_name, backend, in_place, stacks):
     to, dtype = BACKENDS[backend]
-    rule = opt.Muon(0.02, lambd=0.1)
+    rule = RULES[rule_name]()
     model, reference = _model(to, dtype), _model(to, dtype)
     state = opt.setup(rule, model)
     ref_states = [opt.setup(rule, x) for x in reference["ps"]]
@@ -96,7 +110,11 @@ def test_stacked_muon_equals_each_parameter_alone(backend, in_place, stacks):
     assert sorted(stacks[-4:]) == [2, 3, 3, 5]  # each shape of more than one parameter, once
     for i, ref in enumerate(ref_states):  # the state, read per parameter, is each one's own
         (own,) = ref.leaves()
-        _same(state["ps"][i].state, own.state, backend)
+        mine, theirs = [], []
+        flatten_state(state["ps"][i].state, mine)
+        flatten_state(own.state, theirs)
+        for a, b in zip(mine, theirs, strict=True):
+            _same(a, b, backend)
 
 
 def _same(x, y, backend):

@@ -38,39 +38,38 @@ def stacked_results(found, skip) -> dict:
             continue
         parts: list = []
         spec = flatten_state(c.leaf.state, parts)
-        if not all(p.shape == c.x.shape for p in parts if b.is_buffer(p)):
+        array_at = tuple(map(b.is_buffer, parts))
+        shape = c.x.shape
+        if not all(p.shape == shape for p, a in zip(parts, array_at) if a):
             continue
-        scalars = tuple(scalar_key(p) for p in parts if not b.is_buffer(p))
-        kind = (id(rule), b, tuple(c.x.shape), c.x.dtype, getattr(c.x, "device", None), spec, scalars)
-        stacks.setdefault(kind, []).append(c)
+        scalars = tuple(scalar_key(p) for p, a in zip(parts, array_at) if not a)
+        kind = (id(rule), b, tuple(shape), c.x.dtype, getattr(c.x, "device", None), spec, array_at, scalars)
+        stacks.setdefault(kind, []).append((c, parts))
     results: dict = {}
-    for members in stacks.values():
-        per_stack = max(2, STACK_ELEMENTS // ops.backend(members[0].x).numel(members[0].x))
+    for kind, members in stacks.items():
+        per_stack = max(2, STACK_ELEMENTS // ops.backend(members[0][0].x).numel(members[0][0].x))
         for lo in range(0, len(members), per_stack):
             part = members[lo : lo + per_stack]
             if len(part) >= 2:
-                results.update(_step_stack(part))
+                results.update(_step_stack(part, spec=kind[5], array_at=kind[6]))
     return results
 
 
-def _step_stack(members) -> dict:
-    """Step `members` (Contributions of one rule, shape, dtype and state layout) as one stack."""
-    rule, b = members[0].leaf.rule, ops.backend(members[0].x)
+def _step_stack(members, spec, array_at) -> dict:
+    """Step `members` (`(Contribution, its state's parts)` of one rule, shape, dtype and state
+    layout `spec`, `array_at`) as one stack."""
+    rule, b = members[0][0].leaf.rule, ops.backend(members[0][0].x)
     try:
-        dxs = [c.dx() for c in members]
-        states = []
-        for c in members:
-            parts: list = []
-            spec = flatten_state(c.leaf.state, parts)
-            states.append(parts)
+        dxs = [c.dx() for c, _ in members]
+        first = members[0][1]
         stacked = [
-            ops.stack([s[i] for s in states]) if b.is_buffer(p) else p for i, p in enumerate(states[0])
+            ops.stack([parts[i] for _, parts in members]) if a else first[i] for i, a in enumerate(array_at)
         ]
         with b.no_grad():
             new_state, step = precision.run(
                 rule.apply_stacked,
                 unflatten_state(spec, iter(stacked)),
-                ops.stack([c.x for c in members]),
+                ops.stack([c.x for c, _ in members]),
                 ops.stack(dxs),
             )
     except Exception:  # noqa: BLE001 - one by one, the per-Leaf path reports it where it is
@@ -85,5 +84,5 @@ def _step_stack(members) -> dict:
         steps = [NewValue(v) for v in steps]
     return {
         id(c.leaf): (unflatten_state(new_spec, iter(own)), own_step)
-        for c, own_step, own in zip(members, steps, zip(*columns))
+        for (c, _), own_step, own in zip(members, steps, zip(*columns))
     }

@@ -21,13 +21,23 @@ def trust_ratio(x, u, trust, epsilon):
     """`trust·‖x‖/(‖u‖ + ε)` with Euclidean norms over the whole arrays, or 1 when either norm
     is 0 (a zero parameter would never move, a zero direction needs no scaling), as optax's
     `scale_by_trust_ratio`; a scalar of `x`'s dtype. Chosen with `ops.where`, so it is traceable."""
-    norm_x, norm_u = ops.norm(x, 2), ops.norm(u, 2)
+    ratio = _ratio(ops.norm(x, 2), ops.norm(u, 2), trust, epsilon)
+    return ops.scalar(ratio, x)  # a norm may be wider than x (float16 sums in float32)
+
+
+def stacked_trust_ratio(x, u, trust, epsilon):
+    """`trust_ratio` of each parameter stacked along the first axis of `x` and `u`, the same
+    numbers (`ops.norms` gives each row its own norm's bits), shaped to multiply the stack."""
+    ratio = _ratio(ops.norms(list(x), 2), ops.norms(list(u), 2), trust, epsilon)
+    return ops.reshape(ops.astype(ratio, x), (-1,) + (1,) * (len(x.shape) - 1))
+
+
+def _ratio(norm_x, norm_u, trust, epsilon):
     trust, epsilon = ops.scalar(trust, norm_x), ops.epsilon(epsilon, norm_x)
     one = ops.full_like(norm_x, 1)
     zero = (norm_x == 0) | (norm_u == 0)
     # the inner `where` keeps the division finite (no warning) in the branch that is not taken
-    ratio = ops.where(zero, one, trust * norm_x / ops.where(zero, one, norm_u + epsilon))
-    return ops.scalar(ratio, x)  # a norm may be wider than x (float16 sums in float32)
+    return ops.where(zero, one, trust * norm_x / ops.where(zero, one, norm_u + epsilon))
 
 
 @dataclass(frozen=True)
@@ -62,13 +72,23 @@ class LAMB(Rule):
     def init(self, x):
         return ops.zeros_like(x), ops.zeros_like(x), 0
 
+    #: `apply_stacked` steps many parameters of one shape at once (`optimisers.engine.stacked`)
+    stacks = True
+
     def apply(self, state, x, dx):
+        return self._step(state, x, dx, trust_ratio)
+
+    def apply_stacked(self, state, x, dx):
+        """`apply` of parameters of one shape stacked along a new first axis, the same numbers."""
+        return self._step(state, x, dx, stacked_trust_ratio)
+
+    def _step(self, state, x, dx, ratio_of):
         m, v, t = state
         t = t + 1
         m, v, bc1, bc2 = adam_moments(x, dx, m, v, self.beta, t)
         eta, lambd, one = cast(x, self.eta, self.lambd, 1)
         u = adam_direction(m, v, bc1, bc2, one, ops.epsilon(self.epsilon, x)) + lambd * x
-        return (m, v, t), (eta * trust_ratio(x, u, 1, 0)) * u
+        return (m, v, t), (eta * ratio_of(x, u, 1, 0)) * u
 
 
 @dataclass(frozen=True)
@@ -109,9 +129,19 @@ class LARS(Rule):
     def init(self, x):
         return ops.zeros_like(x)
 
+    #: `apply_stacked` steps many parameters of one shape at once (`optimisers.engine.stacked`)
+    stacks = True
+
     def apply(self, state, x, dx):
+        return self._step(state, x, dx, trust_ratio)
+
+    def apply_stacked(self, state, x, dx):
+        """`apply` of parameters of one shape stacked along a new first axis, the same numbers."""
+        return self._step(state, x, dx, stacked_trust_ratio)
+
+    def _step(self, state, x, dx, ratio_of):
         eta, beta, lambd = cast(x, self.eta, self.beta, self.lambd)
         u = dx + lambd * x
-        w = (eta * trust_ratio(x, u, self.trust, self.epsilon)) * u
+        w = (eta * ratio_of(x, u, self.trust, self.epsilon)) * u
         v = beta * state + w
         return v, (w + beta * v if self.nesterov else v)
