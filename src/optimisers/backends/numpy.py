@@ -405,7 +405,7 @@ _SIZE_AND_DTYPE = operator.attrgetter("size", "dtype")
 def norms(xs, p):
     """Each array's `norm`, as a 1-D array. Arrays of one size and dtype (and of at most one of
     `norm`'s chunks) are joined as the rows of one matrix and reduced row by row: one NumPy
-    call per size instead of a dozen per array (4000 arrays of 256: 1.3 ms instead of 90)."""
+    call per size instead of a dozen per array (4000 arrays of 256: 7 ms instead of 40)."""
     rows = _ROW_NORMS.get(p)
     if rows is None or set(map(type, xs)) != {np.ndarray}:
         return np.array([norm(x, p) for x in xs])

@@ -25,7 +25,7 @@ def compute(found: dict[int, Contribution], tree, skip=frozenset(), pure=False) 
     `pure`, `{id(leaf): (new_state, new_value)}`: each step is applied to a new array at once,
     so that no step outlives its Leaf's turn (and large parameters are stepped in chunks)."""
     results = {}
-    stacked = stacks.stacked_results(found, skip)  # many small matrices of one rule: one call
+    stacked = stacks.stacked_results(found, skip)  # small arrays of a rule that stacks: one call
     for key, c in found.items():
         if c.leaf.frozen or not c.grads or key in skip:
             continue
