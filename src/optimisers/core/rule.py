@@ -134,9 +134,10 @@ class Rule:
         own = cls.__dict__.get("init")
         if callable(own) and not getattr(own, "_checks_its_argument", False):
             cls.init = _checked_init(own)
-        own = cls.__dict__.get("apply")
-        if callable(own) and not getattr(own, "_evaluates_schedules", False):
-            cls.apply = _scheduled_apply(own)
+        for name in ("apply", "apply_stacked"):  # (a stack's count is one for all its members)
+            own = cls.__dict__.get(name)
+            if callable(own) and not getattr(own, "_evaluates_schedules", False):
+                setattr(cls, name, _scheduled_apply(own))
         own = cls.__dict__.get("eval_value")
         if callable(own) and not getattr(own, "_sees_own_state", False):
             cls.eval_value = _own_state_eval(own)
