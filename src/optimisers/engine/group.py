@@ -343,7 +343,7 @@ class Group(GroupLayout):
         others' are views of one flat buffer: `[(lo, hi, gradient)]`, the span cut around each
         summed member, each gradient 1-D, so that a kernel steps the pieces in one call and no
         gradient is copied; else None (the gradients are joined into a new buffer instead)."""
-        own = [i for i, g in enumerate(dxs) if self._sums.get(i) is g]
+        own = sorted(i for i, buf in self._sums.items() if dxs[i] is buf)
         if not own:
             return None
         kept = self._grad_pieces

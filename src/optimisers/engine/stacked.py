@@ -1,12 +1,13 @@
-"""Many small parameters of one matrix rule and one shape, stepped as one stack.
+"""Many small parameters of one rule that stacks and of one shape, stepped as one stack.
 
-A matrix rule (Muon) cannot be cut into chunks as an elementwise one can, so each parameter is
-its own call, and for a model of thousands of small matrices (per-head or per-expert weights)
-the calls cost far more than the arithmetic. A rule that sets `stacks = True` also has
-`apply_stacked(state, x, dx)`: `apply` for arrays with a leading axis of parameters, giving each
-parameter the numbers its own `apply` gives it (Muon's matrix products become batched products,
-the same products in one call; the tests compare bit for bit). Here such parameters are stacked,
-stepped in one call, and each Leaf gets views of the stacked new state and step.
+A rule that looks across a whole array (Muon's matrix products, LAMB's and LARS's norms) cannot
+be cut into chunks as an elementwise one can, so each parameter is its own call, and for a model
+of thousands of small arrays (per-head or per-expert weights) the calls cost far more than the
+arithmetic. A rule that sets `stacks = True` also has `apply_stacked(state, x, dx)`: `apply` for
+arrays with a leading axis of parameters, giving each parameter the numbers its own `apply`
+gives it (on NumPy bit for bit; torch's batched matrix product may round otherwise than its
+single one). Here such parameters are stacked, stepped in one call, and each Leaf gets views of
+the stacked new state and step.
 
 Only on eager backends: under `jit` (JAX) XLA compiles each slice taken out of a stack about as
 slowly as a whole step of that parameter. Only small parameters, in stacks of bounded size: a
@@ -44,14 +45,16 @@ def stacked_results(found, skip) -> dict:
             continue
         scalars = tuple(scalar_key(p) for p, a in zip(parts, array_at) if not a)
         kind = (id(rule), b, tuple(shape), c.x.dtype, getattr(c.x, "device", None), spec, array_at, scalars)
-        stacks.setdefault(kind, []).append((c, parts))
+        if kind not in stacks:
+            stacks[kind] = (b.numel(c.x), {"spec": spec, "array_at": array_at}, [])
+        stacks[kind][2].append((c, parts))
     results: dict = {}
-    for kind, members in stacks.items():
-        per_stack = max(2, STACK_ELEMENTS // ops.backend(members[0][0].x).numel(members[0][0].x))
+    for size, layout, members in stacks.values():
+        per_stack = max(2, STACK_ELEMENTS // size)
         for lo in range(0, len(members), per_stack):
             part = members[lo : lo + per_stack]
             if len(part) >= 2:
-                results.update(_step_stack(part, spec=kind[5], array_at=kind[6]))
+                results.update(_step_stack(part, **layout))
     return results
 
 
