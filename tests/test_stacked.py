@@ -191,3 +191,29 @@ def test_a_bad_gradient_in_a_stack_is_reported_where_it_is():
         opt.update_(state, model, grads)
     for x, y in zip(model, before):
         np.testing.assert_array_equal(x, y)
+
+
+@pytest.mark.parametrize("rule_name", sorted(RULES))
+def test_torch_stacks_take_any_layout(rule_name, stacks):
+    """Parameters in channels_last or transposed (not contiguous) still stack, and each is
+    written in its own layout with what it gets alone (to the batched product's rounding)."""
+    rng = np.random.default_rng(3)
+    make = {
+        "channels_last": lambda: torch.from_numpy(rng.standard_normal((4, 3, 3, 3)).astype(np.float32))
+        .contiguous(memory_format=torch.channels_last),
+        "transposed": lambda: torch.from_numpy(rng.standard_normal((6, 8)).astype(np.float32)).t(),
+    }
+    model = [make[k]() for k in ("channels_last",) * 3 + ("transposed",) * 3]
+    reference = [x.clone(memory_format=torch.preserve_format) for x in model]
+    rule = RULES[rule_name]()
+    state, ref_states = opt.setup(rule, model), [opt.setup(rule, x) for x in reference]
+    for _ in range(2):
+        grads = [torch.from_numpy(rng.standard_normal(tuple(x.shape)).astype(np.float32)) for x in model]
+        state, model = opt.update_(state, model, grads)
+        for i, g in enumerate(grads):
+            ref_states[i], reference[i] = opt.update(ref_states[i], reference[i], g)
+    for x, y in zip(model, reference, strict=True):
+        assert x.stride() == y.stride()
+        np.testing.assert_allclose(x.numpy(), y.numpy(), rtol=1e-5, atol=1e-6)
+    assert model[0].is_contiguous(memory_format=torch.channels_last) and not model[3].is_contiguous()
+    assert sorted(stacks) == [3, 3, 3, 3]
