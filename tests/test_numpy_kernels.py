@@ -114,7 +114,7 @@ def test_kernel_refuses_what_it_cannot_step():
     pytest.importorskip("numba")
     args = next(iter(kernels.FAST_PATHS.values())), None
     step_many = args[0].step_many
-    from optimisers.engine.fast_paths import AdamArgs
+    from optimisers.rules.adam import AdamArgs
 
     a = AdamArgs(1e-3, 0.9, 0.999, 1e-8, 0.0, False)
     x = np.zeros((4, 4), np.float32)

@@ -127,7 +127,46 @@ class Rule:
     #: arithmetic, as in every built-in elementwise rule). `update_` writes an engine group chunk
     #: by chunk; for a rule without this promise it first runs `apply` on every chunk without
     #: writing (twice the work), so that a rule raising on some chunk leaves nothing changed.
+    #: (For a `scaled_elementwise` rule: `apply_scaled`, its factors computed.)
     never_raises: ClassVar[bool] = False
+
+    # --- what the update engine may ask of a rule (each with its default) ----------------------
+
+    #: True for a rule whose step is `gradient_factor(dx) · dx`, one factor for the whole array
+    #: (`ClipNorm`). As a chain's first member it lets the engine step the chain in chunks.
+    scales_gradient: ClassVar[bool] = False
+
+    #: True for a chain of a `scales_gradient` rule and then elementwise rules: the engine
+    #: computes each parameter's `gradient_factors` over its whole gradient first, then runs
+    #: `apply_scaled` chunk by chunk.
+    scaled_elementwise: ClassVar[bool] = False
+
+    #: True when `apply_stacked` is defined: the engine may step many small parameters of one
+    #: shape in one call (`optimisers.engine.stacked`).
+    stacks: ClassVar[bool] = False
+
+    def gradient_factor(self, dx):
+        """For a rule that `scales_gradient`: the factor of the whole gradient `dx`."""
+        raise NotImplementedError(f"{type(self).__name__} does not scale the gradient by one factor")
+
+    def gradient_factors(self, dxs):
+        """`gradient_factor` of each of `dxs` (override to compute them together)."""
+        return [self.gradient_factor(dx) for dx in dxs]
+
+    def apply_scaled(self, state, x, dx, factor):
+        """For a `scaled_elementwise` rule: `apply`, given the factor of the whole gradient, of
+        which `dx` may be a chunk."""
+        raise NotImplementedError(f"{type(self).__name__} is not scaled_elementwise")
+
+    def apply_stacked(self, state, x, dx):
+        """For a rule that `stacks`: `apply` over arrays with a leading axis of parameters, giving
+        each parameter the numbers its own `apply` gives it."""
+        raise NotImplementedError(f"{type(self).__name__} does not stack")
+
+    def kernel_args(self, kernel: str):
+        """The arguments of a backend's own kernel named `kernel` (a name in its `FAST_PATHS`)
+        that computes exactly this rule, or None: the rule's own `apply` runs."""
+        return None
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -138,6 +177,8 @@ class Rule:
             own = cls.__dict__.get(name)
             if callable(own) and not getattr(own, "_evaluates_schedules", False):
                 setattr(cls, name, _scheduled_apply(own))
+        if "apply" in cls.__dict__ and "kernel_args" not in cls.__dict__:
+            cls.kernel_args = Rule.kernel_args  # a kernel computes the apply it was matched to
         own = cls.__dict__.get("eval_value")
         if callable(own) and not getattr(own, "_sees_own_state", False):
             cls.eval_value = _own_state_eval(own)

@@ -31,7 +31,7 @@ def pure_step(rule, state, x, dx):
     are allocated once and filled chunk by chunk, so the step and the rule's temporaries never
     exist at full size; the numbers are those of `rule.apply` on the whole arrays."""
     scaled = scales_gradient(rule)
-    if not (getattr(rule, "elementwise", False) or scaled):
+    if not (rule.elementwise or scaled):
         return None
     b = ops.backend(x)
     if not (b.IN_PLACE_ENGINE and b.engine_ok(x)):
@@ -42,7 +42,7 @@ def pure_step(rule, state, x, dx):
     array_at = [b.is_buffer(p) for p in parts]
     if n <= chunk or not all(p.shape == x.shape and b.engine_ok(p) for p, a in zip(parts, array_at) if a):
         return None
-    factor = rule.rules[0].gradient_factor(precision.widened(dx)) if scaled else None
+    factor = rule.gradient_factors([precision.widened(dx)])[0] if scaled else None
     order = b.memory_order(x)  # every array is read in the parameter's memory order
     flat_x, flat_dx = b.flat_in(x, order), b.flat_in(dx, order)
     flat_parts = [b.flat_in(p, order) if a else p for p, a in zip(parts, array_at)]

@@ -70,7 +70,7 @@ def _map(fn, chunks, threads: bool) -> list:
 def eligible(leaf, x) -> bool:
     """Can this Leaf's parameter be stepped by the engine?"""
     rule = leaf.rule
-    if not (getattr(rule, "elementwise", False) or scales_gradient(rule)) or leaf.frozen:
+    if not (rule.elementwise or scales_gradient(rule)) or leaf.frozen:
         return False
     b = ops.backend(x)
     return b.IN_PLACE_ENGINE and b.engine_ok(x)
@@ -265,11 +265,8 @@ class Group(GroupLayout):
         list, or a 1-D array); else None. This may raise: ClipNorm of a non-finite gradient."""
         if not self.scaled:
             return None
-        first = self.leaves[0].rule.rules[0]
         with self.b.no_grad():
-            dxs = [precision.widened(dx) for dx in dxs]
-            many = getattr(first, "gradient_factors", None)  # all at once, the same numbers
-            return many(dxs) if many is not None else [first.gradient_factor(dx) for dx in dxs]
+            return self.leaves[0].rule.gradient_factors([precision.widened(dx) for dx in dxs])
 
     def step(self, xs, dxs, factors=None):
         """Update every member in place: `xs`, `dxs` are the parameters and summed gradients.
@@ -419,11 +416,8 @@ class Group(GroupLayout):
             _map(check, self.chunks, self.threads)
 
     def trusted(self) -> bool:
-        """Can this step run without a rehearsal: does the rule promise not to raise? (A scaled
-        group's first member has run already, in `factors`: the rest of the chain must promise.)"""
-        rule = self.leaves[0].rule
-        rules = rule.rules[1:] if self.scaled else (rule,)
-        if not all(getattr(r, "never_raises", False) for r in rules):
+        """Can this step run without a rehearsal: does the rule promise not to raise?"""
+        if not self.leaves[0].rule.never_raises:
             return False
         return not self.b.raises_on_values()  # NumPy under np.seterr(all="raise")
 

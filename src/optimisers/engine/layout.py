@@ -27,7 +27,7 @@ THREADS_FROM = 1 << 21
 def scales_gradient(rule) -> bool:
     """Is `rule` a chain whose first member scales the whole gradient by one factor, followed by
     elementwise rules (`OptimiserChain(ClipNorm(), Adam())`)?"""
-    return not getattr(rule, "elementwise", False) and getattr(rule, "scaled_elementwise", False)
+    return not rule.elementwise and rule.scaled_elementwise
 
 
 class GroupLayout:

@@ -32,7 +32,7 @@ def stacked_results(found, skip) -> dict:
     stacks: dict = {}
     for key, c in found.items():
         rule = c.leaf.rule
-        if key in skip or c.leaf.frozen or not c.grads or not getattr(rule, "stacks", False):
+        if key in skip or c.leaf.frozen or not c.grads or not rule.stacks:
             continue
         b = ops.backend(c.x)
         if not (b.IN_PLACE_ENGINE and b.engine_ok(c.x) and b.numel(c.x) < STACK_BELOW):

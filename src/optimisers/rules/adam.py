@@ -6,9 +6,10 @@ The conventions every rule here follows are in `optimisers.rules`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from optimisers import ops
-from optimisers.core.rule import Rule, check_range
+from optimisers.core.rule import Rule, check_range, concrete
 from optimisers.rules.common import adam_direction, adam_moments, cast, nonnegative, real_only, real_zeros
 
 __all__ = [
@@ -24,6 +25,27 @@ __all__ = [
     "ADOPT",
     "AdEMAMix",
 ]
+
+
+class AdamArgs(NamedTuple):
+    """The arguments of a backend's "adam" kernel (torch's fused Adam/AdamW, NumPy's compiled
+    one), which computes `Adam` and `AdamW(couple=True)` exactly on a state `(m, v, t)`."""
+
+    lr: float
+    beta1: float
+    beta2: float
+    epsilon: float
+    weight_decay: float
+    decoupled: bool  # AdamW's decay of the parameter, not Adam's L2 term in the gradient
+
+
+def _adam_args(rule, kernel, decay, decoupled) -> AdamArgs | None:
+    if kernel != "adam":
+        return None
+    values = [concrete(v) for v in (rule.eta, *rule.beta, rule.epsilon, decay)]
+    if None in values:
+        return None  # a schedule or a traced value: the rule's own apply evaluates it
+    return AdamArgs(*values, decoupled)
 
 
 @dataclass(frozen=True)
@@ -65,6 +87,9 @@ class Adam(_AdamFamily):
         m, v, bc1, bc2 = adam_moments(x, dx, m, v, self.beta, t)
         eta, eps = ops.scalar(self.eta, x), ops.epsilon(self.epsilon, x)
         return (m, v, t), adam_direction(m, v, bc1, bc2, eta, eps)
+
+    def kernel_args(self, kernel):
+        return _adam_args(self, kernel, 0.0, False)
 
 
 @dataclass(frozen=True)
@@ -267,6 +292,9 @@ class AdamW(Rule):
         eps = ops.epsilon(self.epsilon, x)
         decay = eta * lambd if self.couple else lambd
         return (m, v, t), adam_direction(m, v, bc1, bc2, eta, eps) + decay * x
+
+    def kernel_args(self, kernel):
+        return _adam_args(self, kernel, self.lambd, True) if self.couple else None
 
 
 @dataclass(frozen=True)

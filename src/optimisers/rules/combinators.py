@@ -59,23 +59,25 @@ class OptimiserChain(Rule):
 
     @property
     def elementwise(self):
-        return all(getattr(rule, "elementwise", False) for rule in self.rules)
+        return all(rule.elementwise for rule in self.rules)
 
     @property
     def never_raises(self):
-        return all(getattr(rule, "never_raises", False) for rule in self.rules)
+        # a scaled chain's first member has run already, in `gradient_factors`
+        rules = self.rules[1:] if self.scaled_elementwise else self.rules
+        return all(rule.never_raises for rule in rules)
 
     @property
     def scaled_elementwise(self):
-        """A first member that scales the whole gradient by one factor (`ClipNorm`: it has a
-        `gradient_factor`), then elementwise members: `update_`'s engine computes the factor per
-        parameter first and runs `apply_scaled` in chunks."""
+        """A first member that scales the whole gradient by one factor (`ClipNorm`), then
+        elementwise members: `update_`'s engine computes the factor per parameter first and runs
+        `apply_scaled` in chunks."""
         rules = self.rules
         return (
             len(rules) > 1
-            and hasattr(rules[0], "gradient_factor")
+            and rules[0].scales_gradient
             and not has_schedules(rules[0])  # its factor is computed outside `apply`
-            and all(getattr(rule, "elementwise", False) for rule in rules[1:])
+            and all(rule.elementwise for rule in rules[1:])
         )
 
     def __repr__(self):
@@ -102,6 +104,10 @@ class OptimiserChain(Rule):
 
     def apply(self, state, x, dx):
         return self.apply_scaled(state, x, dx, None)
+
+    def gradient_factors(self, dxs):
+        """The first member's factors (for a `scaled_elementwise` chain)."""
+        return self.rules[0].gradient_factors(dxs)
 
     def eval_value(self, state, x):
         """Each member's evaluation point of the one before it (a `Lookahead` member gives its
@@ -200,11 +206,11 @@ class _ElementwiseWrapper(_Wrapper):
 
     @property
     def elementwise(self):
-        return getattr(self.rule, "elementwise", False)
+        return self.rule.elementwise
 
     @property
     def never_raises(self):
-        return getattr(self.rule, "never_raises", False)
+        return self.rule.never_raises
 
 
 @dataclass(frozen=True, repr=False)

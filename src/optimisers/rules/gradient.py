@@ -111,6 +111,8 @@ class ClipNorm(Rule):
     Defaults: `omega=10.0, p=2.0, throw=True` (keyword only).
     """
 
+    scales_gradient = True  # its step is gradient_factor(dx) · dx
+
     omega: float = 10.0
     infinite_ok: ClassVar[tuple[str, ...]] = ("omega", "p")  # no clipping; the max-norm
     p: float = field(default=2.0, metadata={"static": True})

@@ -117,7 +117,7 @@ def _share_scalar_state(found, results) -> None:
     first: dict = {}
     for key, (new_state, step) in results.items():
         c = found[key]
-        if not getattr(c.leaf.rule, "elementwise", False):
+        if not c.leaf.rule.elementwise:
             continue
         if not ops.backend(c.x).SHARE_SCALAR_STATE:
             continue

@@ -41,7 +41,7 @@ def _candidates(items) -> list[list[int]]:
     dtype, device), for groups of two or more."""
     by_key: dict = {}
     for i, (rule, x, _) in enumerate(items):
-        if not getattr(rule, "elementwise", False):
+        if not rule.elementwise:
             continue
         b = ops.backend(x)
         if b.IN_PLACE_ENGINE and b.engine_ok(x):
