@@ -44,7 +44,7 @@ def compiled_kernels():
 @pytest.fixture
 def replays(monkeypatch):
     """The results of every `update_` route replay in the test (True: the step was replayed)."""
-    from optimisers.verbs import replay
+    from optimisers.engine import replay
 
     calls: list[bool] = []
     original = replay.step

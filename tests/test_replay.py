@@ -1,4 +1,4 @@
-"""`update_` along a recorded route (`optimisers.verbs.replay`): after a general step, later steps
+"""`update_` along a recorded route (`optimisers.engine.replay`): after a general step, later steps
 walk only the recorded containers and compare in bulk. Each test steps one copy of a model with
 `update_` (which replays from its second step) and another with the pure `update` (which always
 takes the general path), and requires the same numbers bit for bit; the changes a user can make
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import optimisers as opt
-from optimisers.verbs import replay
+from optimisers.engine import replay
 
 pytestmark = pytest.mark.usefixtures("tiny_chunks")  # packed runs and split arrays on small models
 

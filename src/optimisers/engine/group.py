@@ -33,7 +33,7 @@ from itertools import repeat
 from optimisers import ops
 from optimisers.core.rule import NewValue
 from optimisers.core.state import Leaf, flatten_state, unflatten_state
-from optimisers.engine import fast_paths, precision
+from optimisers.engine import fast_paths, precision, ties
 from optimisers.engine.layout import GroupLayout, scales_gradient
 
 # What a backend that takes part provides is its `InPlaceEngine` protocol
@@ -237,8 +237,7 @@ class Group(GroupLayout):
         buf = self._sums.get(i)
         if buf is None:
             buf = self._sums[i] = ops.zeros_like(x)
-        self.b.sum_into(buf, grads)
-        return buf
+        return ties.summed(grads, out=buf)
 
     def intact(self) -> bool:
         rule = self.leaves[0].rule

@@ -55,7 +55,7 @@ class Plan:
                 continue
             by_key.setdefault(key, []).append((leaf, x))
         self.groups = [Group([m[0] for m in ms], [m[1] for m in ms]) for ms in by_key.values()]
-        self.route = None  # where its members sit in the model (`optimisers.verbs.replay`)
+        self.route = None  # where its members sit in the model (`optimisers.engine.replay`)
 
     def intact(self) -> bool:
         return all(g.intact() for g in self.groups)

@@ -9,7 +9,7 @@ from optimisers import ops
 from optimisers.core.eager import eager_under_compile
 from optimisers.core.state import Leaf, State, path_of
 from optimisers.core.tree import format_path
-from optimisers.verbs.gather import Contribution, gather
+from optimisers.engine.gather import Contribution, gather
 from optimisers.verbs.locks import lock
 from optimisers.verbs.update import rebuild
 

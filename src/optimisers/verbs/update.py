@@ -1,8 +1,8 @@
 """`update` (pure) and `update_` (in place): gather, compute, then commit.
 
 An update runs in three phases so that a failed call changes nothing:
-1. gather (`optimisers.verbs.gather`): check every gradient and collect each Leaf's contributions;
-2. compute (`optimisers.verbs.compute`, or the engine for groups of elementwise rules): run each
+1. gather (`optimisers.engine.gather`): check every gradient and collect each Leaf's contributions;
+2. compute (`optimisers.engine.compute`, or the engine for groups of elementwise rules): run each
    Leaf's rule once on the sum of its contributions (rules are pure);
 3. commit (here): write parameters (in place for `update_`) and rebuild the model and state trees,
    giving every place of a Leaf the same new array and rebuilding each shared container once.
@@ -22,9 +22,9 @@ from optimisers.core.state import (
 )
 from optimisers.core.tree import kind_of
 from optimisers.engine import chunked, plan
-from optimisers.verbs import replay
-from optimisers.verbs.compute import compute, located
-from optimisers.verbs.gather import gather
+from optimisers.engine import replay
+from optimisers.engine.compute import compute, located
+from optimisers.engine.gather import gather
 from optimisers.verbs.locks import lock
 
 

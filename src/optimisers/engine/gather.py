@@ -15,6 +15,7 @@ from optimisers.core.state import (
     path_of,
 )
 from optimisers.core.tree import format_path, is_param, kind_of, params
+from optimisers.engine import ties
 
 _SEQUENCES = ("list", "tuple", "namedtuple")
 
@@ -69,9 +70,6 @@ def _check_grad(grad, x, path):
 
 
 _MISSING = object()
-
-
-_MISSING = object()
 _ANY_SHAPE = "any"  # a Leaf whose state does not say which parameter shape it fits
 
 
@@ -116,10 +114,7 @@ class Contribution:
 
     def dx(self):
         """The summed gradient, in the parameter's dtype (gradient arrays are never written)."""
-        grads = self.grads
-        dx = grads[0]
-        for g in grads[1:]:
-            dx = dx + g
+        dx = ties.summed(self.grads) if len(self.grads) > 1 else self.grads[0]
         # every backend's astype hands back a gradient that already fits (kind, dtype, device, no
         # autograd graph) as it is
         return self.fitted(dx)

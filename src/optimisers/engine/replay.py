@@ -19,7 +19,7 @@ import operator
 from optimisers.core.state import Leaf
 from optimisers.core.tree import kind_of
 from optimisers.engine import plan as planning
-from optimisers.verbs.gather import _grad_children
+from optimisers.engine.gather import _grad_children
 
 
 class _Off(Exception):

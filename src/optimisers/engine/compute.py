@@ -16,7 +16,7 @@ from optimisers.core.state import (
 from optimisers.core.tree import format_path
 from optimisers.engine import chunked, fast_paths, precision
 from optimisers.engine import stacked as stacks
-from optimisers.verbs.gather import Contribution
+from optimisers.engine.gather import Contribution
 
 
 def compute(found: dict[int, Contribution], tree, skip=frozenset(), pure=False) -> dict[int, tuple]:
