@@ -19,8 +19,8 @@ RNG = np.random.default_rng(7)
 W0 = RNG.normal(size=(6, 5)).astype(np.float32)
 M0 = RNG.normal(size=(5,)).astype(np.float32)
 # each step's gradient at each place: the embedding's two places, and the untied vector
-G = [{k: RNG.normal(size=s).astype(np.float32) for k, s in (("a", W0.shape), ("b", W0.shape), ("m", M0.shape))}
-     for _ in range(STEPS)]
+SHAPES = {"a": W0.shape, "b": W0.shape, "m": M0.shape}
+G = [{k: RNG.normal(size=s).astype(np.float32) for k, s in SHAPES.items()} for _ in range(STEPS)]
 
 BACKENDS = {
     "numpy": lambda a: a.copy(),

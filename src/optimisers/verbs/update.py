@@ -21,8 +21,7 @@ from optimisers.core.state import (
     map_leaves,
 )
 from optimisers.core.tree import kind_of
-from optimisers.engine import chunked, plan
-from optimisers.engine import replay
+from optimisers.engine import chunked, plan, replay
 from optimisers.engine.compute import compute, located
 from optimisers.engine.gather import gather
 from optimisers.verbs.locks import lock
