@@ -1,66 +1,20 @@
-"""JAX arrays, including tracers under `jax.jit` / `jax.grad`, and JAX pytrees.
-
-Importing this module registers `State` and `Leaf` as JAX pytrees:
-
-* Flattening a `State` stores each distinct `Leaf` once, and each distinct rule object once; the
-  tree skeleton (which places share which Leaf), every rule's class and non-numeric fields, and each
-  Leaf's `frozen` flag are static aux data. Unflattening rebuilds the sharing, so ties survive
-  `jax.jit` even though array identity does not.
-* A rule's numeric hyperparameters (floats, tuples of floats, 0-d arrays) are pytree leaves, traced
-  under `jit`, so `adjust` between jitted calls does not recompile. Bools, ints (`AccumGrad.n`),
-  dtypes, schedules (callables) and other objects are static; nested rules (`OptimiserChain`,
-  `MixedPrecision`) are handled recursively. A dataclass field with `metadata={"static": True}`
-  is static whatever its value (use it for a float that decides the shape of the computation,
-  such as a norm's `p`).
-* One form, one compile: what `jit` keys its cache on (the tree structure, each leaf's dtype and
-  weak type) is the same after `setup` and after any number of updates and adjusts. So every
-  hyperparameter and every scalar state part (step counter) is handed to JAX in a normal form: a
-  strong 0-d array of the default dtype of its kind (float32, int32; float64, int64 under
-  `jax_enable_x64`), whether the State now holds a Python number, a NumPy scalar, or a weak or
-  strong JAX array (`_normal`). optax's `inject_hyperparams` keeps its hyperparameters the same
-  way. The State itself keeps what it was given; only what JAX sees is normalised, so rules must
-  cast hyperparameters with `ops.scalar` before they meet arrays (a strong float32 times a bfloat16
-  array is float32), as the built-in rules do.
-* A scalar state part that several Leafs hold is one leaf. `update` hands the Leafs of one
-  elementwise rule that share a counter one new counter object (`SHARE_SCALAR_STATE` below), so a
-  model of thousands of arrays has one step counter per rule under `jit`, as an optax state has,
-  instead of thousands of scalar computations that XLA would compile and launch one by one.
-  Flattening merges exactly what the update keeps merged (`_layout_by_value`): counters of Leafs
-  of one elementwise rule and frozen flag that are equal Python numbers or one object. Counters of
-  other rules (`ClipNorm` couples a whole array, so a chain holding it is not elementwise) and of
-  frozen Leafs stay one leaf per Leaf from `setup` on. Only a step in which some Leafs of a rule
-  get no gradient splits their counters (one more compile, once).
-* Key paths are `DictKey`s at the State's level, as orbax needs to rebuild a tree from them:
-  `"rules"` (each distinct rule's numbers, by field name: `['rules'][0]['eta']`), `"scalars"` (the
-  shared counters, each named: `['scalars'][0]['count']`), so that optax's name-based tools
-  (`optax.tree_utils.tree_get(state, "eta")`, `tree_set`) find them; then one entry per
-  Leaf with other state, named by its parameter path (`"decoder.layers.0.w"`; a name taken twice,
-  "rules" or "scalars", or one that orbax, joining keys with dots, would read as a rule's entry
-  ("rules.0", whose first part reads "rules.0.0"), gets a `#n` suffix).
-
-Rules are rebuilt on unflatten without running their validation, since JAX unflattens with tracers
-and with placeholder objects.
-"""
+"""JAX arrays, including tracers under `jax.jit` / `jax.grad`, and JAX pytrees as model containers.
+Importing this module makes `State` and `Leaf` JAX pytrees (`optimisers.backends.jax_state`)."""
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
-import gc
 import numbers
-import operator
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from optimisers import ops
+from optimisers.backends import jax_state
 from optimisers.backends import numpy as _numpy_backend
-from optimisers.core.rule import Rule, _is_held
-from optimisers.core.state import Leaf, State, flatten_state, is_scalar, scalar_key, unflatten_state
-from optimisers.core.tree import NodeKind, format_path
+from optimisers.core.tree import NodeKind
 
 # --- how the update treats JAX (see optimisers.backends.protocol) -----------------------------
 
@@ -73,11 +27,8 @@ _Tracer = jax.core.Tracer
 _FLOAT16 = np.dtype(np.float16)
 _FLOAT16_EPS_FLOOR = float(np.float16(1e-7))
 
-
-# see the module docstring; read by optimisers.verbs
-
-def _is_traced(x) -> bool:
-    return isinstance(x, _Tracer)
+jax_state.register()
+plan_flatten = jax_state.plan_flatten  # setup's hook: a State of JAX arrays flattened once, at setup
 
 
 # --- what the tree layer asks -----------------------------------------------------------------
@@ -89,6 +40,10 @@ def is_param(x) -> bool:
 
 def is_array(x) -> bool:
     return isinstance(x, jax.Array)
+
+
+def is_traced(x) -> bool:
+    return isinstance(x, _Tracer)
 
 
 def writable(x) -> bool:
@@ -138,7 +93,7 @@ def scalar(value, like):
 def epsilon(value, like):
     real = _real_dtype(like.dtype)
     if real == _FLOAT16:
-        if _is_traced(value):
+        if is_traced(value):
             v = jnp.asarray(value, dtype=jnp.float32)
             floored = jnp.where(v == 0, v, jnp.maximum(v, _FLOAT16_EPS_FLOOR))
             return floored.astype(real)
@@ -149,7 +104,7 @@ def epsilon(value, like):
 
 
 def zeros_like(x):
-    if not isinstance(x, jax.Array) or _is_traced(x) or x.weak_type or not jnp.issubdtype(x.dtype, np.number):
+    if not isinstance(x, jax.Array) or is_traced(x) or x.weak_type or not jnp.issubdtype(x.dtype, np.number):
         return jnp.zeros_like(x)  # tracers, weak types, bools and keys: the general path
     sharding = x.sharding if x._committed else None
     return _zeros_maker(x.shape, x.dtype, sharding)()
@@ -206,10 +161,10 @@ def norms(xs, p):
 def norm(x, p):
     a = jnp.abs(jnp.ravel(x))
     if a.size == 0:
-        if _is_traced(p):
+        if is_traced(p):
             return jnp.where(p == -jnp.inf, jnp.inf, 0).astype(a.dtype)
         return jnp.asarray(np.inf if p == -np.inf else 0, a.dtype)
-    if not _is_traced(p):
+    if not is_traced(p):
         return _norm_fixed(a, float(p))
     # A traced p cannot choose a branch in Python; pick among the special cases in the program.
     p = jnp.asarray(p, a.dtype)
@@ -230,7 +185,7 @@ def isfinite(x):
 
 
 def same_values(x, y):
-    if _is_traced(x) or _is_traced(y):
+    if is_traced(x) or is_traced(y):
         return None
     return bool(jnp.array_equal(x, y, equal_nan=True))
 
@@ -240,7 +195,7 @@ def all_finite(x):
 
 
 def cond(predicate, if_true, if_false):
-    if _is_traced(predicate):
+    if is_traced(predicate):
         return jax.lax.cond(predicate, if_true, if_false)
     return if_true() if predicate else if_false()
 
@@ -253,7 +208,7 @@ def astype(x, like):
         return x.astype(like.dtype)
     x = np.asarray(x)
     ops.check_gradient_dtype(x.dtype, like.dtype)
-    if not _is_traced(like) and isinstance(like, jax.Array):
+    if not is_traced(like) and isinstance(like, jax.Array):
         # put host data where the parameter lives, so sharded parameters get sharded gradients
         return jax.device_put(np.asarray(x, dtype=like.dtype), like.sharding)
     return jnp.asarray(x, dtype=like.dtype)
@@ -333,689 +288,6 @@ def node_kind(obj) -> NodeKind | None:
     return NodeKind(type(obj).__name__, _pytree_children, _pytree_rebuild)
 
 
-# --- State and Leaf as pytrees -----------------------------------------------------------------
-
-
-class _Static:
-    """A static value in aux data: compared by type and value when hashable, by identity if not."""
-
-    __slots__ = ("value", "_key")
-
-    def __init__(self, value):
-        self.value = value
-        try:
-            hash(value)
-            self._key = (type(value), value)
-        except TypeError:
-            self._key = (type(value), id(value))
-
-    def __eq__(self, other):
-        if not isinstance(other, _Static):
-            return NotImplemented
-        try:
-            return bool(self._key == other._key)
-        except Exception:
-            return self.value is other.value
-
-    def __hash__(self):
-        try:
-            return hash(self._key)
-        except TypeError:
-            return id(self.value)
-
-    def __repr__(self):
-        return f"static({self.value!r})"
-
-
-_NUM = "num"
-
-
-def _is_numeric(value) -> bool:
-    if isinstance(value, (bool, np.bool_)):
-        return False
-    if isinstance(value, numbers.Integral):
-        return False  # integer hyperparameters (AccumGrad.n) decide the program's shape
-    if isinstance(value, numbers.Number):
-        return True
-    return isinstance(value, (jax.Array, np.ndarray, np.generic))
-
-
-# A rule rebuilt by unflatten remembers its description: JAX unflattens with placeholders (bools,
-# None, object()) in the numeric slots, and flattening such a rule again must give the same aux data.
-_DESC_ATTR = "_optimisers_pytree_desc"
-
-
-def _values_by(desc, value, values: list):
-    """Append the values in `value`'s numeric slots, laid out as `desc` says."""
-    if desc == _NUM:
-        values.append(value)
-    elif desc[0] == "seq":
-        for d, v in zip(desc[2], value):
-            _values_by(d, v, values)
-    elif desc[0] == "rule":
-        for name, d in desc[2]:
-            _values_by(d, getattr(value, name), values)
-
-
-def _encode(value, values: list, static: bool = False):
-    """A hashable description of `value`, appending its numeric leaves to `values`."""
-    if isinstance(value, Rule) and dataclasses.is_dataclass(value):
-        desc = getattr(value, _DESC_ATTR, None)
-        if desc is not None:
-            _values_by(desc, value, values)
-            return desc
-        fields = []
-        for f in dataclasses.fields(value):
-            v = getattr(value, f.name)
-            fields.append((f.name, _encode(v, values, static=f.metadata.get("static", False))))
-        return ("rule", type(value), tuple(fields))
-    if type(value) in (tuple, list) or (isinstance(value, tuple) and hasattr(value, "_fields")):
-        return ("seq", type(value), tuple(_encode(v, values, static) for v in value))
-    if not static and (_is_numeric(value) or _is_held(value)):  # held: a Flax Variable, say
-        values.append(value)
-        return _NUM
-    return ("static", _Static(value))
-
-
-def _decode(desc, values):
-    if desc is _NUM or desc == _NUM:
-        return next(values)
-    tag = desc[0]
-    if tag == "static":
-        return desc[1].value
-    if tag == "seq":
-        items = [_decode(d, values) for d in desc[2]]
-        cls = desc[1]
-        if cls is tuple or cls is list:
-            return cls(items)
-        return cls(*items)
-    # A rule, rebuilt without validation: JAX unflattens with tracers and placeholder objects.
-    cls = desc[1]
-    rule = object.__new__(cls)
-    for name, sub in desc[2]:
-        object.__setattr__(rule, name, _decode(sub, values))
-    try:
-        object.__setattr__(rule, _DESC_ATTR, desc)
-    except (AttributeError, TypeError):  # a rule class with __slots__: described by value again
-        pass
-    return rule
-
-
-def _rule_parts(rule):
-    values: list = []
-    desc = _encode(rule, values)
-    return desc, tuple(values)
-
-
-def _rule_from(desc, values):
-    return _decode(desc, iter(values))
-
-
-def _has_numbers(desc) -> bool:
-    if desc == _NUM:
-        return True
-    if desc[0] == "seq":
-        return any(_has_numbers(d) for d in desc[2])
-    return desc[0] == "rule" and any(_has_numbers(d) for _, d in desc[2])
-
-
-def _named(desc, values):
-    """A rule's numbers as a pytree keyed by name, laid out as `desc` says: a dict from field name
-    to value for a rule (fields without numbers left out), a tuple for a tuple (None for an entry
-    without numbers), so that `optax.tree_utils.tree_get(state, "eta")` finds them."""
-    if desc == _NUM:
-        return next(values)
-    if desc[0] == "seq":
-        return tuple(_named(d, values) if _has_numbers(d) else None for d in desc[2])
-    if desc[0] == "rule":
-        return {name: _named(d, values) for name, d in desc[2] if _has_numbers(d)}
-    return None
-
-
-def _unnamed(desc, named, out: list) -> list:
-    """Inverse of `_named`: the numbers in `desc`'s order, appended to `out`."""
-    if desc == _NUM:
-        out.append(named)
-    elif desc[0] == "seq":
-        for d, n in zip(desc[2], named):
-            if _has_numbers(d):
-                _unnamed(d, n, out)
-    elif desc[0] == "rule":
-        for name, d in desc[2]:
-            if _has_numbers(d):
-                _unnamed(d, named[name], out)
-    return out
-
-
-def _map_named(fn, named):
-    if type(named) is dict:
-        return {k: _map_named(fn, v) for k, v in named.items()}
-    if type(named) is tuple:
-        return tuple(_map_named(fn, v) for v in named)
-    return None if named is None else fn(named)
-
-
-# --- the normal form of scalar leaves ----------------------------------------------------------
-
-_NORMAL_DTYPE: dict = {}  # (dtype, x64) -> the dtype of that kind that a leaf gets
-
-
-def _normal_dtype(dtype):
-    key = (dtype, jax.dtypes.canonicalize_dtype(np.int64))
-    out = _NORMAL_DTYPE.get(key)
-    if out is None:
-        if jnp.issubdtype(dtype, jnp.bool_):
-            out = np.dtype(np.bool_)
-        elif jnp.issubdtype(dtype, jnp.integer):
-            out = jax.dtypes.canonicalize_dtype(np.int64)
-        elif jnp.issubdtype(dtype, jnp.complexfloating):
-            out = jax.dtypes.canonicalize_dtype(np.complex128)
-        else:
-            out = jax.dtypes.canonicalize_dtype(np.float64)
-        _NORMAL_DTYPE[key] = out
-    return out
-
-
-_PYTHON_NUMBER_DTYPE = {int: np.int64, float: np.float64, complex: np.complex128}
-
-
-def _normal(value):
-    """A hyperparameter or scalar state part as the leaf a pytree gets: a strong 0-d array of the
-    default dtype of its kind (float32 and int32, or float64 and int64 under `jax_enable_x64`),
-    whether it is now a Python number, a NumPy or JAX 0-d array, weak-typed or not. Anything else
-    (bools, placeholders such as None or a ShapeDtypeStruct, arrays with dimensions) passes."""
-    t = type(value)
-    if t in _PYTHON_NUMBER_DTYPE:  # host data: jit moves it to the device with the call
-        return np.asarray(value, _normal_dtype(np.dtype(_PYTHON_NUMBER_DTYPE[t])))
-    if isinstance(value, (jax.Array, _Tracer)):
-        if value.ndim:
-            return value
-        dtype = _normal_dtype(value.dtype)
-        if value.dtype == dtype and not value.weak_type:
-            return value
-        return jax.lax.convert_element_type(value, dtype)
-    if isinstance(value, (np.ndarray, np.generic)) and value.ndim == 0 and value.dtype.kind in "iufc":
-        dtype = _normal_dtype(value.dtype)
-        return value if type(value) is np.ndarray and value.dtype == dtype else np.asarray(value, dtype)
-    return value
-
-
-def _normal_all(values) -> tuple:
-    return tuple(map(_normal, values))
-
-
-# --- State as a pytree -------------------------------------------------------------------------
-
-_RULES, _SCALARS = "rules", "scalars"
-
-
-def _share_group(rule, frozen):
-    """Leafs of one elementwise rule (and one frozen flag) may share scalar state: the update
-    hands them one new counter object (`optimisers.verbs.compute.share_scalar_state`), so flattening stores it
-    once. None: this Leaf keeps its own."""
-    return (id(rule), frozen) if getattr(rule, "elementwise", False) else None
-
-
-def _without_gc(fn):
-    """`fn` run with the cyclic garbage collector paused. Flattening or building a State of
-    thousands of Leafs makes tens of thousands of small tuples, which set off collections that
-    each walk the whole heap (every array, every Leaf): they cost more than the work itself."""
-
-    @functools.wraps(fn)
-    def paused(*args, **kwargs):
-        if not gc.isenabled():
-            return fn(*args, **kwargs)
-        gc.disable()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            gc.enable()
-
-    return paused
-
-
-@_without_gc
-def _state_parts(state: State, with_keys: bool = True):
-    """`(keyed children, aux)`. Children, all keyed by `DictKey`: `"rules"`, each distinct rule's
-    numeric hyperparameters; `"scalars"`, each scalar state part (step counter) once however many
-    Leafs share it; then, per distinct Leaf that has any, its other state parts, keyed by its
-    parameter path. Aux holds the skeleton (Leaf numbers, repeated sub-trees by number), rule
-    descriptions and per Leaf (rule number, frozen, state structure, scalar slot of each part)."""
-    rule_num: dict[int, int] = {}
-    rule_descs: list = []
-    rule_values: list = []
-    leaf_num: dict[int, int] = {}
-    found: list = []  # (Leaf, path, rule number), in skeleton order
-    dict_num: dict[int, int] = {}
-    dicts: list = []  # the tree's dicts, in skeleton order
-
-    def skeleton(node, path):
-        if isinstance(node, Leaf):
-            j = leaf_num.get(id(node))
-            if j is None:
-                r = rule_num.get(id(node.rule))
-                if r is None:
-                    r = rule_num[id(node.rule)] = len(rule_descs)
-                    desc, values = _rule_parts(node.rule)
-                    rule_descs.append(desc)
-                    rule_values.append(_named(desc, iter(_normal_all(values))))
-                j = leaf_num[id(node)] = len(found)
-                found.append((node, path, r))
-            return j
-        d = dict_num.get(id(node))
-        if d is not None:
-            return ("ref", d)
-        dict_num[id(node)] = len(dict_num)
-        dicts.append(node)
-        items = []
-        for k, v in node.items():
-            items.append((k, skeleton(v, path + (k,) if with_keys else None)))
-        return ("dict", tuple(items))
-
-    skel = skeleton(state.tree, ())
-    flat, groups = [], []
-    for leaf, _, _ in found:
-        parts: list = []
-        flat.append((flatten_state(leaf.state, parts), parts))
-        groups.append(_share_group(leaf.rule, bool(leaf.frozen)))
-    made = getattr(state, "_pytree", None)
-    layout = _kept_layout(made.layout if made else None, flat, groups) or _layout_by_value(flat, groups)
-    n_slots = 1 + max((s for _, slots in layout for s in slots if s is not None), default=-1)
-    scalars: list = [None] * n_slots
-    slot_names: list = [None] * n_slots
-    leaf_meta, leaf_children = [], []
-    names = _leaf_names([path for _, path, _ in found]) if with_keys else None
-    for j, ((leaf, _, r), (spec, slots), (_, parts)) in enumerate(zip(found, layout, flat)):
-        own = []
-        for slot, p, part_name in zip(slots, parts, _part_names(spec)):
-            if slot is None:
-                own.append(p)
-            else:
-                scalars[slot] = p
-                slot_names[slot] = part_name
-        leaf_meta.append((r, bool(leaf.frozen), spec, slots))
-        if own:
-            key = jax.tree_util.DictKey(names[j]) if with_keys else None
-            leaf_children.append((key, tuple(own)))
-    has_scalars = bool(n_slots)
-    aux = (skel, tuple(rule_descs), tuple(leaf_meta), has_scalars)
-    tu = jax.tree_util
-    scalars = _normal_all(scalars)
-    place = _host_scalar_placement(leaf_children)
-    if place is not None:
-        rule_values = [_map_named(place, values) for values in rule_values]
-        scalars = tuple(map(place, scalars))
-    head = [(tu.DictKey(_RULES), tuple(rule_values))] if rule_values else []
-    if scalars:
-        head.append((tu.DictKey(_SCALARS), tuple({n: v} for n, v in zip(slot_names, scalars))))
-    keyed = head + leaf_children
-    _remember(state, aux, keyed, with_keys, dicts, [leaf for leaf, _, _ in found])
-    return keyed, aux
-
-
-def _remember(state, aux, keyed, with_keys, dicts, leaves) -> None:
-    """Keep what flattening `state` gave, as `_state_unflatten` does for the States it makes:
-    `jit` flattens its arguments more than once per trace (for their structure, then again with
-    keys for their names), and each later call with the same State, unchanged, gives these back
-    at once instead of walking every Leaf again."""
-    made = _Unflattened(aux, [c for _, c in keyed])
-    root = state.tree
-    made.built(root, [] if isinstance(root, Leaf) else dicts, leaves)
-    made.keyed = keyed if with_keys else None
-    state._pytree = made
-
-
-_PART_NAMES: dict = {}  # a state's structure -> the name of each of its parts
-
-
-def _part_names(spec) -> tuple:
-    """The key each part of a state of this structure gets among the shared scalars: the field
-    of the NamedTuple that holds it (`Scheduled.count`), else "count" (a rule's scalar state is
-    its step counter, as optax's `count`)."""
-    names = _PART_NAMES.get(spec)
-    if names is None:
-        out: list = []
-
-        def visit(spec, name):
-            if spec is None:
-                out.append(name)
-                return
-            cls, specs = spec
-            fields = getattr(cls, "_fields", None)
-            for i, sub in enumerate(specs):
-                visit(sub, fields[i] if fields else "count")
-
-        visit(spec, "count")
-        names = _PART_NAMES[spec] = tuple(out)
-    return names
-
-
-def _host_scalar_placement(leaf_children):
-    """For a State whose arrays are sharded over a mesh: a function that puts a host number
-    (a hyperparameter or counter not yet on a device: fresh from setup or adjust) on that mesh,
-    replicated, which is where a jitted step returns them. Without it the first step (and the
-    first after each adjust) would be traced and compiled twice: numbers on the host and numbers
-    on the mesh are different inputs to `jit`. None for anything else."""
-    parts = (p for _, own in leaf_children for p in own)
-    first = next((p for p in parts if isinstance(p, jax.Array) and p.ndim and not _is_traced(p)), None)
-    if first is None or not isinstance(first.sharding, jax.sharding.NamedSharding):
-        return None
-    replicated = jax.sharding.NamedSharding(first.sharding.mesh, jax.sharding.PartitionSpec())
-    return lambda value: jax.device_put(value, replicated) if type(value) is np.ndarray else value
-
-
-def _leaf_names(paths) -> list[str]:
-    """Each Leaf's key: its parameter path as `format_path` writes it, made unique (a model key
-    such as "rules", or two paths that read alike, get a `#n` suffix). orbax names each array by
-    its keys joined with dots, so a name starting "rules." gets one too: its parts would be stored
-    under the names of a rule's hyperparameters ("rules.0" part 0 and rule 0 field 0: "rules.0.0")."""
-    used = {_RULES, _SCALARS}
-    names = []
-    for j, path in enumerate(paths):
-        name = base = format_path(path)
-        if name in used or name.startswith(_RULES + "."):
-            name = f"{base}#{j}"
-        while name in used:
-            name += "_"
-        used.add(name)
-        names.append(name)
-    return names
-
-
-def _layout_by_value(flat, groups) -> list:
-    """Per Leaf `(spec, slots)`: each scalar part numbered. Leafs of one share group whose scalar
-    parts are all interchangeable (`scalar_key`: equal Python numbers, or the same objects) share
-    one slot per position, exactly those whose new counters the update makes one object; every
-    other Leaf gets its own slots, so the number of slots stays what it is from step to step."""
-    slot_of: dict = {}
-    layout = []
-    for j, ((spec, parts), group) in enumerate(zip(flat, groups)):
-        at = [i for i, p in enumerate(parts) if is_scalar(p)]
-        if group is None:
-            owner = ("own", j)
-        else:
-            owner = (group, spec, tuple(scalar_key(parts[i]) for i in at))
-        slots: list = [None] * len(parts)
-        for i in at:
-            slots[i] = slot_of.setdefault((owner, i), len(slot_of))
-        layout.append((spec, tuple(slots)))
-    return layout
-
-
-def _kept_layout(layout, flat, groups):
-    """The layout a State was unflattened with, if it still fits: JAX (and Equinox's filters)
-    unflatten with placeholders such as `False` in every leaf, which cannot tell a counter from an
-    array, and flattening that State again must give the same aux data. It fits while each Leaf
-    has the same structure and all Leafs of a slot are of one share group and still hold
-    interchangeable values there."""
-    if layout is None or len(layout) != len(flat):
-        return None
-    held: dict = {}
-    for j, ((spec, slots), (now_spec, parts), group) in enumerate(zip(layout, flat, groups)):
-        if spec != now_spec or len(slots) != len(parts):
-            return None
-        for slot, p in zip(slots, parts):
-            if slot is None:
-                continue
-            mine = (group, scalar_key(p))
-            first = held.setdefault(slot, (j, mine))
-            if first[1] != mine or (group is None and first[0] != j):
-                return None
-    return layout
-
-
-def plan_flatten(state: State, x) -> None:
-    """At `setup`, for a model of JAX arrays (`x` one of them): flatten the new State once, so
-    that the first jitted step gets what it flattens to at once (plan once, at setup). Only a
-    cache: a State that cannot be flattened says so when something flattens it."""
-    if not isinstance(x, jax.Array) or _is_traced(x):
-        return
-    try:
-        _state_parts(state)
-    except Exception:  # noqa: BLE001 - reported by the flatten that needs it, where it is used
-        state._pytree = None
-
-
-def _state_flatten_with_keys(state):
-    if not _FLAX_REGISTERED:
-        register_flax_serialization()
-    made = getattr(state, "_pytree", None)
-    if made is not None and made.keyed is not None and made.fits(state):
-        return made.keyed, made.aux
-    return _state_parts(state)
-
-
-def _state_flatten(state):
-    made = getattr(state, "_pytree", None)
-    if made is not None and made.fits(state):
-        return made.children, made.aux
-    keyed, aux = _state_parts(state)  # with keys: jit flattens again with keys, from the record
-    return [c for _, c in keyed], aux
-
-
-_GET_STATE, _GET_RULE, _GET_FROZEN = (operator.attrgetter(a) for a in ("_state", "rule", "frozen"))
-
-
-class _Unflattened:
-    """What `_state_unflatten` made a State from. Under `jit` every step flattens the State that
-    the previous step's unflatten made. Its tree is built only when something asks for it (the
-    update, `state["w"]`): until then, flattening it gives back these children and aux at once.
-    Once built, while its dicts still hold the same Leafs and those the same rule, state and
-    frozen flag, it still does, checked in a few C-level passes instead of a Python walk over
-    every Leaf."""
-
-    def __init__(self, aux, children):
-        self.aux, self.children = aux, children
-        self.root = None  # the tree, once built
-        self.keyed = None  # the children with their keys, once flattened with keys
-
-    @property
-    def layout(self):
-        return tuple((spec, slots) for _, _, spec, slots in self.aux[2])
-
-    def built(self, root, dicts, leaves) -> None:
-        self.root = root
-        self.dicts = [(d, tuple(d), tuple(d.values())) for d in dicts]
-        self.leaves = leaves
-        self.states = list(map(_GET_STATE, leaves))
-        self.rules = list(map(_GET_RULE, leaves))
-        self.frozen = list(map(_GET_FROZEN, leaves))
-        # a list in a state could change in place, unseen by an identity check
-        self.cacheable = all(_tuples_only(spec) for spec in {meta[2] for meta in self.aux[2]})
-
-    def fits(self, state) -> bool:
-        if state._build is not None:  # its tree not built yet: nothing in it can have changed
-            return True
-        if self.root is None or not self.cacheable or state.tree is not self.root:
-            return False
-        for d, keys, values in self.dicts:
-            if len(d) != len(keys) or tuple(d) != keys or not all(map(operator.is_, d.values(), values)):
-                return False
-        leaves = self.leaves
-        return (
-            all(map(operator.is_, map(_GET_STATE, leaves), self.states))
-            and all(map(operator.is_, map(_GET_RULE, leaves), self.rules))
-            and list(map(_GET_FROZEN, leaves)) == self.frozen
-        )
-
-
-def _tuples_only(spec) -> bool:
-    return spec is None or (spec[0] is not list and all(_tuples_only(s) for s in spec[1]))
-
-
-def _state_unflatten(aux, children):
-    """A State whose tree is built on first use (`_build_tree`); flattening it before then gives
-    back these children (the scalar ones in normal form) and aux."""
-    _, rule_descs, _, has_scalars = aux
-    children = list(children)
-    head = 0
-    values: list = []
-    if rule_descs:
-        values = [_unnamed(d, v, []) for d, v in zip(rule_descs, children[0])]
-        children[0] = tuple(_named(d, iter(_normal_all(v))) for d, v in zip(rule_descs, values))
-        head = 1
-    named_scalars = children[head] if has_scalars else ()
-    scalars = [next(iter(named.values())) for named in named_scalars]
-    if has_scalars:
-        children[head] = tuple({k: _normal(v) for k, v in named.items()} for named in named_scalars)
-    own = children[head + has_scalars :]  # as given: the tree holds these very objects
-    made = _Unflattened(aux, children)
-    state = State._lazy(functools.partial(_build_tree, aux, values, scalars, own, made))
-    state._pytree = made
-    return state
-
-
-@_without_gc
-def _build_tree(aux, values, scalars, own_children, made):
-    skel, rule_descs, leaf_meta, _ = aux
-    rules = [_rule_from(d, v) for d, v in zip(rule_descs, values)]
-    own_of = iter(own_children)
-    leaves = []
-    for r, frozen, spec, slots in leaf_meta:
-        own = iter(next(own_of)) if None in slots else iter(())
-        parts = [next(own) if slot is None else scalars[slot] for slot in slots]
-        leaves.append(Leaf(rules[r], unflatten_state(spec, iter(parts)), frozen))
-    dicts: list = []
-
-    def build(node):
-        if isinstance(node, int):
-            return leaves[node]
-        if node[0] == "ref":
-            return dicts[node[1]]
-        out: dict = {}
-        dicts.append(out)
-        for k, sub in node[1]:
-            out[k] = build(sub)
-        return out
-
-    root = build(skel)
-    made.built(root, [] if isinstance(root, Leaf) else dicts, leaves)
-    return root
-
-
-# --- Leaf alone as a pytree --------------------------------------------------------------------
-
-
-def _normal_state(value):
-    """A rule state with its scalar parts in normal form."""
-    parts: list = []
-    spec = flatten_state(value, parts)
-    return unflatten_state(spec, iter([_normal(p) if is_scalar(p) else p for p in parts]))
-
-
-def _leaf_flatten_with_keys(leaf):
-    desc, values = _rule_parts(leaf.rule)
-    tu = jax.tree_util
-    children = [
-        (tu.GetAttrKey("rule"), _named(desc, iter(_normal_all(values)))),
-        (tu.GetAttrKey("state"), _normal_state(leaf.state)),
-    ]
-    return children, (desc, bool(leaf.frozen))
-
-
-def _leaf_flatten(leaf):
-    keyed, aux = _leaf_flatten_with_keys(leaf)
-    return [c for _, c in keyed], aux
-
-
-def _leaf_unflatten(aux, children):
-    desc, frozen = aux
-    named, st = children
-    return Leaf(_rule_from(desc, _unnamed(desc, named, [])), st, frozen)
-
-
-def _register():
-    tu = jax.tree_util
-    for cls, fk, unf, fl in (
-        (State, _state_flatten_with_keys, _state_unflatten, _state_flatten),
-        (Leaf, _leaf_flatten_with_keys, _leaf_unflatten, _leaf_flatten),
-    ):
-        try:
-            tu.register_pytree_with_keys(cls, fk, unf, fl)
-        except ValueError:  # already registered (module reloaded)
-            pass
-    register_flax_serialization()
-
-
-# --- flax.serialization (msgpack `to_bytes` / `from_bytes` of a TrainState) ---------------------
-
-_FLAX_REGISTERED = False
-
-
-def register_flax_serialization() -> None:
-    """Teach `flax.serialization` the State and the Leaf, if Flax is imported (importing it here
-    would cost every JAX user a second; `import flax` loads `flax.serialization`, and this runs
-    again when a State is flattened and when `optimisers.optax.transform` inits).
-
-    A State's state dict is its pytree children by key (`"rules"`, `"scalars"`, one entry per
-    parameter path), so msgpack holds the numbers; restoring takes the structure (rules, ties,
-    frozen flags) from the target, as Flax restores everything."""
-    global _FLAX_REGISTERED
-    if _FLAX_REGISTERED:
-        return
-    serialization = sys.modules.get("flax.serialization")
-    if serialization is None or not hasattr(serialization, "register_serialization_state"):
-        return
-    _FLAX_REGISTERED = True
-    serialization.register_serialization_state(State, _state_to_dict, _state_from_dict, override=True)
-    serialization.register_serialization_state(Leaf, _leaf_to_dict, _leaf_from_dict, override=True)
-
-
-def _children_to_dict(keyed) -> dict:
-    to_state_dict = sys.modules["flax.serialization"].to_state_dict
-    return {_key_of(k): to_state_dict(child) for k, child in keyed}
-
-
-def _children_from_dict(keyed, saved, what: str) -> list:
-    serialization = sys.modules["flax.serialization"]
-    if not isinstance(saved, dict):
-        raise ValueError(
-            f"flax.serialization: expected the state dict of an optimisers {what} at "
-            f"{serialization.current_path()}, got a {type(saved).__name__}"
-        )
-    names = [_key_of(k) for k, _ in keyed]
-    if set(names) != set(saved):
-        missing = sorted(set(map(str, names)) - set(map(str, saved)))
-        extra = sorted(set(map(str, saved)) - set(map(str, names)))
-        raise ValueError(
-            f"flax.serialization: the saved optimisers {what} at {serialization.current_path()} does "
-            f"not match the target (missing: {missing or 'none'}; unexpected: {extra or 'none'}); "
-            "restore into a state made by the same setup (same model, rule and ties)"
-        )
-    return [
-        serialization.from_state_dict(child, saved[name], name=str(name))
-        for name, (_, child) in zip(names, keyed)
-    ]
-
-
-def _state_to_dict(state) -> dict:
-    keyed, _ = _state_parts(state)
-    return _children_to_dict(keyed)
-
-
-def _state_from_dict(target, saved) -> State:
-    keyed, aux = _state_parts(target)
-    children = _children_from_dict(keyed, saved, "State")
-    restored = _state_unflatten(aux, children)
-    restored._keys = target._keys
-    return restored
-
-
-def _leaf_to_dict(leaf) -> dict:
-    keyed, _ = _leaf_flatten_with_keys(leaf)
-    return _children_to_dict(keyed)
-
-
-def _leaf_from_dict(target, saved) -> Leaf:
-    keyed, aux = _leaf_flatten_with_keys(target)
-    restored = _leaf_unflatten(aux, _children_from_dict(keyed, saved, "Leaf"))
-    restored._shape, restored._placed = target._shape, target._placed
-    return restored
-
-
-_register()
-
-
 # --- what schedules ask: values of the default float dtype (float32; float64 under x64) -------
 
 
@@ -1057,10 +329,6 @@ def dtype_name(x):
     if isinstance(x, type) and isinstance(getattr(x, "dtype", None), np.dtype):  # jnp.float32
         return x.dtype.name
     return _numpy_backend.dtype_name(x)
-
-
-def is_traced(x):
-    return _is_traced(x)
 
 
 def from_host(value, like):

@@ -129,13 +129,12 @@ class State:
     """
 
     # weakly keyed: optimisers.verbs.locks.lock
-    __slots__ = ("_tree", "_build", "_plan", "_pytree", "_keys", "__weakref__")
+    __slots__ = ("_tree", "_build", "_plan", "_keys", "__weakref__")
 
     def __init__(self, tree: Any = None, keys: dict | None = None):
         self._tree = {} if tree is None else tree
         self._build = None  # for a State built on first use: what builds its tree
         self._plan = None  # the update engine's groups, made by the first update_
-        self._pytree = None  # what a pytree backend (JAX) made this State from, if it did
         # path -> every child key the model had there at setup, for containers that also held
         # things not trained (an update looks for new parameters only under new keys)
         self._keys = keys
@@ -158,14 +157,14 @@ class State:
     def _lazy(cls, build) -> State:
         """A State whose tree `build()` makes when it is first asked for."""
         state = cls.__new__(cls)
-        state._tree, state._build, state._plan, state._pytree, state._keys = None, build, None, None, None
+        state._tree, state._build, state._plan, state._keys = None, build, None, None
         return state
 
-    def __getstate__(self):  # the engine's plan and JAX's flattening are caches, made again
+    def __getstate__(self):  # the engine's plan is a cache, made again
         return (self.tree, self._keys)
 
     def __setstate__(self, saved):
-        (self.tree, self._keys), self._plan, self._pytree = saved, None, None
+        (self.tree, self._keys), self._plan = saved, None
         self._build = None
 
     def __getitem__(self, key):
@@ -188,7 +187,7 @@ class State:
         for _, leaf in leaf_paths(value):
             leaf._placed = True
         self.tree[key] = value
-        self._plan = self._pytree = None
+        self._plan = None
 
     def __contains__(self, key) -> bool:
         return not isinstance(self.tree, Leaf) and key in self.tree
