@@ -69,8 +69,7 @@ def subtract(x, step):
     return out if out.dtype == x.dtype else out.astype(x.dtype)
 
 
-def subtract_(x, step):
-    return subtract(x, step)
+subtract_ = subtract  # immutable: "in place" is a new array
 
 
 def assign_(x, value):
@@ -317,12 +316,7 @@ cos = jnp.cos
 # --- what checkpoints ask: NumPy reads JAX arrays (dtypes NumPy lacks as ml_dtypes') -----------
 
 
-def to_host(x):
-    return _numpy_backend.to_host(x)
-
-
-def to_host_bits(x):
-    return _numpy_backend.to_host_bits(x)
+to_host, to_host_bits = _numpy_backend.to_host, _numpy_backend.to_host_bits
 
 
 def dtype_name(x):
@@ -342,21 +336,12 @@ def from_host(value, like):
 
 # --- maths of shaped arrays (matrix rules) -----------------------------------------------------
 
-
-def reshape(x, shape):
-    return jnp.reshape(x, shape)
+# the library's own functions, where they take what `ops` passes
+reshape, matmul, tensordot, take, stack = jnp.reshape, jnp.matmul, jnp.tensordot, jnp.take, jnp.stack
 
 
 def matrix_transpose(x):
     return jnp.swapaxes(x, -1, -2)
-
-
-def matmul(a, b):
-    return jnp.matmul(a, b)
-
-
-def tensordot(a, b, axes):
-    return jnp.tensordot(a, b, axes)
 
 
 def sum(x, axis=None, keepdims=False):  # noqa: A001 - mirrors the array-API name
@@ -382,14 +367,6 @@ def zeros(shape, like):
 def argsort(x, descending):
     order = jnp.argsort(x, axis=-1, stable=True)
     return order[..., ::-1] if descending else order
-
-
-def take(x, indices, axis):
-    return jnp.take(x, indices, axis=axis)
-
-
-def stack(xs):
-    return jnp.stack(xs)
 
 
 def dtype_epsilon(x):

@@ -306,13 +306,13 @@ def _without_gc(fn):
 
 
 @_without_gc
-def _state_parts(state: State, with_keys: bool = True):
+def _state_parts(state: State):
     """`(keyed children, aux)`. Children, all keyed by `DictKey`: `"rules"`, each distinct rule's
     numeric hyperparameters; `"scalars"`, each scalar state part (step counter) once however many
     Leafs share it; then, per distinct Leaf that has any, its other state parts, keyed by its
     parameter path. Aux holds the skeleton (Leaf numbers, repeated sub-trees by number), rule
     descriptions and per Leaf (rule number, frozen, state structure, scalar slot of each part)."""
-    skel, found, rules, dicts = _skeleton(state.tree, with_keys)
+    skel, found, rules, dicts = _skeleton(state.tree)
     flat, groups = [], []
     for leaf, _, _ in found:
         parts: list = []
@@ -320,7 +320,7 @@ def _state_parts(state: State, with_keys: bool = True):
         groups.append(_share_group(leaf.rule, bool(leaf.frozen)))
     made = _MADE.get(state)
     layout = _kept_layout(made.layout if made else None, flat, groups) or _layout_by_value(flat, groups)
-    names = _leaf_names([path for _, path, _ in found]) if with_keys else None
+    names = _leaf_names([path for _, path, _ in found])
     scalars, slot_names, leaf_meta, leaf_children = _split_parts(found, flat, layout, names)
     aux = (skel, tuple(desc for desc, _ in rules), tuple(leaf_meta), bool(scalars))
     rule_values = [values for _, values in rules]
@@ -334,11 +334,11 @@ def _state_parts(state: State, with_keys: bool = True):
     if scalars:
         head.append((tu.DictKey(_SCALARS), tuple({n: v} for n, v in zip(slot_names, scalars))))
     keyed = head + leaf_children
-    _remember(state, aux, keyed, with_keys, dicts, [leaf for leaf, _, _ in found])
+    _remember(state, aux, keyed, dicts, [leaf for leaf, _, _ in found])
     return keyed, aux
 
 
-def _skeleton(root, with_keys: bool):
+def _skeleton(root):
     """The tree's skeleton (a Leaf by its number, a dict seen before as `("ref", its number)`) and,
     in skeleton order, the distinct Leafs as `(Leaf, path, rule number)`, the distinct rules as
     `(description, numbers by name)`, and the tree's dicts."""
@@ -366,7 +366,7 @@ def _skeleton(root, with_keys: bool):
             return ("ref", d)
         dict_num[id(node)] = len(dicts)
         dicts.append(node)
-        return ("dict", tuple([(k, walk(v, path + (k,) if with_keys else None)) for k, v in node.items()]))
+        return ("dict", tuple([(k, walk(v, path + (k,))) for k, v in node.items()]))
 
     return walk(root, ()), found, rules, dicts
 
@@ -388,12 +388,11 @@ def _split_parts(found, flat, layout, names):
                 slot_names[slot] = part_name
         leaf_meta.append((r, bool(leaf.frozen), spec, slots))
         if own:
-            key = None if names is None else jax.tree_util.DictKey(names[j])
-            leaf_children.append((key, tuple(own)))
+            leaf_children.append((jax.tree_util.DictKey(names[j]), tuple(own)))
     return scalars, slot_names, leaf_meta, leaf_children
 
 
-def _remember(state, aux, keyed, with_keys, dicts, leaves) -> None:
+def _remember(state, aux, keyed, dicts, leaves) -> None:
     """Keep what flattening `state` gave, as `_state_unflatten` does for the States it makes:
     `jit` flattens its arguments more than once per trace (for their structure, then again with
     keys for their names), and each later call with the same State, unchanged, gives these back
@@ -401,7 +400,7 @@ def _remember(state, aux, keyed, with_keys, dicts, leaves) -> None:
     made = _Unflattened(aux, [c for _, c in keyed])
     root = state.tree
     made.built(root, [] if isinstance(root, Leaf) else dicts, leaves)
-    made.keyed = keyed if with_keys else None
+    made.keyed = keyed
     _MADE[state] = made
 
 
