@@ -1,5 +1,6 @@
-"""Every backend module against the written contract in optimisers.backends.protocol: each name is
-there, and each function takes the parameters the protocol names."""
+"""Every backend module against the written contract in optimisers.backends.protocol, one class per
+layer that asks something of it: each name is there, and each function takes the parameters the
+protocol names."""
 
 import importlib
 import inspect
@@ -9,17 +10,18 @@ import pytest
 from optimisers.backends import protocol
 
 BACKENDS = {
-    "numpy": protocol.InPlaceEngine,
-    "torch": protocol.InPlaceEngine,
-    "jax": protocol.Backend,
-    "scalar": protocol.ScheduleMaths,  # the maths of rules and of schedules on Python numbers
+    "numpy": (protocol.Backend, protocol.InPlaceEngine),
+    "torch": (protocol.Backend, protocol.InPlaceEngine),
+    "jax": (protocol.Backend, protocol.PytreeState),
+    "scalar": (protocol.ScheduleMaths,),  # the maths of rules and of schedules on Python numbers
 }
+LAYERS = ("ArrayMaths", "ScheduleMaths", "TreeWalk", "HostTransfer", "Parameters")  # a Backend: all
 
 
-def members(cls):
-    """The names a protocol class requires, each with its signature (None for a data member)."""
+def members(*classes):
+    """The names protocol classes require, each with its signature (None for a data member)."""
     out = {}
-    for klass in reversed(cls.__mro__):
+    for klass in (k for cls in classes for k in reversed(cls.__mro__)):
         if klass in (object, protocol.Protocol) or not getattr(klass, "_is_protocol", False):
             continue
         for name in getattr(klass, "__annotations__", {}):
@@ -33,16 +35,16 @@ def members(cls):
 @pytest.mark.parametrize("name", sorted(BACKENDS))
 def test_backend_has_every_member_of_its_protocol(name):
     module = importlib.import_module(f"optimisers.backends.{name}")
-    cls = BACKENDS[name]
-    missing = [m for m in members(cls) if not hasattr(module, m)]
-    assert not missing, f"optimisers.backends.{name} lacks {missing} of {cls.__name__}"
-    assert isinstance(module, cls)
+    for cls in BACKENDS[name]:
+        missing = [m for m in members(cls) if not hasattr(module, m)]
+        assert not missing, f"optimisers.backends.{name} lacks {missing} of {cls.__name__}"
+        assert isinstance(module, cls)
 
 
 @pytest.mark.parametrize("name", sorted(BACKENDS))
 def test_backend_functions_take_the_protocols_parameters(name):
     module = importlib.import_module(f"optimisers.backends.{name}")
-    for member, expected in members(BACKENDS[name]).items():
+    for member, expected in members(*BACKENDS[name]).items():
         if expected is None:
             continue
         function = getattr(module, member)
@@ -61,10 +63,14 @@ def test_backend_functions_take_the_protocols_parameters(name):
 
 
 def test_engine_backends_say_so():
-    for name, cls in BACKENDS.items():
+    for name, classes in BACKENDS.items():
         module = importlib.import_module(f"optimisers.backends.{name}")
-        if cls is not protocol.ScheduleMaths:
-            assert module.IN_PLACE_ENGINE is (cls is protocol.InPlaceEngine), name
+        if protocol.Backend in classes:
+            assert module.IN_PLACE_ENGINE is (protocol.InPlaceEngine in classes), name
+
+
+def test_a_backend_is_what_the_layers_ask_and_no_more():
+    assert members(protocol.Backend) == members(*(getattr(protocol, name) for name in LAYERS))
 
 
 def test_the_core_finds_each_backend_through_its_registry():

@@ -1,19 +1,26 @@
-"""The written contract of a backend: what the library asks of an array library.
+"""The written contract of a backend: what each layer of the library asks of an array library.
 
 A backend is a module of functions (`optimisers.backends.numpy`, `.torch`, `.jax`; `.scalar` for
-Python numbers), registered with the core in `optimisers/backends/__init__.py`. `Maths` is what
-`optimisers.ops` hands on to it, so every backend has it, the scalar one included; so is
-`ScheduleMaths`, what `optimisers.schedules` computes with (a step may be a Python int);
-`Backend` is what the tree walk, the update and checkpoints need of an array library (checkpoints
-move arrays to and from the host as NumPy arrays through it); `InPlaceEngine` is what
-the engine needs to step many parameters in place through flat chunks (NumPy and PyTorch: JAX
-arrays are immutable, so JAX sets `IN_PLACE_ENGINE = False` and the engine leaves it alone).
-`tests/test_backend_protocol.py` checks every backend against these classes: each name must be
-there, and each function must take the parameters named here.
+Python numbers), registered with the core in `optimisers/backends/__init__.py`. Each class here is
+what one layer needs of it:
+
+- `Maths`: rules, through `optimisers.ops`; every backend has it, the scalar one included.
+  `ArrayMaths`: the rest of `ops`, which Python numbers lack (values of a shape, matrix maths).
+- `ScheduleMaths`: `optimisers.schedules` (a step may be a Python int).
+- `TreeWalk`: `optimisers.core.tree`, which values are arrays and parameters, and containers.
+- `HostTransfer`: `optimisers.checkpoints`, arrays to and from the host as NumPy arrays.
+- `Parameters`: `optimisers.verbs`, writing parameters and how an update treats the library.
+- `Backend`: all of these, an array library; `scalar` is `ScheduleMaths` only.
+- `InPlaceEngine`: `optimisers.engine`, many parameters stepped in place through flat chunks
+  (NumPy and PyTorch: JAX arrays are immutable, so JAX sets `IN_PLACE_ENGINE = False`).
+- `PytreeState`: `optimisers.verbs.setup`, where a State is a pytree of the library (JAX).
+
+`tests/test_backend_protocol.py` checks every backend against the classes it serves: each name must
+be there, and each function must take the parameters named here.
 
 A new backend is one module that defines these names, plus one `dispatch.register` line in
 `optimisers/backends/__init__.py`. A new array operation for rules is one function in
-`optimisers.ops` and one function of that name in each backend, listed in `Maths`.
+`optimisers.ops` and one function of that name in each backend, listed in `Maths` or `ArrayMaths`.
 """
 
 from __future__ import annotations
@@ -45,10 +52,19 @@ class Maths(Protocol):
 
 @runtime_checkable
 class ArrayMaths(Maths, Protocol):
-    """The maths of arrays with a shape, which rules that are not elementwise use (matrix rules:
-    Muon's Newton–Schulz, Adafactor's row and column means, SOAP's eigenbases). Array backends
-    only: a Python number has no axes."""
+    """The rest of `optimisers.ops`, for arrays only: the values rules make, and the maths of
+    arrays with a shape that rules that are not elementwise use (matrix rules: Muon's
+    Newton–Schulz, Adafactor's row and column means, SOAP's eigenbases)."""
 
+    def zeros_like(self, x: Array) -> Array: ...
+    def full_like(self, x: Array, value: Any) -> Array: ...
+    def norm(self, x: Array, p: Any) -> Any: ...
+    def norms(self, xs: list, p: Any) -> Array: ...  # each x's `norm`, bit for bit, as a 1-D array
+    def same_values(self, x: Array, y: Array) -> bool | None: ...
+    def all_finite(self, x: Array) -> Any: ...
+    def astype(self, x: Any, like: Array) -> Array: ...  # raises ops.GradientError for no gradient
+    def cast(self, x: Array, dtype: Any) -> Array: ...
+    def copy(self, x: Array) -> Array: ...
     def reshape(self, x: Array, shape: tuple) -> Array: ...
     def matrix_transpose(self, x: Array) -> Array: ...  # swaps the last two axes
     def matmul(self, a: Array, b: Array) -> Array: ...  # batched over leading axes
@@ -78,28 +94,18 @@ class ScheduleMaths(Maths, Protocol):
 
 
 @runtime_checkable
-class Backend(ArrayMaths, ScheduleMaths, Protocol):
-    """What the library needs of an array library beyond the maths."""
+class TreeWalk(Protocol):
+    """What `optimisers.core.tree` asks to see a model as a tree."""
 
-    # the tree walk
     def is_array(self, x: Any) -> bool: ...
     def is_param(self, x: Any) -> bool: ...  # a trainable array: floating or complex
     def node_kind(self, obj: Any) -> Any: ...  # a core.tree.NodeKind for the library's containers
 
-    # values a rule or an update makes
-    def zeros_like(self, x: Array) -> Array: ...
-    def full_like(self, x: Array, value: Any) -> Array: ...
-    def norm(self, x: Array, p: Any) -> Any: ...
-    def norms(self, xs: list, p: Any) -> Array: ...  # each x's `norm`, bit for bit, as a 1-D array
-    def same_values(self, x: Array, y: Array) -> bool | None: ...
-    def all_finite(self, x: Array) -> Any: ...
-    def astype(self, x: Any, like: Array) -> Array: ...  # raises ops.GradientError for no gradient
-    def cast(self, x: Array, dtype: Any) -> Array: ...
-    def copy(self, x: Array) -> Array: ...
-    def flatten(self, arrays: list) -> Array: ...  # one 1-D array (destructure)
-    def unflatten_one(self, flat: Array, start: int, like: Array) -> Array: ...
 
-    # checkpoints: to and from the host, where arrays are NumPy's
+@runtime_checkable
+class HostTransfer(Protocol):
+    """What checkpoints ask: arrays to and from the host, where arrays are NumPy's."""
+
     def dtype_name(self, x: Any) -> str | None: ...  # "float32" for a dtype of this library, else None
     def is_traced(self, x: Any) -> bool: ...  # a value under jit: no concrete data to save
     def to_host(self, x: Array) -> Any: ...  # a NumPy copy; dtypes NumPy lacks as ml_dtypes'
@@ -109,7 +115,11 @@ class Backend(ArrayMaths, ScheduleMaths, Protocol):
     # device (JAX: sharding, weak type)
     def from_host(self, value: Any, like: Array) -> Array: ...
 
-    # writing parameters
+
+@runtime_checkable
+class Parameters(Protocol):
+    """What the verbs ask to write parameters, and how an update treats the library."""
+
     def writable(self, x: Array) -> bool: ...  # can be written in place
     def memory_span(self, x: Array) -> Any: ...
     def shares_memory(self, x: Array, y: Array) -> bool: ...
@@ -117,19 +127,24 @@ class Backend(ArrayMaths, ScheduleMaths, Protocol):
     def subtract_(self, x: Array, step: Array) -> Any: ...  # in place
     def assign_(self, x: Array, value: Array) -> Any: ...
     def replaced(self, x: Array, value: Array) -> Array: ...
-
-    # how the update treats this library
+    def flatten(self, arrays: list) -> Array: ...  # one 1-D array (destructure)
+    def unflatten_one(self, flat: Array, start: int, like: Array) -> Array: ...
     def no_grad(self) -> AbstractContextManager: ...  # rules compute data, not autograd graphs
 
     SHARE_SCALAR_STATE: bool  # one step count per group of leaves (JAX: fewer traced values)
     IN_PLACE_ENGINE: bool  # whether this module is also an InPlaceEngine
-    # A backend's own kernels for some rules, by name ("adam": see optimisers.engine.fast_paths,
+    # A backend's own kernels for some rules, by name ("adam": see optimisers.engine.fused,
     # which maps rules to these names and arguments); empty where there are none.
     FAST_PATHS: Mapping[str, Callable]
 
 
 @runtime_checkable
-class InPlaceEngine(Backend, Protocol):
+class Backend(ArrayMaths, ScheduleMaths, TreeWalk, HostTransfer, Parameters, Protocol):
+    """An array library: what every layer but the engine asks of it."""
+
+
+@runtime_checkable
+class InPlaceEngine(Parameters, Protocol):
     """What the engine (optimisers.engine) needs to step parameters in place, chunk by chunk."""
 
     ENGINE_CHUNK: int  # elements per chunk
@@ -158,3 +173,10 @@ class InPlaceEngine(Backend, Protocol):
     def span_marks(self, xs: list) -> Any: ...  # cheap marks of arrays found in a span
     def repeat_each(self, values: list, counts: list) -> Array: ...  # values[k] counts[k] times, 1-D
     def is_buffer(self, value: Any) -> bool: ...
+
+
+@runtime_checkable
+class PytreeState(Protocol):
+    """What `setup` asks of a library whose pytrees a State is (JAX: `optimisers.backends.jax_state`)."""
+
+    def plan_flatten(self, state: Any, x: Array) -> None: ...  # flatten the new State once, now
