@@ -60,7 +60,7 @@ def run(rank: int, port: int, outdir: str, kind: str) -> None:
     finally:
         dist.destroy_process_group()
     gc.collect()
-    engine = sys.modules.get("optimisers.engine.group")
+    engine = sys.modules.get("optimisers.engine.chunks")
     record = {
         "python_threads": sorted(t.name for t in threading.enumerate()),
         "native_threads": native_threads(),

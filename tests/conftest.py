@@ -23,9 +23,9 @@ def single_thread():
 def tiny_chunks(monkeypatch):
     """Chunks of the in-place engine a few hundred elements long, so that a test-sized model
     exercises packed runs, arrays split across chunks and the worker threads."""
-    import optimisers.engine.layout as _engine_layout
+    import optimisers.engine.chunks as _engine_chunks
 
-    monkeypatch.setattr(_engine_layout, "CHUNK_SCALE", 1024)
+    monkeypatch.setattr(_engine_chunks, "CHUNK_SCALE", 1024)
 
 
 @pytest.fixture
@@ -47,11 +47,12 @@ def replays(monkeypatch):
     from optimisers.engine import replay
 
     calls: list[bool] = []
-    original = replay.step
+    original = replay.ready
 
     def spy(*args):
-        calls.append(original(*args))
-        return calls[-1]
+        ready = original(*args)
+        calls.append(ready is not None)
+        return ready
 
-    monkeypatch.setattr(replay, "step", spy)
+    monkeypatch.setattr(replay, "ready", spy)
     return calls

@@ -222,8 +222,8 @@ def test_span_with_a_tied_member_steps_in_pieces(backend, tied_at):
             else:
                 np.testing.assert_allclose(x.numpy(), y.numpy(), rtol=1e-6, atol=1e-7)
     (group,) = _span_groups(state)
-    assert group._grad_pieces is not None
-    assert len(group._grad_pieces[2]) == (2 if tied_at in (0, len(SIZES) - 1) else 3)
+    assert group.span.pieces is not None
+    assert len(group.span.pieces[2]) == (2 if tied_at in (0, len(SIZES) - 1) else 3)
     assert tree["tie"] is tree["ps"][tied_at]
 
 

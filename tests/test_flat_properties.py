@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import optimisers as opt
-import optimisers.engine.layout as engine_layout
+import optimisers.engine.chunks as engine_chunks
 
 RULES = [
     lambda: opt.Adam(1e-2),
@@ -112,7 +112,7 @@ def test_in_place_engine_equals_pure_path(drawn):
     originals = {key: list(xs) for key, xs in model.items()}
     reference = copy.deepcopy(model)  # one copy of an array at several places: ties kept
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(engine_layout, "CHUNK_SCALE", 1024)  # packed runs and split arrays
+        patch.setattr(engine_chunks, "CHUNK_SCALE", 1024)  # packed runs and split arrays
         state = opt.setup(RULES[rule](), model)
         ref_state = opt.setup(RULES[rule](), reference)
         for key in frozen:

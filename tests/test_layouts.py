@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 import optimisers as opt
-import optimisers.engine.layout as _engine_layout
+import optimisers.engine.chunks as _engine_chunks
 import optimisers.engine.plan as _engine_plan
 from optimisers.core.state import flatten_state, leaf_paths
 from optimisers.torch import Optimizer
@@ -272,7 +272,7 @@ def _strided_torch_params():
 
 def _engine_run(rule, params, grads, path, engine, monkeypatch):
     with monkeypatch.context() as m:
-        m.setattr(_engine_layout, "CHUNK_SCALE", 1024)  # chunks of a few hundred elements
+        m.setattr(_engine_chunks, "CHUNK_SCALE", 1024)  # chunks of a few hundred elements
         if not engine:
             m.setattr(_engine_plan, "select", lambda state, found: [])
         state = opt.setup(rule, params)

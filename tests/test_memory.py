@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import optimisers as opt
-import optimisers.engine.chunked as _engine_chunked
+import optimisers.engine.chunks as _engine_chunks
 from optimisers.core.state import flatten_state
 
 RULES = [
@@ -46,14 +46,14 @@ def parts_of(state):
 def test_pure_update_in_chunks_gives_the_whole_array_numbers(rule, monkeypatch, tiny_chunks):
     # 256-element chunks: 5 and a ragged tail
     taken = []
-    real = _engine_chunked.pure_step
+    real = _engine_chunks.pure_step
 
     def spy(*args):
         result = real(*args)
         taken.append(result is not None)
         return result
 
-    monkeypatch.setattr(_engine_chunked, "pure_step", spy)
+    monkeypatch.setattr(_engine_chunks, "pure_step", spy)
     rng = np.random.default_rng(0)
     x = rng.standard_normal((37, 29)).astype(np.float32)
     x_orig = x.copy()

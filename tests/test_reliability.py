@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import optimisers as opt
-import optimisers.engine.layout as _engine_layout
+import optimisers.engine.chunks as _engine_chunks
 from optimisers import ops
 
 torch = pytest.importorskip("torch")
@@ -237,7 +237,7 @@ def chunked_model(backend, seed=0):
 )
 def test_a_rule_raising_on_one_chunk_leaves_everything_as_it_was(backend, leaf, element, chain, pure):
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(_engine_layout, "CHUNK_SCALE", 1024)  # a test-sized model gets many chunks
+        patch.setattr(_engine_chunks, "CHUNK_SCALE", 1024)  # a test-sized model gets many chunks
         one_chunk_raises(backend, leaf, element, chain, pure)
 
 
@@ -341,7 +341,7 @@ def test_gradients_over_parameter_memory_give_the_numbers_of_update(backend, pat
     values = [rng.standard_normal(s).astype(np.float32) for s in shapes]
     with pytest.MonkeyPatch.context() as patch:
         if chunks is not None:
-            patch.setattr(_engine_layout, "CHUNK_SCALE", chunks)
+            patch.setattr(_engine_chunks, "CHUNK_SCALE", chunks)
         results = []
         for inplace in (False, True):
             model = [array(backend, v) for v in values]

@@ -122,7 +122,7 @@ def shares_memory(x, y) -> bool:
     return a0 < b1 and b0 < a1
 
 
-# `optimisers.verbs.compute` runs every rule's `apply` inside this: the maths of a step is data, and
+# `optimisers.engine.per_leaf` runs every rule's `apply` inside this: the maths of a step is data, and
 # optimiser state must never hold an autograd graph (it would grow with every step)
 no_grad = torch.no_grad
 SHARE_SCALAR_STATE = False
@@ -447,7 +447,7 @@ class _FastPath(NamedTuple):
     joined: bool = False
 
 
-# torch's fused kernels, named for optimisers.engine.fast_paths
+# torch's fused kernels, named for optimisers.engine.fused
 FAST_PATHS = {"adam": _FastPath(_adam_apply, _adam_step_many)}
 
 

@@ -128,38 +128,50 @@ class Contribution:
             raise
 
 
-def gather(tree, model, grads, known=None) -> dict[int, Contribution]:
-    """Each Leaf's contribution, keyed by `id(leaf)`; `known`: a State's `_keys`."""
-    found: dict[int, Contribution] = {}
+class _Walk:
+    """What one `gather` has found so far."""
 
-    def take(leaf, x, grad, path):
+    def __init__(self, tree):
+        self.tree = tree
+        self.found: dict[int, Contribution] = {}
+        self.owner_of: dict[int, Leaf] = {}  # id(parameter) -> its Leaf: one array, two Leafs is refused
+        self.tied: list[Contribution] = []  # Leafs with gradients from places after their first
+
+    def take(self, leaf, x, grad, path):
+        """Collect the parameter `x` and its gradient at `path`, a place of `leaf`."""
         if not is_param(x):
             raise TypeError(
                 f"the state has a parameter at {format_path(path)}, but the model has a "
                 f"{type(x).__name__} there; was the state set up for another model?"
             )
-        entry = found.get(id(leaf))
+        entry = self.found.get(id(leaf))
         place = 0
         if entry is None:
             if x.shape != leaf._shape:
                 _check_shape(leaf, x, path)
-            other = owner_of.setdefault(id(x), leaf)
+            other = self.owner_of.setdefault(id(x), leaf)
             if other is not leaf:
-                _untied_in_state(tree, other, path)
-            entry = found[id(leaf)] = Contribution(leaf, x)
+                _untied_in_state(self.tree, other, path)
+            entry = self.found[id(leaf)] = Contribution(leaf, x)
         else:
             place, entry.places = entry.places, entry.places + 1
             if x is not entry.x:
-                _check_copy(tree, entry, x, path)
+                _check_copy(self.tree, entry, x, path)
                 entry.copies = True
         if grad is not None:
             _check_grad(grad, x, path)
             if place:
                 if not entry.where:
                     entry.where = [0] * len(entry.grads)  # those came from the first place
-                    tied.append(entry)
+                    self.tied.append(entry)
                 entry.where.append(place)
             entry.grads.append(grad)
+
+
+def gather(tree, model, grads, known=None) -> dict[int, Contribution]:
+    """Each Leaf's contribution, keyed by `id(leaf)`; `known`: a State's `_keys`."""
+    walk = _Walk(tree)
+    found, owner, take = walk.found, walk.owner_of.setdefault, walk.take
 
     def visit(snode, node, grad, path):
         if not snode:  # nothing trainable here
@@ -197,14 +209,11 @@ def gather(tree, model, grads, known=None) -> dict[int, Contribution]:
         if len(children) != len(snode):
             _check_no_new_params(node, children, snode, path, known.get(path) if known else None)
 
-    owner_of: dict[int, Leaf] = {}  # id(parameter) -> its Leaf: one array under two Leafs is refused
-    owner = owner_of.setdefault
-    tied: list[Contribution] = []  # Leafs with gradients from places after their first
     if isinstance(tree, Leaf):
         take(tree, model, grads, ())
     else:
         visit(tree, model, grads, ())
-    for entry in tied:
+    for entry in walk.tied:
         _check_each_place(tree, entry)
     return found
 

@@ -12,22 +12,21 @@ import numpy as np
 
 from optimisers import ops
 from optimisers.core.state import flatten_state, unflatten_state
-
-CHUNK_SCALE = 1  # tests shrink chunks to exercise packing and splitting on small models
-MIN_CHUNK = 1 << 14  # elements: below this, the Python cost per chunk outweighs its work
-# A group is cut into at least this many chunks per worker, so that the temporaries of the chunks
-# in flight (one per worker, a handful of chunk-sized arrays each) stay under a quarter of the
-# group's parameter bytes (benchmarks/memory.py --first: 0.3x at 16, 0.15-0.2x at 32)
-CHUNKS_PER_WORKER = 32
-# Groups smaller than this (elements) step on one thread: two threads taking turns at the GIL for
-# the Python of small chunks were no faster, and one worker has half the temporaries in flight
-THREADS_FROM = 1 << 21
+from optimisers.engine import chunks
+from optimisers.engine.span import Span
 
 
-def scales_gradient(rule) -> bool:
-    """Is `rule` a chain whose first member scales the whole gradient by one factor, followed by
-    elementwise rules (`OptimiserChain(ClipNorm(), Adam())`)?"""
-    return not rule.elementwise and rule.scaled_elementwise
+def independent(leaf, state):
+    """`state` with every part that is a view of the engine's buffers for `leaf` replaced by a
+    copy, so that a pure result never changes when the original is later stepped in place."""
+    if leaf._group is None:
+        return state
+    own: list = []
+    flatten_state(leaf._state, own)
+    views = {id(p) for p, a in zip(own, leaf._group.array_at) if a}
+    parts: list = []
+    spec = flatten_state(state, parts)
+    return unflatten_state(spec, iter([ops.copy(p) if id(p) in views else p for p in parts]))
 
 
 class GroupLayout:
@@ -37,11 +36,11 @@ class GroupLayout:
         self.b = b = ops.backend(xs[0])
         b.engine_start()
         sizes = [b.numel(x) for x in xs]
-        self.scaled = scales_gradient(leaves[0].rule)  # a factor per member: see `factors`
+        self.scaled = chunks.scaled(leaves[0].rule)  # a factor per member: see `factors`
         total = sum(sizes)
-        many = total >= THREADS_FROM // CHUNK_SCALE
+        many = total >= chunks.THREADS_FROM // chunks.CHUNK_SCALE
         self.threads = b.ENGINE_THREADS and many and (os.cpu_count() or 1) > 1
-        self.chunk = self._chunk_size(b, total, self.threads)
+        self.chunk = chunks.chunk_size(b, total, self.threads)
         # small parameters last, so that they pack into a few long runs however the model
         # interleaves them with large ones (a bias after each weight matrix)
         order = sorted(range(len(xs)), key=lambda i: sizes[i] < self.chunk // 4)
@@ -51,10 +50,9 @@ class GroupLayout:
         if not self.scaled and len(xs) > 1:
             where = b.addresses(xs)
             by_address = sorted(range(len(xs)), key=where.__getitem__)
-            self.span = b.flat_span([xs[i] for i in by_address])
+            self.span = Span.of(b, [xs[i] for i in by_address])
             if self.span is not None:
                 order = by_address
-        self._span_xs = None if self.span is None else [xs[i] for i in order]  # what it holds
         leaves, xs, self.sizes = [leaves[i] for i in order], [xs[i] for i in order], [sizes[i] for i in order]
         self.leaves = leaves  # their rule is read from the first at each step: adjust_ may change it
         self.dtype, self.device = xs[0].dtype, getattr(xs[0], "device", None)
@@ -68,7 +66,7 @@ class GroupLayout:
         self.spec = spec
         self.array_at = [b.is_buffer(p) for p in per_leaf[0]]
         self.scalars = [None if a else p for a, p in zip(self.array_at, per_leaf[0])]
-        self.chunks = self._plan_chunks()
+        self.chunks = chunks.plan(self.sizes, self.offsets, self.chunk, self.span is not None)
         runs = [c for c in self.chunks if c[0] == "run"]
         # the packed members (the smallest, sorted last; in a span, all): one flat range of
         # every buffer
@@ -76,16 +74,6 @@ class GroupLayout:
         self.buffers = self._take_state(leaves, per_leaf, xs)
         self.has_runs = bool(runs)  # (a span has none: its chunks step the span itself)
         self._member_parts: dict[int, list] = {}
-
-    @staticmethod
-    def _chunk_size(b, total: int, threads: bool) -> int:
-        """The backend's chunk, smaller for a small group: the chunks in flight (a handful of
-        temporaries each) must stay a small fraction of the group's own size (`benchmarks/memory.py`
-        measures the peak; smaller chunks cost more Python per step)."""
-        workers = (os.cpu_count() or 1) if threads else 1
-        largest = max(4, b.ENGINE_CHUNK // CHUNK_SCALE)
-        smallest = max(4, MIN_CHUNK // CHUNK_SCALE)
-        return max(smallest, min(largest, total // (CHUNKS_PER_WORKER * workers)))
 
     def _take_state(self, leaves, per_leaf, xs):
         """The members' state arrays in the form the chunks read, for each array part a dict
@@ -105,7 +93,8 @@ class GroupLayout:
             if kept is not None:
                 return kept
         packed = None
-        for chunk in self._member_runs() if self.span is not None else self.chunks:
+        runs = chunks.member_runs(self.offsets, self.chunk) if self.span is not None else self.chunks
+        for chunk in runs:
             i = chunk[1]
             if chunk[0] == "big":
                 if per_leaf[i] is None:  # taken at its first chunk
@@ -183,53 +172,6 @@ class GroupLayout:
         keep = mine and owner not in seen and b.engine_ok(p) and b.memory_order(p) == order
         seen.add(owner)
         return b.flat_in(p, order) if keep else b.concat([b.flat_in(p, order)])
-
-    def _member_runs(self):
-        """A span's members in runs of about a chunk's elements ("run", i, j, None): the pieces in
-        which `_take_state` moves their state into the packed buffers."""
-        runs, i = [], 0
-        for j in range(1, len(self.sizes) + 1):
-            if j == len(self.sizes) or self.offsets[j] - self.offsets[i] >= self.chunk:
-                runs.append(("run", i, j, None))
-                i = j
-        return runs
-
-    def _plan_chunks(self):
-        """("big", i, a, b): elements a..b of leaf i; ("run", i, j, bounds): small leaves i..j-1
-        packed, leaf i+k at elements bounds[k] of the packed chunk; ("flat", 0, a, b): elements
-        a..b of a span (every member, back to back) and of the packed buffers."""
-        if self.span is not None:
-            total = self.offsets[-1]
-            pieces = max(1, round(total / self.chunk))
-            bounds = [total * k // pieces for k in range(pieces + 1)]
-            return [("flat", 0, a, b) for a, b in zip(bounds, bounds[1:])]
-        # smaller parameters are packed together (in a scaled group each with its own factor)
-        chunk, small = self.chunk, self.chunk // 4
-        chunks, run_start, run_size = [], None, 0
-
-        def run(i, j):
-            lo = self.offsets[i]
-            bounds = [(self.offsets[k] - lo, self.offsets[k + 1] - lo) for k in range(i, j)]
-            chunks.append(("run", i, j, bounds))
-
-        for i, n in enumerate(self.sizes):
-            if n < small:
-                if run_start is None:
-                    run_start, run_size = i, 0
-                run_size += n
-                if run_size >= chunk:
-                    run(run_start, i + 1)
-                    run_start = None
-                continue
-            if run_start is not None:
-                run(run_start, i)
-                run_start = None
-            pieces = max(1, round(n / chunk))
-            bounds = [n * k // pieces for k in range(pieces + 1)]
-            chunks.extend(("big", i, a, b) for a, b in zip(bounds, bounds[1:]))
-        if run_start is not None:
-            run(run_start, len(self.sizes))
-        return chunks
 
     def member_parts(self, k):
         """Part `k` of every member's state: for an array part, each member's view of buffer `k`

@@ -18,7 +18,7 @@ import operator
 
 from optimisers.core.state import Leaf
 from optimisers.core.tree import kind_of
-from optimisers.engine import plan as planning
+from optimisers.engine import ties
 from optimisers.engine.gather import _grad_children
 
 
@@ -128,7 +128,8 @@ class Route:
         return cls(state.tree, model, plan.groups)
 
     def ready(self, state, model, grads):
-        """`[(group, xs, dxs, given)]` for `plan.run` if this step follows the route, else None."""
+        """`[(group, xs, dxs, given)]` for `execute.step_groups` if this step follows the route,
+    else None."""
         if state.tree is not self.tree:
             return None
         xs: list = []
@@ -160,7 +161,7 @@ class Route:
                 n = len(others)
                 if not (_shaped(others, [group.shapes[m]] * n) and _fit(group, others, [xs[m]] * n)):
                     return None
-                dxs[m] = group.summed(m, xs[m], [dxs[m], *others])
+                dxs[m] = ties.member_sum(group, m, xs[m], [dxs[m], *others])
             ready.append((group, xs, dxs, dxs))
         return ready
 
@@ -197,15 +198,8 @@ def remember(state, model, found, work, results) -> None:
 _RECORDINGS = 8  # routes recorded for one plan at most (each is a walk of the whole model)
 
 
-def step(state, model, grads) -> bool:
-    """Step `state` and `model` along the route of the State's plan, if this step follows it:
-    whether it did (False: nothing was written)."""
-    plan = state._plan
-    route = getattr(plan, "route", None)
-    if route is None:
-        return False
-    ready = route.ready(state, model, grads)
-    if ready is None:
-        return False
-    planning.run(ready)
-    return True
+def ready(state, model, grads):
+    """The groups of the State's plan, ready to step along its route, if this step follows it;
+    else None (nothing was written)."""
+    route = getattr(state._plan, "route", None)
+    return None if route is None else route.ready(state, model, grads)

@@ -21,3 +21,40 @@ def summed(grads, out=None):
     for g in grads[1:]:
         dx = dx + g
     return dx
+
+
+def member_sum(group, i, x, grads):
+    """The gradients of engine group `group`'s member `i` (each fit for its parameter `x` as it
+    is), summed into a buffer the group keeps for that member: a fresh parameter-sized array
+    every step is memory the kernel has to fault in again."""
+    buf = group.sums.get(i)
+    if buf is None:
+        buf = group.sums[i] = ops.zeros_like(x)
+    return summed(grads, out=buf)
+
+
+def group_gradients(group, members) -> tuple[list, list]:
+    """Each member's summed gradient, laid out as its parameter (what the chunks read), and as it
+    was given (what a scaled group's factor is computed on, as the per-Leaf and pure paths
+    compute it: a norm's rounding depends on the order it sums in)."""
+    out, given = [], []
+    xs = [c.x for c in members]
+    # one pass over the usual case, where the backend has one
+    fit = group.b.fit_as_they_are([c.grads[0] for c in members], xs, group.dtype, group.device)
+    for i, c in enumerate(members):
+        grads, x = c.grads, c.x
+        if fit is not None and fit[i] and len(grads) == 1:
+            out.append(grads[0])
+            given.append(grads[0])
+            continue
+        # summed in place only when each gradient fits the parameter as it is (what the
+        # backend's astype hands back unchanged), so that the sum equals `dx()` bit for bit
+        if len(grads) == 1 or not all(c.fitted(g) is g for g in grads):
+            dx = c.dx()
+            out.append(group.b.laid_out_like(dx, x))  # chunks read it in x's memory order
+            given.append(dx)
+            continue
+        buf = member_sum(group, i, x, grads)
+        out.append(buf)
+        given.append(buf)
+    return out, given

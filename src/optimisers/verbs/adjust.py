@@ -10,7 +10,7 @@ from optimisers.core.state import (
     leaf_paths,
     map_leaves,
 )
-from optimisers.engine import chunked
+from optimisers.engine.layout import independent
 
 
 def _leaves_of(tree, name):
@@ -74,7 +74,7 @@ def adjust(tree, eta=None, **hyper):
 
     def fresh(leaf):
         rule = rules[id(leaf.rule)]
-        state = chunked.independent(leaf, leaf.state)
+        state = independent(leaf, leaf.state)
         return leaf._successor(rule, rule.with_counters(state) if has_schedules(rule) else state)
 
     if isinstance(tree, Leaf):

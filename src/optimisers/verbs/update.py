@@ -1,11 +1,10 @@
-"""`update` (pure) and `update_` (in place): gather, compute, then commit.
+"""`update` (pure) and `update_` (in place): the engine steps, then the verb commits.
 
-An update runs in three phases so that a failed call changes nothing:
-1. gather (`optimisers.engine.gather`): check every gradient and collect each Leaf's contributions;
-2. compute (`optimisers.engine.compute`, or the engine for groups of elementwise rules): run each
-   Leaf's rule once on the sum of its contributions (rules are pure);
-3. commit (here): write parameters (in place for `update_`) and rebuild the model and state trees,
-   giving every place of a Leaf the same new array and rebuilding each shared container once.
+An update runs in phases so that a failed call changes nothing: the engine
+(`optimisers.engine.execute`) checks every gradient and runs each Leaf's rule once on the sum of
+its contributions, in place for `update_`'s engine groups; then the commit (here) writes the
+other parameters (in place for `update_`) and rebuilds the model and state trees, giving every
+place of a Leaf the same new array and rebuilding each shared container once.
 """
 
 from __future__ import annotations
@@ -21,9 +20,8 @@ from optimisers.core.state import (
     map_leaves,
 )
 from optimisers.core.tree import kind_of
-from optimisers.engine import chunked, plan, replay
-from optimisers.engine.compute import compute, located
-from optimisers.engine.gather import gather
+from optimisers.engine import execute
+from optimisers.engine.layout import independent
 from optimisers.verbs.locks import lock
 
 
@@ -48,8 +46,7 @@ def update(state: State, model, *grads):
 
 
 def _update(state: State, model, grads: tuple):
-    found = gather(state.tree, model, grads[0], state._keys)
-    results = compute(found, state.tree, pure=True)
+    _, results = execute.results(state, model, grads[0], pure=True)
     values: dict[int, Any] = {}
 
     def place(leaf, x):
@@ -68,7 +65,7 @@ def _next_state(state: State, results: dict) -> State:
 
     def leaf_of(leaf):
         moved = results.get(id(leaf))
-        return leaf._successor(leaf.rule, chunked.independent(leaf, moved[0] if moved else leaf.state))
+        return leaf._successor(leaf.rule, independent(leaf, moved[0] if moved else leaf.state))
 
     return State(map_leaves(leaf_of, state.tree), state._keys)
 
@@ -77,8 +74,7 @@ def stepped(state: State, model, grads: tuple, name: str):
     """The pure part of `update`: the new State and each moving Leaf's `(new_state, step)`,
     keyed by `id(leaf)` of the old State's Leafs (`optimisers.optax` turns the steps into updates)."""
     _check_args(state, grads, name)
-    found = gather(state.tree, model, grads[0], state._keys)
-    results = compute(found, state.tree)
+    _, results = execute.results(state, model, grads[0])
     return _next_state(state, results), results
 
 
@@ -93,20 +89,10 @@ def update_(state: State, model, *grads):
 
 
 def _update_(state: State, model, grads: tuple):
-    try:
-        if replay.step(state, model, grads[0]):  # the usual step: as the last one went
-            return state, model
-    except ops.GradientError as e:
-        raise located(e, state.tree) from None
-    found = gather(state.tree, model, grads[0], state._keys)
-    work = plan.select(state, found)
-    in_engine = {id(leaf) for group, _ in work for leaf in group.leaves}
-    results = compute(found, state.tree, skip=in_engine)  # may raise: nothing written yet
-    try:
-        plan.execute(work)  # checks everything before it writes
-    except ops.GradientError as e:
-        raise located(e, state.tree) from None
-    replay.remember(state, model, found, work, results)
+    stepped_ = execute.in_place(state, model, grads[0])
+    if stepped_ is None:  # every parameter stepped in place, along the last step's route
+        return state, model
+    found, results, in_engine = stepped_
     for key, (new_state, _) in results.items():
         found[key].leaf.state = new_state
     if all(step is None for _, step in results.values()):

@@ -1,5 +1,6 @@
-"""Compute, the second phase of an update: run each Leaf's rule once on the sum of its
-contributions, and check that each result fits its parameter, before anything is written.
+"""The per-Leaf way: a rule's own `apply` on a parameter's whole arrays (in float32 for a
+float16/bfloat16 parameter), and the checks that every Leaf's result fits its parameter before
+anything is written.
 """
 
 from __future__ import annotations
@@ -14,58 +15,14 @@ from optimisers.core.state import (
     unflatten_state,
 )
 from optimisers.core.tree import format_path
-from optimisers.engine import chunked, fast_paths, precision
-from optimisers.engine import stacked as stacks
-from optimisers.engine.gather import Contribution
+from optimisers.engine import precision
 
 
-def compute(found: dict[int, Contribution], tree, skip=frozenset(), pure=False) -> dict[int, tuple]:
-    """Run each Leaf's rule once: `{id(leaf): (new_state, step)}` for Leafs that move. Each step
-    is checked to fit its parameter, so that writing the results cannot fail half way. With
-    `pure`, `{id(leaf): (new_state, new_value)}`: each step is applied to a new array at once,
-    so that no step outlives its Leaf's turn (and large parameters are stepped in chunks)."""
-    results = {}
-    stacked = stacks.stacked_results(found, skip)  # small arrays of a rule that stacks: one call
-    for key, c in found.items():
-        if c.leaf.frozen or not c.grads or key in skip:
-            continue
-        rule = c.leaf.rule
-        b = ops.backend(c.x)
-        fast = fast_paths.find(b, rule)  # a backend's own kernel, if any
-        try:
-            if key in stacked:
-                result = stacked[key]
-                _check_step(rule, result, c.x)
-                results[key] = (result[0], _new_value(c.x, result[1])) if pure else result
-                continue
-            dx = c.dx()
-            # rules compute data, not graphs: a step that uses the parameter (WeightDecay, AdamW)
-            # must not leave state holding an autograd graph that grows every step
-            with b.no_grad():
-                if fast is not None:
-                    _, kernel, args = fast
-                    result = kernel.apply(args, c.leaf.state, c.x, dx)
-                else:
-                    result = None
-                if result is None and pure:
-                    result = chunked.pure_step(rule, c.leaf.state, c.x, dx)
-                    if result is not None:
-                        results[key] = result
-                        continue
-                if result is None:
-                    result = precision.run(rule.apply, c.leaf.state, c.x, dx)
-            _check_step(rule, result, c.x)
-            if pure:
-                result = (result[0], _new_value(c.x, result[1]))
-        except ops.GradientError as e:
-            raise located(e, tree) from None
-        except Exception as e:
-            if hasattr(e, "add_note"):  # Python >= 3.11: say where, keeping the exception's type
-                e.add_note(f"(while updating the parameter at {format_path(path_of(tree, c.leaf))})")
-            raise
-        results[key] = result
-    _share_scalar_state(found, results)
-    return results
+def step(rule, state, x, dx):
+    """`(new_state, step)` of `rule.apply`, as data (no autograd graph that would grow every
+    step: a step that uses the parameter, as AdamW's, must not leave one in the state)."""
+    with ops.backend(x).no_grad():
+        return precision.run(rule.apply, state, x, dx)
 
 
 def located(e, tree) -> Exception:
@@ -74,7 +31,7 @@ def located(e, tree) -> Exception:
     return ops.GradientError(f"gradient at {where}: {e}; nothing was changed")
 
 
-def _check_step(rule, result, x) -> None:
+def check_step(rule, result, x) -> None:
     """A rule's step must fit its parameter (its shape, or a scalar; no complex step for a real
     parameter), or writing it in place would fail after other parameters were written."""
     if not isinstance(result, tuple) or len(result) != 2:
@@ -96,7 +53,7 @@ def _check_step(rule, result, x) -> None:
         )
 
 
-def _new_value(x, step):
+def new_value(x, step):
     """The parameter after `step`, as a new array."""
     if step is None:
         return ops.copy(x)
@@ -105,7 +62,7 @@ def _new_value(x, step):
     return ops.backend(x).subtract(x, step)
 
 
-def _share_scalar_state(found, results) -> None:
+def share_scalar_state(found, results) -> None:
     """Give Leafs of one elementwise rule that began this step with the same scalar state (step
     counters, say: the same objects, or equal Python numbers) the same new objects, on backends
     that ask for it (JAX).

@@ -1,0 +1,270 @@
+"""The flat-chunks way: an elementwise rule's own `apply` over cache-sized chunks of flat buffers.
+
+A group's big members are cut into chunks that are views of each parameter; its small members
+are packed: joined into staging buffers (one call each for parameters and gradients), stepped in
+runs of whole chunks, and copied back with one call; a span's chunks are ranges of the span
+itself. NumPy chunks run on a thread pool (ufuncs release the GIL). `pure_step` is the same
+for `update`: one large parameter, chunk by chunk, into new arrays.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+from optimisers import ops
+from optimisers.core.rule import NewValue
+from optimisers.core.state import flatten_state, unflatten_state
+from optimisers.engine import precision
+
+CHUNK_SCALE = 1  # tests shrink chunks to exercise packing and splitting on small models
+MIN_CHUNK = 1 << 14  # elements: below this, the Python cost per chunk outweighs its work
+# A group is cut into at least this many chunks per worker, so that the temporaries of the chunks
+# in flight (one per worker, a handful of chunk-sized arrays each) stay under a quarter of the
+# group's parameter bytes (benchmarks/memory.py --first: 0.3x at 16, 0.15-0.2x at 32)
+CHUNKS_PER_WORKER = 32
+# Groups smaller than this (elements) step on one thread: two threads taking turns at the GIL for
+# the Python of small chunks were no faster, and one worker has half the temporaries in flight
+THREADS_FROM = 1 << 21
+_POOL: ThreadPoolExecutor | None = None
+
+
+def scaled(rule) -> bool:
+    """Is `rule` a chain whose first member scales the whole gradient by one factor, followed by
+    elementwise rules (`OptimiserChain(ClipNorm(), Adam())`)?"""
+    return not rule.elementwise and rule.scaled_elementwise
+
+
+# --- planning: how a group is cut --------------------------------------------------------------
+
+
+def chunk_size(b, total: int, threads: bool) -> int:
+    """The backend's chunk, smaller for a small group: the chunks in flight (a handful of
+    temporaries each) must stay a small fraction of the group's own size (`benchmarks/memory.py`
+    measures the peak; smaller chunks cost more Python per step)."""
+    workers = (os.cpu_count() or 1) if threads else 1
+    largest = max(4, b.ENGINE_CHUNK // CHUNK_SCALE)
+    smallest = max(4, MIN_CHUNK // CHUNK_SCALE)
+    return max(smallest, min(largest, total // (CHUNKS_PER_WORKER * workers)))
+
+
+def member_runs(offsets, chunk):
+    """Members in runs of about a chunk's elements ("run", i, j, None)."""
+    runs, i, n = [], 0, len(offsets) - 1
+    for j in range(1, n + 1):
+        if j == n or offsets[j] - offsets[i] >= chunk:
+            runs.append(("run", i, j, None))
+            i = j
+    return runs
+
+
+def plan(sizes, offsets, chunk, span: bool):
+    """("big", i, a, b): elements a..b of member i; ("run", i, j, bounds): small members i..j-1
+    packed, member i+k at elements bounds[k] of the packed chunk; ("flat", 0, a, b): elements
+    a..b of a span (every member, back to back) and of the packed buffers."""
+    if span:
+        return [("flat", 0, a, b) for a, b in _cut(offsets[-1], chunk)]
+    chunks, start, size = [], None, 0
+
+    def run(i, j):
+        bounds = [(offsets[k] - offsets[i], offsets[k + 1] - offsets[i]) for k in range(i, j)]
+        chunks.append(("run", i, j, bounds))
+
+    for i, n in enumerate(sizes):
+        if n < chunk // 4:  # smaller members are packed (in a scaled group each with its factor)
+            if start is None:
+                start, size = i, 0
+            size += n
+            if size >= chunk:
+                run(start, i + 1)
+                start = None
+            continue
+        if start is not None:
+            run(start, i)
+            start = None
+        chunks.extend(("big", i, a, b) for a, b in _cut(n, chunk))
+    if start is not None:
+        run(start, len(sizes))
+    return chunks
+
+
+def _cut(n, chunk):
+    pieces = max(1, round(n / chunk))
+    bounds = [n * k // pieces for k in range(pieces + 1)]
+    return list(zip(bounds, bounds[1:]))
+
+
+# --- stepping a group --------------------------------------------------------------------------
+
+
+def _pool() -> ThreadPoolExecutor:
+    global _POOL
+    if _POOL is None:
+        _POOL = ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="optimisers")
+    return _POOL
+
+
+def _map(fn, chunks, threads: bool) -> list:
+    """`[fn(c) for c in chunks]`, on the pool if `threads`: each worker takes one contiguous
+    share of the chunks as one task, so that a step pays one hand-over per worker rather than
+    one per chunk (chunks can then be small, and their temporaries few, at little cost)."""
+    workers = os.cpu_count() or 1
+    if not threads or len(chunks) < 2 or workers < 2:
+        return [fn(c) for c in chunks]
+    n = len(chunks)
+    shares = [chunks[k * n // workers : (k + 1) * n // workers] for k in range(workers)]
+    done = _pool().map(lambda share: [fn(c) for c in share], [s for s in shares if s])
+    return [result for results in done for result in results]
+
+
+def step(group, xs, dxs, factors=None) -> None:
+    """Update every member of `group` in place, chunk by chunk: big chunks are views of one
+    parameter, written where they are computed; packed members are stepped in the staging
+    buffers and copied back at the end."""
+    rule = group.leaves[0].rule
+    with group.b.no_grad():  # PyTorch: the step is data, not a graph
+        group.stage(xs, dxs)
+        compute = functools.partial(_chunk, group, rule, xs=xs, dxs=dxs, factors=factors)
+        done = _map(compute, group.chunks, group.threads)
+        if group.has_runs:  # (a span's chunks wrote the parameters themselves)
+            group.unpack(xs)
+    group.unstage()
+    group.scalars = done[0]
+
+
+def rehearse(group, xs, dxs, factors=None) -> None:
+    """Run the rule on every chunk without writing anything, checking what it returns: a rule
+    that raises (or returns arrays that do not fit) on some chunk does so here, before `step`
+    has written any chunk, so that a failed `update_` changes nothing."""
+    rule = group.leaves[0].rule
+    with group.b.no_grad():
+        group.stage(xs, dxs)
+        check = functools.partial(_chunk, group, rule, xs=xs, dxs=dxs, factors=factors, write=False)
+        _map(check, group.chunks, group.threads)
+
+
+def _views(group, chunk, xs, dxs):
+    """`(i, start, stop, x, dx)`: the chunk's parameter and gradient views, and its range of
+    the buffers of member (or run) `i`."""
+    b, kind = group.b, chunk[0]
+    if kind == "big":
+        _, i, start, stop = chunk
+        order = group.orders[i]
+        return i, start, stop, b.flat_in(xs[i], order)[start:stop], b.flat_in(dxs[i], order)[start:stop]
+    flat_x, flat_g = group.staging_now
+    if kind == "flat":  # a range of the span and of the packed buffers
+        _, i, start, stop = chunk
+        return i, start, stop, flat_x[start:stop], flat_g[start:stop]
+    _, i, j, _ = chunk  # a run: its range of the staging buffers, and its buffer slices, whole
+    stop = group.offsets[j] - group.offsets[i]
+    lo = group.offsets[i] - group.offsets[group.packed_from]
+    return i, 0, stop, flat_x[lo : lo + stop], flat_g[lo : lo + stop]
+
+
+def _chunk(group, rule, chunk, *, xs, dxs, factors=None, write=True):
+    """Compute and write one chunk: the new scalars. With `write=False` only compute and check."""
+    b = group.b
+    i, start, stop, x, dx = _views(group, chunk, xs, dxs)
+    held = zip(group.array_at, group.buffers, group.scalars)
+    parts = [buf[i][start:stop] if a else s for a, buf, s in held]
+    state = unflatten_state(group.spec, iter(parts))
+    if factors is None:
+        new_state, dx_step = precision.run(rule.apply, state, x, dx)
+    else:  # a scaled group: the member's factor, or each packed member's over its elements
+        factor = factors[i] if chunk[0] == "big" else _run_factors(b, factors, chunk)
+        new_state, dx_step = precision.run(rule.apply_scaled, state, x, dx, factor)
+    new_parts: list = []
+    flatten_state(new_state, new_parts)
+    if not write:
+        _check_chunk(rule, x, parts, new_parts, dx_step)
+        return None
+    for a, old, new in zip(group.array_at, parts, new_parts):
+        if a and new is not old:
+            b.copy_into(old, new)
+    if isinstance(dx_step, NewValue):
+        b.assign_(x, dx_step.value)
+    elif dx_step is not None:
+        b.subtract_(x, dx_step)
+    return [None if a else p for a, p in zip(group.array_at, new_parts)]
+
+
+def _run_factors(b, factors, chunk):
+    """A packed run's factors, one per element (each member's over its elements): the products
+    `factor · dx` are those of each member's own factor, element by element."""
+    _, i, j, bounds = chunk
+    return b.repeat_each(factors[i:j], [hi - lo for lo, hi in bounds])
+
+
+def _check_chunk(rule, x, parts, new_parts, step) -> None:
+    """What a rehearsed chunk returned must fit where `step` would write it."""
+    name = type(rule).__name__
+    if len(new_parts) != len(parts):
+        raise ValueError(f"{name}.apply returned a state of another structure than it was given")
+    for old, new in zip(parts, new_parts):
+        shape = getattr(old, "shape", None)
+        if shape is not None and len(shape) > 0 and getattr(new, "shape", None) != shape:
+            raise ValueError(
+                f"{name}.apply returned a state array of shape {tuple(getattr(new, 'shape', ()))} "
+                f"for a state array of shape {tuple(shape)}"
+            )
+    value = step.value if isinstance(step, NewValue) else step
+    shape = getattr(value, "shape", ())
+    if value is not None and tuple(shape) not in ((), tuple(x.shape)):
+        raise ValueError(f"{name}.apply returned a step of shape {tuple(shape)} for {tuple(x.shape)}")
+
+
+# --- the pure step of one large parameter ------------------------------------------------------
+
+
+def pure_step(rule, state, x, dx):
+    """The pure update of one parameter, chunk by chunk: `(new_state, new_x)`, or None where
+    that does not apply (a rule that is not elementwise, a backend without the engine, a
+    parameter of at most one chunk, state arrays not shaped like it). The new state and parameter
+    are allocated once and filled chunk by chunk, so the step and the rule's temporaries never
+    exist at full size; the numbers are those of `rule.apply` on the whole arrays."""
+    is_scaled = scaled(rule)
+    b = ops.backend(x)
+    if not ((rule.elementwise or is_scaled) and b.IN_PLACE_ENGINE and b.engine_ok(x)):
+        return None
+    n, chunk = b.numel(x), max(4, b.ENGINE_CHUNK // CHUNK_SCALE)
+    parts: list = []
+    spec = flatten_state(state, parts)
+    array_at = [b.is_buffer(p) for p in parts]
+    if n <= chunk or not all(p.shape == x.shape and b.engine_ok(p) for p, a in zip(parts, array_at) if a):
+        return None
+    factor = rule.gradient_factors([precision.widened(dx)])[0] if is_scaled else None
+    order = b.memory_order(x)  # every array is read in the parameter's memory order
+    flat_x, flat_dx = b.flat_in(x, order), b.flat_in(dx, order)
+    flat_parts = [b.flat_in(p, order) if a else p for p, a in zip(parts, array_at)]
+    new_x = ops.copy(x)
+    if b.memory_order(new_x) != order:
+        return None  # a copy in another layout: its flat view would not be a view
+    flat_new_x = b.flat_in(new_x, order)
+    outs = [ops.zeros_like(p) if a else None for p, a in zip(flat_parts, array_at)]
+    scalars = None
+    for lo, hi in ((lo, min(n, lo + chunk)) for lo in range(0, n, chunk)):
+        sub = [p[lo:hi] if a else p for p, a in zip(flat_parts, array_at)]
+        extra = () if factor is None else (factor,)
+        method = rule.apply if factor is None else rule.apply_scaled
+        chunk_state = unflatten_state(spec, iter(sub))
+        new_state, dx_step = precision.run(method, chunk_state, flat_x[lo:hi], flat_dx[lo:hi], *extra)
+        new_parts: list = []
+        if flatten_state(new_state, new_parts) != spec:
+            return None  # (before anything is returned: the caller takes the whole-array path)
+        if any(a and new.dtype != out.dtype for a, new, out in zip(array_at, new_parts, outs)):
+            return None  # the rule changes the state's dtype: whole arrays, as it wants
+        for k, a in enumerate(array_at):
+            if a:
+                b.copy_into(outs[k][lo:hi], new_parts[k])
+        if scalars is None:
+            scalars = [None if a else p for a, p in zip(array_at, new_parts)]
+        value = dx_step.value if isinstance(dx_step, NewValue) else dx_step
+        if value is not None and ops.is_complex(value) and not ops.is_complex(x):
+            return None  # a step that cannot be written: the whole-array path reports it
+        if isinstance(dx_step, NewValue):
+            b.assign_(flat_new_x[lo:hi], dx_step.value)
+        elif dx_step is not None:
+            b.subtract_(flat_new_x[lo:hi], dx_step)
+    merged = [b.shaped_in(o, x.shape, order) if a else s for a, o, s in zip(array_at, outs, scalars)]
+    return unflatten_state(spec, iter(merged)), new_x

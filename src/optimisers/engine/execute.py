@@ -1,0 +1,154 @@
+"""Execute: how each Leaf steps, chosen in one place (`step`), and the two phases of an update
+that lead there.
+
+A Leaf steps in one of five ways, each in its own module:
+
+1. **fused** (`fused`): the backend's own kernel for the rule (torch's fused Adam/AdamW), one
+   parameter or a whole engine group per call;
+2. **span** (`span`): a group whose parameters are views of one flat buffer steps that buffer;
+3. **flat chunks** (`chunks`): an elementwise rule's `apply` over chunks of a group's flat
+   buffers (big members in place, small ones packed), or of one large parameter for `update`;
+4. **stack** (`stacked`): small parameters of a rule that `stacks` (Muon), one call per stack;
+5. **per-Leaf** (`per_leaf`): the rule's `apply` on the whole arrays.
+
+An update first gathers (`gather`: walk, check, collect each Leaf's gradients), then steps.
+`update_` first tries the route of its last step (`replay`), and steps engine groups (`plan`)
+in place; the rest, and everything `update` does, is computed per Leaf and committed by the verb.
+Nothing is written until every result has been computed and checked.
+"""
+
+from __future__ import annotations
+
+from optimisers import ops
+from optimisers.core.state import path_of
+from optimisers.core.tree import format_path
+from optimisers.engine import chunks, fused, per_leaf, plan, replay, ties
+from optimisers.engine import stacked as stacks
+from optimisers.engine.gather import gather
+
+
+class _Applied(tuple):
+    """`(new_state, new_x)` of a pure step in chunks: the step is applied already."""
+
+
+def step(c=None, group=None, *, xs=None, dxs=None, factors=None, stacked=None, pure=False):
+    """Step one engine group in place (`group`, its parameters `xs`, summed gradients `dxs`, a
+    scaled group's `factors`), or compute one Leaf's `(new_state, step)` (`c`, its gathered
+    contribution; `stacked`, the results of this update's stacks; `pure`: `update`'s, where a
+    large parameter may step in chunks into a new array, `(new_state, new_x)`). The ways are
+    tried in this order; a kernel may decline a parameter it cannot take."""
+    if group is not None:
+        kernel = fused.find(group.b, group.leaves[0].rule) if factors is None else None
+        if kernel is not None and fused.step_group(group, kernel, xs, dxs):
+            return None  # fused: every member (a span as one array) in one kernel call
+        return chunks.step(group, xs, dxs, factors)  # span, or flat chunks of members and runs
+    if id(c.leaf) in stacked:
+        return stacked[id(c.leaf)]  # stack: computed with the others of its stack
+    rule, state, x, dx = c.leaf.rule, c.leaf.state, c.x, c.dx()
+    kernel = fused.find(ops.backend(x), rule)
+    if kernel is not None:
+        with ops.backend(x).no_grad():
+            result = fused.step_leaf(kernel, state, x, dx)
+        if result is not None:
+            return result  # fused
+    if pure:
+        result = chunks.pure_step(rule, state, x, dx)
+        if result is not None:
+            return _Applied(result)  # flat chunks, into a new array (no step at full size)
+    return per_leaf.step(rule, state, x, dx)  # per-Leaf
+
+
+def compute(found, tree, skip=frozenset(), pure=False) -> dict[int, tuple]:
+    """Run each Leaf's rule once (the Leafs of `found` not in `skip`): `{id(leaf): (new_state,
+    step)}` for Leafs that move, each step checked to fit its parameter, so that writing the
+    results cannot fail half way. With `pure`, `{id(leaf): (new_state, new_value)}`: each step
+    is applied to a new array at once, so that no step outlives its Leaf's turn."""
+    results = {}
+    stacked = stacks.stacked_results(found, skip)  # small arrays of a rule that stacks: one call
+    for key, c in found.items():
+        if c.leaf.frozen or not c.grads or key in skip:
+            continue
+        try:
+            result = step(c, stacked=stacked, pure=pure)
+            if type(result) is not _Applied:
+                per_leaf.check_step(c.leaf.rule, result, c.x)
+                result = (result[0], per_leaf.new_value(c.x, result[1])) if pure else result
+            results[key] = tuple(result)
+        except ops.GradientError as e:
+            raise per_leaf.located(e, tree) from None
+        except Exception as e:
+            if hasattr(e, "add_note"):  # Python >= 3.11: say where, keeping the exception's type
+                e.add_note(f"(while updating the parameter at {format_path(path_of(tree, c.leaf))})")
+            raise
+    per_leaf.share_scalar_state(found, results)
+    return results
+
+
+def results(state, model, grads, pure=False):
+    """`update`'s work: `(found, results)` as `compute` gives them; nothing is written."""
+    found = gather(state.tree, model, grads, state._keys)
+    return found, compute(found, state.tree, pure=pure)
+
+
+def in_place(state, model, grads):
+    """`update_`'s work before the verb commits: every engine group stepped in place, and
+    `(found, results, in_engine)` for the rest; None where the step followed the last step's
+    route (every parameter stepped). A failure raises before anything is written."""
+    try:
+        ready = replay.ready(state, model, grads)  # the usual step: as the last one went
+        if ready is not None:
+            step_groups(ready)
+            return None
+    except ops.GradientError as e:
+        raise per_leaf.located(e, state.tree) from None
+    found = gather(state.tree, model, grads, state._keys)
+    work = plan.select(state, found)
+    in_engine = {id(leaf) for group, _ in work for leaf in group.leaves}
+    done = compute(found, state.tree, skip=in_engine)  # may raise: nothing written yet
+    try:
+        ready = []
+        for group, members in work:
+            dxs, given = ties.group_gradients(group, members)
+            ready.append((group, [c.x for c in members], dxs, given))
+        step_groups(ready)  # checks everything before it writes
+    except ops.GradientError as e:
+        raise per_leaf.located(e, state.tree) from None
+    replay.remember(state, model, found, work, done)
+    return found, done, in_engine
+
+
+def step_groups(ready) -> None:
+    """Step engine groups in place: `ready` lists `(group, xs, dxs, given)`, the members'
+    parameters and summed gradients (`dxs` laid out as the parameters, `given` as they came).
+    Every scaled group's factors are computed first, and a group whose rule may raise is
+    rehearsed, all of them before any is stepped, so that an error changes nothing."""
+    prepared = [(group, xs, dxs, group.factors(given)) for group, xs, dxs, given in ready]
+    _unalias(prepared)
+    try:
+        for group, xs, dxs, factors in prepared:
+            if not group.trusted():
+                chunks.rehearse(group, xs, dxs, factors)
+        for group, xs, dxs, factors in prepared:
+            step(group=group, xs=xs, dxs=dxs, factors=factors)
+    finally:
+        for group, *_ in prepared:
+            group.unstage()  # (a failed rehearsal leaves the gradients it staged)
+
+
+def _unalias(prepared) -> None:
+    """Copy each gradient that shares memory with a parameter about to be stepped (a view of it
+    such as `W[::-1]`, or another parameter): chunks write parameters while later chunks still
+    read gradients, so `update_` would otherwise differ from `update`. Memory owners are compared
+    first (one set lookup per gradient), so the exact test runs only where they match."""
+    owners: dict = {}  # backend -> the memory owners of its parameters in this step
+    for group, xs, _, _ in prepared:
+        owners.setdefault(group.b, set()).update(group.param_owners(xs))
+    for group, _, dxs, _ in prepared:
+        b, held = group.b, owners[group.b]
+        one = group.gradient_owner(dxs)  # a span's gradients, all views of one flat buffer
+        if one is not None and one not in held:
+            continue
+        for i in [i for i, owner in enumerate(b.memory_owners(dxs)) if owner in held]:
+            same = (x for g, xs, _, _ in prepared if g.b is b for x in xs)
+            if any(b.shares_memory(dxs[i], x) for x in same):
+                dxs[i] = b.copy(dxs[i])

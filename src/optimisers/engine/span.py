@@ -1,0 +1,104 @@
+"""The span way: parameters that are views of one flat buffer, back to back, step as that buffer.
+
+`optimisers.torch.flatten_`, or a model built over one array, puts a group's parameters in one
+flat buffer. The chunks then step the buffer itself, and where the gradients are views of one
+flat buffer too they are read where they are: nothing is joined or split. A `Span` remembers
+what it found (the parameters, the gradients' buffer) and each step compares cheap marks with
+that, in bulk, instead of checking every array.
+"""
+
+from __future__ import annotations
+
+import operator
+
+
+class Span:
+    """The flat buffer `flat` that the parameters `xs` fill, in order, and what later steps
+    compare with."""
+
+    def __init__(self, b, flat, xs):
+        self.b, self.flat, self.xs = b, flat, list(xs)
+        self.marks = b.span_marks(self.xs)
+        self.last_list = None  # a list of parameters found to be `xs` (a replay passes the same one)
+        self.grads = None  # the gradients last found to be views of one buffer: (dxs, marks, view)
+        self.pieces = None  # the same for `gradient_pieces`: (dxs, marks, pieces)
+        self.checked = None  # the gradients `ready` found in `grads` this step
+
+    @classmethod
+    def of(cls, b, xs):
+        """The span of `xs` (in this order), or None where they do not fill one flat buffer."""
+        flat = b.flat_span(xs)
+        return None if flat is None else cls(b, flat, xs)
+
+    def holds(self, xs) -> bool:
+        """Are `xs` the parameters this span holds, where they were?"""
+        if not (xs is self.last_list or all(map(operator.is_, xs, self.xs))):
+            return False
+        if self.b.span_marks(xs) != self.marks:
+            return False
+        self.last_list = xs
+        return True
+
+    def ready(self, xs, dxs) -> bool:
+        """Can this step use the span as the last did: the same parameters, and the same
+        gradients, still views of one flat buffer? Two bulk reads."""
+        kept = self.grads
+        if (
+            kept is None
+            or len(dxs) != len(kept[0])
+            or not all(map(operator.is_, dxs, kept[0]))
+            or not self.holds(xs)
+            or self.b.span_marks(dxs) != kept[1]
+        ):
+            return False
+        self.checked = dxs
+        return True
+
+    def gradient_owner(self, dxs):
+        """The memory owner of the gradients `dxs` where `ready` found them in one buffer this
+        step; else None."""
+        return self.b.memory_owners([self.grads[2]])[0] if self.checked is dxs else None
+
+    def _kept(self, kept, dxs) -> bool:
+        return (
+            kept is not None
+            and len(dxs) == len(kept[0])
+            and all(map(operator.is_, dxs, kept[0]))
+            and self.b.span_marks(dxs) == kept[1]
+        )
+
+    def gradient(self, dxs, group):
+        """The gradients `dxs` as one 1-D array in the span's order: a view of the flat buffer
+        they are views of (kept to compare with the next step's), else joined into a new one."""
+        b = self.b
+        if self.checked is dxs or self._kept(self.grads, dxs):
+            return self.grads[2]
+        flat = b.flat_span(dxs) if dxs[0].dtype == group.dtype else None
+        if flat is not None and [g.shape for g in dxs] == group.shapes:
+            self.grads = list(dxs), b.span_marks(dxs), flat
+            return flat
+        flat = b.empty_flat(group.offsets[-1], self.flat)
+        b.join_into(flat, dxs, group.orders)
+        return flat
+
+    def gradient_pieces(self, dxs, own, group):
+        """Where the members `own` (tied) have gradients of their own (their sums) and the
+        others' are views of one flat buffer: `[(lo, hi, gradient)]`, the span cut around each
+        own member, each gradient 1-D, so that a kernel steps the pieces in one call and no
+        gradient is copied; else None."""
+        if not own:
+            return None
+        if self._kept(self.pieces, dxs):
+            return self.pieces[2]
+        b, offsets, pieces, i = self.b, group.offsets, [], 0
+        for j in [*own, len(dxs)]:
+            if i < j:  # members i..j-1: views of one buffer, back to back?
+                flat = b.flat_span(dxs[i:j]) if dxs[i].dtype == group.dtype else None
+                if flat is None or [g.shape for g in dxs[i:j]] != group.shapes[i:j]:
+                    return None
+                pieces.append((offsets[i], offsets[j], flat))
+            if j < len(dxs):
+                pieces.append((offsets[j], offsets[j + 1], b.flat_in(dxs[j], group.orders[j])))
+            i = j + 1
+        self.pieces = list(dxs), b.span_marks(dxs), pieces
+        return pieces
