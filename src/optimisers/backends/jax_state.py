@@ -697,15 +697,18 @@ def register_flax_serialization() -> None:
     if serialization is None or not hasattr(serialization, "register_serialization_state"):
         return
     _FLAX_REGISTERED = True
-    serialization.register_serialization_state(State, _state_to_dict, _state_from_dict, override=True)
-    serialization.register_serialization_state(Leaf, _leaf_to_dict, _leaf_from_dict, override=True)
+    to_dict = functools.partial(_to_dict, _state_parts)
+    serialization.register_serialization_state(State, to_dict, _state_from_dict, override=True)
+    to_dict = functools.partial(_to_dict, _leaf_flatten_with_keys)
+    serialization.register_serialization_state(Leaf, to_dict, _leaf_from_dict, override=True)
 
 
 def _names(keyed) -> list:
     return [k.key if isinstance(k, jax.tree_util.DictKey) else k.name for k, _ in keyed]
 
 
-def _children_to_dict(keyed) -> dict:
+def _to_dict(flatten_with_keys, value) -> dict:
+    keyed, _ = flatten_with_keys(value)
     to_state_dict = sys.modules["flax.serialization"].to_state_dict
     return {name: to_state_dict(child) for name, (_, child) in zip(_names(keyed), keyed)}
 
@@ -732,22 +735,12 @@ def _children_from_dict(keyed, saved, what: str) -> list:
     ]
 
 
-def _state_to_dict(state) -> dict:
-    keyed, _ = _state_parts(state)
-    return _children_to_dict(keyed)
-
-
 def _state_from_dict(target, saved) -> State:
     keyed, aux = _state_parts(target)
     children = _children_from_dict(keyed, saved, "State")
     restored = _state_unflatten(aux, children)
     restored._keys = target._keys
     return restored
-
-
-def _leaf_to_dict(leaf) -> dict:
-    keyed, _ = _leaf_flatten_with_keys(leaf)
-    return _children_to_dict(keyed)
 
 
 def _leaf_from_dict(target, saved) -> Leaf:
