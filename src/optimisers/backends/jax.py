@@ -117,20 +117,14 @@ def _zeros_maker(shape, dtype, sharding):
     return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
 
 
-def full_like(x, value):
-    return jnp.full_like(x, value)
-
-
 sqrt = jnp.sqrt
 abs = jnp.abs  # noqa: A001
 sign = jnp.sign
 maximum = jnp.maximum
 minimum = jnp.minimum
 where = jnp.where
-
-
-def clip(x, low, high):
-    return jnp.clip(x, low, high)
+clip = jnp.clip
+full_like = jnp.full_like
 
 
 def abs2(x):
