@@ -11,6 +11,8 @@ from hypothesis import strategies as st
 import optimisers as opt
 import optimisers.engine.plan as _engine_plan
 from optimisers.core.state import flatten_state
+from optimisers.engine.layout import holder
+from optimisers.engine.plan import PLANS
 from rules_registry import RULES as REGISTRY
 
 ELEMENTWISE = [
@@ -121,7 +123,7 @@ def test_engine_matches_plain_path_through_events(rule, backend):
         assert_same(model, reference, state, ref_state)
         assert model["tied_a"] is model["tied_b"] is model["tied_c"]
         assert {k: id(v) for k, v in model.items()} == originals
-    assert state._plan is not None and len(state._plan.groups) >= 2
+    assert PLANS.get(state) is not None and len(PLANS[state].groups) >= 2
 
 
 def test_group_state_is_visible_per_leaf_and_survives_pure_updates():
@@ -131,7 +133,7 @@ def test_group_state_is_visible_per_leaf_and_survives_pure_updates():
     grads = random_grads(model, rng)
     state, model = opt.update_(state, model, grads)
     leaf = state["big"]
-    assert leaf._group is not None  # the engine holds it
+    assert holder(leaf) is not None  # the engine holds it
     m, v, t = leaf.state
     assert t == 1 and m.shape == (200,)
     snapshot = [a.copy() for a in (m, v)]
@@ -141,9 +143,9 @@ def test_group_state_is_visible_per_leaf_and_survives_pure_updates():
     assert state["big"].state[2] == 1 and new_state["big"].state[2] == 2
     # replacing a Leaf's state detaches it; the next update_ re-plans
     leaf.state = (np.zeros(200, np.float32), np.zeros(200, np.float32), 0)
-    assert leaf._group is None
+    assert holder(leaf) is None
     opt.update_(state, model, grads)
-    assert leaf.state[2] == 1 and leaf._group is not None
+    assert leaf.state[2] == 1 and holder(leaf) is not None
 
 
 @pytest.mark.parametrize("pure", [opt.update, opt.adjust])
@@ -244,7 +246,7 @@ def test_torch_parameter_converted_after_setup_leaves_its_group(rule, replan, mo
     state, params = run(engine=True)
     ref_state, ref = run(engine=False)
     assert params[1].dtype == state[1].state[0].dtype == torch.float64
-    (wide,) = [g for g in state._plan.groups if g.dtype == torch.float64]
+    (wide,) = [g for g in PLANS[state].groups if g.dtype == torch.float64]
     assert wide.leaves == [state[1]]  # grouped again once its state was promoted
     assert_same(params, ref, state, ref_state)
 
@@ -357,7 +359,7 @@ def test_a_clipnorm_chain_steps_in_the_engine_in_chunks():
     rule = SCALED[0]
     state = opt.setup(rule, model)
     state, model = opt.update_(state, model, random_grads(model, np.random.default_rng(0)))
-    (group,) = [g for g in state._plan.groups if g.dtype == np.float32]
+    (group,) = [g for g in PLANS[state].groups if g.dtype == np.float32]
     assert group.scaled and len(group.leaves) == 6  # W, four small, big (not the 0-d, strided)
     runs = [c for c in group.chunks if c[0] == "run"]
     assert runs and all(c[2] - c[1] >= 2 for c in runs)  # small members packed, each its factor

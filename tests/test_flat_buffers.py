@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import optimisers as opt
+from optimisers.engine.plan import PLANS
 
 SIZES = [(3, 5), (7,), (11, 13), (1,), (64,), (2, 3, 4)] * 5
 
@@ -40,7 +41,7 @@ def _numpy_flat(seed=0, dtype=np.float32):
 
 
 def _span_groups(state):
-    return [g for g in state._plan.groups if g.span is not None]
+    return [g for g in PLANS[state].groups if g.span is not None]
 
 
 NUMPY_RULES = {

@@ -23,6 +23,7 @@ import optimisers as opt
 import optimisers.engine.chunks as _engine_chunks
 import optimisers.engine.plan as _engine_plan
 from optimisers.core.state import flatten_state, leaf_paths
+from optimisers.engine.layout import holder
 from optimisers.torch import Optimizer
 from rules_registry import TorchCase, engine_layout_rules, layout_reductions, layout_rules, torch_cases
 
@@ -290,7 +291,7 @@ def test_torch_engine_steps_strided_parameters_like_the_per_parameter_path(name,
         RULES[name](), [nn.Parameter(p.detach().clone()) for p in params], grads, "update_", True, monkeypatch
     )
     leaves = [leaf for _, leaf in leaf_paths(state.tree)]
-    assert all(leaf._group is not None for leaf in leaves)  # every parameter went through the engine
+    assert all(holder(leaf) is not None for leaf in leaves)  # every parameter went through the engine
     assert [p.stride() for p in got] == strides
     for leaf, p in zip(leaves, got):
         parts = [s for s in _arrays(leaf.state)]
@@ -336,7 +337,7 @@ def test_numpy_engine_steps_strided_parameters_like_the_per_parameter_path(name,
         return [p.copy(order="K") for p in params]
 
     state, got = _engine_run(RULES[name](), fresh(), grads, "update_", True, monkeypatch)
-    assert all(leaf._group is not None for _, leaf in leaf_paths(state.tree))
+    assert all(holder(leaf) is not None for _, leaf in leaf_paths(state.tree))
     assert [p.strides for p in got] == [p.strides for p in params]
     _, reference = _engine_run(RULES[name](), fresh(), grads, "update_", False, monkeypatch)
     _, pure = _engine_run(RULES[name](), fresh(), grads, "update", True, monkeypatch)

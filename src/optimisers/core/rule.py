@@ -130,19 +130,18 @@ class Rule:
     #: (For a `scaled_elementwise` rule: `apply_scaled`, its factors computed.)
     never_raises: ClassVar[bool] = False
 
-    # --- what the update engine may ask of a rule (each with its default) ----------------------
+    # --- what the update engine may ask of a rule, with the defaults -------------------------
 
     #: True for a rule whose step is `gradient_factor(dx) · dx`, one factor for the whole array
     #: (`ClipNorm`). As a chain's first member it lets the engine step the chain in chunks.
     scales_gradient: ClassVar[bool] = False
 
-    #: True for a chain of a `scales_gradient` rule and then elementwise rules: the engine
-    #: computes each parameter's `gradient_factors` over its whole gradient first, then runs
-    #: `apply_scaled` chunk by chunk.
+    #: True for a chain of a `scales_gradient` rule, then elementwise ones: the engine computes
+    #: each parameter's `gradient_factors` first, then runs `apply_scaled` chunk by chunk.
     scaled_elementwise: ClassVar[bool] = False
 
-    #: True when `apply_stacked` is defined: the engine may step many small parameters of one
-    #: shape in one call (`optimisers.engine.stacked`).
+    #: True when `apply_stacked` is defined: `apply` over arrays with a leading axis of
+    #: parameters, giving each the numbers its own `apply` gives (`optimisers.engine.stacked`).
     stacks: ClassVar[bool] = False
 
     def gradient_factor(self, dx):
@@ -154,18 +153,15 @@ class Rule:
         return [self.gradient_factor(dx) for dx in dxs]
 
     def apply_scaled(self, state, x, dx, factor):
-        """For a `scaled_elementwise` rule: `apply`, given the factor of the whole gradient, of
-        which `dx` may be a chunk."""
+        """`apply` given the factor of the whole gradient, of which `dx` may be a chunk."""
         raise NotImplementedError(f"{type(self).__name__} is not scaled_elementwise")
 
     def apply_stacked(self, state, x, dx):
-        """For a rule that `stacks`: `apply` over arrays with a leading axis of parameters, giving
-        each parameter the numbers its own `apply` gives it."""
         raise NotImplementedError(f"{type(self).__name__} does not stack")
 
     def kernel_args(self, kernel: str):
-        """The arguments of a backend's own kernel named `kernel` (a name in its `FAST_PATHS`)
-        that computes exactly this rule, or None: the rule's own `apply` runs."""
+        """The arguments of a backend's own kernel `kernel` (a name in its `FAST_PATHS`) that
+        computes exactly this rule, or None. A subclass that overrides `apply` loses them."""
         return None
 
     def __init_subclass__(cls, **kwargs):

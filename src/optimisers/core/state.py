@@ -12,7 +12,17 @@ from typing import Any
 
 from optimisers.core.tree import format_path
 
-_WATCHED = frozenset(("rule", "frozen", "_group"))
+_WATCHED = frozenset(("rule", "frozen", "_state"))
+# Leafs whose state the update engine keeps in buffers of its own, each to the object whose
+# `state_of(leaf)` reads that state whole (None once the Leaf's state was replaced): a weakly
+# keyed table that `optimisers.engine.layout` owns and registers here
+_held_by: Any = None
+
+
+def register_held_states(table) -> None:
+    """Called once by the update engine: see `_held_by`."""
+    global _held_by
+    _held_by = table
 
 
 class Leaf:
@@ -21,9 +31,9 @@ class Leaf:
     Place the same Leaf at several positions of a state tree to tie those parameters.
     """
 
-    __slots__ = ("rule", "_state", "frozen", "_group", "_shape", "_placed", "_owns")
-    # how many times any Leaf's rule, frozen flag or engine group was set: the engine checks its
-    # groups' members again only after one was (`Group.steppable`), not on every step
+    __slots__ = ("rule", "_state", "frozen", "_shape", "_placed", "_owns", "__weakref__")
+    # how many times any Leaf's rule, frozen flag or state was set: the engine checks its groups'
+    # members again only after one was (`Group.steppable`), not on every step
     edits = 0
 
     def __setattr__(self, name, value):
@@ -36,7 +46,6 @@ class Leaf:
         init(self, "rule", rule)
         init(self, "_state", state)
         init(self, "frozen", frozen)
-        init(self, "_group", None)  # set while the update engine keeps this state in flat group buffers
         # the shape of the parameter the state was made for (`setup` records it; None: not known
         # yet, read from the state's arrays at the next update). An update refuses a parameter of
         # another shape: the state's arrays would not fit it.
@@ -60,14 +69,19 @@ class Leaf:
     @property
     def state(self):
         """The rule's state for this parameter."""
-        group = self._group
-        return self._state if group is None else group.state_of(self)
+        held = _held_by
+        if held:
+            holder = held.get(self)
+            if holder is not None:
+                whole = holder.state_of(self)
+                if whole is not None:
+                    return whole
+        return self._state
 
     @state.setter
     def state(self, value):
-        self._group = None  # a replaced state leaves the engine's buffers; the engine re-plans
         self._owns = False
-        self._state = value
+        self._state = value  # (a replaced state leaves the engine's buffers; the engine re-plans)
 
     def __repr__(self) -> str:
         frozen = ", frozen=True" if self.frozen else ""
@@ -80,7 +94,6 @@ class Leaf:
 
     def __setstate__(self, saved):
         self.rule, self._state, self.frozen, self._shape, self._placed = saved
-        self._group = None
         self._owns = True  # a copy's arrays are new
 
     def __copy__(self):  # a shallow copy shares its arrays with this Leaf: neither owns them alone
@@ -129,12 +142,11 @@ class State:
     """
 
     # weakly keyed: optimisers.verbs.locks.lock
-    __slots__ = ("_tree", "_build", "_plan", "_keys", "__weakref__")
+    __slots__ = ("_tree", "_build", "_keys", "__weakref__")
 
     def __init__(self, tree: Any = None, keys: dict | None = None):
         self._tree = {} if tree is None else tree
         self._build = None  # for a State built on first use: what builds its tree
-        self._plan = None  # the update engine's groups, made by the first update_
         # path -> every child key the model had there at setup, for containers that also held
         # things not trained (an update looks for new parameters only under new keys)
         self._keys = keys
@@ -157,15 +169,14 @@ class State:
     def _lazy(cls, build) -> State:
         """A State whose tree `build()` makes when it is first asked for."""
         state = cls.__new__(cls)
-        state._tree, state._build, state._plan, state._keys = None, build, None, None
+        state._tree, state._build, state._keys = None, build, None
         return state
 
-    def __getstate__(self):  # the engine's plan is a cache, made again
+    def __getstate__(self):
         return (self.tree, self._keys)
 
     def __setstate__(self, saved):
-        (self.tree, self._keys), self._plan = saved, None
-        self._build = None
+        self.tree, self._keys = saved
 
     def __getitem__(self, key):
         if isinstance(self.tree, Leaf):
@@ -187,7 +198,6 @@ class State:
         for _, leaf in leaf_paths(value):
             leaf._placed = True
         self.tree[key] = value
-        self._plan = None
 
     def __contains__(self, key) -> bool:
         return not isinstance(self.tree, Leaf) and key in self.tree

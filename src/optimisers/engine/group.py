@@ -20,14 +20,13 @@ array of a member (parameter, gradient, state) is read in that order.
 from __future__ import annotations
 
 import operator
-from itertools import repeat
 
 from optimisers import ops
 from optimisers.core.state import Leaf
 from optimisers.engine import chunks, precision
 from optimisers.engine.layout import GroupLayout
 
-_GROUP_OF, _RULE_OF, _FROZEN = (operator.attrgetter(a) for a in ("_group", "rule", "frozen"))
+_FROZEN = operator.attrgetter("frozen")
 
 
 def eligible(leaf, x) -> bool:
@@ -132,19 +131,15 @@ class Group(GroupLayout):
         return sorted(i for i, buf in self.sums.items() if dxs[i] is buf)
 
     def intact(self) -> bool:
-        rule = self.leaves[0].rule
-        return all(leaf._group is self and leaf.rule is rule for leaf in self.leaves)
+        """Does every member still have the state of views it was given, and the group's rule?"""
+        rule, installed = self.leaves[0].rule, self.installed
+        return all(leaf._state is installed.get(id(leaf)) and leaf.rule is rule for leaf in self.leaves)
 
     def steppable(self) -> bool:
         """Intact, and no member frozen: checked again only after some Leaf was edited."""
         if self._steppable_at == Leaf.edits:
             return True
-        leaves, rule = self.leaves, self.leaves[0].rule
-        ok = (
-            all(map(operator.is_, map(_GROUP_OF, leaves), repeat(self)))
-            and all(map(operator.is_, map(_RULE_OF, leaves), repeat(rule)))
-            and not any(map(_FROZEN, leaves))
-        )
+        ok = self.intact() and not any(map(_FROZEN, self.leaves))
         if ok:
             self._steppable_at = Leaf.edits
         return ok

@@ -7,23 +7,35 @@ Made once when a group is planned; `optimisers.engine.group` steps it.
 from __future__ import annotations
 
 import os
+import weakref
 
 import numpy as np
 
 from optimisers import ops
-from optimisers.core.state import flatten_state, unflatten_state
+from optimisers.core.state import flatten_state, register_held_states, unflatten_state
 from optimisers.engine import chunks
-from optimisers.engine.span import Span
+from optimisers.engine.span import Span, state_buffers
+
+# Leaf -> the group whose buffers hold its state (while the Leaf's state is the one it installed)
+HELD: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+register_held_states(HELD)
+
+
+def holder(leaf):
+    """The group whose buffers hold `leaf`'s state, or None."""
+    group = HELD.get(leaf)
+    return group if group is not None and group.installed.get(id(leaf)) is leaf._state else None
 
 
 def independent(leaf, state):
     """`state` with every part that is a view of the engine's buffers for `leaf` replaced by a
     copy, so that a pure result never changes when the original is later stepped in place."""
-    if leaf._group is None:
+    group = holder(leaf)
+    if group is None:
         return state
     own: list = []
     flatten_state(leaf._state, own)
-    views = {id(p) for p, a in zip(own, leaf._group.array_at) if a}
+    views = {id(p) for p, a in zip(own, group.array_at) if a}
     parts: list = []
     spec = flatten_state(state, parts)
     return unflatten_state(spec, iter([ops.copy(p) if id(p) in views else p for p in parts]))
@@ -35,6 +47,7 @@ class GroupLayout:
     def __init__(self, leaves, xs):
         self.b = b = ops.backend(xs[0])
         b.engine_start()
+        self.installed: dict[int, object] = {}  # id(member) -> the state of views it was given
         sizes = [b.numel(x) for x in xs]
         self.scaled = chunks.scaled(leaves[0].rule)  # a factor per member: see `factors`
         total = sum(sizes)
@@ -99,7 +112,7 @@ class GroupLayout:
             if chunk[0] == "big":
                 if per_leaf[i] is None:  # taken at its first chunk
                     continue
-                mine = leaves[i]._owns or leaves[i]._group is not None  # (engine buffers already)
+                mine = leaves[i]._owns or holder(leaves[i]) is not None  # (engine buffers already)
                 order = self.orders[i]
                 flats = [
                     self._own(p, seen, mine, order) if a else None for p, a in zip(per_leaf[i], array_at)
@@ -127,35 +140,38 @@ class GroupLayout:
                     for a, f, p in zip(array_at, flats, per_leaf[m])
                 ]
                 per_leaf[m] = None  # the old arrays go as soon as the member holds the new ones
-                leaves[m]._state = unflatten_state(self.spec, iter(parts))
-                leaves[m]._group = self
+                self._hold(leaves[m], unflatten_state(self.spec, iter(parts)))
         self.packed = packed  # the packed members' buffers, whole (None: no packed members)
         if self.span is not None:  # the flat chunks read the whole packed buffers
             buffers = [None if p is None else {0: p} for p in packed]
         return buffers
 
     def _state_spans(self, leaves, per_leaf, seen):
-        """A span's buffers where its members' state arrays already fill one flat buffer each,
-        in the span's order (made so by `setup`: `optimisers.verbs.initial_state`), their own and
-        apart from the parameters: kept as they are, with no copy. Else None."""
-        b = self.b
-        if not all(leaf._owns or leaf._group is not None for leaf in leaves):
+        """A span's buffers where its members' own state arrays already fill one flat buffer
+        each (`span.state_buffers`): kept as they are, with no copy. Else None."""
+        if not all(leaf._owns or holder(leaf) is not None for leaf in leaves):
             return None
-        packed = []
-        for k, a in enumerate(self.array_at):
-            if not a:
-                packed.append(None)
-                continue
-            parts = [p[k] for p in per_leaf]
-            flat = b.flat_span(parts) if all(p.shape == x for p, x in zip(parts, self.shapes)) else None
-            if flat is None or parts[0].dtype != self.dtype or b.memory_owners([flat])[0] in seen:
-                return None
-            seen.add(b.memory_owners([flat])[0])
-            packed.append(flat)
+        packed = state_buffers(self.b, per_leaf, self.array_at, self.shapes, self.dtype, seen)
+        if packed is None:
+            return None
         for leaf in leaves:
-            leaf._group = self  # (its state is already views of the buffers)
+            self._hold(leaf, leaf._state)  # (its state is already views of the buffers)
         self.packed = packed
         return [None if p is None else {0: p} for p in packed]
+
+    def _hold(self, leaf, state) -> None:
+        """Give `leaf` its `state` of views into the buffers, and hold it (`HELD`)."""
+        leaf._state = self.installed[id(leaf)] = state
+        HELD[leaf] = self
+
+    def state_of(self, leaf):
+        """A held member's state with the group's current scalars (None: its state was replaced)."""
+        if self.installed.get(id(leaf)) is not leaf._state:
+            return None
+        parts: list = []
+        flatten_state(leaf._state, parts)
+        merged = [s if not a else p for a, s, p in zip(self.array_at, self.scalars, parts)]
+        return unflatten_state(self.spec, iter(merged))
 
     def staging(self, like):
         """`(flat_x, flat_g)`: new buffers for the packed members' parameters and gradients,
@@ -184,10 +200,3 @@ class GroupLayout:
                 out.append(parts[k])
             self._member_parts[k] = out
         return self._member_parts[k]
-
-    def state_of(self, leaf):
-        """A member's state with the group's current scalars."""
-        parts: list = []
-        flatten_state(leaf._state, parts)
-        merged = [s if not a else p for a, s, p in zip(self.array_at, self.scalars, parts)]
-        return unflatten_state(self.spec, iter(merged))

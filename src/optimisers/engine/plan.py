@@ -4,9 +4,19 @@ checked against each step's gradients, and the step of every group once all of t
 
 from __future__ import annotations
 
+import weakref
+
 from optimisers import ops
 from optimisers.core.state import flatten_state
 from optimisers.engine.group import Group, eligible
+
+# State -> its plan: the engine's side table (a State copied, pickled or rebuilt by JAX has none)
+PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def forget(state) -> None:
+    """Plan `state`'s groups anew at its next update_."""
+    PLANS.pop(state, None)
 
 
 def _as_initialised(leaf, x, parts=None) -> bool:
@@ -79,17 +89,18 @@ def select(state, found):
     `found` maps `id(leaf)` to the update's gathered contributions (`leaf`, `x`, `grads`,
     `copies`, `dx()`). Plans (or re-plans) the State's groups when needed.
     """
-    plan = getattr(state, "_plan", None)  # a State rebuilt by JAX's unflatten has none yet
+    plan = PLANS.get(state)
     if (
         plan is None
         or not plan.intact()
+        or plan.considered - found.keys()  # a planned Leaf left the tree (tied by hand?)
         or plan.outgrown(found)
         or any(_ready(found[k]) for k in found.keys() - plan.considered)
     ):
         ready = [c for c in found.values() if _ready(c)]
         if not ready:
             return []
-        plan = state._plan = Plan([(c.leaf, c.x) for c in ready])
+        plan = PLANS[state] = Plan([(c.leaf, c.x) for c in ready])
     work = []
     for group in plan.groups:
         members = group.ready_members(found)

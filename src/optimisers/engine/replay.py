@@ -18,6 +18,7 @@ import operator
 
 from optimisers.core.state import Leaf
 from optimisers.core.tree import kind_of
+from optimisers.engine import plan as planning
 from optimisers.engine import ties
 from optimisers.engine.gather import _grad_children
 
@@ -181,7 +182,7 @@ def _fit(group, gs, xs) -> bool:
 def remember(state, model, found, work, results) -> None:
     """After a general `update_`: record its route where every Leaf stepped in the engine's
     groups (and the State's plan has none that still serves)."""
-    plan = state._plan
+    plan = planning.PLANS.get(state)
     if plan is None or results or plan.converted or len(work) != len(plan.groups):
         return
     route = getattr(plan, "route", None)
@@ -201,5 +202,5 @@ _RECORDINGS = 8  # routes recorded for one plan at most (each is a walk of the w
 def ready(state, model, grads):
     """The groups of the State's plan, ready to step along its route, if this step follows it;
     else None (nothing was written)."""
-    route = getattr(state._plan, "route", None)
+    route = getattr(planning.PLANS.get(state), "route", None)
     return None if route is None else route.ready(state, model, grads)

@@ -102,3 +102,22 @@ class Span:
             i = j + 1
         self.pieces = list(dxs), b.span_marks(dxs), pieces
         return pieces
+
+
+def state_buffers(b, per_leaf, array_at, shapes, dtype, seen):
+    """For a span's members whose state arrays (`per_leaf`, each member's state parts) already
+    fill one flat buffer per part, in the span's order (made so by `setup`:
+    `optimisers.verbs.initial_state`) and apart from the parameters (memory owners `seen`):
+    those buffers (None at a scalar part). Else None."""
+    packed = []
+    for k, a in enumerate(array_at):
+        if not a:
+            packed.append(None)
+            continue
+        parts = [p[k] for p in per_leaf]
+        flat = b.flat_span(parts) if all(p.shape == x for p, x in zip(parts, shapes)) else None
+        if flat is None or parts[0].dtype != dtype or b.memory_owners([flat])[0] in seen:
+            return None
+        seen.add(b.memory_owners([flat])[0])
+        packed.append(flat)
+    return packed

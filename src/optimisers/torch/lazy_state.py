@@ -12,6 +12,7 @@ from collections.abc import Mapping, MutableMapping
 import torch
 
 from optimisers.core.state import Leaf, State
+from optimisers.engine import plan
 from optimisers.verbs.initial_state import initial_states
 
 
@@ -24,7 +25,7 @@ def set_state(leaf: Leaf, state, *, owned: bool) -> None:
 
 def replan(state: State) -> None:
     """The set of Leafs with state changed: the update engine plans its groups again."""
-    state._plan = None
+    plan.forget(state)
 
 
 def prune(node, ready: set):
