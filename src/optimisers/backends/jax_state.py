@@ -282,7 +282,7 @@ _MADE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def _share_group(rule, frozen):
     """Leafs of one elementwise rule (and one frozen flag) may share scalar state: the update hands
-    them one new counter object (`optimisers.engine.per_leaf.share_scalar_state`), so flattening
+    them one new counter object (`optimisers.engine.checks.share_scalar_state`), so flattening
     stores it once. None: this Leaf keeps its own."""
     return (id(rule), frozen) if rule.elementwise else None
 

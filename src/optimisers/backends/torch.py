@@ -122,7 +122,7 @@ def shares_memory(x, y) -> bool:
     return a0 < b1 and b0 < a1
 
 
-# `optimisers.engine.per_leaf` runs every rule's `apply` inside this: the maths of a step is data, and
+# `optimisers.engine.execute` runs every rule's `apply` inside this: the maths of a step is data, and
 # optimiser state must never hold an autograd graph (it would grow with every step)
 no_grad = torch.no_grad
 SHARE_SCALAR_STATE = False

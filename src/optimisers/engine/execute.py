@@ -9,12 +9,13 @@ A Leaf steps in one of five ways, each in its own module:
 3. **flat chunks** (`chunks`): an elementwise rule's `apply` over chunks of a group's flat
    buffers (big members in place, small ones packed), or of one large parameter for `update`;
 4. **stack** (`stacked`): small parameters of a rule that `stacks` (Muon), one call per stack;
-5. **per-Leaf** (`per_leaf`): the rule's `apply` on the whole arrays.
+5. **per-Leaf** (`precision`): the rule's `apply` on the whole arrays (in float32 for a
+   float16/bfloat16 parameter).
 
 An update first gathers (`gather`: walk, check, collect each Leaf's gradients), then steps.
 `update_` first tries the route of its last step (`replay`), and steps engine groups (`plan`)
-in place; the rest, and everything `update` does, is computed per Leaf and committed by the verb.
-Nothing is written until every result has been computed and checked.
+in place; the rest, and everything `update` does, is computed per Leaf, checked (`checks`) and
+committed by the verb. Nothing is written until every result has been computed and checked.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from __future__ import annotations
 from optimisers import ops
 from optimisers.core.state import path_of
 from optimisers.core.tree import format_path
-from optimisers.engine import chunks, fused, per_leaf, plan, replay, ties
+from optimisers.engine import checks, chunks, fused, plan, precision, replay, ties
 from optimisers.engine import stacked as stacks
 from optimisers.engine.gather import gather
 
@@ -45,17 +46,19 @@ def step(c=None, group=None, *, xs=None, dxs=None, factors=None, stacked=None, p
     if id(c.leaf) in stacked:
         return stacked[id(c.leaf)]  # stack: computed with the others of its stack
     rule, state, x, dx = c.leaf.rule, c.leaf.state, c.x, c.dx()
-    kernel = fused.find(ops.backend(x), rule)
-    if kernel is not None:
-        with ops.backend(x).no_grad():
-            result = fused.step_leaf(kernel, state, x, dx)
+    b = ops.backend(x)
+    # rules compute data, not graphs: a step that uses the parameter (WeightDecay, AdamW) must
+    # not leave state holding an autograd graph that grows every step
+    with b.no_grad():
+        kernel = fused.find(b, rule)
+        result = None if kernel is None else fused.step_leaf(kernel, state, x, dx)
         if result is not None:
             return result  # fused
-    if pure:
-        result = chunks.pure_step(rule, state, x, dx)
-        if result is not None:
-            return _Applied(result)  # flat chunks, into a new array (no step at full size)
-    return per_leaf.step(rule, state, x, dx)  # per-Leaf
+        if pure:
+            result = chunks.pure_step(rule, state, x, dx)
+            if result is not None:
+                return _Applied(result)  # flat chunks, into a new array (no step at full size)
+        return precision.run(rule.apply, state, x, dx)  # per-Leaf
 
 
 def compute(found, tree, skip=frozenset(), pure=False) -> dict[int, tuple]:
@@ -71,20 +74,20 @@ def compute(found, tree, skip=frozenset(), pure=False) -> dict[int, tuple]:
         try:
             result = step(c, stacked=stacked, pure=pure)
             if type(result) is not _Applied:
-                per_leaf.check_step(c.leaf.rule, result, c.x)
-                result = (result[0], per_leaf.new_value(c.x, result[1])) if pure else result
+                checks.check_step(c.leaf.rule, result, c.x)
+                result = (result[0], checks.new_value(c.x, result[1])) if pure else result
             results[key] = tuple(result)
         except ops.GradientError as e:
-            raise per_leaf.located(e, tree) from None
+            raise checks.located(e, tree) from None
         except Exception as e:
             if hasattr(e, "add_note"):  # Python >= 3.11: say where, keeping the exception's type
                 e.add_note(f"(while updating the parameter at {format_path(path_of(tree, c.leaf))})")
             raise
-    per_leaf.share_scalar_state(found, results)
+    checks.share_scalar_state(found, results)
     return results
 
 
-def results(state, model, grads, pure=False):
+def out_of_place(state, model, grads, pure=False):
     """`update`'s work: `(found, results)` as `compute` gives them; nothing is written."""
     found = gather(state.tree, model, grads, state._keys)
     return found, compute(found, state.tree, pure=pure)
@@ -100,7 +103,7 @@ def in_place(state, model, grads):
             step_groups(ready)
             return None
     except ops.GradientError as e:
-        raise per_leaf.located(e, state.tree) from None
+        raise checks.located(e, state.tree) from None
     found = gather(state.tree, model, grads, state._keys)
     work = plan.select(state, found)
     in_engine = {id(leaf) for group, _ in work for leaf in group.leaves}
@@ -112,7 +115,7 @@ def in_place(state, model, grads):
             ready.append((group, [c.x for c in members], dxs, given))
         step_groups(ready)  # checks everything before it writes
     except ops.GradientError as e:
-        raise per_leaf.located(e, state.tree) from None
+        raise checks.located(e, state.tree) from None
     replay.remember(state, model, found, work, done)
     return found, done, in_engine
 

@@ -46,7 +46,7 @@ def update(state: State, model, *grads):
 
 
 def _update(state: State, model, grads: tuple):
-    _, results = execute.results(state, model, grads[0], pure=True)
+    _, results = execute.out_of_place(state, model, grads[0], pure=True)
     values: dict[int, Any] = {}
 
     def place(leaf, x):
@@ -74,7 +74,7 @@ def stepped(state: State, model, grads: tuple, name: str):
     """The pure part of `update`: the new State and each moving Leaf's `(new_state, step)`,
     keyed by `id(leaf)` of the old State's Leafs (`optimisers.optax` turns the steps into updates)."""
     _check_args(state, grads, name)
-    _, results = execute.results(state, model, grads[0])
+    _, results = execute.out_of_place(state, model, grads[0])
     return _next_state(state, results), results
 
 

@@ -1,6 +1,5 @@
-"""The per-Leaf way: a rule's own `apply` on a parameter's whole arrays (in float32 for a
-float16/bfloat16 parameter), and the checks that every Leaf's result fits its parameter before
-anything is written.
+"""The results of Leafs stepped outside engine groups: each checked to fit its parameter before
+anything is written, errors located, and scalar state shared where a pytree backend wants it.
 """
 
 from __future__ import annotations
@@ -15,14 +14,6 @@ from optimisers.core.state import (
     unflatten_state,
 )
 from optimisers.core.tree import format_path
-from optimisers.engine import precision
-
-
-def step(rule, state, x, dx):
-    """`(new_state, step)` of `rule.apply`, as data (no autograd graph that would grow every
-    step: a step that uses the parameter, as AdamW's, must not leave one in the state)."""
-    with ops.backend(x).no_grad():
-        return precision.run(rule.apply, state, x, dx)
 
 
 def located(e, tree) -> Exception:
