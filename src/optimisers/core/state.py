@@ -141,7 +141,7 @@ class State:
     places it, so `state["b"] = state["a"]` ties `b` to `a`.
     """
 
-    # weakly keyed: optimisers.verbs.locks.lock
+    # weakly keyed: optimisers.engine.locks.lock
     __slots__ = ("_tree", "_build", "_keys", "__weakref__")
 
     def __init__(self, tree: Any = None, keys: dict | None = None):

@@ -107,7 +107,7 @@ class Span:
 def state_buffers(b, per_leaf, array_at, shapes, dtype, seen):
     """For a span's members whose state arrays (`per_leaf`, each member's state parts) already
     fill one flat buffer per part, in the span's order (made so by `setup`:
-    `optimisers.verbs.initial_state`) and apart from the parameters (memory owners `seen`):
+    `optimisers.engine.initial_state`) and apart from the parameters (memory owners `seen`):
     those buffers (None at a scalar part). Else None."""
     packed = []
     for k, a in enumerate(array_at):

@@ -13,7 +13,7 @@ import torch
 
 from optimisers.core.state import Leaf, State
 from optimisers.engine import plan
-from optimisers.verbs.initial_state import initial_states
+from optimisers.engine.initial_state import initial_states
 
 
 def set_state(leaf: Leaf, state, *, owned: bool) -> None:

@@ -10,7 +10,7 @@ from optimisers.core.eager import eager_under_compile
 from optimisers.core.state import Leaf, State, path_of
 from optimisers.core.tree import format_path
 from optimisers.engine.gather import Contribution, gather
-from optimisers.verbs.locks import lock
+from optimisers.engine.locks import lock
 from optimisers.verbs.update import rebuild
 
 

@@ -12,7 +12,7 @@ from optimisers.core.state import (
     State,
 )
 from optimisers.core.tree import format_path, is_param, kind_of, trainable_children
-from optimisers.verbs.initial_state import initial_states
+from optimisers.engine.initial_state import initial_states
 
 
 def rule_chooser(rule):

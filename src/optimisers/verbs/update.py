@@ -22,7 +22,7 @@ from optimisers.core.state import (
 from optimisers.core.tree import kind_of
 from optimisers.engine import execute
 from optimisers.engine.layout import independent
-from optimisers.verbs.locks import lock
+from optimisers.engine.locks import lock
 
 
 def _check_args(state, grads, name):

@@ -5,12 +5,7 @@ from __future__ import annotations
 import threading
 import weakref
 
-from optimisers.core.state import (
-    State,
-)
-
-_LOCKS: dict[int, tuple] = {}  # id(State) -> (weak reference to it, its RLock)
-
+from optimisers.core.state import State
 
 _LOCKS: dict[int, tuple] = {}  # id(State) -> (weak reference to it, its RLock)
 _LOCKS_MADE = threading.Lock()
