@@ -167,7 +167,7 @@ class InPlaceEngine(Parameters, Protocol):
     def split_into(self, flat: Array, xs: list, orders: list) -> Any: ...  # join_into's inverse
     def copy_into(self, dst: Array, src: Array) -> Any: ...
     def sum_into(self, dst: Array, xs: list) -> Any: ...
-    # parameters that are views of one flat buffer (`optimisers.engine.layout`: a span)
+    # parameters that are views of one flat buffer (`optimisers.engine.span`)
     def addresses(self, xs: list) -> list: ...  # where each array's first element is
     def flat_span(self, xs: list) -> Array | None: ...  # 1-D view of the memory xs fill in order
     def span_marks(self, xs: list) -> Any: ...  # cheap marks of arrays found in a span

@@ -1,5 +1,5 @@
 """The initial state of many parameters at once: where parameters that share an elementwise rule
-fill one flat buffer back to back (a span, `optimisers.engine.layout`), their state is made by
+fill one flat buffer back to back (a span, `optimisers.engine.span`), their state is made by
 one `rule.init` over the buffer and each gets views of it. The engine then steps that state as
 it is, instead of copying every parameter's state into one buffer at the first step (a moment
 holding the state twice)."""

@@ -1,7 +1,7 @@
 """Where an engine group's state lives: the members' state arrays as flat 1-D buffers (a large
 parameter's own arrays raveled, one buffer per state position for each run of small parameters
 packed together), each member's state a view into them, and the chunks that cover the buffers.
-Made once when a group is planned; `optimisers.engine.group` steps it.
+Made once when a group is planned; `optimisers.engine.execute` chooses how it steps.
 """
 
 from __future__ import annotations

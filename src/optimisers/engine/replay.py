@@ -1,7 +1,7 @@
 """Replay: an `update_` that follows the route of an earlier step.
 
 Where every parameter of a State steps in place in the engine's groups, the general path
-(`gather`, then `plan.select` and `Group.gradients`) does Python work per parameter on every
+(`gather`, then `plan.select` and `ties.group_gradients`) does Python work per parameter on every
 step: it walks the trees, checks each gradient, builds a contribution and compares marks, one
 array at a time. A `Route`, recorded after such a step, holds what that step found: the
 containers it walked, the array at each place and the group member each place feeds. A later

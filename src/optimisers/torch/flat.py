@@ -7,7 +7,7 @@
 Each trainable parameter's data is moved into one 1-D buffer per (dtype, device), back to back,
 and its `.grad` becomes a view of a flat gradient buffer of the same layout (as Megatron's
 parameter and gradient buffers and DDP's `gradient_as_bucket_view` do). The engine of
-`update_` finds such parameters (`optimisers.engine.layout`: a span) and steps the buffer as one
+`update_` finds such parameters (`optimisers.engine.span`) and steps the buffer as one
 array: one fused kernel for Adam/AdamW, a few chunks for any other elementwise rule, however
 many tensors the model has. The parameters stay the same `nn.Parameter` objects, so a module,
 its ties and an optimizer built on it see no difference.
