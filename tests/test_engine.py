@@ -389,3 +389,43 @@ def test_a_clipnorm_that_raises_leaves_every_group_as_it_was():
         flatten_state(leaf.state, parts)
         for p, q in zip(parts, old):
             np.testing.assert_array_equal(p, q)
+
+
+def test_a_dropped_state_frees_its_groups_and_leafs():
+    """The engine's side tables hold nothing alive: a State dropped takes its plan, its groups'
+    buffers and its Leafs with it."""
+    import gc
+    import weakref
+
+    model = make_model()
+    state = opt.setup(opt.Adam(0.01), model)
+    grads = random_grads(model, np.random.default_rng(3))
+    for _ in range(2):
+        state, model = opt.update_(state, model, grads)
+    group = weakref.ref(PLANS[state].groups[0])
+    leaf = weakref.ref(state["big"])
+    del state
+    gc.collect()
+    assert group() is None and leaf() is None
+
+
+def test_a_leaf_outliving_its_group_keeps_its_state_whole():
+    """A sub-State (`state["part"]`) plans groups of its own; when it is dropped its Leafs, still
+    in the whole State, keep the state its groups stepped, counters included."""
+    import gc
+
+    model = {"part": {"a": np.ones(300, np.float32), "b": np.ones(300, np.float32)}}
+    state = opt.setup(opt.Adam(0.01), model)
+    grads = {"part": {"a": np.ones(300, np.float32), "b": np.ones(300, np.float32)}}
+    part = state["part"]
+    for _ in range(3):
+        opt.update_(part, model["part"], grads["part"])
+    assert holder(state["part"]["a"]) is not None
+    del part
+    gc.collect()
+    leaf = state["part"]["a"]
+    assert holder(leaf) is None and leaf.state[2] == 3
+    m, v, t = leaf.state
+    np.testing.assert_allclose(m, 1 - 0.9**3, rtol=1e-6)
+    state, model = opt.update_(state, model, grads)
+    assert state["part"]["a"].state[2] == 4

@@ -14,8 +14,8 @@ from optimisers.core.tree import format_path
 
 _WATCHED = frozenset(("rule", "frozen", "_state"))
 # Leafs whose state the update engine keeps in buffers of its own, each to the object whose
-# `state_of(leaf)` reads that state whole (None once the Leaf's state was replaced): a weakly
-# keyed table that `optimisers.engine.layout` owns and registers here
+# `state_of(leaf)` reads that state whole: a weakly keyed table that `optimisers.engine.layout`
+# owns and registers here (a Leaf given another state leaves it)
 _held_by: Any = None
 
 
@@ -73,15 +73,15 @@ class Leaf:
         if held:
             holder = held.get(self)
             if holder is not None:
-                whole = holder.state_of(self)
-                if whole is not None:
-                    return whole
+                return holder.state_of(self)
         return self._state
 
     @state.setter
     def state(self, value):
+        if _held_by:
+            _held_by.pop(self, None)  # a replaced state leaves the engine's buffers; it re-plans
         self._owns = False
-        self._state = value  # (a replaced state leaves the engine's buffers; the engine re-plans)
+        self._state = value
 
     def __repr__(self) -> str:
         frozen = ", frozen=True" if self.frozen else ""

@@ -130,7 +130,7 @@ def step(group, xs, dxs, factors=None) -> None:
         if group.has_runs:  # (a span's chunks wrote the parameters themselves)
             group.unpack(xs)
     group.unstage()
-    group.scalars = done[0]
+    group.scalars[:] = done[0]  # (in place: what the group's members see, see `layout._Held`)
 
 
 def rehearse(group, xs, dxs, factors=None) -> None:

@@ -45,7 +45,7 @@ def step_group(group, found, xs, dxs) -> bool:
         return False
     if joined and group.has_runs:
         group.unpack(xs)
-    group.scalars = [None] * (len(group.scalars) - 1) + [t]
+    group.scalars[:] = [None] * (len(group.scalars) - 1) + [t]
     return True
 
 

@@ -23,7 +23,7 @@ import operator
 
 from optimisers import ops
 from optimisers.core.state import Leaf
-from optimisers.engine import chunks, precision
+from optimisers.engine import chunks, layout, precision
 from optimisers.engine.layout import GroupLayout
 
 _FROZEN = operator.attrgetter("frozen")
@@ -131,9 +131,9 @@ class Group(GroupLayout):
         return sorted(i for i, buf in self.sums.items() if dxs[i] is buf)
 
     def intact(self) -> bool:
-        """Does every member still have the state of views it was given, and the group's rule?"""
-        rule, installed = self.leaves[0].rule, self.installed
-        return all(leaf._state is installed.get(id(leaf)) and leaf.rule is rule for leaf in self.leaves)
+        """Is the group still the holder of every member's state, all of the group's rule?"""
+        rule, held = self.leaves[0].rule, layout.HELD.get
+        return all(held(leaf) is self and leaf.rule is rule for leaf in self.leaves)
 
     def steppable(self) -> bool:
         """Intact, and no member frozen: checked again only after some Leaf was edited."""

@@ -16,15 +16,53 @@ from optimisers.core.state import flatten_state, register_held_states, unflatten
 from optimisers.engine import chunks
 from optimisers.engine.span import Span, state_buffers
 
-# Leaf -> the group whose buffers hold its state (while the Leaf's state is the one it installed)
-HELD: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+class _Held:
+    """Which group's buffers hold a Leaf's state (`Leaf.state` reads it whole from there): by
+    `id(leaf)`, a weak reference to the group, one shared by its members (a few bytes per Leaf,
+    for models of thousands of small arrays). When the group goes (its State dropped, or planned
+    anew), each member it still holds gets its state back whole: views of the buffers and the
+    group's last scalars. (A member lives at least as long as its group, which holds it.)"""
+
+    def __init__(self):
+        self.refs: dict[int, weakref.ref] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self.refs)
+
+    def get(self, leaf):
+        ref = self.refs.get(id(leaf))
+        return None if ref is None else ref()
+
+    def pop(self, leaf, default=None) -> None:
+        self.refs.pop(id(leaf), default)
+
+    def hold(self, group) -> None:
+        ref = weakref.ref(group)
+        for leaf in group.leaves:
+            self.refs[id(leaf)] = ref
+        kept = (group.leaves, group.spec, group.array_at, group.scalars)  # (not the group itself)
+        done = weakref.finalize(group, self._let_go, ref, *kept)
+        done.atexit = False  # (at exit nobody reads the states)
+
+    def _let_go(self, ref, leaves, spec, array_at, scalars) -> None:
+        for leaf in leaves:
+            if self.refs.get(id(leaf)) is ref:
+                del self.refs[id(leaf)]
+                leaf._state = _whole(leaf._state, spec, array_at, scalars)
+
+
+def _whole(state, spec, array_at, scalars):
+    """A held state (views of a group's buffers) with the group's `scalars` in it."""
+    parts: list = []
+    flatten_state(state, parts)
+    merged = [s if not a else p for a, s, p in zip(array_at, scalars, parts)]
+    return unflatten_state(spec, iter(merged))
+
+
+HELD = _Held()
 register_held_states(HELD)
-
-
-def holder(leaf):
-    """The group whose buffers hold `leaf`'s state, or None."""
-    group = HELD.get(leaf)
-    return group if group is not None and group.installed.get(id(leaf)) is leaf._state else None
+holder = HELD.get  # the group that holds a Leaf's state, or None
 
 
 def independent(leaf, state):
@@ -47,7 +85,6 @@ class GroupLayout:
     def __init__(self, leaves, xs):
         self.b = b = ops.backend(xs[0])
         b.engine_start()
-        self.installed: dict[int, object] = {}  # id(member) -> the state of views it was given
         sizes = [b.numel(x) for x in xs]
         self.scaled = chunks.scaled(leaves[0].rule)  # a factor per member: see `factors`
         total = sum(sizes)
@@ -85,6 +122,7 @@ class GroupLayout:
         # every buffer
         self.packed_from = 0 if self.span is not None else runs[0][1] if runs else len(leaves)
         self.buffers = self._take_state(leaves, per_leaf, xs)
+        HELD.hold(self)
         self.has_runs = bool(runs)  # (a span has none: its chunks step the span itself)
         self._member_parts: dict[int, list] = {}
 
@@ -140,7 +178,7 @@ class GroupLayout:
                     for a, f, p in zip(array_at, flats, per_leaf[m])
                 ]
                 per_leaf[m] = None  # the old arrays go as soon as the member holds the new ones
-                self._hold(leaves[m], unflatten_state(self.spec, iter(parts)))
+                leaves[m]._state = unflatten_state(self.spec, iter(parts))
         self.packed = packed  # the packed members' buffers, whole (None: no packed members)
         if self.span is not None:  # the flat chunks read the whole packed buffers
             buffers = [None if p is None else {0: p} for p in packed]
@@ -154,24 +192,12 @@ class GroupLayout:
         packed = state_buffers(self.b, per_leaf, self.array_at, self.shapes, self.dtype, seen)
         if packed is None:
             return None
-        for leaf in leaves:
-            self._hold(leaf, leaf._state)  # (its state is already views of the buffers)
-        self.packed = packed
+        self.packed = packed  # (each member's state is already views of the buffers)
         return [None if p is None else {0: p} for p in packed]
 
-    def _hold(self, leaf, state) -> None:
-        """Give `leaf` its `state` of views into the buffers, and hold it (`HELD`)."""
-        leaf._state = self.installed[id(leaf)] = state
-        HELD[leaf] = self
-
     def state_of(self, leaf):
-        """A held member's state with the group's current scalars (None: its state was replaced)."""
-        if self.installed.get(id(leaf)) is not leaf._state:
-            return None
-        parts: list = []
-        flatten_state(leaf._state, parts)
-        merged = [s if not a else p for a, s, p in zip(self.array_at, self.scalars, parts)]
-        return unflatten_state(self.spec, iter(merged))
+        """A held member's state with the group's current scalars."""
+        return _whole(leaf._state, self.spec, self.array_at, self.scalars)
 
     def staging(self, like):
         """`(flat_x, flat_g)`: new buffers for the packed members' parameters and gradients,
