@@ -27,6 +27,8 @@ from optimisers.tools.bench.rules import (
 )
 from optimisers.tools.bench.timing import run_row
 
+pytestmark = pytest.mark.slow
+
 
 def _run(tmp_path, capsys, shapes, backend):
     """The smallest run of the bench on `shapes` and `backend`: (printed output, JSON document)."""

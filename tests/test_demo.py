@@ -18,6 +18,8 @@ from optimisers.tools.cli import main
 from optimisers.tools.demo import Config, DemoError, _models, _plot, parse_rule, run
 from optimisers.tools.demo._progress import training_progress
 
+pytestmark = pytest.mark.slow
+
 
 def read_png(path) -> np.ndarray:
     """The PNG's pixels as (height, width, RGB) floats in [0, 1]; matplotlib decodes it."""

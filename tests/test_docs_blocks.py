@@ -33,6 +33,8 @@ import pytest
 
 from test_docs import PAGES, ROOT, code_blocks
 
+pytestmark = pytest.mark.slow
+
 CONTINUES_ABOVE = "# continues the block above"
 CONTINUES_HEADING = re.compile(r'# continues "(?P<heading>[^"]+)"$')
 NOT_RUN = re.compile(r"# illustration: not run \((?P<why>[^)]+)\)$")

@@ -17,6 +17,8 @@ from flax.training import train_state
 import optimisers as opt
 from optimisers.optax import transform
 
+pytestmark = pytest.mark.slow
+
 X = jax.random.normal(jax.random.key(1), (6, 3))
 Y = jax.random.normal(jax.random.key(2), (6, 2))
 

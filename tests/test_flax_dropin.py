@@ -25,6 +25,8 @@ import optimisers as opt
 from _host_devices import run_on_host_devices
 from optimisers.optax import transform
 
+pytestmark = pytest.mark.slow
+
 X = jax.random.normal(jax.random.key(1), (6, 3))
 Y = jax.random.normal(jax.random.key(2), (6, 2))
 

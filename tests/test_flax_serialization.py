@@ -17,6 +17,8 @@ from flax.training import train_state  # noqa: E402
 
 import optimisers.optax  # noqa: E402
 
+pytestmark = pytest.mark.slow
+
 
 def _params():
     W = jnp.linspace(-1.0, 1.0, 12).reshape(4, 3)

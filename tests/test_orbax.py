@@ -15,6 +15,8 @@ import pytest
 import optimisers as opt
 from _host_devices import run_on_host_devices
 
+pytestmark = pytest.mark.slow
+
 
 def make_model(seed=0):
     rng = np.random.default_rng(seed)

@@ -14,7 +14,7 @@ from _torch_models import batch, lm_loss, make_gpt
 STEPS = 8
 
 
-pytestmark = pytest.mark.usefixtures("single_thread")
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("single_thread")]
 
 
 @pytest.fixture(autouse=True)

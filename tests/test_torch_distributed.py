@@ -20,7 +20,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "_torch_ddp_worker.py")
 FSDP_WORKER = os.path.join(HERE, "_torch_fsdp_worker.py")
 
-pytestmark = pytest.mark.usefixtures("single_thread")
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("single_thread")]
 
 
 def free_port() -> int:

@@ -15,7 +15,10 @@ import sys
 import pytest
 
 pytest.importorskip("torch")
-pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads /proc")
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads /proc"),
+]
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_torch_exit_worker.py")
 

@@ -18,7 +18,7 @@ from optimisers.torch import Optimizer
 
 LR, DECAY = 1e-2, 0.01
 
-pytestmark = pytest.mark.usefixtures("single_thread")
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("single_thread")]
 
 
 def ours(model):
