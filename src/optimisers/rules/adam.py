@@ -9,8 +9,16 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from optimisers import ops
-from optimisers.core.rule import Rule, check_range, concrete
-from optimisers.rules.common import adam_direction, adam_moments, cast, nonnegative, real_only, real_zeros
+from optimisers.core.rule import check_range, concrete
+from optimisers.rules.common import (
+    Elementwise,
+    Moments,
+    adam_direction,
+    adam_moments,
+    cast,
+    real_only,
+    real_zeros,
+)
 
 __all__ = [
     "Adam",
@@ -49,22 +57,12 @@ def _adam_args(rule, kernel, decay, decoupled) -> AdamArgs | None:
 
 
 @dataclass(frozen=True)
-class _AdamFamily(Rule):
-    """The fields, checks and `(m, v, t)` state shared by Adam and its variants."""
-
-    elementwise = True
-    never_raises = True
+class _AdamFamily(Moments):
+    """The fields shared by Adam and its variants."""
 
     eta: float = 0.001
     beta: tuple = (0.9, 0.999)
     epsilon: float = 1e-8
-
-    def validate(self):
-        check_range(self, "beta", 0.0, 1.0, high_open=True)
-        nonnegative(self, "epsilon")
-
-    def init(self, x):
-        return ops.zeros_like(x), ops.zeros_like(x), 0
 
 
 @dataclass(frozen=True)
@@ -174,9 +172,7 @@ class OAdam(_AdamFamily):
     """
 
     beta: tuple = (0.5, 0.9)
-
-    def init(self, x):
-        return ops.zeros_like(x), ops.zeros_like(x), ops.zeros_like(x), 0
+    moments = 3  # and q
 
     def apply(self, state, x, dx):
         m, v, q, t = state
@@ -251,7 +247,7 @@ class NAdam(_AdamFamily):
 
 
 @dataclass(frozen=True)
-class AdamW(Rule):
+class AdamW(Moments):
     """AdamW, Adam with decoupled weight decay (Loshchilov & Hutter, "Decoupled Weight Decay
     Regularization", 2019).
 
@@ -268,21 +264,11 @@ class AdamW(Rule):
     PyTorch tensors (CPU/CUDA, float64 down to bfloat16) both update paths run torch's fused AdamW kernel.
     """
 
-    elementwise = True
-    never_raises = True
-
     eta: float = 0.001
     beta: tuple = (0.9, 0.999)
     lambd: float = 0.0
     epsilon: float = 1e-8
     couple: bool = field(default=True, kw_only=True)
-
-    def validate(self):
-        check_range(self, "beta", 0.0, 1.0, high_open=True)
-        nonnegative(self, "lambd", "epsilon")
-
-    def init(self, x):
-        return ops.zeros_like(x), ops.zeros_like(x), 0
 
     def apply(self, state, x, dx):
         m, v, t = state
@@ -325,7 +311,7 @@ class AdaBelief(_AdamFamily):
 
 
 @dataclass(frozen=True)
-class Lion(Rule):
+class Lion(Elementwise):
     """Lion, evolved sign momentum (Chen et al., "Symbolic Discovery of Optimization Algorithms",
     2023).
 
@@ -341,14 +327,11 @@ class Lion(Rule):
     Defaults: `eta=0.001, beta=(0.9, 0.999)`.
     """
 
-    elementwise = True
-    never_raises = True
-
     eta: float = 0.001
     beta: tuple = (0.9, 0.999)
 
     def validate(self):
-        check_range(self, "beta", 0.0, 1.0)
+        check_range(self, "beta", 0.0, 1.0)  # β = 1 is allowed: no bias correction divides by 1 − β
 
     def init(self, x):
         real_only(self, x)
@@ -396,7 +379,7 @@ class ADOPT(_AdamFamily):
 
 
 @dataclass(frozen=True)
-class AdEMAMix(Rule):
+class AdEMAMix(Moments):
     """AdEMAMix, Adam with a mixture of a fast and a slow momentum (Pagliardini, Ablin &
     Grangier, "The AdEMAMix Optimizer: Better, Faster, Older", 2024).
 
@@ -413,21 +396,12 @@ class AdEMAMix(Rule):
     PyTorch has no AdEMAMix.
     """
 
-    elementwise = True
-    never_raises = True
-
     eta: float = 0.001
     beta: tuple = (0.9, 0.999, 0.9999)
     alpha: float = 5.0
     epsilon: float = 1e-8
     lambd: float = 0.0
-
-    def validate(self):
-        check_range(self, "beta", 0.0, 1.0, high_open=True)
-        nonnegative(self, "alpha", "epsilon", "lambd")
-
-    def init(self, x):
-        return ops.zeros_like(x), ops.zeros_like(x), ops.zeros_like(x), 0
+    moments = 3  # m₁, m₂, v
 
     def apply(self, state, x, dx):
         fast, slow, v, t = state

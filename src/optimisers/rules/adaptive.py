@@ -9,14 +9,14 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from optimisers import ops
-from optimisers.core.rule import Rule, check_range, concrete
-from optimisers.rules.common import cast, nonnegative, real_only
+from optimisers.core.rule import concrete
+from optimisers.rules.common import Elementwise, cast, real_only
 
 __all__ = ["RMSProp", "Rprop", "AdaGrad", "AdaDelta"]
 
 
 @dataclass(frozen=True)
-class RMSProp(Rule):
+class RMSProp(Elementwise):
     """RMSProp (Hinton, Lecture 6e of "Neural Networks for Machine Learning", 2012); the centred
     variant divides by an estimate of the standard deviation instead (Graves, 2013).
 
@@ -31,17 +31,10 @@ class RMSProp(Rule):
     eps_in_sqrt=False, centered=centred)` (optax's default puts ε inside the root).
     """
 
-    elementwise = True
-    never_raises = True
-
     eta: float = 0.001
     rho: float = 0.9
     epsilon: float = 1e-8
     centred: bool = field(default=False, kw_only=True)
-
-    def validate(self):
-        check_range(self, "rho", 0.0, 1.0)
-        nonnegative(self, "epsilon")
 
     def adjust(self, **hyper):
         if "centred" in hyper:
@@ -67,7 +60,7 @@ class RMSProp(Rule):
 
 
 @dataclass(frozen=True)
-class Rprop(Rule):
+class Rprop(Elementwise):
     """Resilient backpropagation (Riedmiller & Braun, 1993), in the variant without weight
     backtracking ("Rprop−", Igel & Hüsken, 2000), as in Optimisers.jl and PyTorch.
 
@@ -82,9 +75,6 @@ class Rprop(Rule):
     changed ones, which differs only when `eta` lies outside `gamma`. optax has no Rprop.
     Real parameters only. The state keeps the parameter's dtype whatever the gradient's.
     """
-
-    elementwise = True
-    never_raises = True
 
     eta: float = 1e-3
     ell: tuple = (0.5, 1.2)
@@ -122,7 +112,7 @@ class Rprop(Rule):
 
 
 @dataclass(frozen=True)
-class AdaGrad(Rule):
+class AdaGrad(Elementwise):
     """AdaGrad (Duchi, Hazan & Singer, "Adaptive Subgradient Methods", 2011).
 
     State: the sum of squared gradients, `a = ε` everywhere initially. Each step:
@@ -133,14 +123,8 @@ class AdaGrad(Rule):
     initial_accumulator_value=epsilon, eps=0)` is close but puts its ε inside the root.
     """
 
-    elementwise = True
-    never_raises = True
-
     eta: float = 0.1
     epsilon: float = 1e-8
-
-    def validate(self):
-        nonnegative(self, "epsilon")
 
     def init(self, x):
         return ops.zeros_like(x) + ops.epsilon(self.epsilon, x)
@@ -152,7 +136,7 @@ class AdaGrad(Rule):
 
 
 @dataclass(frozen=True)
-class AdaDelta(Rule):
+class AdaDelta(Elementwise):
     """AdaDelta (Zeiler, "ADADELTA: An Adaptive Learning Rate Method", 2012). It has no learning
     rate, so `adjust(state, eta)` leaves it unchanged (and is an error if no other rule has `eta`).
 
@@ -163,15 +147,8 @@ class AdaDelta(Rule):
     eps=epsilon)`; optax: `optax.adadelta(1.0, rho=rho, eps=epsilon)`.
     """
 
-    elementwise = True
-    never_raises = True
-
     rho: float = 0.9
     epsilon: float = 1e-8
-
-    def validate(self):
-        check_range(self, "rho", 0.0, 1.0)
-        nonnegative(self, "epsilon")
 
     def init(self, x):
         return ops.zeros_like(x), ops.zeros_like(x)

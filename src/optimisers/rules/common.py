@@ -5,7 +5,9 @@ The conventions every rule here follows are in `optimisers.rules`.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from typing import ClassVar
 
 from optimisers import ops
 from optimisers.core.rule import Rule, check_range
@@ -14,6 +16,35 @@ from optimisers.core.rule import Rule, check_range
 def nonnegative(rule: Rule, *names: str) -> None:
     for name in names:
         check_range(rule, name, 0.0, math.inf)
+
+
+@dataclasses.dataclass(frozen=True)
+class Elementwise(Rule):
+    """An elementwise rule that never raises, checked by the names of its hyperparameters: each
+    `beta` in [0, 1) (a bias correction divides by `1 − βᵗ`), `rho` in [0, 1], and every other
+    one but the learning rate non-negative (ε, weight decay, ...). A rule whose checks differ
+    overrides `validate`."""
+
+    elementwise = True
+    never_raises = True
+
+    def validate(self):
+        for f in dataclasses.fields(self):
+            if f.name in ("beta", "rho"):
+                check_range(self, f.name, 0.0, 1.0, high_open=f.name == "beta")
+            elif f.name != "eta":
+                nonnegative(self, f.name)
+
+
+@dataclasses.dataclass(frozen=True)
+class Moments(Elementwise):
+    """A state of `moments` arrays and a step count, all zero: `(m, v, t)` for Adam, for its
+    relatives here and in `torch_named`."""
+
+    moments: ClassVar[int] = 2
+
+    def init(self, x):
+        return (*(ops.zeros_like(x) for _ in range(self.moments)), 0)
 
 
 def real_only(rule: Rule, x) -> None:

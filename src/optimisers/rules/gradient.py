@@ -11,13 +11,13 @@ from typing import ClassVar
 
 from optimisers import ops
 from optimisers.core.rule import Rule, concrete
-from optimisers.rules.common import nonnegative, real_only
+from optimisers.rules.common import Elementwise, real_only
 
 __all__ = ["WeightDecay", "SignDecay", "ClipGrad", "ClipNorm"]
 
 
 @dataclass(frozen=True)
-class WeightDecay(Rule):
+class WeightDecay(Elementwise):
     """Weight decay (L2 regularisation): `step = g + λ·x`.
 
     First in a chain, it adds `λ/2·‖x‖²` to the loss: `OptimiserChain(WeightDecay(λ), Adam())` is
@@ -28,20 +28,14 @@ class WeightDecay(Rule):
     Defaults: `lambd=5e-4`. optax: `optax.add_decayed_weights(lambd)`.
     """
 
-    elementwise = True
-    never_raises = True
-
     lambd: float = 5e-4
-
-    def validate(self):
-        nonnegative(self, "lambd")
 
     def apply(self, state, x, dx):
         return state, dx + ops.scalar(self.lambd, x) * x
 
 
 @dataclass(frozen=True)
-class SignDecay(Rule):
+class SignDecay(Elementwise):
     """Sign decay (L1 regularisation): `step = g + λ·sign(x)` (with `sign(0) = 0`).
 
     First in a chain, it adds `λ·‖x‖₁` to the loss; `OptimiserChain(SignDecay(0.012),
@@ -51,13 +45,7 @@ class SignDecay(Rule):
     `optax.add_decayed_weights` is the L2 analogue). Real parameters only.
     """
 
-    elementwise = True
-    never_raises = True
-
     lambd: float = 1e-3
-
-    def validate(self):
-        nonnegative(self, "lambd")
 
     def init(self, x):
         real_only(self, x)
@@ -68,21 +56,15 @@ class SignDecay(Rule):
 
 
 @dataclass(frozen=True)
-class ClipGrad(Rule):
+class ClipGrad(Elementwise):
     """Clip every gradient entry to `[−δ, δ]`: `step = clamp(g, −δ, δ)`.
 
     Defaults: `delta=10.0`. PyTorch: `torch.nn.utils.clip_grad_value_(params, delta)` before the
     optimiser step; optax: `optax.clip(delta)`. Real parameters only.
     """
 
-    elementwise = True
-    never_raises = True
-
     delta: float = 10.0
     infinite_ok: ClassVar[tuple[str, ...]] = ("delta",)  # no clipping
-
-    def validate(self):
-        nonnegative(self, "delta")
 
     def init(self, x):
         real_only(self, x)

@@ -8,21 +8,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from optimisers import ops
-from optimisers.core.rule import Rule, check_range
-from optimisers.rules.common import cast
+from optimisers.rules.common import Elementwise, cast
 
 __all__ = ["Descent", "Momentum", "Nesterov"]
 
 
 @dataclass(frozen=True)
-class Descent(Rule):
+class Descent(Elementwise):
     """Plain gradient descent: `x ← x − η·g`.
 
     Defaults: `eta=0.1`. PyTorch: `torch.optim.SGD(lr=eta)`; optax: `optax.sgd(eta)`.
     """
-
-    elementwise = True
-    never_raises = True
 
     eta: float = 0.1
 
@@ -31,17 +27,11 @@ class Descent(Rule):
 
 
 @dataclass(frozen=True)
-class _MomentumFamily(Rule):
-    """The fields, check and velocity state shared by Momentum and Nesterov."""
-
-    elementwise = True
-    never_raises = True
+class _MomentumFamily(Elementwise):
+    """The fields and velocity state shared by Momentum and Nesterov."""
 
     eta: float = 0.01
     rho: float = 0.9
-
-    def validate(self):
-        check_range(self, "rho", 0.0, 1.0)
 
     def init(self, x):
         return ops.zeros_like(x)

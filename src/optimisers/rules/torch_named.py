@@ -19,8 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from optimisers import ops
-from optimisers.core.rule import Rule, check_range
-from optimisers.rules.common import cast, nonnegative
+from optimisers.rules.common import Elementwise, Moments, cast, nonnegative
 
 
 def _decay(rule, x, step):
@@ -32,13 +31,27 @@ def _decay(rule, x, step):
     return step + scale * x
 
 
+def _moments(x, dx, m, v, beta):
+    """torch's `m ← β₁·m + (1−β₁)·g`, `v ← β₂·v + (1−β₂)·g·g`, multiplied in torch's order (not
+    `ops.abs2`, which rounds otherwise)."""
+    b1, b2 = beta
+    cb1, cm, cb2, cv = cast(x, b1, 1 - b1, b2, 1 - b2)
+    return cb1 * m + cm * dx, cb2 * v + cv * dx * dx
+
+
 @dataclass(frozen=True)
-class TorchSGD(Rule):
+class _TorchAdam(Moments):
+    """The fields torch.optim's Adam-like classes share."""
+
+    eta: float = 1e-3
+    beta: tuple = (0.9, 0.999)
+    eps: float = 1e-8
+
+
+@dataclass(frozen=True)
+class TorchSGD(Elementwise):
     """torch.optim.SGD with momentum: `buf ← g` at the first step, then
     `buf ← μ·buf + (1−dampening)·g`; `step = lr·(g + μ·buf)` with Nesterov, else `lr·buf`."""
-
-    elementwise = True
-    never_raises = True
 
     eta: float = 1e-3
     momentum: float = 0.9
@@ -62,23 +75,17 @@ class TorchSGD(Rule):
 
 
 @dataclass(frozen=True)
-class TorchRMSprop(Rule):
+class TorchRMSprop(Elementwise):
     """torch.optim.RMSprop: `s ← α·s + (1−α)·g²`; centred: `c ← α·c + (1−α)·g`,
     `d = √(s − c²) + ε`, else `d = √s + ε`; with momentum `buf ← μ·buf + g/d`, `step = lr·buf`,
     else `step = lr·g/d`. State `(s, [c], [buf], t)`: `c` only when centred, `buf` only with
     momentum."""
-
-    elementwise = True
-    never_raises = True
 
     eta: float = 1e-2
     alpha: float = 0.99
     eps: float = 1e-8
     momentum: float = 0.0
     centered: bool = False
-
-    def validate(self):
-        nonnegative(self, "alpha", "eps", "momentum")
 
     def init(self, x):
         extra = (ops.zeros_like(x),) * (int(self.centered) + int(self.momentum > 0))
@@ -104,20 +111,14 @@ class TorchRMSprop(Rule):
 
 
 @dataclass(frozen=True)
-class TorchAdagrad(Rule):
+class TorchAdagrad(Elementwise):
     """torch.optim.Adagrad: `sum ← sum + g²` (starting at `initial_accumulator_value`),
     `step = lr/(1 + (t−1)·lr_decay) · g/(√sum + ε)`."""
-
-    elementwise = True
-    never_raises = True
 
     eta: float = 1e-2
     lr_decay: float = 0.0
     eps: float = 1e-10
     initial_accumulator_value: float = 0.0
-
-    def validate(self):
-        nonnegative(self, "lr_decay", "eps", "initial_accumulator_value")
 
     def init(self, x):
         return ops.full_like(x, self.initial_accumulator_value), 0
@@ -131,23 +132,13 @@ class TorchAdagrad(Rule):
 
 
 @dataclass(frozen=True)
-class TorchAdadelta(Rule):
+class TorchAdadelta(Moments):
     """torch.optim.Adadelta: `s ← ρ·s + (1−ρ)·g²`, `δ = √(a + ε)/√(s + ε) · g`,
     `a ← ρ·a + (1−ρ)·δ²`, `step = lr·δ`."""
-
-    elementwise = True
-    never_raises = True
 
     eta: float = 1.0
     rho: float = 0.9
     eps: float = 1e-6
-
-    def validate(self):
-        check_range(self, "rho", 0.0, 1.0)
-        nonnegative(self, "eps")
-
-    def init(self, x):
-        return ops.zeros_like(x), ops.zeros_like(x), 0
 
     def apply(self, state, x, dx):
         s, a, t = state
@@ -159,23 +150,11 @@ class TorchAdadelta(Rule):
 
 
 @dataclass(frozen=True)
-class TorchAdamax(Rule):
+class TorchAdamax(_TorchAdam):
     """torch.optim.Adamax: `m ← β₁·m + (1−β₁)·g`, `u ← max(β₂·u, |g| + ε)`,
     `step = lr/(1−β₁ᵗ) · m/u` (ε inside the maximum, unlike the library's AdaMax)."""
 
-    elementwise = True
-    never_raises = True
-
     eta: float = 2e-3
-    beta: tuple = (0.9, 0.999)
-    eps: float = 1e-8
-
-    def validate(self):
-        check_range(self, "beta", 0.0, 1.0, high_open=True)
-        nonnegative(self, "eps")
-
-    def init(self, x):
-        return ops.zeros_like(x), ops.zeros_like(x), 0
 
     def apply(self, state, x, dx):
         m, u, t = state
@@ -188,24 +167,15 @@ class TorchAdamax(Rule):
 
 
 @dataclass(frozen=True)
-class TorchNAdam(Rule):
+class TorchNAdam(_TorchAdam):
     """torch.optim.NAdam: momentum schedule `μₜ = β₁(1 − ½·0.96^(t·ψ))`, `Π ← Π·μₜ`; `m, v` as
     Adam; `d = √(v/(1−β₂ᵗ)) + ε`;
     `step = lr(1−μₜ)/(1−Π) · g/d + lr·μₜ₊₁/(1−Π·μₜ₊₁) · m/d` (+ `lr·λ·x` decoupled decay).
     State `(m, v, Π, t)`."""
 
-    elementwise = True
-    never_raises = True
-
     eta: float = 2e-3
-    beta: tuple = (0.9, 0.999)
-    eps: float = 1e-8
     momentum_decay: float = 4e-3
     decoupled_decay: float = 0.0
-
-    def validate(self):
-        check_range(self, "beta", 0.0, 1.0, high_open=True)
-        nonnegative(self, "eps", "momentum_decay", "decoupled_decay")
 
     def init(self, x):
         return ops.zeros_like(x), ops.zeros_like(x), 1.0, 0
@@ -217,52 +187,36 @@ class TorchNAdam(Rule):
         mu = b1 * (1.0 - 0.5 * 0.96 ** (t * self.momentum_decay))
         mu_next = b1 * (1.0 - 0.5 * 0.96 ** ((t + 1) * self.momentum_decay))
         product = product * mu
-        cb1, cm, cb2, cv, bc2, eps = cast(x, b1, 1 - b1, b2, 1 - b2, 1 - b2**t, self.eps)
+        bc2, eps = cast(x, 1 - b2**t, self.eps)
         cg, cmom = cast(
             x, self.eta * (1.0 - mu) / (1.0 - product), self.eta * mu_next / (1.0 - product * mu_next)
         )
-        m = cb1 * m + cm * dx
-        v = cb2 * v + cv * dx * dx
+        m, v = _moments(x, dx, m, v, self.beta)
         d = ops.sqrt(v / bc2) + eps
         return (m, v, product, t), _decay(self, x, cg * (dx / d) + cmom * (m / d))
 
 
 @dataclass(frozen=True)
-class TorchRAdam(Rule):
+class TorchRAdam(_TorchAdam):
     """torch.optim.RAdam: `m, v` as Adam; `ρ∞ = 2/(1−β₂) − 1`, `ρₜ = ρ∞ − 2tβ₂ᵗ/(1−β₂ᵗ)`; when
     `ρₜ > 5`: `step = lr · m/(1−β₁ᵗ) · r · √(1−β₂ᵗ)/(√v + ε)` with
     `r = √((ρₜ−4)(ρₜ−2)ρ∞ / ((ρ∞−4)(ρ∞−2)ρₜ))`, else `step = lr · m/(1−β₁ᵗ)` (+ `lr·λ·x`
     decoupled decay)."""
 
-    elementwise = True
-    never_raises = True
-
-    eta: float = 1e-3
-    beta: tuple = (0.9, 0.999)
-    eps: float = 1e-8
     decoupled_decay: float = 0.0
-
-    def validate(self):
-        check_range(self, "beta", 0.0, 1.0, high_open=True)
-        nonnegative(self, "eps", "decoupled_decay")
-
-    def init(self, x):
-        return ops.zeros_like(x), ops.zeros_like(x), 0
 
     def apply(self, state, x, dx):
         m, v, t = state
         t = t + 1
         b1, b2 = self.beta
-        cb1, cm, cb2, cv, eps = cast(x, b1, 1 - b1, b2, 1 - b2, self.eps)
-        m = cb1 * m + cm * dx
-        v = cb2 * v + cv * dx * dx
+        m, v = _moments(x, dx, m, v, self.beta)
         bc1, bc2 = 1 - b1**t, 1 - b2**t
         rho_inf = 2 / (1 - b2) - 1
         rho = rho_inf - 2 * t * b2**t / bc2
         if rho > 5.0:
             rect = ((rho - 4) * (rho - 2) * rho_inf / ((rho_inf - 4) * (rho_inf - 2) * rho)) ** 0.5
             (scale,) = cast(x, self.eta * rect * bc2**0.5 / bc1)
-            step = scale * m / (ops.sqrt(v) + eps)
+            step = scale * m / (ops.sqrt(v) + ops.scalar(self.eps, x))
         else:
             (scale,) = cast(x, self.eta / bc1)
             step = scale * m
@@ -270,20 +224,14 @@ class TorchRAdam(Rule):
 
 
 @dataclass(frozen=True)
-class TorchRprop(Rule):
+class TorchRprop(Elementwise):
     """torch.optim.Rprop: with `s = sign(g·prev)`, the step size is multiplied by `etas[1]`
     where `s > 0`, by `etas[0]` where `s < 0`, and clamped to `step_sizes`; where `s < 0` the
     gradient counts as 0; `step = sign(g)·step_size`, `prev ← g`. The step sizes start at `lr`."""
 
-    elementwise = True
-    never_raises = True
-
     eta: float = 1e-2
     etas: tuple = (0.5, 1.2)
     step_sizes: tuple = (1e-6, 50.0)
-
-    def validate(self):
-        nonnegative(self, "etas", "step_sizes")
 
     def init(self, x):
         return ops.zeros_like(x), ops.full_like(x, self.eta), 0
@@ -298,32 +246,18 @@ class TorchRprop(Rule):
 
 
 @dataclass(frozen=True)
-class TorchAMSGrad(Rule):
+class TorchAMSGrad(_TorchAdam):
     """torch.optim.Adam/AdamW with `amsgrad=True`: `m, v` as Adam, `v̂ ← max(v̂, v)`,
     `step = lr/(1−β₁ᵗ) · m / (√v̂/√(1−β₂ᵗ) + ε)` (+ `lr·λ·x` decoupled decay)."""
 
-    elementwise = True
-    never_raises = True
-
-    eta: float = 1e-3
-    beta: tuple = (0.9, 0.999)
-    eps: float = 1e-8
     decoupled_decay: float = 0.0
-
-    def validate(self):
-        check_range(self, "beta", 0.0, 1.0, high_open=True)
-        nonnegative(self, "eps", "decoupled_decay")
-
-    def init(self, x):
-        return ops.zeros_like(x), ops.zeros_like(x), ops.zeros_like(x), 0
+    moments = 3  # and v̂
 
     def apply(self, state, x, dx):
         m, v, vmax, t = state
         t = t + 1
         b1, b2 = self.beta
-        cb1, cm, cb2, cv, eps = cast(x, b1, 1 - b1, b2, 1 - b2, self.eps)
-        clr, root_bc2 = cast(x, self.eta / (1 - b1**t), (1 - b2**t) ** 0.5)
-        m = cb1 * m + cm * dx
-        v = cb2 * v + cv * dx * dx
+        clr, root_bc2, eps = cast(x, self.eta / (1 - b1**t), (1 - b2**t) ** 0.5, self.eps)
+        m, v = _moments(x, dx, m, v, self.beta)
         vmax = ops.maximum(vmax, v)
         return (m, v, vmax, t), _decay(self, x, clr * m / (ops.sqrt(vmax) / root_bc2 + eps))
