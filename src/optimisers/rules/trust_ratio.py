@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from optimisers import ops
 from optimisers.core.rule import Rule, check_range
-from optimisers.rules.common import adam_direction, adam_moments, cast, nonnegative
+from optimisers.rules.common import Moments, adam_direction, adam_moments, cast, nonnegative
 
 __all__ = ["LAMB", "LARS"]
 
@@ -40,8 +40,25 @@ def _ratio(norm_x, norm_u, trust, epsilon):
     return ops.where(zero, one, trust * norm_x / ops.where(zero, one, norm_u + epsilon))
 
 
+class _TrustRatio(Rule):
+    """What LAMB and LARS share: `_step` with the trust ratio of one parameter, or of each in a
+    stack."""
+
+    elementwise = False  # the norms couple the array
+    never_raises = True
+    #: `apply_stacked` steps many parameters of one shape at once (`optimisers.engine.stacked`)
+    stacks = True
+
+    def apply(self, state, x, dx):
+        return self._step(state, x, dx, trust_ratio)
+
+    def apply_stacked(self, state, x, dx):
+        """`apply` of parameters of one shape stacked along a new first axis, the same numbers."""
+        return self._step(state, x, dx, stacked_trust_ratio)
+
+
 @dataclass(frozen=True)
-class LAMB(Rule):
+class LAMB(_TrustRatio, Moments):
     """LAMB, Adam with a layer-wise trust ratio (You et al., "Large Batch Optimization for Deep
     Learning: Training BERT in 76 minutes", 2020).
 
@@ -58,29 +75,10 @@ class LAMB(Rule):
     PyTorch has no LAMB.
     """
 
-    never_raises = True
-
     eta: float = 0.001
     beta: tuple = (0.9, 0.999)
     epsilon: float = 1e-6
     lambd: float = 0.0
-
-    def validate(self):
-        check_range(self, "beta", 0.0, 1.0, high_open=True)
-        nonnegative(self, "epsilon", "lambd")
-
-    def init(self, x):
-        return ops.zeros_like(x), ops.zeros_like(x), 0
-
-    #: `apply_stacked` steps many parameters of one shape at once (`optimisers.engine.stacked`)
-    stacks = True
-
-    def apply(self, state, x, dx):
-        return self._step(state, x, dx, trust_ratio)
-
-    def apply_stacked(self, state, x, dx):
-        """`apply` of parameters of one shape stacked along a new first axis, the same numbers."""
-        return self._step(state, x, dx, stacked_trust_ratio)
 
     def _step(self, state, x, dx, ratio_of):
         m, v, t = state
@@ -92,7 +90,7 @@ class LAMB(Rule):
 
 
 @dataclass(frozen=True)
-class LARS(Rule):
+class LARS(_TrustRatio):
     """LARS, momentum with a layer-wise trust ratio (You, Gitman & Ginsburg, "Large Batch
     Training of Convolutional Networks", 2017).
 
@@ -113,8 +111,6 @@ class LARS(Rule):
     steps (it also scales by the learning rate before its momentum). PyTorch has no LARS.
     """
 
-    never_raises = True
-
     eta: float = 0.001
     beta: float = 0.9
     lambd: float = 0.0
@@ -128,16 +124,6 @@ class LARS(Rule):
 
     def init(self, x):
         return ops.zeros_like(x)
-
-    #: `apply_stacked` steps many parameters of one shape at once (`optimisers.engine.stacked`)
-    stacks = True
-
-    def apply(self, state, x, dx):
-        return self._step(state, x, dx, trust_ratio)
-
-    def apply_stacked(self, state, x, dx):
-        """`apply` of parameters of one shape stacked along a new first axis, the same numbers."""
-        return self._step(state, x, dx, stacked_trust_ratio)
 
     def _step(self, state, x, dx, ratio_of):
         eta, beta, lambd = cast(x, self.eta, self.beta, self.lambd)
