@@ -16,8 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from optimisers import ops
-from optimisers.core.rule import NewValue, Rule, concrete
-from optimisers.rules.common import cast, nonnegative
+from optimisers.core.rule import NewValue, concrete
+from optimisers.rules.common import Elementwise, cast, nonnegative
 
 __all__ = ["ScheduleFreeAdamW", "ScheduleFreeSGD"]
 
@@ -65,28 +65,27 @@ def evaluation_point(y, z, b1):
     return lerp(y, z, 1 - 1 / b1)
 
 
-class _ScheduleFree(Rule):
+class _ScheduleFree(Elementwise):
     """What both rules share: the checks, the counters and the evaluation point."""
 
-    elementwise = True
-    never_raises = True
+    def _b1(self):
+        """β₁ (ScheduleFreeSGD's `beta`, ScheduleFreeAdamW's `beta[0]`) and its name in errors."""
+        return (self.beta[0], "beta[0]") if isinstance(self.beta, tuple) else (self.beta, "beta")
 
-    def _check_common(self, b1_name):
-        b1 = concrete(self._b1())
+    def validate(self):
+        b1, name = self._b1()
+        b1 = concrete(b1)
         if b1 is not None and not 0.0 < b1 <= 1.0:
             raise ValueError(
-                f"{type(self).__name__}: {b1_name} must be in (0, 1] (the evaluation point divides "
+                f"{type(self).__name__}: {name} must be in (0, 1] (the evaluation point divides "
                 f"by it), got {b1}"
             )
         nonnegative(self, "lambd", "r", "weight_lr_power")
         if self.warmup < 0:
             raise ValueError(f"{type(self).__name__}: warmup must be >= 0 steps, got {self.warmup}")
 
-    def _b1(self):
-        raise NotImplementedError
-
     def eval_value(self, state, x):
-        return evaluation_point(x, state[0], self._b1())
+        return evaluation_point(x, state[0], self._b1()[0])
 
 
 @dataclass(frozen=True)
@@ -127,14 +126,11 @@ class ScheduleFreeAdamW(_ScheduleFree):
     weight_lr_power: float = 2.0
 
     def validate(self):
-        self._check_common("beta[0]")
+        super().validate()
         b2 = concrete(self.beta[1])
         if b2 is not None and not 0.0 <= b2 < 1.0:
             raise ValueError(f"ScheduleFreeAdamW: beta[1] must be in [0.0, 1.0), got {b2}")
         nonnegative(self, "epsilon")
-
-    def _b1(self):
-        return self.beta[0]
 
     def init(self, x):
         # z starts at the parameter (a cast is always a new plain array); lr_max starts below any
@@ -179,12 +175,6 @@ class ScheduleFreeSGD(_ScheduleFree):
     warmup: int = 0
     r: float = 0.0
     weight_lr_power: float = 2.0
-
-    def validate(self):
-        self._check_common("beta")
-
-    def _b1(self):
-        return self.beta
 
     def init(self, x):
         return ops.cast(x, x.dtype), 0, -1.0, 0.0
