@@ -105,6 +105,21 @@ def _set(obj, name, value):
     object.__setattr__(obj, name, value)
 
 
+def _boundaries(owner, what, pieces, boundaries) -> tuple:
+    """`boundaries` as increasing step counts, one fewer than `pieces` (`what`: their name)."""
+    if not isinstance(pieces, (tuple, list)) or not isinstance(boundaries, (tuple, list)):
+        raise TypeError(f"{owner}: {what} and boundaries must be tuples")
+    bounds = tuple(_count(owner, f"boundaries[{i}]", b, positive=False) for i, b in enumerate(boundaries))
+    if len(pieces) != len(bounds) + 1:
+        raise ValueError(
+            f"{owner}: needs one more {what[:-1]} than boundaries, got {len(pieces)} {what} and "
+            f"{len(bounds)} boundaries"
+        )
+    if any(b >= c for b, c in zip(bounds, bounds[1:])):
+        raise ValueError(f"{owner}: boundaries must increase, got {bounds}")
+    return bounds
+
+
 class Schedule:
     """Base class of schedules: a callable `step -> value`. Subclass it (as a frozen dataclass) and
     define `__call__` with the arithmetic of `_maths(step)` to get every backend and `jax.jit`."""
@@ -113,17 +128,28 @@ class Schedule:
         raise NotImplementedError
 
 
+class _Numbers(Schedule):
+    """A schedule of numbers checked by their annotations: a `float` finite (stored as a float),
+    an `int` a number of steps, positive unless it defaults to 0 (`begin`, `warmup`)."""
+
+    def __post_init__(self):
+        owner = type(self).__name__
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.type in ("float", "float | None") and value is not None:
+                _set(self, f.name, _real(owner, f.name, value))
+            elif f.type == "int":
+                _count(owner, f.name, value, positive=f.default != 0)
+
+
 # --- the schedules -------------------------------------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
-class Constant(Schedule):
+class Constant(_Numbers):
     """`value` at every step. optax: `constant_schedule(value)`."""
 
     value: float
-
-    def __post_init__(self):
-        _set(self, "value", _real("Constant", "value", self.value))
 
     def __call__(self, step):
         o = _maths(step)
@@ -131,7 +157,7 @@ class Constant(Schedule):
 
 
 @dataclasses.dataclass(frozen=True)
-class Linear(Schedule):
+class Linear(_Numbers):
     """From `start` to `end` in a straight line over `steps` steps beginning at step `begin`;
     `start` before, `end` after. A linear warm-up is `Linear(0.0, peak, warmup_steps)`.
 
@@ -145,12 +171,6 @@ class Linear(Schedule):
     steps: int
     begin: int = 0
 
-    def __post_init__(self):
-        _set(self, "start", _real("Linear", "start", self.start))
-        _set(self, "end", _real("Linear", "end", self.end))
-        _count("Linear", "steps", self.steps, positive=True)
-        _count("Linear", "begin", self.begin, positive=False)
-
     def __call__(self, step):
         o = _maths(step)
         c = o.minimum(o.maximum(_steps(o, step) - self.begin, 0), self.steps)
@@ -160,7 +180,7 @@ class Linear(Schedule):
 
 
 @dataclasses.dataclass(frozen=True)
-class Cosine(Schedule):
+class Cosine(_Numbers):
     """Half a cosine from `peak` down to `final`, ending at step `steps`, after an optional linear
     warm-up from `start` to `peak` over the first `warmup` steps; `final` from step `steps` on.
 
@@ -178,10 +198,7 @@ class Cosine(Schedule):
     start: float = 0.0
 
     def __post_init__(self):
-        for name in ("peak", "final", "start"):
-            _set(self, name, _real("Cosine", name, getattr(self, name)))
-        _count("Cosine", "steps", self.steps, positive=True)
-        _count("Cosine", "warmup", self.warmup, positive=False)
+        super().__post_init__()
         if self.warmup >= self.steps:
             raise ValueError(
                 f"Cosine: warmup ({self.warmup}) must be shorter than steps ({self.steps}), which "
@@ -203,7 +220,7 @@ class Cosine(Schedule):
 
 
 @dataclasses.dataclass(frozen=True)
-class StepDecay(Schedule):
+class StepDecay(_Numbers):
     """`init`, multiplied by `gamma` every `step_size` steps: `init·gamma^⌊t/step_size⌋`.
 
     PyTorch: `StepLR(step_size, gamma)`; optax: `exponential_decay(init, step_size, gamma,
@@ -214,11 +231,6 @@ class StepDecay(Schedule):
     step_size: int
     gamma: float = 0.1
 
-    def __post_init__(self):
-        _set(self, "init", _real("StepDecay", "init", self.init))
-        _set(self, "gamma", _real("StepDecay", "gamma", self.gamma))
-        _count("StepDecay", "step_size", self.step_size, positive=True)
-
     def __call__(self, step):
         o = _maths(step)
         k = o.as_real(_steps(o, step) // self.step_size)
@@ -226,7 +238,7 @@ class StepDecay(Schedule):
 
 
 @dataclasses.dataclass(frozen=True)
-class Exponential(Schedule):
+class Exponential(_Numbers):
     """`init·rate^(c/steps)` with `c = max(t − begin, 0)`; when `end` is given, the value stops
     there (a floor when `rate < 1`, a ceiling when `rate > 1`).
 
@@ -241,14 +253,9 @@ class Exponential(Schedule):
     end: float | None = None
 
     def __post_init__(self):
-        _set(self, "init", _real("Exponential", "init", self.init))
-        _set(self, "rate", _real("Exponential", "rate", self.rate))
+        super().__post_init__()
         if self.rate <= 0:
             raise ValueError(f"Exponential: rate must be positive, got {self.rate!r}")
-        _count("Exponential", "steps", self.steps, positive=True)
-        _count("Exponential", "begin", self.begin, positive=False)
-        if self.end is not None:
-            _set(self, "end", _real("Exponential", "end", self.end))
 
     def __call__(self, step):
         o = _maths(step)
@@ -272,20 +279,8 @@ class PiecewiseConstant(Schedule):
     boundaries: tuple
 
     def __post_init__(self):
-        name = "PiecewiseConstant"
-        if not isinstance(self.values, (tuple, list)) or not isinstance(self.boundaries, (tuple, list)):
-            raise TypeError(f"{name}: values and boundaries must be tuples")
-        values = tuple(_real(name, f"values[{i}]", v) for i, v in enumerate(self.values))
-        bounds = tuple(
-            _count(name, f"boundaries[{i}]", b, positive=False) for i, b in enumerate(self.boundaries)
-        )
-        if len(values) != len(bounds) + 1:
-            raise ValueError(
-                f"{name}: needs one more value than boundaries, got {len(values)} values and "
-                f"{len(bounds)} boundaries"
-            )
-        if any(b >= c for b, c in zip(bounds, bounds[1:])):
-            raise ValueError(f"{name}: boundaries must increase, got {bounds}")
+        bounds = _boundaries("PiecewiseConstant", "values", self.values, self.boundaries)
+        values = tuple(_real("PiecewiseConstant", f"values[{i}]", v) for i, v in enumerate(self.values))
         _set(self, "values", values)
         _set(self, "boundaries", bounds)
 
@@ -312,21 +307,10 @@ class Join(Schedule):
     boundaries: tuple
 
     def __post_init__(self):
-        if not isinstance(self.schedules, (tuple, list)) or not isinstance(self.boundaries, (tuple, list)):
-            raise TypeError("Join: schedules and boundaries must be tuples")
+        bounds = _boundaries("Join", "schedules", self.schedules, self.boundaries)
         for i, s in enumerate(self.schedules):
             if not callable(s):
                 raise TypeError(f"Join: schedules[{i}] is not callable: {s!r}")
-        bounds = tuple(
-            _count("Join", f"boundaries[{i}]", b, positive=False) for i, b in enumerate(self.boundaries)
-        )
-        if len(self.schedules) != len(bounds) + 1:
-            raise ValueError(
-                f"Join: needs one more schedule than boundaries, got {len(self.schedules)} "
-                f"schedules and {len(bounds)} boundaries"
-            )
-        if any(b >= c for b, c in zip(bounds, bounds[1:])):
-            raise ValueError(f"Join: boundaries must increase, got {bounds}")
         _set(self, "schedules", tuple(self.schedules))
         _set(self, "boundaries", bounds)
 
