@@ -196,5 +196,5 @@ def test_vectors_and_complex_parameters_are_refused_when_made():
         ot.Muon([torch.nn.Parameter(torch.zeros(3, 3, dtype=torch.complex64))])
     with pytest.raises(ValueError, match="Adjust learning rate function spectral is not supported"):
         ot.Muon([model.qkv.weight], adjust_lr_fn="spectral")
-    with pytest.raises(ValueError, match="invalid lr value"):
+    with pytest.raises(ValueError, match="Invalid lr value"):
         ot.Muon([model.qkv.weight], lr=-1.0)

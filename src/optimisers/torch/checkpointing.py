@@ -16,7 +16,7 @@ from optimisers.core.rule import Rule
 from optimisers.core.state import Leaf, State
 from optimisers.core.tree import format_path
 from optimisers.torch.hyperparameters import group_entries
-from optimisers.torch.lazy_state import set_state
+from optimisers.torch.lazy_state import has_entry, set_state
 
 _ROOT = format_path(())  # how the library's state_dict names a lone Leaf's place
 
@@ -24,6 +24,15 @@ _ROOT = format_path(())  # how the library's state_dict names a lone Leaf's plac
 def check_is_state_dict(state_dict, expected: str) -> None:
     if not isinstance(state_dict, Mapping) or not {"state", "param_groups"} <= set(state_dict):
         raise CheckpointError(f"expected {expected}, with 'state' and 'param_groups'")
+
+
+def split_extra_state(saved_state: Mapping) -> tuple[dict, dict]:
+    """A checkpoint's `"state"`: the parameters' entries (keyed by number) and the rest, which
+    `state[key]` held for keys that are not parameters (torch keeps and restores those too)."""
+    params, extra = {}, {}
+    for key, value in saved_state.items():
+        (params if isinstance(key, int) and not isinstance(key, bool) else extra)[key] = value
+    return params, extra
 
 
 def _take_loaded(leaf: Leaf, new: Leaf) -> None:
@@ -86,8 +95,8 @@ class Checkpointing:
         Holds the state's own tensors (not copies), as torch.optim does."""
         for hook in self._optimizer_state_dict_pre_hooks.values():
             hook(self)
-        state = {position: self._entry(position, leaf) for position, leaf in self._flat.tree.items()}
-        out = {"state": state, "param_groups": self._saved_groups()}
+        state = {p: self._entry(p, leaf) for p, leaf in self._flat.tree.items() if has_entry(leaf)}
+        out = {"state": {**state, **self._extra_state}, "param_groups": self._saved_groups()}
         for hook in self._optimizer_state_dict_post_hooks.values():
             result = hook(self, out)
             if result is not None:
@@ -95,14 +104,17 @@ class Checkpointing:
         return out
 
     def _saved_groups(self) -> list[dict]:
-        """`param_groups` as a checkpoint keeps them: tensors as positions, rules as text."""
-        groups, start = [], 0
+        """`param_groups` as a checkpoint keeps them: tensors as positions (a tensor listed again,
+        as in a group appended twice, keeps its first number, as torch.optim numbers them), rules
+        as text."""
+        groups, numbers = [], {}
         for entries in self.param_groups:
             saved = {
                 k: (encode_rule(v) if isinstance(v, Rule) else v) for k, v in entries.items() if k != "params"
             }
-            saved["params"] = list(range(start, start + len(entries["params"])))
-            start += len(entries["params"])
+            for p in entries["params"]:
+                numbers.setdefault(id(p), len(numbers))
+            saved["params"] = [numbers[id(p)] for p in entries["params"]]
             groups.append(saved)
         return groups
 
@@ -115,8 +127,9 @@ class Checkpointing:
         check_is_state_dict(state_dict, "the dict from Optimizer.state_dict()")
         saved_groups = state_dict["param_groups"]
         self._check_groups(saved_groups)
-        flat = _flattened(state_dict["state"])
-        positions = self._checkpoint_positions(state_dict["state"])
+        saved_state, extra = split_extra_state(state_dict["state"])
+        flat = _flattened(saved_state)
+        positions = self._checkpoint_positions(saved_state)
         template = State({position: self._template(position) for position in sorted(positions)})
         loaded = library_load_state_dict(template, flat)  # checks everything; changes nothing
         new_groups = [self._restored_group(saved, now) for saved, now in zip(saved_groups, self.param_groups)]
@@ -134,6 +147,7 @@ class Checkpointing:
             g.use_rule(next(loaded_rules, g.rule))
             g.seen = group_entries(g.rule)
         self.param_groups[:] = new_groups
+        self._extra_state = extra
         self._changed()
         self._run_load_post_hooks()
 

@@ -9,10 +9,18 @@ from typing import ClassVar
 
 import torch
 
-from optimisers.torch.hyperparameters import NOT_HYPERPARAMETERS, SCHEDULER_KEYS, check_switches
+from optimisers.torch.hyperparameters import (
+    ALIASES,
+    NOT_HYPERPARAMETERS,
+    SCHEDULER_KEYS,
+    check_switches,
+)
 from optimisers.torch.optimizer import Optimizer
 from optimisers.torch.param_groups import ParamGroup, check_group_dict, group_tensors, setup_leaves
 from optimisers.torch.torch_format import TorchStateFormat
+
+# the library's names of hyperparameters, and "rule": in a drop-in's group they would set nothing
+LIBRARY_NAMES = ("rule", "eta", *ALIASES)
 
 
 def as_number(h: Mapping, key: str) -> float:
@@ -21,10 +29,47 @@ def as_number(h: Mapping, key: str) -> float:
     return float(v) if isinstance(v, torch.Tensor) else v
 
 
+def _scalar(v):
+    """A one-element tensor (torch takes `lr=torch.tensor([1e-3])`) as a 0-d view of it: the
+    rule reads the value the tensor holds, also after a scheduler changes it in place."""
+    return v.view(()) if isinstance(v, torch.Tensor) and v.dim() > 0 and v.numel() == 1 else v
+
+
+def check_torch_switches(h: Mapping, where: str) -> None:
+    """torch.optim's checks of its implementation switches and of a tensor `lr`, in its words,
+    then this library's refusal of `capturable` and `differentiable`."""
+    if h.get("fused") and h.get("foreach"):
+        raise RuntimeError(f"{where}: `fused` and `foreach` cannot be `True` together.")
+    if h.get("fused") and h.get("differentiable"):
+        raise RuntimeError(f"{where}: `fused` does not support `differentiable`")
+    lr = h.get("lr")
+    if isinstance(lr, torch.Tensor) and lr.numel() != 1:
+        raise ValueError(f"{where}: Tensor lr must be 1-element, got one of shape {tuple(lr.shape)}")
+    check_switches(h, where)
+
+
+def _check_fused(g: ParamGroup, grads: dict, start: int) -> None:
+    """torch.optim's check of the parameters of a `fused=True` group, at the step."""
+    devices = _fused_devices()
+    for j, p in enumerate(g.params):
+        if start + j in grads and not (p.is_floating_point() and p.device.type in devices):
+            raise RuntimeError(
+                "`fused=True` requires all the params to be floating point Tensors of supported "
+                f"devices: {devices} but {p.dtype} and {p.device.type}"
+            )
+
+
+def _fused_devices() -> list:
+    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+
+    return _get_fused_kernels_supported_devices()
+
+
 class DropIn(TorchStateFormat, Optimizer):
     """What the drop-in classes share; each subclass gives torch's signature and `_rule`."""
 
     _l2: ClassVar[bool] = True  # "weight_decay" is added to the gradient (unless decoupled)
+    _sparse: ClassVar[bool] = False  # takes sparse gradients (densified), as torch's class does
 
     def __init__(self, params, hyper: dict):
         if isinstance(params, torch.nn.Module):
@@ -51,22 +96,26 @@ class DropIn(TorchStateFormat, Optimizer):
 
     def _check(self, h: Mapping, where: str) -> None:
         """torch.optim's own checks of the values, in its words."""
-        check_switches(h, where)
+        check_torch_switches(h, where)
         for key in ("lr", "eps", "weight_decay", "momentum", "lr_decay", "momentum_decay"):
             if key in h and not (isinstance(h[key], (int, float, torch.Tensor)) and as_number(h, key) >= 0):
-                raise ValueError(f"{where}: invalid {key} value: {h[key]!r} (expected a number >= 0)")
+                raise ValueError(f"{where}: Invalid {key} value: {h[key]!r} (expected a number >= 0)")
         if "betas" in h:
             betas = h["betas"]
             if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
                 raise ValueError(f"{where}: betas must be a pair of numbers, got {betas!r}")
+            if isinstance(betas[0], torch.Tensor) != isinstance(betas[1], torch.Tensor):
+                raise ValueError(f"{where}: betas must be either both floats or both Tensors")
             for i, b in enumerate(betas):
                 if not 0.0 <= float(b) < 1.0:
-                    raise ValueError(f"{where}: invalid beta parameter at index {i}: {b!r}")
+                    raise ValueError(f"{where}: Invalid beta parameter at index {i}: {b!r}")
+        if "rho" in h and not 0.0 <= as_number(h, "rho") <= 1.0:
+            raise ValueError(f"{where}: Invalid rho value: {h['rho']!r}")
 
     def _built(self, h: dict, where: str):
         self._check(h, where)
         try:
-            return self._rule(h)
+            return self._rule({k: _scalar(v) for k, v in h.items()})
         except (TypeError, ValueError) as e:
             raise type(e)(f"{where}: {e}") from None
 
@@ -74,7 +123,8 @@ class DropIn(TorchStateFormat, Optimizer):
         return bool(h.get("decoupled_weight_decay", False))
 
     def _is_group_key(self, key) -> bool:
-        """A key a group of this class may hold: torch's hyperparameters and what is carried."""
+        """A key a group of this class always may hold: torch's hyperparameters, the names and
+        the lr schedulers' keys."""
         return key in self._hyper or key in NOT_HYPERPARAMETERS or key in SCHEDULER_KEYS
 
     # --- Optimizer's hooks ---------------------------------------------------------------------------
@@ -85,17 +135,26 @@ class DropIn(TorchStateFormat, Optimizer):
     def _make_group(self, group, where: str) -> ParamGroup:
         check_group_dict(group, where)
         for key in group:
-            if key == "rule" or not self._is_group_key(key):  # the class makes the rule itself
+            if self._refused(key):
                 raise ValueError(self._unknown_message(where, key))
         h = {k: group.get(k, v) for k, v in self._hyper.items()}
         rule = self._built(h, where)
         params, names = group_tensors(group["params"], where)
         leaves = setup_leaves(rule, [self._engine_view(p) for p in params])
-        carried = {k: v for k, v in group.items() if k in SCHEDULER_KEYS}
+        # any other key is carried, as torch.optim carries it (a scheduler's, a user's note)
+        carried = {k: v for k, v in group.items() if k not in h and k not in NOT_HYPERPARAMETERS}
         entries = {"params": params, **h, **carried}
         if names is not None:
             entries["param_names"] = names
         return ParamGroup(entries, params, leaves, rule, dict(h), any(p.is_complex() for p in params))
+
+    def _refused(self, key) -> bool:
+        """A key that sets nothing here although it looks as if it would: the library's own
+        names of hyperparameters ("lambd", "eta", ...) and "rule" (the class makes the rule)."""
+        return key in LIBRARY_NAMES and key not in self._hyper
+
+    def _refused_keys(self, g: ParamGroup) -> list:
+        return [k for k in g.entries if self._refused(k)]
 
     def _unknown_message(self, where: str, key) -> str:
         return f"{where}: unknown key {key!r}; torch.optim.{type(self).__name__} takes " + ", ".join(
@@ -119,12 +178,28 @@ class DropIn(TorchStateFormat, Optimizer):
         # torch trains a complex parameter as pairs of reals (view_as_real), and so does this class
         return torch.view_as_real(p.detach()) if p.is_complex() else p
 
+    def _step(self):
+        found_inf = getattr(self, "found_inf", None)  # set by GradScaler (or by hand), as torch reads it
+        if found_inf is not None and bool(found_inf):
+            return  # an inf or nan in the scaled gradients: no step
+        super()._step()
+
     def _gradients(self, grads: dict) -> dict:
         """What torch does to a gradient before its formula, in its order: `maximize` negates it,
-        non-decoupled `weight_decay` adds `weight_decay·p`, a complex one is viewed as reals."""
+        non-decoupled `weight_decay` adds `weight_decay·p`, a complex one is viewed as reals
+        (a sparse one, where the class takes it, made dense; `grad_scale`, where set, divided out)."""
+        if self._sparse:
+            for i, grad in grads.items():
+                if grad.layout is not torch.strided:
+                    grads[i] = grad.to_dense()
+        scale = getattr(self, "grad_scale", None)
+        if scale is not None:
+            grads = {i: grad / scale for i, grad in grads.items()}
         start = 0
         for g in self._groups:
             h = g.seen
+            if h.get("fused"):
+                _check_fused(g, grads, start)
             maximize = h.get("maximize", False)
             decay = h.get("weight_decay", 0) if self._l2 and not self._decoupled(h) else 0
             if maximize or isinstance(decay, torch.Tensor) or decay != 0 or g.has_complex:

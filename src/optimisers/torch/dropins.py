@@ -30,7 +30,7 @@ from optimisers.rules.torch_named import (
     TorchRprop,
     TorchSGD,
 )
-from optimisers.torch.dropin_base import DropIn, as_number
+from optimisers.torch.dropin_base import DropIn, as_number, check_torch_switches
 from optimisers.torch.torch_format import NOT_SHOWN, STEP
 
 __all__ = [
@@ -42,7 +42,10 @@ __all__ = [
 class SGD(DropIn):
     """torch.optim.SGD, trained by this library (same signature, defaults, group and state keys).
     Without momentum the library's `Descent`; with momentum torch's formula (the first step
-    copies the gradient into `momentum_buffer`; `dampening`, `nesterov`)."""
+    copies the gradient into `momentum_buffer`; `dampening`, `nesterov`). Sparse gradients
+    (`nn.Embedding(sparse=True)`) are taken, made dense."""
+
+    _sparse = True
 
     def __init__(
         self, params, lr=1e-3, momentum=0, dampening=0, weight_decay=0, nesterov=False, *,
@@ -145,7 +148,10 @@ class RMSprop(DropIn):
 
 class Adagrad(DropIn):
     """torch.optim.Adagrad, trained by this library with torch's formula (`lr_decay`,
-    `initial_accumulator_value`). Unlike torch, the state is made at the first gradient."""
+    `initial_accumulator_value`). Unlike torch, the state is made at the first gradient. Sparse
+    gradients are taken, made dense (the same numbers: a zero gradient leaves an element as it is)."""
+
+    _sparse = True
 
     def __init__(
         self, params, lr=1e-2, lr_decay=0, weight_decay=0, initial_accumulator_value=0, eps=1e-10,
@@ -269,7 +275,7 @@ class Rprop(DropIn):
         super()._check(h, where)
         minus, plus = h["etas"]
         if not 0.0 < minus < 1.0 < plus:
-            raise ValueError(f"{where}: invalid eta values: {minus}, {plus}")
+            raise ValueError(f"{where}: Invalid eta values: {minus}, {plus}")
 
     def _rule(self, h):
         return TorchRprop(h["lr"], tuple(h["etas"]), tuple(float(s) for s in h["step_sizes"]))
@@ -298,6 +304,7 @@ class Adafactor(DropIn):
 
     def _check(self, h, where):
         # torch.optim.Adafactor's own checks, in its words (eps is a pair, so not the base's)
+        check_torch_switches(h, where)
         lr, decay = as_number(h, "lr"), as_number(h, "weight_decay")
         if not 0.0 <= lr:
             raise ValueError(f"{where}: Learning rate should be >= 0 but is: {lr}")

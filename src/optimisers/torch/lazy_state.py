@@ -51,6 +51,7 @@ class LazyState:
         self._model: dict = {}  # position -> tensor, every parameter
         self._trained: list = []  # (position, tensor) of every parameter a rule can train
         self._module_tree = None  # a module's whole state tree (Leafs without state included)
+        self._extra_state: dict = {}  # `state[key]` for keys that are not parameters (hooks' notes)
         self.optimiser_state: State = self._flat
 
     def _track(self, group) -> None:
@@ -82,6 +83,7 @@ class LazyState:
             return
         entries = list(value.items())
         self._forget(list(self._flat.tree))
+        self._extra_state = {}
         for p, entry in entries:
             self.state[p] = entry
 
@@ -136,13 +138,20 @@ class LazyState:
             replan(self.optimiser_state)
 
 
+def has_entry(leaf: Leaf) -> bool:
+    """Whether a Leaf with state shows any in torch's `state[p]` (a stateless rule's does not,
+    as torch's SGD without momentum keeps none)."""
+    return not (leaf.state is None or (isinstance(leaf.state, tuple) and not leaf.state))
+
+
 class StateView(MutableMapping):
     """`optimizer.state` as torch code reads it: `state[p]` is parameter `p`'s entry of
     `state_dict()["state"]`, built on each read (an empty dict for a parameter that has had no
     gradient yet, as torch's lazy state gives); `state[p] = entry` loads such an entry into
     `p`'s Leaf, checked first, keeping the current hyperparameters (ZeroRedundancyOptimizer
     restores its shards this way); `del state[p]` and `state.clear()` drop state, which is made
-    afresh at the next gradient, as in torch."""
+    afresh at the next gradient, as in torch. A key that is not a tensor (a hook's note, as
+    torch's own tests write) holds any value, and goes into `state_dict()["state"]` as it is."""
 
     def __init__(self, optimizer):
         self._optimizer = optimizer
@@ -154,20 +163,30 @@ class StateView(MutableMapping):
         return found[2]
 
     def __getitem__(self, p):
+        if not isinstance(p, torch.Tensor):
+            return self._optimizer._extra_state[p]
         position = self._position(p)
         leaf = self._optimizer._flat.tree.get(position)
         return {} if leaf is None else self._optimizer._entry(position, leaf)
 
     def __setitem__(self, p, entry):
+        if not isinstance(p, torch.Tensor):
+            self._optimizer._extra_state[p] = entry
+            return
         self._optimizer._load_entry(self._position(p), entry)
 
     def __delitem__(self, p):
+        if not isinstance(p, torch.Tensor):
+            del self._optimizer._extra_state[p]
+            return
         position = self._position(p)
         if position not in self._optimizer._flat.tree:
             raise KeyError(p)
         self._optimizer._forget([position])
 
     def __contains__(self, p) -> bool:
+        if not isinstance(p, torch.Tensor):
+            return p in self._optimizer._extra_state
         try:
             return self._position(p) in self._optimizer._flat.tree
         except KeyError:
@@ -175,13 +194,17 @@ class StateView(MutableMapping):
 
     def clear(self) -> None:
         self._optimizer._forget(list(self._optimizer._flat.tree))
+        self._optimizer._extra_state.clear()
+
+    def _shown(self) -> list:
+        model, tree = self._optimizer._model, self._optimizer._flat.tree
+        return [model[i] for i, leaf in list(tree.items()) if has_entry(leaf)]
 
     def __iter__(self):
-        model = self._optimizer._model
-        return (model[position] for position in list(self._optimizer._flat.tree))
+        return iter([*self._shown(), *self._optimizer._extra_state])
 
     def __len__(self):
-        return len(self._optimizer._flat.tree)
+        return len(self._shown()) + len(self._optimizer._extra_state)
 
     def __repr__(self):
         return f"<optimiser state of {len(self)} parameters>"

@@ -82,7 +82,10 @@ class Optimizer(LazyState, Checkpointing, torch.optim.Optimizer):
 
     def _initial_groups(self, params, rule) -> list[ParamGroup]:
         if isinstance(params, torch.Tensor):
-            raise TypeError("params should be an iterable of tensors or dicts, or a module; got a tensor")
+            raise TypeError(  # torch.optim's words
+                "params argument given to the optimizer should be an iterable of Tensors or dicts "
+                f"(or a module), but got {torch.typename(params)}"
+            )
         if isinstance(params, nn.Module):
             return self._groups_of_module(params, rule)
         if rule is not None and not isinstance(rule, Rule):
@@ -126,6 +129,10 @@ class Optimizer(LazyState, Checkpointing, torch.optim.Optimizer):
     def _resync(self, g: ParamGroup, changed: dict, where: str):
         """The rule of group `g` with the changed entries applied."""
         return adjusted_rule(g.rule, changed, where)
+
+    def _refused_keys(self, g: ParamGroup) -> list:
+        """Keys of group `g` that a step refuses (added since, setting nothing)."""
+        return g.unknown_keys()
 
     def _unknown_key(self, g: ParamGroup, key: str, i: int) -> Exception:
         return unknown_key_error(g.rule, g.seen, key, f"param_groups[{i}]")
@@ -201,7 +208,7 @@ class Optimizer(LazyState, Checkpointing, torch.optim.Optimizer):
             where = f"param_groups[{i}]"
             g.entries = entries  # the list entry may have been replaced by a new dict
             changed = g.changed_entries(where)
-            unknown = g.unknown_keys()
+            unknown = self._refused_keys(g)
             if unknown:
                 raise self._unknown_key(g, unknown[0], i)
             check_switches(entries, where)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -89,16 +90,25 @@ class ParamGroup:
 
 
 def check_distinct(groups: list[ParamGroup]) -> None:
+    """Each tensor in one group only, and names for every group's parameters or for none (torch's
+    checks, in its words, with the places named)."""
     where: dict[int, str] = {}
     for i, g in enumerate(groups):
         for j, p in enumerate(g.params):
             here = f"group {i}, parameter {j}"
             if id(p) in where:
                 raise ValueError(
-                    f"{here} is the same tensor as {where[id(p)]}; a parameter may appear once "
-                    "(a tied weight is one tensor: list it once)"
+                    f"some parameters appear in more than one parameter group: {here} is the same "
+                    f"tensor as {where[id(p)]} (a tied weight is one tensor: list it once)"
                 )
             where[id(p)] = here
+    named = ["param_names" in g.entries for g in groups if g.params]
+    if any(named) and not all(named):
+        which = "with" if named[-1] else "without"
+        raise ValueError(
+            "all optimizer param groups should be with/without names. cannot add param group "
+            f"{which} names to the optimizer (group {len(groups) - 1})"
+        )
 
 
 def check_rule(rule, where: str) -> None:
@@ -123,21 +133,32 @@ def group_tensors(raw, where: str) -> tuple[list, list | None]:
         raise TypeError(f"{where}: a module must be passed as the optimizer's params itself, not in a group")
     elif isinstance(raw, (set, frozenset)):
         raise TypeError(f"{where}: params must be an ordered collection (a list), not a set")
-    params, names = [], []
+    params, names, seen = [], [], set()
     for item in raw:
+        name = None
         if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str):
-            names.append(item[0])
-            item = item[1]
+            name, item = item
         if not isinstance(item, torch.Tensor):
             raise TypeError(f"{where}: can only optimise tensors, got a {type(item).__name__}")
         if not (item.is_leaf or item.retains_grad):
             raise ValueError(f"{where}: cannot optimise a non-leaf tensor (one computed from others)")
+        if id(item) in seen:
+            warnings.warn(
+                f"{where}: a parameter group with duplicate parameters; each is kept once "
+                "(torch.optim steps it as often as it is listed, and will refuse it in future)",
+                UserWarning,
+                stacklevel=5,
+            )
+            continue
+        seen.add(id(item))
         params.append(item)
+        if name is not None:
+            names.append(name)
     if names and len(names) != len(params):
-        raise ValueError(f"{where}: give every parameter a name, or none")
-    if not params:
-        raise ValueError(f"{where}: its params are empty")
-    return params, (names or None)
+        raise ValueError(
+            f"{where}: all optimizer params should be with/without names. Some param names are missing"
+        )
+    return params, (names or None)  # an empty group is kept, as torch.optim keeps it
 
 
 # --- Leafs whose state is made at the first gradient ----------------------------------------------

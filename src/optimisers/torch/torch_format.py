@@ -11,8 +11,7 @@ from typing import Any, ClassVar
 import torch
 
 from optimisers.checkpoints.state_dict import CheckpointError
-from optimisers.torch.checkpointing import check_is_state_dict
-from optimisers.torch.hyperparameters import SCHEDULER_KEYS
+from optimisers.torch.checkpointing import check_is_state_dict, split_extra_state
 from optimisers.torch.lazy_state import set_state
 from optimisers.torch.param_groups import ParamGroup
 
@@ -71,13 +70,16 @@ class TorchStateFormat:
     #: the rule's state is one array (Muon's momentum), not a tuple of parts
     _one_part: ClassVar[bool] = False
 
-    def _group_of(self, position: int) -> ParamGroup:
+    def _group_index(self, position: int) -> int:
         start = 0
-        for g in self._groups:
+        for i, g in enumerate(self._groups):
             if position < start + len(g.params):
-                return g
+                return i
             start += len(g.params)
         raise KeyError(position)
+
+    def _group_of(self, position: int) -> ParamGroup:
+        return self._groups[self._group_index(position)]
 
     def _entry(self, position: int, leaf) -> dict:
         """`state[p]` with torch's keys: the rule's state arrays (complex again for a complex
@@ -152,7 +154,8 @@ class TorchStateFormat:
         self._check_groups(saved_groups)
         problems: list[str] = []
         hypers, rules = self._saved_hyperparameters(saved_groups, problems)
-        states = self._saved_states(state_dict["state"], hypers, problems)
+        saved_state, extra = split_extra_state(state_dict["state"])
+        states = self._saved_states(saved_state, hypers, problems)
         if problems:
             raise CheckpointError("the checkpoint does not fit this optimizer:\n  " + "\n  ".join(problems))
         # everything checked: load
@@ -165,6 +168,7 @@ class TorchStateFormat:
             set_state(self._leaf_at[position], state, owned=True)  # decoded copies: the engine keeps them
         self._ready([p for p in states if p not in self._flat.tree])
         self.param_groups[:] = new_groups
+        self._extra_state = extra
         self._changed()
         self._run_load_post_hooks()
 
@@ -172,7 +176,7 @@ class TorchStateFormat:
         """Each saved group's hyperparameters and the rule they make (None where they do not fit)."""
         hypers, rules = [], []
         for i, (saved, g) in enumerate(zip(saved_groups, self._groups)):
-            unknown = [k for k in saved if not self._is_group_key(k)]
+            unknown = [k for k in saved if not (self._is_group_key(k) or k in g.entries)]
             if unknown:
                 problems.append(
                     f"group {i}: the checkpoint has {', '.join(map(repr, unknown))}, which "
@@ -194,7 +198,7 @@ class TorchStateFormat:
         """Each saved parameter's state, decoded under its saved group's hyperparameters."""
         states = {}
         for position in self._checkpoint_positions(saved_state):
-            h = hypers[self._groups.index(self._group_of(position))]
+            h = hypers[self._group_index(position)]
             if h is not None:
                 states[position] = self._decode(position, h, saved_state[position], problems)
         return states
@@ -202,9 +206,12 @@ class TorchStateFormat:
     @staticmethod
     def _adopt_saved_group(saved: Mapping, g: ParamGroup, h: dict, rule) -> dict:
         """Group `g` takes the saved hyperparameters `h` and their `rule`; returns its new dict."""
-        entries = {"params": g.params, **h, **{k: v for k, v in saved.items() if k in SCHEDULER_KEYS}}
-        if "param_names" in g.entries:
-            entries["param_names"] = g.entries["param_names"]
+        carried = {k: v for k, v in saved.items() if k not in h and k not in ("params", "param_names")}
+        entries = {"params": g.params, **h, **carried}
+        # the names: this group's, else the checkpoint's (as torch.optim keeps them)
+        names = g.entries.get("param_names", saved.get("param_names"))
+        if names is not None:
+            entries["param_names"] = names
         g.entries, g.seen = entries, dict(h)
         g.use_rule(rule)
         return entries
