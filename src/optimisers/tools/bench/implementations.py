@@ -130,24 +130,32 @@ def _optimisers_torch_flat(data: Data, rule: str) -> Runner:
     return _optimisers_in_place(model, grads, rule, lambda x: x.detach().numpy(), data.shape)
 
 
-def _jitted(data: Data, rule: str, model, grads, setup_model, as_model) -> Runner:
-    """`optimisers.update` under `jax.jit` with donation, stepping `model` (its state set up from
-    `setup_model`) with `grads`; `as_model(trained)` is the model tree the check reads."""
+def _compiled(update, carry: tuple, grads, donate: bool):
+    """`update(a, b, grads) -> (a, b)` compiled under `jax.jit` (donating `a` and `b` when
+    `donate`): `box`, which holds `[a, b]`, a step that carries them, and the compile time."""
     import jax
 
+    jax.block_until_ready((carry, grads))
     t0 = time.perf_counter()
-    state = opt.setup(optimisers_rule(rule), setup_model)
-    setup_s = time.perf_counter() - t0
-    jax.block_until_ready((model, grads))
-    t0 = time.perf_counter()
-    compiled = jax.jit(opt.update, donate_argnums=(0, 1)).lower(state, model, grads).compile()
+    compiled = jax.jit(update, donate_argnums=(0, 1) if donate else ()).lower(*carry, grads).compile()
     compile_s = time.perf_counter() - t0
-    box = [state, model]
+    box = list(carry)
 
     def step():
         out = compiled(box[0], box[1], grads)
         jax.block_until_ready(out)
         box[0], box[1] = out
+
+    return box, step, compile_s
+
+
+def _jitted(data: Data, rule: str, model, grads, setup_model, as_model) -> Runner:
+    """`optimisers.update` under `jax.jit` with donation, stepping `model` (its state set up from
+    `setup_model`) with `grads`; `as_model(trained)` is the model tree the check reads."""
+    t0 = time.perf_counter()
+    state = opt.setup(optimisers_rule(rule), setup_model)
+    setup_s = time.perf_counter() - t0
+    box, step, compile_s = _compiled(opt.update, (state, model), grads, donate=True)
 
     def fetch():
         m = as_model(box[1])
@@ -233,7 +241,6 @@ def _no_torch(kind: str):
 
 def _optax(donate: bool):
     def make(data: Data, rule: str) -> Runner:
-        import jax
         import jax.numpy as jnp
         import optax
 
@@ -241,23 +248,12 @@ def _optax(donate: bool):
         tx = peer.make(optax)
         params = peer.wrap(data.distinct_tree([jnp.array(a) for a in data.params]))
         grads = data.distinct_tree([jnp.array(g) for g in data.grads_sum])
-        state = tx.init(params)
 
         def update(p, s, g):
             u, s = tx.update(g, s, p)
             return optax.apply_updates(p, u), s
 
-        jax.block_until_ready((params, state, grads))
-        t0 = time.perf_counter()
-        jitted = jax.jit(update, donate_argnums=(0, 1) if donate else ())
-        compiled = jitted.lower(params, state, grads).compile()
-        compile_s = time.perf_counter() - t0
-        box = [params, state]
-
-        def step():
-            out = compiled(box[0], box[1], grads)
-            jax.block_until_ready(out)
-            box[0], box[1] = out
+        box, step, compile_s = _compiled(update, (params, tx.init(params)), grads, donate)
 
         def fetch():
             model = peer.unwrap(box[0])
