@@ -504,6 +504,7 @@ np.testing.assert_array_equal(np.asarray(new["w"]), np.asarray(new["head"]))
 """
 
 
+@pytest.mark.slow
 def test_sharded_factors_follow_the_rows_and_columns_of_a_sharded_matrix():
     from _host_devices import run_on_host_devices
 

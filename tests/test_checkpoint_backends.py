@@ -76,6 +76,7 @@ RESUMED += [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rule", RESUMED)
 def test_torch_resume_bit_for_bit(rule, tmp_path):
     batches = torch_batches(10)
@@ -298,6 +299,7 @@ SHARDED = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_jax_sharded_state_loads_onto_the_fresh_state_sharding(tmp_path):
     proc = run_on_host_devices(SHARDED, 4, str(tmp_path / "opt.npz"))
     assert proc.stdout.startswith("ok")

@@ -208,6 +208,7 @@ json_values = st.recursive(
 )
 
 
+@pytest.mark.slow
 @settings(max_examples=120, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
 @given(data=st.data(), fmt=st.sampled_from(FORMATS))
 def test_crafted_json_with_a_valid_checksum_gives_checkpoint_error_or_loads(tmp_path_factory, data, fmt):
@@ -331,6 +332,7 @@ def test_a_safetensors_header_that_claims_too_much_is_refused(tmp_path):
 # --- random damage -------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
 @given(data=st.data(), fmt=st.sampled_from(FORMATS), steps=st.integers(0, 3))
 def test_random_byte_flips_give_checkpoint_error_or_the_same_state(tmp_path_factory, data, fmt, steps):

@@ -402,6 +402,7 @@ _ONE_COMPILE_RULES |= {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(_ONE_COMPILE_RULES))
 def test_a_jitted_step_traces_once_through_steps_and_a_schedule(name):
     from optimisers import schedules
@@ -931,6 +932,7 @@ def _leaves_by_index(tree, model, out):
     return out
 
 
+@pytest.mark.slow
 @settings(
     max_examples=15,
     deadline=None,
@@ -968,6 +970,7 @@ def test_random_tied_trees_jitted_equal_eager_and_untied_reference(tree, share, 
             np.testing.assert_array_equal(x, places_j[0])
 
 
+@pytest.mark.slow
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     rule=st.sampled_from([opt.Adam(0.01), opt.NAdam(0.01), opt.RAdam(0.01), opt.Momentum(0.01, 0.9)]),

@@ -8,7 +8,11 @@ from __future__ import annotations
 
 import textwrap
 
+import pytest
+
 from _host_devices import run_on_host_devices
+
+pytestmark = pytest.mark.slow
 
 SCRIPT = textwrap.dedent(
     """

@@ -71,6 +71,7 @@ PARAMS = [pytest.param(rule, id=i) for rule, i in zip(RULES, _ids(RULES))]
 PARAMS += [pytest.param(rule, id=repr(rule).replace(" ", "")) for rule in jit_rules() if rule not in RULES]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rule", PARAMS)
 @pytest.mark.parametrize("jitted", [False, True], ids=["eager", "jit"])
 def test_apply_updates_equals_update_bit_for_bit(rule, jitted):

@@ -81,6 +81,7 @@ def test_tied_tree_equals_untied_reference(tree, seed, inplace, share, rule, dat
 
 
 # every registered rule (its first hyperparameters of the `toy` family), fewer examples each
+@pytest.mark.slow
 @pytest.mark.parametrize("rule", [info.make(info.toy[0]) for info in RULES if info.toy], ids=repr)
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(tree=slots, seed=st.integers(0, 2**16), inplace=st.booleans(), share=st.booleans(), data=st.data())

@@ -75,6 +75,7 @@ def rng_values(seed, shape):
 # --- 1. a parameter whose shape no longer fits its state -----------------------------------------
 
 
+@pytest.mark.slow
 def test_fused_adam_on_a_grown_parameter_does_not_crash_the_process():
     # this wrote past the end of the state in torch's fused kernel (heap overflow: segfault,
     # abort or hang); run in a child process so that a regression cannot take the tests down
@@ -326,6 +327,7 @@ def aliased(model, how, backend):
     return [x[::-1] if backend == "numpy" else x.t() for x in own]
 
 
+@pytest.mark.slow
 @FEW
 @given(
     backend=st.sampled_from(["numpy", "torch"]),
