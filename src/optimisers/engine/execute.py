@@ -148,7 +148,8 @@ def _unalias(prepared) -> None:
         owners.setdefault(group.b, set()).update(group.param_owners(xs))
     for group, _, dxs, _ in prepared:
         b, held = group.b, owners[group.b]
-        one = group.gradient_owner(dxs)  # a span's gradients, all views of one flat buffer
+        # a span's gradients, all views of one flat buffer: one owner
+        one = None if group.span is None else group.span.gradient_owner(dxs)
         if one is not None and one not in held:
             continue
         for i in [i for i, owner in enumerate(b.memory_owners(dxs)) if owner in held]:

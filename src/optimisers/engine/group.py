@@ -84,14 +84,6 @@ class Group(GroupLayout):
         self.span = span
         return True
 
-    def span_ready(self, xs, dxs) -> bool:
-        """Can this step use a span group's span as the last did (`Span.ready`)?"""
-        return self.steppable() and self.span.ready(xs, dxs)
-
-    def gradient_owner(self, dxs):
-        """The one memory owner of a span's gradients `dxs` (`Span.gradient_owner`), or None."""
-        return None if self.span is None else self.span.gradient_owner(dxs)
-
     def unchanged(self, xs) -> bool:
         """Are `xs` (the members' parameters, as planned) unchanged since their last full check,
         by their engine marks?"""

@@ -150,7 +150,8 @@ class Route:
         for group, xs, places, tied in self.groups:
             # (one group at every place, in order: the walk's list itself)
             dxs = gs if places is self.every_place else list(map(gs.__getitem__, places))
-            if group.span is not None and not tied and group.span_ready(xs, dxs):
+            span = group.span
+            if span is not None and not tied and group.steppable() and span.ready(xs, dxs):
                 ready.append((group, xs, dxs, dxs))  # the gradients of the step before, in place
                 continue
             if not (group.steppable() and group.unchanged(xs)):
