@@ -3,7 +3,8 @@
 Each rule of the library has one `RuleInfo` in `RULES` below, in the style of PyTorch's
 OptimizerInfo database: its class, its documented defaults, its independent reference formula
 (`rule_reference.py`), flags (takes complex parameters, elementwise), its counterparts in
-torch.optim and optax with the mapping of hyperparameters written once, and the hyperparameters
+torch.optim and optax (their mapping of hyperparameters is in the table of peers
+`optimisers.tools.bench.peers`, which the bench reads too), and the hyperparameters
 that each family of generic tests runs it with. `COMPOSITES` lists the chains and wrappers that
 the same tests run. The tests ask the functions at the end of this module for their cases, so a
 rule registered here is run by all of them:
@@ -46,11 +47,11 @@ How to register a new rule
    `checkpoint` run the rule at its defaults unless given other hyperparameters. Set
    `complex=False` if the rule rejects complex parameters, `elementwise=False` if an element's
    step depends on other elements, and `jit=[]` if it decides in Python (it cannot be traced).
-3. If torch.optim or optax has the rule, give the mapping once (`torch=TorchPeer(...)`,
-   `optax=lambda optax, r: ...`, both computed from the rule instance `r`) and the
-   hyperparameters to compare at (`torch64`, `optax64`, `optax32`, `train`, `half`). Choose them
-   where the two formulas agree (e.g. a small ε where the peer puts ε elsewhere) and say why in a
-   comment next to the entry.
+3. If torch.optim or optax has the rule, give the mapping once, in the table of peers that the
+   bench shares (`TORCH` and `OPTAX` in `optimisers/tools/bench/peers.py`, both computed from
+   the rule instance `r`), and here the hyperparameters to compare at (`torch64`, `optax64`,
+   `optax32`, `train`, `half`). Choose them where the two formulas agree (e.g. a small ε where the
+   peer puts ε elsewhere) and say why in a comment next to the entry.
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ import numpy as np
 
 import optimisers as opt
 import rule_reference as ref
+from optimisers.tools.bench.peers import OPTAX, TORCH, TorchOptim
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,21 +80,6 @@ def hp(tag: str = "", **kwargs) -> Hyper:
 
 
 DEFAULT = (Hyper({}),)  # the rule at its defaults
-
-
-@dataclasses.dataclass(frozen=True)
-class TorchPeer:
-    """The torch.optim class computing the same steps, and our hyperparameters as its keywords."""
-
-    name: str
-    kwargs: Callable[[opt.Rule], dict]
-    fused: bool = False  # torch has a fused CPU kernel for it
-    differs_at_step: int | None = None  # one step that differs by design (see the rule's comment)
-
-    def make(self, rule: opt.Rule, params, **implementation):
-        import torch
-
-        return getattr(torch.optim, self.name)(params, **self.kwargs(rule), **implementation)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,8 +101,6 @@ class RuleInfo:
     # sets the parameter to a value far from it (a NewValue): optax's `x + (new − x)` is then
     # `new` only to within a rounding
     sets_value: bool = False
-    torch: TorchPeer | None = None
-    optax: Callable | None = None  # (optax, rule) -> transformation whose updates are added
     # hyperparameters per family of generic tests (see the module docstring). The `toy` learning
     # rates are what a user would pick for the well-scaled toy problems; rules without a learning
     # rate run at their defaults and converge only inside a chain.
@@ -133,58 +118,20 @@ class RuleInfo:
     def name(self) -> str:
         return self.cls.__name__
 
+    @property
+    def torch(self) -> TorchOptim | None:
+        return TORCH.get(self.cls)
+
+    @property
+    def optax(self) -> Callable | None:
+        """(optax, rule) -> the transformation whose updates are added."""
+        return OPTAX.get(self.cls)
+
     def make(self, h: Hyper = DEFAULT[0]) -> opt.Rule:
         return self.cls(**h.kwargs)
 
     def case_id(self, h: Hyper) -> str:
         return f"{self.name}({h.tag})" if h.tag else self.name
-
-
-# optax's gradient transformations give updates to add; ours on their own subtract them
-def _descend(optax, transform):
-    return optax.chain(transform, optax.scale(-1.0))
-
-
-def _adamw_torch(r):
-    assert r.couple, "torch.optim.AdamW decays by lr·wd·x: couple=True"
-    return dict(lr=r.eta, betas=r.beta, eps=r.epsilon, weight_decay=r.lambd)
-
-
-def _adamw_optax(optax, r):
-    assert r.couple, "optax.adamw decays by lr·wd·x: couple=True"
-    return optax.adamw(r.eta, b1=r.beta[0], b2=r.beta[1], eps=r.epsilon, weight_decay=r.lambd)
-
-
-def _adafactor_optax(optax, r):
-    """optax.adafactor at the settings where it computes our steps (see the entry)."""
-    import jax.numpy as jnp
-
-    assert r.epsilon[1] == 1e-3, "optax.adafactor's parameter-scale floor is 1e-3"
-    return optax.adafactor(
-        learning_rate=lambda count: jnp.minimum(r.eta, 1 / jnp.sqrt(count + 1.0)),
-        min_dim_size_to_factor=1,
-        decay_rate=-r.beta2_decay,
-        multiply_by_parameter_scale=True,
-        clipping_threshold=r.d,
-        momentum=None,
-        weight_decay_rate=r.eta * r.lambd if r.lambd else None,
-    )
-
-
-def _muon_optax(optax, r):
-    assert not r.nesterov, "optax.contrib.muon's Nesterov term is bias-corrected: nesterov=False"
-    rms = r.scale == "match_rms_adamw"
-    return optax.contrib.muon(
-        r.eta,
-        ns_coeffs=r.ns_coefficients,
-        ns_steps=r.ns_steps,
-        beta=r.beta,
-        eps=r.epsilon,
-        weight_decay=r.lambd,
-        nesterov=False,
-        muon_weight_dimension_numbers=optax.contrib.MuonDimensionNumbers(1, 0),
-        consistent_rms=0.2 if rms else None,
-    )
 
 
 RULES: tuple[RuleInfo, ...] = (
@@ -193,8 +140,6 @@ RULES: tuple[RuleInfo, ...] = (
         dict(eta=0.1),
         ref.descent,
         toy=[hp(eta=0.1)],
-        torch=TorchPeer("SGD", lambda r: dict(lr=r.eta), fused=True),
-        optax=lambda optax, r: optax.sgd(r.eta),
         torch64=[hp(eta=0.1)],
         optax32=[hp(eta=0.1)],
         train=[hp(eta=0.1)],
@@ -206,8 +151,6 @@ RULES: tuple[RuleInfo, ...] = (
         dict(eta=0.01, rho=0.9),
         ref.momentum,
         toy=[hp(eta=0.02)],
-        torch=TorchPeer("SGD", lambda r: dict(lr=r.eta, momentum=r.rho, dampening=0), fused=True),
-        optax=lambda optax, r: optax.sgd(r.eta, momentum=r.rho),
         torch64=[hp(eta=0.01, rho=0.9)],
         optax64=[hp(eta=0.01, rho=0.9)],
         optax32=[hp(eta=0.01, rho=0.9)],
@@ -221,8 +164,6 @@ RULES: tuple[RuleInfo, ...] = (
         dict(eta=0.001, rho=0.9),
         ref.nesterov,
         toy=[hp(eta=0.02)],
-        torch=TorchPeer("SGD", lambda r: dict(lr=r.eta, momentum=r.rho, nesterov=True), fused=True),
-        optax=lambda optax, r: optax.sgd(r.eta, momentum=r.rho, nesterov=True),
         torch64=[hp(eta=0.01, rho=0.9)],
         optax64=[hp(eta=0.01, rho=0.9)],
         optax32=[hp(eta=0.01, rho=0.9)],
@@ -237,10 +178,6 @@ RULES: tuple[RuleInfo, ...] = (
         ref.rmsprop,
         toy=[hp(eta=0.01), hp("centred", eta=0.01, centred=True)],
         jit=[hp(), hp("centred", centred=True)],
-        torch=TorchPeer("RMSprop", lambda r: dict(lr=r.eta, alpha=r.rho, eps=r.epsilon, centered=r.centred)),
-        optax=lambda optax, r: optax.rmsprop(
-            r.eta, decay=r.rho, eps=r.epsilon, eps_in_sqrt=False, centered=r.centred
-        ),
         torch64=[
             hp(eta=0.01, rho=0.9, epsilon=1e-8),
             hp("centred", eta=0.01, rho=0.9, epsilon=1e-8, centred=True),
@@ -265,7 +202,6 @@ RULES: tuple[RuleInfo, ...] = (
         ref.rprop,
         complex=False,
         toy=[hp(eta=0.01)],
-        torch=TorchPeer("Rprop", lambda r: dict(lr=r.eta, etas=r.ell, step_sizes=r.gamma)),
         torch64=[hp(eta=0.01, ell=(0.5, 1.2), gamma=(1e-6, 50.0))],
         train=[hp(eta=1e-3, ell=(0.5, 1.2), gamma=(1e-6, 50.0))],
         half=[hp(eta=1e-3)],
@@ -276,8 +212,6 @@ RULES: tuple[RuleInfo, ...] = (
         dict(eta=0.001, beta=(0.9, 0.999), epsilon=1e-8),
         ref.adam,
         toy=[hp(eta=0.05)],
-        torch=TorchPeer("Adam", lambda r: dict(lr=r.eta, betas=r.beta, eps=r.epsilon), fused=True),
-        optax=lambda optax, r: optax.adam(r.eta, b1=r.beta[0], b2=r.beta[1], eps=r.epsilon),
         torch64=[hp(eta=0.01, beta=(0.9, 0.999), epsilon=1e-8)],
         optax64=[hp(eta=0.01)],
         optax32=[hp(eta=0.01, beta=(0.9, 0.999), epsilon=1e-8)],
@@ -295,8 +229,6 @@ RULES: tuple[RuleInfo, ...] = (
         ref.radam,
         toy=[hp(eta=0.05)],
         toy_steps=400,  # its warm-up is plain momentum
-        torch=TorchPeer("RAdam", lambda r: dict(lr=r.eta, betas=r.beta, eps=r.epsilon), differs_at_step=5),
-        optax=lambda optax, r: optax.radam(r.eta, b1=r.beta[0], b2=r.beta[1], eps=r.epsilon, threshold=4.0),
         optax64=[hp(eta=0.01)],
         optax32=[hp(eta=0.01)],
         train=[hp(eta=1e-2, beta=(0.9, 0.999), epsilon=1e-13)],
@@ -310,8 +242,6 @@ RULES: tuple[RuleInfo, ...] = (
         dict(eta=0.001, beta=(0.9, 0.999), epsilon=1e-8),
         ref.adamax,
         toy=[hp(eta=0.05)],
-        torch=TorchPeer("Adamax", lambda r: dict(lr=r.eta, betas=r.beta, eps=r.epsilon)),
-        optax=lambda optax, r: optax.adamax(r.eta, b1=r.beta[0], b2=r.beta[1], eps=r.epsilon),
         torch64=[hp(eta=0.01, epsilon=0.0)],
         optax64=[hp(eta=0.01)],
         optax32=[hp(eta=0.01)],
@@ -334,13 +264,7 @@ RULES: tuple[RuleInfo, ...] = (
         dict(eta=0.1, epsilon=1e-8),
         ref.adagrad,
         toy=[hp(eta=0.3)],
-        torch=TorchPeer(
-            "Adagrad",
-            lambda r: dict(lr=r.eta, initial_accumulator_value=r.epsilon, eps=r.epsilon),
-            fused=True,
-        ),
         # optax puts ε inside the root: eps=0 and the accumulator's start ε
-        optax=lambda optax, r: optax.adagrad(r.eta, initial_accumulator_value=r.epsilon, eps=0.0),
         torch64=[hp(eta=0.1, epsilon=1e-8)],
         optax32=[hp(eta=0.1, epsilon=1e-8)],
         train=[hp(eta=0.05, epsilon=1e-8)],
@@ -357,8 +281,6 @@ RULES: tuple[RuleInfo, ...] = (
         ref.adadelta,
         toy=[hp(rho=0.9, epsilon=1e-5)],
         toy_steps=600,
-        torch=TorchPeer("Adadelta", lambda r: dict(lr=1.0, rho=r.rho, eps=r.epsilon)),
-        optax=lambda optax, r: optax.adadelta(1.0, rho=r.rho, eps=r.epsilon),
         torch64=[hp(rho=0.9, epsilon=1e-6)],
         optax64=[hp(rho=0.9, epsilon=1e-6)],
         optax32=[hp(rho=0.9, epsilon=1e-6)],
@@ -372,7 +294,6 @@ RULES: tuple[RuleInfo, ...] = (
         dict(eta=0.001, beta=(0.9, 0.999), epsilon=1e-8),
         ref.amsgrad,
         toy=[hp(eta=0.05)],
-        optax=lambda optax, r: optax.amsgrad(r.eta, b1=r.beta[0], b2=r.beta[1], eps=r.epsilon),
         optax64=[hp(eta=0.01)],
         optax32=[hp(eta=0.01)],
         train=[hp(eta=1e-2)],
@@ -385,7 +306,6 @@ RULES: tuple[RuleInfo, ...] = (
         dict(eta=0.001, beta=(0.9, 0.999), epsilon=1e-8),
         ref.nadam,
         toy=[hp(eta=0.05)],
-        optax=lambda optax, r: optax.nadam(r.eta, b1=r.beta[0], b2=r.beta[1], eps=r.epsilon),
         optax64=[hp(eta=0.01)],
         optax32=[hp(eta=0.01)],
         train=[hp(eta=1e-2)],
@@ -402,8 +322,6 @@ RULES: tuple[RuleInfo, ...] = (
             hp("decoupled", eta=0.05, lambd=1e-3, couple=False),
         ],
         jit=[hp("lambd", lambd=0.1), hp("decoupled", lambd=0.1, couple=False)],
-        torch=TorchPeer("AdamW", _adamw_torch, fused=True),
-        optax=_adamw_optax,
         torch64=[hp(eta=0.01, beta=(0.9, 0.999), lambd=0.1)],
         optax64=[hp(eta=0.01, lambd=0.1)],
         optax32=[hp(eta=0.01, beta=(0.9, 0.999), lambd=0.1)],
@@ -416,21 +334,16 @@ RULES: tuple[RuleInfo, ...] = (
         dict(eta=0.001, beta=(0.9, 0.999), epsilon=1e-16),
         ref.adabelief,
         toy=[hp(eta=0.05)],
-        optax=lambda optax, r: optax.adabelief(
-            r.eta, b1=r.beta[0], b2=r.beta[1], eps=r.epsilon, eps_root=r.epsilon
-        ),
         optax64=[hp(eta=0.01)],
         optax32=[hp(eta=0.01)],
         checkpoint=[hp(eta=0.01)],
     ),
-    # optax.lion's defaults differ (b2=0.99, weight_decay=1e-3): all given
     RuleInfo(
         opt.Lion,
         dict(eta=0.001, beta=(0.9, 0.999)),
         ref.lion,
         complex=False,
         toy=[hp(eta=0.02)],
-        optax=lambda optax, r: optax.lion(r.eta, b1=r.beta[0], b2=r.beta[1], weight_decay=0.0),
         optax64=[hp(eta=0.01)],
         optax32=[hp(eta=0.001, beta=(0.9, 0.99))],
         checkpoint=[hp(eta=0.01)],
@@ -441,7 +354,6 @@ RULES: tuple[RuleInfo, ...] = (
         dict(eta=0.001, beta=(0.9, 0.9999), epsilon=1e-6),
         complex=False,
         toy=[hp(eta=0.05)],
-        optax=lambda optax, r: optax.contrib.adopt(r.eta, b1=r.beta[0], b2=r.beta[1], eps=r.epsilon),
         optax64=[hp(eta=0.01), hp("beta2", eta=0.01, beta=(0.9, 0.999))],
         optax32=[hp(eta=0.001)],
         checkpoint=[hp(eta=0.01)],
@@ -454,16 +366,6 @@ RULES: tuple[RuleInfo, ...] = (
         ref.ademamix,
         toy=[hp(eta=0.05), hp("lambd", eta=0.05, lambd=1e-3)],
         jit=[hp(), hp("lambd", lambd=0.1)],
-        optax=lambda optax, r: optax.contrib.ademamix(
-            r.eta,
-            b1=r.beta[0],
-            b2=r.beta[1],
-            b3=r.beta[2],
-            alpha=r.alpha,
-            eps=r.epsilon,
-            eps_root=0.0,
-            weight_decay=r.lambd,
-        ),
         optax64=[hp(eta=0.01), hp("fast", eta=0.01, beta=(0.8, 0.99, 0.95), alpha=2.0, lambd=0.1)],
         optax32=[hp(eta=0.001), hp("lambd", eta=0.01, lambd=0.1)],
         checkpoint=[hp(eta=0.01, lambd=0.01)],
@@ -479,15 +381,6 @@ RULES: tuple[RuleInfo, ...] = (
         sets_value=True,
         toy=[hp(eta=0.05), hp("warmup", eta=0.05, lambd=1e-3, warmup=10, r=1.0)],
         jit=[hp(), hp("warmup", lambd=0.1, warmup=5, r=1.0, weight_lr_power=1.0)],
-        optax=lambda optax, r: optax.contrib.schedule_free_adamw(
-            r.eta,
-            warmup_steps=None,
-            b1=r.beta[0],
-            b2=r.beta[1],
-            eps=r.epsilon,
-            weight_decay=r.lambd,
-            weight_lr_power=r.weight_lr_power,
-        ),
         optax64=[hp(eta=0.01), hp("lambd", eta=0.01, beta=(0.8, 0.99), lambd=0.1, weight_lr_power=1.0)],
         optax32=[hp(eta=0.01), hp("lambd", eta=0.01, lambd=0.1)],
         train=[hp(eta=1e-2, lambd=0.1, warmup=3)],
@@ -500,9 +393,6 @@ RULES: tuple[RuleInfo, ...] = (
         sets_value=True,
         toy=[hp(eta=0.15), hp("warmup", eta=0.15, lambd=1e-3, warmup=10, r=1.0)],
         jit=[hp(), hp("warmup", eta=0.1, lambd=0.1, warmup=5, r=1.0, weight_lr_power=1.0)],
-        optax=lambda optax, r: optax.contrib.schedule_free_sgd(
-            r.eta, warmup_steps=None, b1=r.beta, weight_decay=r.lambd, weight_lr_power=r.weight_lr_power
-        ),
         optax64=[hp(eta=0.1), hp("lambd", eta=0.1, beta=0.8, lambd=0.1, weight_lr_power=1.0)],
         optax32=[hp(eta=0.1), hp("lambd", eta=0.1, lambd=0.1)],
         train=[hp(eta=0.1, lambd=0.1, warmup=3)],
@@ -517,9 +407,6 @@ RULES: tuple[RuleInfo, ...] = (
         train=(),  # norms are summed in memory order: strided and contiguous round differently
         toy=[hp(eta=0.02), hp("lambd", eta=0.02, lambd=1e-3)],
         jit=[hp(), hp("lambd", lambd=0.1)],
-        optax=lambda optax, r: optax.lamb(
-            r.eta, b1=r.beta[0], b2=r.beta[1], eps=r.epsilon, eps_root=0.0, weight_decay=r.lambd
-        ),
         optax64=[hp(eta=0.01), hp("lambd", eta=0.01, beta=(0.8, 0.99), epsilon=1e-8, lambd=0.1)],
         optax32=[hp(eta=0.001), hp("lambd", eta=0.01, lambd=0.1)],
         checkpoint=[hp(eta=0.01, lambd=0.01)],
@@ -534,14 +421,6 @@ RULES: tuple[RuleInfo, ...] = (
         train=(),  # norms are summed in memory order: strided and contiguous round differently
         toy=[hp(eta=1.0, trust=0.01), hp("nesterov", eta=1.0, trust=0.01, lambd=1e-4, nesterov=True)],
         jit=[hp(), hp("nesterov", lambd=0.1, epsilon=1e-3, nesterov=True)],
-        optax=lambda optax, r: optax.lars(
-            r.eta,
-            weight_decay=r.lambd,
-            trust_coefficient=r.trust,
-            eps=r.epsilon,
-            momentum=r.beta,
-            nesterov=r.nesterov,
-        ),
         optax64=[
             hp(eta=1.0),
             hp("nesterov", eta=1.0, beta=0.8, lambd=0.1, trust=0.02, epsilon=1e-3, nesterov=True),
@@ -591,11 +470,6 @@ RULES: tuple[RuleInfo, ...] = (
         train=[hp(), hp("lambd", lambd=0.1)],
         toy=[hp(eta=0.1), hp("lambd", eta=0.1, lambd=1e-3, d=2.0, epsilon=(1e-12, 1e-2))],
         jit=[hp(), hp("lambd", lambd=0.1, epsilon=(1e-12, 1e-2), d=1.5, beta2_decay=-0.6)],
-        torch=TorchPeer(
-            "Adafactor",
-            lambda r: dict(lr=r.eta, beta2_decay=r.beta2_decay, eps=r.epsilon, d=r.d, weight_decay=r.lambd),
-        ),
-        optax=_adafactor_optax,
         torch64=[hp(), hp("lambd", eta=0.05, lambd=0.1, d=1.5, beta2_decay=-0.6, epsilon=(1e-20, 1e-2))],
         optax32=[hp(), hp("lambd", eta=0.05, lambd=0.1, d=1.5, beta2_decay=-0.6)],
         half=[hp()],
@@ -623,7 +497,6 @@ RULES: tuple[RuleInfo, ...] = (
         elementwise=False,
         toy=[hp(eta=0.02, lambd=0.0), hp("plain", eta=0.02, lambd=0.0, nesterov=False)],
         jit=[hp(), hp("rms", nesterov=False, scale="match_rms_adamw")],
-        optax=_muon_optax,
         # optax adds ε to the norm where we take max(norm, ε): 1e-7 moves float64 steps by ~1e-10
         optax64=[
             hp(eta=0.01, nesterov=False, epsilon=1e-30),
@@ -637,7 +510,6 @@ RULES: tuple[RuleInfo, ...] = (
         dict(lambd=5e-4),
         ref.weight_decay,
         toy_steps=0,
-        optax=lambda optax, r: _descend(optax, optax.add_decayed_weights(r.lambd)),
         optax64=[hp(lambd=0.1)],
     ),
     RuleInfo(opt.SignDecay, dict(lambd=1e-3), ref.sign_decay, complex=False, toy_steps=0),
@@ -648,7 +520,6 @@ RULES: tuple[RuleInfo, ...] = (
         complex=False,
         toy_steps=0,
         jit=[hp(delta=0.5)],
-        optax=lambda optax, r: _descend(optax, optax.clip(r.delta)),
         optax64=[hp(delta=0.5)],
         checkpoint=[hp(delta=0.5)],
     ),
@@ -661,7 +532,6 @@ RULES: tuple[RuleInfo, ...] = (
         toy_steps=0,
         train=(),  # a norm is summed in memory order: strided and contiguous round differently
         jit=[hp(omega=1.0), hp("inf", omega=1.0, p=math.inf)],
-        optax=lambda optax, r: _descend(optax, optax.clip_by_global_norm(r.omega)),
         optax64=[hp(omega=2.0)],
         checkpoint=[hp(omega=1.0)],
     ),
@@ -692,7 +562,7 @@ class Composite:
     toy_steps: int = 300
     toy_dtype: type = np.float64  # the model's dtype in the convergence tests
     optax: Callable | None = None  # optax -> transformation
-    torch: TorchPeer | None = None
+    torch: TorchOptim | None = None
     torch_before_step: Callable | None = None  # (params) -> None: gradient surgery before step()
 
 
@@ -827,20 +697,20 @@ COMPOSITES: tuple[Composite, ...] = (
         "WeightDecay+Descent",
         lambda: opt.OptimiserChain(opt.WeightDecay(0.05), opt.Descent(0.1)),
         _fam("train"),
-        torch=TorchPeer("SGD", lambda r: dict(lr=0.1, weight_decay=0.05)),
+        torch=TorchOptim("SGD", lambda r: dict(lr=0.1, weight_decay=0.05)),
     ),
     Composite(
         "WeightDecay+Adam",
         lambda: opt.OptimiserChain(opt.WeightDecay(0.05), opt.Adam(1e-2)),
         _fam("train"),
-        torch=TorchPeer("Adam", lambda r: dict(lr=1e-2, weight_decay=0.05)),
+        torch=TorchOptim("Adam", lambda r: dict(lr=1e-2, weight_decay=0.05)),
     ),
     # clip_grad_value_ before the step is ClipGrad first in a chain
     Composite(
         "ClipGrad+Momentum",
         lambda: opt.OptimiserChain(opt.ClipGrad(0.02), opt.Momentum(0.1, 0.9)),
         _fam("train"),
-        torch=TorchPeer("SGD", lambda r: dict(lr=0.1, momentum=0.9)),
+        torch=TorchOptim("SGD", lambda r: dict(lr=0.1, momentum=0.9)),
         torch_before_step=_clip_value(0.02),
     ),
     Composite(
@@ -1002,7 +872,7 @@ class TorchCase:
 
     name: str
     ours: Callable[[], opt.Rule]
-    peer: TorchPeer
+    peer: TorchOptim
     before_step: Callable | None = None  # torch side: gradient surgery before optimizer.step()
 
     def theirs(self, params, **implementation):

@@ -1,11 +1,12 @@
 """The rules the bench steps: one `BenchRule` per rule in `RULES`, holding everything the rows of
 that rule need (ours, its torch and optax peers, a naive NumPy formula, the bytes of its floor).
 
-To bench another rule, add one entry to `RULES`. Give every implementation the same
-hyperparameters, chosen where the peers compute the same steps as `optimisers` (the rule's
-docstring and `tests/rules_registry.py` in the repository name the mapping), and steps well above
-the check's tolerance (about 1e-7 for the parameters of about 0.02: steps of 1e-5 or more). A
-library without the rule gets `None`: its rows say so ("—") instead of running.
+To bench another rule, add one entry to `RULES`: the rule, at hyperparameters where its peers
+compute the same steps (the rule's docstring says where they differ) and with steps well above the
+check's tolerance (about 1e-7 for the parameters of about 0.02: steps of 1e-5 or more). Its
+torch.optim and optax peers are built from it by the table of peers (`peers`, which the
+repository's tests read too); a peer from elsewhere is given by hand. A library without the rule
+gets `None`: its rows say so ("—") instead of running.
 
 The naive formula is written once, for any float dtype: run in float32 it is the "naive NumPy loop"
 row, run in float64 it is the reference every row is checked against (without one, rows are
@@ -22,6 +23,7 @@ import numpy as np
 
 import optimisers as opt
 
+from . import peers
 from .models import ATOL, RTOL
 
 #: A naive formula: given the parameter arrays (stepped in place), `step(grads, t)` for t = 1, 2, ...
@@ -143,42 +145,59 @@ def _trust_ratio(x, u, trust, eps):
     return x.dtype.type(1) if nx == 0 or nu == 0 else x.dtype.type(trust) * nx / (nu + x.dtype.type(eps))
 
 
-def _naive_momentum(xs):
-    vs = _zeros(xs)
+def _per_array(states: int):
+    """A `Naive` from `formula(f, t)`, which gives at step `t` (`f` the arrays' float type, its
+    scalars cast once a step) `each(x, g, *state)`, the step of one array in place; each array's
+    `states` arrays start at zero."""
 
-    def step(gs, t):
-        f = xs[0].dtype.type
-        rho, lr = f(RHO), f(LR_MOMENTUM)
-        for x, g, v in zip(xs, gs, vs):
-            v *= rho
-            v += lr * g
-            x -= v
+    def naive(formula) -> Naive:
+        def make(xs):
+            held = [_zeros(xs) for _ in range(states)]
 
-    return step
+            def step(gs, t):
+                each = formula(xs[0].dtype.type, t)
+                for x, g, *state in zip(xs, gs, *held):
+                    each(x, g, *state)
+
+            return step
+
+        return make
+
+    return naive
+
+
+@_per_array(states=1)
+def _naive_momentum(f, t):
+    rho, lr = f(RHO), f(LR_MOMENTUM)
+
+    def each(x, g, v):
+        v *= rho
+        v += lr * g
+        x -= v
+
+    return each
 
 
 def _naive_adam(decay: float = 0.0) -> Naive:
-    def make(xs):
-        ms, vs = _zeros(xs), _zeros(xs)
+    @_per_array(states=2)
+    def adam(f, t):
+        b1, b2, eps, lr = f(BETAS[0]), f(BETAS[1]), f(EPS), f(LR_ADAM)
+        c1, c2 = f(1 - BETAS[0] ** t), f(1 - BETAS[1] ** t)
+        keep = f(1 - LR_ADAM * decay)
 
-        def step(gs, t):
-            f = xs[0].dtype.type
-            b1, b2, eps, lr = f(BETAS[0]), f(BETAS[1]), f(EPS), f(LR_ADAM)
-            c1, c2 = f(1 - BETAS[0] ** t), f(1 - BETAS[1] ** t)
-            keep = f(1 - LR_ADAM * decay)
-            for x, g, m, v in zip(xs, gs, ms, vs):
-                m *= b1
-                m += (1 - b1) * g
-                v *= b2
-                v += (1 - b2) * (g * g)
-                s = (lr / c1) * m / (np.sqrt(v / c2) + eps)
-                if decay:
-                    x *= keep
-                x -= s
+        def each(x, g, m, v):
+            m *= b1
+            m += (1 - b1) * g
+            v *= b2
+            v += (1 - b2) * (g * g)
+            s = (lr / c1) * m / (np.sqrt(v / c2) + eps)
+            if decay:
+                x *= keep
+            x -= s
 
-        return step
+        return each
 
-    return make
+    return adam
 
 
 def _naive_clip_adamw(xs):
@@ -214,78 +233,70 @@ class _ClippedEachTensor:
         self.optimizer.step()
 
 
-def _naive_lamb(xs):
-    ms, vs = _zeros(xs), _zeros(xs)
+@_per_array(states=2)
+def _naive_lamb(f, t):
+    b1, b2, eps, lr, wd = f(BETAS[0]), f(BETAS[1]), f(EPS_LAMB), f(LR_LAMB), f(WEIGHT_DECAY)
+    c1, c2 = f(1 - BETAS[0] ** t), f(1 - BETAS[1] ** t)
 
-    def step(gs, t):
-        f = xs[0].dtype.type
-        b1, b2, eps, lr, wd = f(BETAS[0]), f(BETAS[1]), f(EPS_LAMB), f(LR_LAMB), f(WEIGHT_DECAY)
-        c1, c2 = f(1 - BETAS[0] ** t), f(1 - BETAS[1] ** t)
-        for x, g, m, v in zip(xs, gs, ms, vs):
-            m *= b1
-            m += (1 - b1) * g
-            v *= b2
-            v += (1 - b2) * (g * g)
-            u = (m / c1) / (np.sqrt(v / c2) + eps) + wd * x
-            x -= (lr * _trust_ratio(x, u, 1.0, 0.0)) * u
+    def each(x, g, m, v):
+        m *= b1
+        m += (1 - b1) * g
+        v *= b2
+        v += (1 - b2) * (g * g)
+        u = (m / c1) / (np.sqrt(v / c2) + eps) + wd * x
+        x -= (lr * _trust_ratio(x, u, 1.0, 0.0)) * u
 
-    return step
+    return each
 
 
-def _naive_lars(xs):
-    vs = _zeros(xs)
+@_per_array(states=1)
+def _naive_lars(f, t):
+    beta, lr, wd = f(RHO), f(LR_LARS), f(WEIGHT_DECAY)
 
-    def step(gs, t):
-        f = xs[0].dtype.type
-        beta, lr, wd = f(RHO), f(LR_LARS), f(WEIGHT_DECAY)
-        for x, g, v in zip(xs, gs, vs):
-            u = g + wd * x
-            v *= beta
-            v += (lr * _trust_ratio(x, u, TRUST_LARS, 0.0)) * u
-            x -= v
+    def each(x, g, v):
+        u = g + wd * x
+        v *= beta
+        v += (lr * _trust_ratio(x, u, TRUST_LARS, 0.0)) * u
+        x -= v
 
-    return step
+    return each
 
 
-def _naive_adopt(xs):
-    ms, vs = _zeros(xs), _zeros(xs)
+@_per_array(states=2)
+def _naive_adopt(f, t):
+    b1, b2, eps, lr = f(BETAS_ADOPT[0]), f(BETAS_ADOPT[1]), f(EPS_ADOPT), f(LR_ADAM)
+    bound = f((t - 1) ** 0.25)
 
-    def step(gs, t):
-        f = xs[0].dtype.type
-        b1, b2, eps, lr = f(BETAS_ADOPT[0]), f(BETAS_ADOPT[1]), f(EPS_ADOPT), f(LR_ADAM)
-        for x, g, m, v in zip(xs, gs, ms, vs):
-            if t == 1:  # the first step only records the second moment
-                v[...] = g * g
-                continue
-            bound = f((t - 1) ** 0.25)
-            u = np.clip(g / np.maximum(np.sqrt(v), eps), -bound, bound)
-            m *= b1
-            m += (1 - b1) * u
-            v *= b2
-            v += (1 - b2) * (g * g)
-            x -= lr * m
+    def each(x, g, m, v):
+        if t == 1:  # the first step only records the second moment
+            v[...] = g * g
+            return
+        u = np.clip(g / np.maximum(np.sqrt(v), eps), -bound, bound)
+        m *= b1
+        m += (1 - b1) * u
+        v *= b2
+        v += (1 - b2) * (g * g)
+        x -= lr * m
 
-    return step
+    return each
 
 
-def _naive_ademamix(xs):
-    fasts, slows, vs = _zeros(xs), _zeros(xs), _zeros(xs)
+@_per_array(states=3)
+def _naive_ademamix(f, t):
+    b1, b2, b3 = (f(b) for b in BETAS_ADEMAMIX)
+    alpha, eps, lr, wd = f(ALPHA_ADEMAMIX), f(EPS), f(LR_ADAM), f(WEIGHT_DECAY)
+    c1, c2 = f(1 - BETAS_ADEMAMIX[0] ** t), f(1 - BETAS_ADEMAMIX[1] ** t)
 
-    def step(gs, t):
-        f = xs[0].dtype.type
-        b1, b2, b3 = (f(b) for b in BETAS_ADEMAMIX)
-        alpha, eps, lr, wd = f(ALPHA_ADEMAMIX), f(EPS), f(LR_ADAM), f(WEIGHT_DECAY)
-        c1, c2 = f(1 - BETAS_ADEMAMIX[0] ** t), f(1 - BETAS_ADEMAMIX[1] ** t)
-        for x, g, m1, m2, v in zip(xs, gs, fasts, slows, vs):
-            m1 *= b1
-            m1 += (1 - b1) * g
-            m2 *= b3
-            m2 += (1 - b3) * g
-            v *= b2
-            v += (1 - b2) * (g * g)
-            x -= lr * ((m1 / c1 + alpha * m2) / (np.sqrt(v / c2) + eps) + wd * x)
+    def each(x, g, m1, m2, v):
+        m1 *= b1
+        m1 += (1 - b1) * g
+        m2 *= b3
+        m2 += (1 - b3) * g
+        v *= b2
+        v += (1 - b2) * (g * g)
+        x -= lr * ((m1 / c1 + alpha * m2) / (np.sqrt(v / c2) + eps) + wd * x)
 
-    return step
+    return each
 
 
 def _naive_adafactor(xs):
@@ -389,21 +400,19 @@ def _newton_schulz(u):
     return X.T if tall else X
 
 
-def _naive_muon(xs):
-    ms = _zeros(xs)
+@_per_array(states=1)
+def _naive_muon(f, t):
+    beta, lr, wd = f(BETA_MUON), f(LR_MUON), f(DECAY_MUON)
 
-    def step(gs, t):
-        f = xs[0].dtype.type
-        beta, lr, wd = f(BETA_MUON), f(LR_MUON), f(DECAY_MUON)
-        for x, g, m in zip(xs, gs, ms):
-            m += (1 - beta) * (g - m)
-            rows, cols = x.shape[0], x.size // x.shape[0]
-            scale = f(np.sqrt(max(1.0, rows / cols)))
-            o = _newton_schulz(m.reshape(rows, cols)).reshape(x.shape)
-            x *= 1 - lr * wd
-            x -= lr * scale * o
+    def each(x, g, m):
+        m += (1 - beta) * (g - m)
+        rows, cols = x.shape[0], x.size // x.shape[0]
+        scale = f(np.sqrt(max(1.0, rows / cols)))
+        o = _newton_schulz(m.reshape(rows, cols)).reshape(x.shape)
+        x *= 1 - lr * wd
+        x -= lr * scale * o
 
-    return step
+    return each
 
 
 def _naive_lookahead(inner: Naive, k: int, alpha: float) -> Naive:
@@ -428,18 +437,6 @@ def _naive_lookahead(inner: Naive, k: int, alpha: float) -> Naive:
     return make
 
 
-def _adafactor_optax(optax):
-    """optax.adafactor where it computes torch's steps: factoring every matrix, decay rate 0.8 from
-    t = 1, no momentum, update clipping at 1, steps relative to the parameter's RMS (floor 1e-3),
-    relative step min(η, 1/√t)."""
-    import jax.numpy as jnp
-
-    return optax.adafactor(
-        learning_rate=lambda count: jnp.minimum(LR_ADAFACTOR, 1 / jnp.sqrt(count + 1.0)),
-        min_dim_size_to_factor=1, decay_rate=-DECAY_ADAFACTOR, multiply_by_parameter_scale=True,
-        clipping_threshold=1.0, momentum=None, eps=EPS_ADAFACTOR[0])
-
-
 def _lookahead_params(params):
     """What optax.lookahead trains, both parts at `params`; the slow part a copy, not the same
     arrays, since jit cannot donate one buffer twice."""
@@ -454,167 +451,86 @@ def _lookahead_params(params):
 _ADAM_BYTES = "read x, g, m, v; write x, m, v: 7 arrays x 4 bytes = 28"
 _NORMS = "not streaming (its per-array norms need a pass over the array before the step): no floor"
 
+def _entry(name: str, title: str, rule: opt.Rule, naive: Naive | None, bytes_per_param: int | None,
+           bytes_model: str, **given) -> BenchRule:
+    """The entry of `rule`, whose peers, unless given, are its own in the table of peers."""
+    torch_optim, optax_peer = peers.TORCH.get(type(rule)), peers.OPTAX.get(type(rule))
+    if "torch" not in given and torch_optim is not None:
+        variants = {k: v for k, v in TORCH_OPTIM_VARIANTS.items() if k != "fused" or torch_optim.fused}
+        given["torch"] = TorchPeer(f"torch.optim.{torch_optim.name}",
+                                   lambda torch, ps, **kw: torch_optim.make(rule, ps, **kw), variants)
+    if "optax" not in given and optax_peer is not None:
+        given["optax"] = OptaxPeer(lambda optax: optax_peer(optax, rule))
+    return BenchRule(name, title, lambda: rule, given.pop("torch", None), given.pop("optax", None), naive,
+                     bytes_per_param, bytes_model, **given)
+
+
 RULES: dict[str, BenchRule] = {r.name: r for r in [
-    BenchRule(
-        "adam", "Adam",
-        lambda: opt.Adam(eta=LR_ADAM, beta=BETAS, epsilon=EPS),
-        TorchPeer("torch.optim.Adam",
-                  lambda torch, ps, **kw: torch.optim.Adam(ps, lr=LR_ADAM, betas=BETAS, eps=EPS, **kw)),
-        OptaxPeer(lambda optax: optax.adam(LR_ADAM, b1=BETAS[0], b2=BETAS[1], eps=EPS)),
-        _naive_adam(),
-        28, _ADAM_BYTES,
-        in_default_run=True,
-    ),
-    BenchRule(
-        "adamw", "AdamW",
-        lambda: opt.AdamW(eta=LR_ADAM, beta=BETAS, lambd=WEIGHT_DECAY, epsilon=EPS),
-        TorchPeer("torch.optim.AdamW",
-                  lambda torch, ps, **kw: torch.optim.AdamW(ps, lr=LR_ADAM, betas=BETAS, eps=EPS,
-                                                            weight_decay=WEIGHT_DECAY, **kw)),
-        OptaxPeer(lambda optax: optax.adamw(LR_ADAM, b1=BETAS[0], b2=BETAS[1], eps=EPS,
-                                            weight_decay=WEIGHT_DECAY)),
-        _naive_adam(decay=WEIGHT_DECAY),
-        28, "as Adam (the decay reads x, which Adam already reads): 28",
-        in_default_run=True,
-    ),
-    BenchRule(
-        "momentum", "Momentum",
-        lambda: opt.Momentum(eta=LR_MOMENTUM, rho=RHO),
-        TorchPeer("torch.optim.SGD",
-                  lambda torch, ps, **kw: torch.optim.SGD(ps, lr=LR_MOMENTUM, momentum=RHO, **kw)),
-        OptaxPeer(lambda optax: optax.sgd(LR_MOMENTUM, momentum=RHO)),
-        _naive_momentum,
-        20, "read x, g, v; write x, v: 5 arrays x 4 bytes = 20",
-        in_default_run=True,
-    ),
+    _entry("adam", "Adam", opt.Adam(eta=LR_ADAM, beta=BETAS, epsilon=EPS), _naive_adam(), 28, _ADAM_BYTES,
+           in_default_run=True),
+    _entry("adamw", "AdamW", opt.AdamW(eta=LR_ADAM, beta=BETAS, lambd=WEIGHT_DECAY, epsilon=EPS),
+           _naive_adam(decay=WEIGHT_DECAY), 28, "as Adam (the decay reads x, which Adam already reads): 28",
+           in_default_run=True),
+    _entry("momentum", "Momentum", opt.Momentum(eta=LR_MOMENTUM, rho=RHO), _naive_momentum,
+           20, "read x, g, v; write x, v: 5 arrays x 4 bytes = 20", in_default_run=True),
     # each array's gradient clipped to a norm, then AdamW: optax clips by the global norm or a
     # block's RMS only, so it has no peer here
-    BenchRule(
-        "clip-adamw", "ClipNorm+AdamW",
-        lambda: opt.OptimiserChain(opt.ClipNorm(CLIP),
-                                   opt.AdamW(eta=LR_ADAM, beta=BETAS, lambd=WEIGHT_DECAY, epsilon=EPS)),
-        TorchPeer("torch clip_grad_norm_ per tensor + AdamW", _ClippedEachTensor),
-        None,
-        _naive_clip_adamw,
-        None, "not streaming (each array's norm needs a pass over its gradient before the step): "
-        "no floor",
-    ),
-    # optax.lamb with eps_root=0 computes ours (Adam direction plus decay, trust ratio per array)
-    BenchRule(
-        "lamb", "LAMB",
-        lambda: opt.LAMB(eta=LR_LAMB, beta=BETAS, epsilon=EPS_LAMB, lambd=WEIGHT_DECAY),
-        None,
-        OptaxPeer(lambda optax: optax.lamb(LR_LAMB, b1=BETAS[0], b2=BETAS[1], eps=EPS_LAMB, eps_root=0.0,
-                                           weight_decay=WEIGHT_DECAY)),
-        _naive_lamb,
-        None, _NORMS,
-    ),
-    # optax.lars at its default masks (decay and trust ratio on every array), as ours
-    BenchRule(
-        "lars", "LARS",
-        lambda: opt.LARS(eta=LR_LARS, beta=RHO, lambd=WEIGHT_DECAY, trust=TRUST_LARS, epsilon=0.0),
-        None,
-        OptaxPeer(lambda optax: optax.lars(LR_LARS, weight_decay=WEIGHT_DECAY, trust_coefficient=TRUST_LARS,
-                                           eps=0.0, momentum=RHO)),
-        _naive_lars,
-        None, _NORMS,
-    ),
-    # optax.contrib.adopt at its defaults: clipping at (t-1)^(1/4), no Nesterov
-    BenchRule(
-        "adopt", "ADOPT",
-        lambda: opt.ADOPT(eta=LR_ADAM, beta=BETAS_ADOPT, epsilon=EPS_ADOPT),
-        None,
-        OptaxPeer(lambda optax: optax.contrib.adopt(LR_ADAM, b1=BETAS_ADOPT[0], b2=BETAS_ADOPT[1],
-                                                    eps=EPS_ADOPT)),
-        _naive_adopt,
-        28, "as Adam: read x, g, m, v; write x, m, v = 28",
-    ),
-    # optax.contrib.ademamix with constant b3 and alpha (no warm-up schedules) and eps_root=0;
-    # both scale the weight decay by the learning rate
-    BenchRule(
-        "ademamix", "AdEMAMix",
-        lambda: opt.AdEMAMix(eta=LR_ADAM, beta=BETAS_ADEMAMIX, alpha=ALPHA_ADEMAMIX, epsilon=EPS,
-                             lambd=WEIGHT_DECAY),
-        None,
-        OptaxPeer(lambda optax: optax.contrib.ademamix(
-            LR_ADAM, b1=BETAS_ADEMAMIX[0], b2=BETAS_ADEMAMIX[1], b3=BETAS_ADEMAMIX[2],
-            alpha=ALPHA_ADEMAMIX, eps=EPS, eps_root=0.0, weight_decay=WEIGHT_DECAY)),
-        _naive_ademamix,
-        36, "read x, g, m1, m2, v; write x, m1, m2, v: 9 arrays x 4 bytes = 36",
-    ),
+    _entry("clip-adamw", "ClipNorm+AdamW",
+           opt.OptimiserChain(opt.ClipNorm(CLIP), opt.AdamW(eta=LR_ADAM, beta=BETAS, lambd=WEIGHT_DECAY,
+                                                            epsilon=EPS)),
+           _naive_clip_adamw, None,
+           "not streaming (each array's norm needs a pass over its gradient before the step): no floor",
+           torch=TorchPeer("torch clip_grad_norm_ per tensor + AdamW", _ClippedEachTensor)),
+    _entry("lamb", "LAMB", opt.LAMB(eta=LR_LAMB, beta=BETAS, epsilon=EPS_LAMB, lambd=WEIGHT_DECAY),
+           _naive_lamb, None, _NORMS),
+    _entry("lars", "LARS", opt.LARS(eta=LR_LARS, beta=RHO, lambd=WEIGHT_DECAY, trust=TRUST_LARS, epsilon=0.0),
+           _naive_lars, None, _NORMS),
+    _entry("adopt", "ADOPT", opt.ADOPT(eta=LR_ADAM, beta=BETAS_ADOPT, epsilon=EPS_ADOPT), _naive_adopt,
+           28, "as Adam: read x, g, m, v; write x, m, v = 28"),
+    _entry("ademamix", "AdEMAMix",
+           opt.AdEMAMix(eta=LR_ADAM, beta=BETAS_ADEMAMIX, alpha=ALPHA_ADEMAMIX, epsilon=EPS,
+                        lambd=WEIGHT_DECAY),
+           _naive_ademamix, 36, "read x, g, m1, m2, v; write x, m1, m2, v: 9 arrays x 4 bytes = 36"),
     # optax.lookahead trains LookaheadParams(fast, slow): the model is its fast part
-    BenchRule(
-        "lookahead", "Lookahead(Adam)",
-        lambda: opt.Lookahead(opt.Adam(eta=LR_ADAM, beta=BETAS, epsilon=EPS), k=K_LOOKAHEAD,
-                              alpha=ALPHA_LOOKAHEAD),
-        None,
-        OptaxPeer(
-            lambda optax: optax.lookahead(optax.adam(LR_ADAM, b1=BETAS[0], b2=BETAS[1], eps=EPS),
-                                          sync_period=K_LOOKAHEAD, slow_step_size=ALPHA_LOOKAHEAD),
-            wrap=_lookahead_params,
-            unwrap=lambda trained: trained.fast,
-        ),
-        _naive_lookahead(_naive_adam(), K_LOOKAHEAD, ALPHA_LOOKAHEAD),
-        28, "Adam's 28 on the median step (a synchronisation, every k-th step, also reads and "
-        "writes the slow copy)",
-    ),
-    BenchRule(
-        "adafactor", "Adafactor",
-        lambda: opt.Adafactor(eta=LR_ADAFACTOR, beta2_decay=DECAY_ADAFACTOR, epsilon=EPS_ADAFACTOR),
-        TorchPeer("torch.optim.Adafactor",
-                  lambda torch, ps, **kw: torch.optim.Adafactor(
-                      ps, lr=LR_ADAFACTOR, beta2_decay=DECAY_ADAFACTOR, eps=EPS_ADAFACTOR, weight_decay=0.0,
-                      **kw),
-                  variants={"loop": {"foreach": False}, "foreach": {"foreach": True}}),
-        OptaxPeer(_adafactor_optax),
-        _naive_adafactor,
-        None, "not streaming (the update's RMS needs a pass over the array before the step): no floor",
-    ),
+    _entry("lookahead", "Lookahead(Adam)",
+           opt.Lookahead(opt.Adam(eta=LR_ADAM, beta=BETAS, epsilon=EPS), k=K_LOOKAHEAD,
+                         alpha=ALPHA_LOOKAHEAD),
+           _naive_lookahead(_naive_adam(), K_LOOKAHEAD, ALPHA_LOOKAHEAD),
+           28, "Adam's 28 on the median step (a synchronisation, every k-th step, also reads and "
+           "writes the slow copy)",
+           optax=OptaxPeer(
+               lambda optax: optax.lookahead(optax.adam(LR_ADAM, b1=BETAS[0], b2=BETAS[1], eps=EPS),
+                                             sync_period=K_LOOKAHEAD, slow_step_size=ALPHA_LOOKAHEAD),
+               wrap=_lookahead_params,
+               unwrap=lambda trained: trained.fast,
+           )),
+    _entry("adafactor", "Adafactor",
+           opt.Adafactor(eta=LR_ADAFACTOR, beta2_decay=DECAY_ADAFACTOR, epsilon=EPS_ADAFACTOR),
+           _naive_adafactor, None,
+           "not streaming (the update's RMS needs a pass over the array before the step): no floor"),
     # the schedulefree package (the oracle) and optax.contrib agree without warm-up and with r = 0
-    BenchRule(
-        "sf-adamw", "ScheduleFreeAdamW",
-        lambda: opt.ScheduleFreeAdamW(eta=LR_SF_ADAMW, beta=BETAS, epsilon=EPS),
-        TorchPeer("schedulefree.AdamWScheduleFree",
-                  _schedulefree_torch("AdamWScheduleFree", restore_grads=True, lr=LR_SF_ADAMW,
-                                      betas=BETAS, eps=EPS),
-                  variants={"loop": {}}),
-        OptaxPeer(lambda optax: optax.contrib.schedule_free_adamw(LR_SF_ADAMW, b1=BETAS[0], b2=BETAS[1],
-                                                                   eps=EPS)),
-        _naive_schedule_free(adam=True),
-        36, "read y, g, z, v; write y, z, v: 7 arrays, plus the z read again for y = 36 at most",
-    ),
-    BenchRule(
-        "sf-sgd", "ScheduleFreeSGD",
-        lambda: opt.ScheduleFreeSGD(eta=LR_SF_SGD, beta=RHO),
-        TorchPeer("schedulefree.SGDScheduleFree",
-                  _schedulefree_torch("SGDScheduleFree", lr=LR_SF_SGD, momentum=RHO),
-                  variants={"loop": {}}),
-        OptaxPeer(lambda optax: optax.contrib.schedule_free_sgd(LR_SF_SGD, b1=RHO)),
-        _naive_schedule_free(adam=False),
-        20, "read y, g, z; write y, z: 5 arrays x 4 bytes = 20",
-    ),
-    BenchRule(
-        "muon", "Muon",
-        lambda: opt.Muon(eta=LR_MUON, beta=BETA_MUON, lambd=DECAY_MUON, nesterov=False),
-        TorchPeer("torch.optim.Muon",
-                  lambda torch, ps, **kw: torch.optim.Muon(ps, lr=LR_MUON, weight_decay=DECAY_MUON,
-                                                           momentum=BETA_MUON, nesterov=False, **kw),
-                  variants={"loop": {}}),
-        OptaxPeer(lambda optax: optax.contrib.muon(
-            LR_MUON, ns_coeffs=NS_MUON, ns_steps=5, beta=BETA_MUON, eps=1e-7, weight_decay=DECAY_MUON,
-            nesterov=False, muon_weight_dimension_numbers=optax.contrib.MuonDimensionNumbers(1, 0))),
-        _naive_muon,
-        None, "not streaming (matrix products): no floor",
-        shapes=only_matrices,
-    ),
+    _entry("sf-adamw", "ScheduleFreeAdamW", opt.ScheduleFreeAdamW(eta=LR_SF_ADAMW, beta=BETAS, epsilon=EPS),
+           _naive_schedule_free(adam=True),
+           36, "read y, g, z, v; write y, z, v: 7 arrays, plus the z read again for y = 36 at most",
+           torch=TorchPeer("schedulefree.AdamWScheduleFree",
+                           _schedulefree_torch("AdamWScheduleFree", restore_grads=True, lr=LR_SF_ADAMW,
+                                               betas=BETAS, eps=EPS),
+                           variants={"loop": {}})),
+    _entry("sf-sgd", "ScheduleFreeSGD", opt.ScheduleFreeSGD(eta=LR_SF_SGD, beta=RHO),
+           _naive_schedule_free(adam=False), 20, "read y, g, z; write y, z: 5 arrays x 4 bytes = 20",
+           torch=TorchPeer("schedulefree.SGDScheduleFree",
+                           _schedulefree_torch("SGDScheduleFree", lr=LR_SF_SGD, momentum=RHO),
+                           variants={"loop": {}})),
+    _entry("muon", "Muon", opt.Muon(eta=LR_MUON, beta=BETA_MUON, lambd=DECAY_MUON, nesterov=False),
+           _naive_muon, None, "not streaming (matrix products): no floor", shapes=only_matrices,
+           torch=TorchPeer("torch.optim.Muon",
+                           lambda torch, ps, **kw: torch.optim.Muon(ps, lr=LR_MUON, weight_decay=DECAY_MUON,
+                                                                    momentum=BETA_MUON, nesterov=False, **kw),
+                           variants={"loop": {}})),
     # no torch.optim or optax SOAP: ours alone, timed and unchecked (tests/test_soap.py checks it
     # against the paper's algorithm and heavyball's)
-    BenchRule(
-        "soap", "SOAP",
-        lambda: opt.SOAP(eta=LR_SOAP),
-        None, None, None,
-        None, "not streaming (matrix products with its eigenbases): no floor",
-    ),
+    _entry("soap", "SOAP", opt.SOAP(eta=LR_SOAP), None,
+           None, "not streaming (matrix products with its eigenbases): no floor"),
 ]}
 
 
