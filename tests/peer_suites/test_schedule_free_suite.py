@@ -7,7 +7,8 @@ ships (nothing is copied or fetched), unmodified. They are loaded as a module of
 so that each test compares the drop-in with the package's own implementations.
 
 The tests put their tensors on CUDA; on a machine without it `Tensor.cuda()` returns the tensor
-itself while they run, so that they run on the CPU.
+itself while they run, so that they run on the CPU. Each test starts from `torch.manual_seed(1)`,
+as the file's own `__main__` does.
 """
 
 from __future__ import annotations
@@ -47,6 +48,15 @@ for _name, _value in vars(_upstream).items():
 def _cpu_for_cuda(monkeypatch):
     if not torch.cuda.is_available():
         monkeypatch.setattr(torch.Tensor, "cuda", lambda self, *args, **kwargs: self)
+
+
+@pytest.fixture(autouse=True)
+def _seeded():
+    # the file's own `__main__` seeds so: its tests draw unseeded random tensors and compare with
+    # torch.allclose's default tolerance, which a last-bit difference fails where a value is
+    # the small difference of two larger ones (about 1 seed in 9 for test_schedulefree_sgd,
+    # which compares the package's three implementations with the drop-in)
+    torch.manual_seed(1)
 
 
 def test_the_tests_run_the_drop_ins():

@@ -16,7 +16,7 @@ from optimisers.core.rule import Rule
 from optimisers.core.state import Leaf, State
 from optimisers.core.tree import format_path
 from optimisers.torch.hyperparameters import group_entries
-from optimisers.torch.lazy_state import has_entry, set_state
+from optimisers.torch.lazy_state import set_state
 
 _ROOT = format_path(())  # how the library's state_dict names a lone Leaf's place
 
@@ -68,6 +68,10 @@ class Checkpointing:
         prefix = _ROOT + "/"
         return {k.removeprefix(prefix): v for k, v in library_state_dict(leaf).items() if k != FORMAT_KEY}
 
+    def _shows(self, leaf) -> bool:
+        """Whether a Leaf with state has an entry in `state_dict()` and `optimizer.state`."""
+        return True
+
     def _template(self, position: int):
         """A Leaf with state shaped as `position`'s will be, for a checkpoint to load into."""
         leaf = self._leaf_at[position]
@@ -95,7 +99,7 @@ class Checkpointing:
         Holds the state's own tensors (not copies), as torch.optim does."""
         for hook in self._optimizer_state_dict_pre_hooks.values():
             hook(self)
-        state = {p: self._entry(p, leaf) for p, leaf in self._flat.tree.items() if has_entry(leaf)}
+        state = {p: self._entry(p, leaf) for p, leaf in self._flat.tree.items() if self._shows(leaf)}
         out = {"state": {**state, **self._extra_state}, "param_groups": self._saved_groups()}
         for hook in self._optimizer_state_dict_post_hooks.values():
             result = hook(self, out)

@@ -17,7 +17,7 @@ from optimisers.torch.hyperparameters import (
 )
 from optimisers.torch.optimizer import Optimizer
 from optimisers.torch.param_groups import ParamGroup, check_group_dict, group_tensors, setup_leaves
-from optimisers.torch.torch_format import TorchStateFormat
+from optimisers.torch.torch_format import TorchStateDict
 
 # the library's names of hyperparameters, and "rule": in a drop-in's group they would set nothing
 LIBRARY_NAMES = ("rule", "eta", *ALIASES)
@@ -65,7 +65,7 @@ def _fused_devices() -> list:
     return _get_fused_kernels_supported_devices()
 
 
-class DropIn(TorchStateFormat, Optimizer):
+class DropIn(TorchStateDict, Optimizer):
     """What the drop-in classes share; each subclass gives torch's signature and `_rule`."""
 
     _l2: ClassVar[bool] = True  # "weight_decay" is added to the gradient (unless decoupled)
@@ -203,21 +203,22 @@ class DropIn(TorchStateFormat, Optimizer):
             maximize = h.get("maximize", False)
             decay = h.get("weight_decay", 0) if self._l2 and not self._decoupled(h) else 0
             if maximize or isinstance(decay, torch.Tensor) or decay != 0 or g.has_complex:
-                self._prepare(grads, g, start, maximize, decay)
+                _prepare(grads, g, start, maximize, decay)
             # else the gradients as they are (AdamW's usual case): no pass over them
             start += len(g.params)
         return grads
 
-    @staticmethod
-    def _prepare(grads: dict, g: ParamGroup, start: int, maximize, decay) -> None:
-        for j, p in enumerate(g.params):
-            grad = grads.get(start + j)
-            if grad is None:
-                continue
-            if maximize:
-                grad = -grad
-            if isinstance(decay, torch.Tensor) or decay != 0:
-                grad = grad.add(p.detach(), alpha=decay)
-            if grad.is_complex():
-                grad = torch.view_as_real(grad)
-            grads[start + j] = grad
+
+def _prepare(grads: dict, g: ParamGroup, start: int, maximize, decay) -> None:
+    """Group `g`'s gradients (numbered from `start`) as torch prepares them, in place in `grads`."""
+    for j, p in enumerate(g.params):
+        grad = grads.get(start + j)
+        if grad is None:
+            continue
+        if maximize:
+            grad = -grad
+        if isinstance(decay, torch.Tensor) or decay != 0:
+            grad = grad.add(p.detach(), alpha=decay)
+        if grad.is_complex():
+            grad = torch.view_as_real(grad)
+        grads[start + j] = grad

@@ -198,7 +198,7 @@ class StateView(MutableMapping):
 
     def _shown(self) -> list:
         model, tree = self._optimizer._model, self._optimizer._flat.tree
-        return [model[i] for i, leaf in list(tree.items()) if has_entry(leaf)]
+        return [model[i] for i, leaf in list(tree.items()) if self._optimizer._shows(leaf)]
 
     def __iter__(self):
         return iter([*self._shown(), *self._optimizer._extra_state])

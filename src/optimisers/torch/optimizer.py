@@ -10,7 +10,8 @@ state is made at its first gradient (its Leaf is set up without state until then
 
 The class is assembled from one module per job: `param_groups` (building groups and syncing their
 entries into rules, with `hyperparameters` for the names), `lazy_state` (which parameters have
-state; torch's `state[p]`) and `checkpointing` (`state_dict` / `load_state_dict`).
+state; torch's `state[p]`), `stepping` (`step`, `zero_grad`) and `checkpointing` (`state_dict` /
+`load_state_dict`).
 
 Imported only on demand (`optimisers.torch` or `import optimisers.torch`): `import optimisers`
 never imports torch.
@@ -26,8 +27,7 @@ from torch import nn
 from optimisers.core.rule import Rule
 from optimisers.core.state import State
 from optimisers.torch.checkpointing import Checkpointing
-from optimisers.torch.flat import has_flat_grads, zero_flat_grads_
-from optimisers.torch.hyperparameters import adjusted_rule, check_switches, unknown_key_error
+from optimisers.torch.hyperparameters import adjusted_rule, unknown_key_error
 from optimisers.torch.lazy_state import LazyState, replan
 from optimisers.torch.param_groups import (
     ParamGroup,
@@ -36,12 +36,12 @@ from optimisers.torch.param_groups import (
     group_of_dict,
     groups_of_module,
 )
-from optimisers.verbs.update import update_
+from optimisers.torch.stepping import Stepping
 
 __all__ = ["Optimizer"]
 
 
-class Optimizer(LazyState, Checkpointing, torch.optim.Optimizer):
+class Optimizer(Stepping, LazyState, Checkpointing, torch.optim.Optimizer):
     """A `torch.optim.Optimizer` that trains with any rule of this library.
 
         opt = optimisers.torch.Optimizer(model, optimisers.AdamW(1e-3, lambd=0.01))
@@ -152,86 +152,6 @@ class Optimizer(LazyState, Checkpointing, torch.optim.Optimizer):
             start += len(g.params)
         return grads
 
-    # --- a step -----------------------------------------------------------------------------------
-
-    def step(self, closure=None):
-        """One optimisation step on every parameter that has a `.grad` (a parameter's first
-        gradient makes its state). `closure`, if given, re-evaluates the model and returns the
-        loss (run with gradients enabled); its result is returned."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        _eager_step(self)
-        return loss
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """torch.optim's, except that gradients that are views of a flat buffer (made by
-        `optimisers.torch.flatten_`) are zeroed in place and kept, whatever `set_to_none` says."""
-        params = [p for g in self.param_groups for p in g["params"]]
-        rest = zero_flat_grads_(params) if has_flat_grads() else params
-        if len(rest) == len(params):
-            super().zero_grad(set_to_none)
-            return
-        for p in rest:
-            if p.grad is None:
-                continue
-            if set_to_none:
-                p.grad = None
-                continue
-            if p.grad.grad_fn is not None:
-                p.grad.detach_()
-            else:
-                p.grad.requires_grad_(False)
-            p.grad.zero_()
-
-    def _step(self):
-        undo = self._sync()
-        born: list[int] = []
-        try:
-            grads = {i: g for i, p in self._trained if (g := p.grad) is not None}
-            if grads:
-                grads = self._gradients(grads)
-                born = self._initialise(grads)
-                update_(self._flat, self._stepped_model(), grads)
-        except BaseException:  # a failed step changes nothing
-            if born:
-                self._forget(born)
-            for g, record in undo:
-                g.restore(record)
-            raise
-
-    def _sync(self) -> list[tuple[ParamGroup, tuple]]:
-        """Apply changed group entries to the rules; returns what to restore if the step fails."""
-        plans = []
-        for i, (entries, g) in enumerate(zip(self.param_groups, self._groups)):
-            where = f"param_groups[{i}]"
-            g.entries = entries  # the list entry may have been replaced by a new dict
-            changed = g.changed_entries(where)
-            unknown = self._refused_keys(g)
-            if unknown:
-                raise self._unknown_key(g, unknown[0], i)
-            check_switches(entries, where)
-            if changed:
-                plans.append((g, changed, self._resync(g, changed, where)))
-        # every group checked: only now change any
-        return [(g, g.apply(changed, rule)) for g, changed, rule in plans]
-
-    def _stepped_model(self) -> dict:
-        """The tensors `update_` steps. A parameter frozen by the user after its state was made
-        is stepped through a detached view (its `.grad` may be left from before)."""
-        model = self._live
-        frozen = [i for i, p in model.items() if not p.requires_grad and isinstance(p, nn.Parameter)]
-        if frozen:
-            model = {**model, **{i: model[i].detach() for i in frozen}}
-        return model
-
-    def train(self):
-        """For trainers that call it (rules here have no train/eval modes): does nothing."""
-
-    def eval(self):
-        """For trainers that call it (rules here have no train/eval modes): does nothing."""
-
     # --- copies (deepcopy, pickle) ----------------------------------------------------------------
 
     def __getstate__(self):
@@ -258,11 +178,3 @@ def _check_rule_argument(rule) -> None:
         )
     if isinstance(rule, type):
         check_rule(rule, "Optimizer")
-
-
-# Under torch.compile the step runs eagerly, as the library's update does (see optimisers.core.eager):
-# its Python bookkeeping (group entries, state made at a first gradient) traced by dynamo would
-# become guards that fail from one step to the next.
-@torch.compiler.disable(recursive=True)
-def _eager_step(optimizer: Optimizer) -> None:
-    optimizer._step()

@@ -12,7 +12,7 @@ import torch
 
 from optimisers.checkpoints.state_dict import CheckpointError
 from optimisers.torch.checkpointing import check_is_state_dict, split_extra_state
-from optimisers.torch.lazy_state import set_state
+from optimisers.torch.lazy_state import has_entry, set_state
 from optimisers.torch.param_groups import ParamGroup
 
 # names in a drop-in class's `_layout`, beside torch's names of state tensors:
@@ -54,7 +54,8 @@ def _listed(missing: list, extra: list) -> str:
 
 
 class TorchStateFormat:
-    """The part of a drop-in class that reads and writes torch.optim's state format. It uses the
+    """The part of a drop-in class that reads and writes torch.optim's state format, one
+    parameter's entry at a time (`state[p]`). It uses the
     class's `_layout(h)` (torch's name of each part of the rule's state), `_built(h, where)` (the
     rule) and `_is_group_key(key)`; a class whose state depends on the parameter's shape (torch's
     Adafactor: factors for matrices) gives `_layout_for(h, p)` and `_part_shape(name, p)`."""
@@ -69,6 +70,9 @@ class TorchStateFormat:
 
     #: the rule's state is one array (Muon's momentum), not a tuple of parts
     _one_part: ClassVar[bool] = False
+
+    def _shows(self, leaf) -> bool:
+        return has_entry(leaf)  # torch's SGD without momentum keeps no state
 
     def _group_index(self, position: int) -> int:
         start = 0
@@ -142,6 +146,11 @@ class TorchStateFormat:
             self._ready([position])
         else:
             self._changed()
+
+
+class TorchStateDict(TorchStateFormat):
+    """`load_state_dict` of a whole state dict in torch.optim's format (see `TorchStateFormat`
+    for one parameter's entry)."""
 
     def load_state_dict(self, state_dict: Mapping) -> None:
         """Restore a state dict written by this class or by the torch.optim class of the same
