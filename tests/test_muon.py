@@ -25,7 +25,7 @@ import pytest
 
 import optimisers as opt
 import rule_reference as ref
-from rules_registry import _muon_optax
+from optimisers.tools.bench.peers import OPTAX
 
 torch = pytest.importorskip("torch")
 
@@ -216,7 +216,7 @@ def test_tied_model_under_jit_matches_optax_fed_the_summed_gradient(setting):
     W = jnp.asarray(x0["wide"], jnp.float32)
     model = {"enc": W, "dec": W, "tall": jnp.asarray(x0["tall"], jnp.float32)}
     state = opt.setup(rule, model)
-    tx = _muon_optax(optax, rule)  # the registry's mapping
+    tx = OPTAX[opt.Muon](optax, rule)  # the table of peers' mapping
     params = {"w": W, "tall": model["tall"]}
     theirs_state = tx.init(params)
 
