@@ -227,6 +227,7 @@ def flat_params(model):
     return [np.asarray(x) for x in jax.tree_util.tree_leaves(model)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])
 def test_jax_resume_bit_for_bit(jit, tmp_path):
     rule = opt.OptimiserChain(opt.ClipGrad(1.0), opt.Adam(0.01))

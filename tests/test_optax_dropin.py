@@ -260,6 +260,7 @@ def test_vmap_init_and_update_equal_each_member_alone(rule):
 # --- Equinox ----------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_an_unfiltered_equinox_module_fails_at_init_and_a_filtered_one_trains():
     eqx = pytest.importorskip("equinox")
     net = eqx.nn.MLP(3, 2, 4, 1, key=jax.random.key(0))  # holds its activation functions

@@ -56,6 +56,7 @@ def test_matches_torch_optim(case):
 OPTAX = optax_cases("optax64")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", OPTAX, ids=[c.name for c in OPTAX])
 def test_matches_optax(case):
     jax = pytest.importorskip("jax")
