@@ -23,6 +23,8 @@ from rules_registry import shaped, torch_cases
 jnp = pytest.importorskip("jax.numpy")
 ml_dtypes = pytest.importorskip("ml_dtypes")  # NumPy's bfloat16 (a dependency of JAX)
 
+pytestmark = pytest.mark.usefixtures("single_thread")
+
 STEPS = 30
 SIZE = 4096
 DTYPES = {"float16": (np.float16, torch.float16), "bfloat16": (ml_dtypes.bfloat16, torch.bfloat16)}
