@@ -951,16 +951,11 @@ def from_host(value, like):
 # --- maths of shaped arrays (matrix rules) -----------------------------------------------------
 
 
-def reshape(x, shape):
-    return x.reshape(shape)
+reshape, matmul, stack = torch.reshape, torch.matmul, torch.stack
 
 
 def matrix_transpose(x):
     return x.mT
-
-
-def matmul(a, b):
-    return torch.matmul(a, b)
 
 
 def tensordot(a, b, axes):
@@ -996,10 +991,6 @@ def argsort(x, descending):
 
 def take(x, indices, axis):
     return torch.index_select(x, axis, indices)
-
-
-def stack(xs):
-    return torch.stack(xs)
 
 
 def dtype_epsilon(x):

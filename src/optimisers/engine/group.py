@@ -1,20 +1,12 @@
-"""An engine group: Leafs of one elementwise rule stepped in place together, over flat buffers.
+"""An engine group: Leafs of one elementwise rule, stepped in place together over flat buffers.
 
 Leafs that share a rule object, backend, dtype, device and scalar state (step counters) form a
-group whose state arrays live in the flat buffers of `GroupLayout`. A group is made once, when
-`optimisers.engine.plan` plans it, and checked at every step against what it found then (the
-members, their engine marks); `optimisers.engine.execute` chooses how it steps (its backend's
-fused kernel, or its rule's `apply` over flat chunks, of a span or of packed runs).
-
-Only rules that declare `elementwise = True` are grouped: their update of each element depends
-only on that element and on scalars shared by the group, so a chunk computes exactly what the
-whole array would. So are chains whose first member scales the whole gradient by one factor
-(`OptimiserChain(ClipNorm(), Adam())`: `scaled_elementwise`): each member's factor is computed
-over its whole gradient before any chunk is stepped.
-
-Parameters may have any dense layout (channels_last, transposed): the backend's
-`memory_order(x)` says in which order of dimensions its memory holds the elements, and every
-array of a member (parameter, gradient, state) is read in that order.
+group (`optimisers.engine.plan`), their state in the flat buffers of `GroupLayout`. Each step
+compares the group with what it found when it was made (its members, their engine marks), and
+`optimisers.engine.execute` chooses how it steps. Only rules whose update of an element depends
+on that element and on shared scalars alone are grouped (`elementwise`, or a chain that scales
+each gradient by one factor first: `scaled_elementwise`), so a chunk computes what the whole
+array would.
 """
 
 from __future__ import annotations

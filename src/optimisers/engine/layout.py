@@ -1,7 +1,9 @@
 """Where an engine group's state lives: the members' state arrays as flat 1-D buffers (a large
 parameter's own arrays raveled, one buffer per state position for each run of small parameters
 packed together), each member's state a view into them, and the chunks that cover the buffers.
-Made once when a group is planned; `optimisers.engine.execute` chooses how it steps.
+Made once when a group is planned; `optimisers.engine.execute` chooses how it steps. Any dense
+layout works (channels_last, transposed): every array of a member is read in the memory order of
+its parameter (the backend's `memory_order`), so chunks are views of the parameter's memory.
 """
 
 from __future__ import annotations
