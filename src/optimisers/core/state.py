@@ -14,8 +14,8 @@ from optimisers.core.tree import format_path
 
 _WATCHED = frozenset(("rule", "frozen", "_state"))
 # Leafs whose state the update engine keeps in buffers of its own, each to the object whose
-# `state_of(leaf)` reads that state whole: a weakly keyed table that `optimisers.engine.layout`
-# owns and registers here (a Leaf given another state leaves it)
+# `state_of(leaf)` reads that state whole: a table (`get`, `pop`) that `optimisers.engine.layout`
+# owns and registers here, holding no Leaf alive (a Leaf given another state leaves it)
 _held_by: Any = None
 
 
