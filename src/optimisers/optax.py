@@ -92,49 +92,58 @@ def transform(rule) -> _optax.GradientTransformationExtraArgs:
 
     def update_fn(updates, state, params=None, **extra_args):
         del extra_args
-        if params is None:
-            raise TypeError(
-                "optimisers.optax.transform(...).update(updates, state, params) needs the current "
-                "params: optimisers' rules read the parameters and its state is keyed by them"
-            )
-        if not isinstance(state, State):
-            raise TypeError(
-                "optimisers.optax.transform(...).update expects the state its init returned (an "
-                f"optimisers.State), got a {type(state).__name__}; arguments are "
-                "(updates, state, params)"
-            )
-        params, grads = _values_of(params), _values_of(updates)
-        state = live.applied(state, params)
-        new_state, results = stepped(state, params, (grads,), "transform(...).update")
-        made: dict = {}
-
-        def place(leaf, x):
-            key = id(leaf)
-            if key not in made:
-                moved = results.get(key)
-                step = moved[1] if moved else None
-                if step is None:
-                    made[key] = _no_move(x)
-                elif isinstance(step, NewValue):
-                    made[key] = jnp.asarray(step.value, dtype=x.dtype) - x
-                else:  # a rule may step by a scalar: optax expects updates shaped like params
-                    made[key] = jnp.broadcast_to(jnp.negative(step), x.shape)
-            return made[key]
-
-        rebuilt = rebuild(state.tree, params, place)
-
-        def unmoved(u, p):
-            # a place the state does not cover (an integer array, say) came back as itself: it
-            # gets an update that leaves it as it is
-            if u is not p:
-                return u
-            if not _is_array(p):
-                _check_leaves(params, "update")  # an unfiltered Equinox module: say where
-            return _no_move(p)
-
-        return jax.tree.map(unmoved, rebuilt, params), new_state
+        return _update(live, updates, state, params)
 
     return _optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _update(live, updates, state, params):
+    """`transform`'s `update`: `(updates, new_state)`, each update the rule's step negated."""
+    if params is None:
+        raise TypeError(
+            "optimisers.optax.transform(...).update(updates, state, params) needs the current "
+            "params: optimisers' rules read the parameters and its state is keyed by them"
+        )
+    if not isinstance(state, State):
+        raise TypeError(
+            "optimisers.optax.transform(...).update expects the state its init returned (an "
+            f"optimisers.State), got a {type(state).__name__}; arguments are "
+            "(updates, state, params)"
+        )
+    params, grads = _values_of(params), _values_of(updates)
+    state = live.applied(state, params)
+    new_state, results = stepped(state, params, (grads,), "transform(...).update")
+    made: dict = {}
+
+    def place(leaf, x):
+        key = id(leaf)
+        if key not in made:
+            moved = results.get(key)
+            made[key] = _optax_update(moved[1] if moved else None, x)
+        return made[key]
+
+    rebuilt = rebuild(state.tree, params, place)
+
+    def unmoved(u, p):
+        # a place the state does not cover (an integer array, say) came back as itself: it
+        # gets an update that leaves it as it is
+        if u is not p:
+            return u
+        if not _is_array(p):
+            _check_leaves(params, "update")  # an unfiltered Equinox module: say where
+        return _no_move(p)
+
+    return jax.tree.map(unmoved, rebuilt, params), new_state
+
+
+def _optax_update(step, x):
+    """The update optax adds to `x` for a rule's `step` (`x_new = x - step`)."""
+    if step is None:
+        return _no_move(x)
+    if isinstance(step, NewValue):
+        return jnp.asarray(step.value, dtype=x.dtype) - x
+    # a rule may step by a scalar: optax expects updates shaped like params
+    return jnp.broadcast_to(jnp.negative(step), x.shape)
 
 
 def _no_move(x):
