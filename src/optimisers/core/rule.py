@@ -184,18 +184,7 @@ class Rule:
     infinite_ok: ClassVar[tuple[str, ...]] = ()
 
     def __post_init__(self):
-        name = type(self).__name__
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            default = f.default if f.default is not dataclasses.MISSING else None
-            checked = _check_field(name, f.name, value, default)
-            if checked is not value:
-                object.__setattr__(self, f.name, checked)
-            if isinstance(default, (float, tuple)) and not isinstance(default, bool):
-                _check_finite(self, f.name, checked)
-        eta = concrete(getattr(self, "eta", 0.0))
-        if eta is not None and eta < 0:
-            raise ValueError(f"{name}: the learning rate eta cannot be negative, got {eta}")
+        _check_fields(self)
         self.validate()
 
     def validate(self) -> None:
@@ -254,6 +243,23 @@ class Rule:
         if any(map(_is_stacked, own.values())) or any(_is_stacked(getattr(self, k)) for k in own):
             return _adjusted_stacked(self, own)
         return dataclasses.replace(self, **own)
+
+
+def _check_fields(rule: Rule) -> None:
+    """Each field checked against the type of its default (converted where it may be), numbers
+    finite unless `infinite_ok`, and `eta` not negative."""
+    name = type(rule).__name__
+    for f in dataclasses.fields(rule):
+        value = getattr(rule, f.name)
+        default = f.default if f.default is not dataclasses.MISSING else None
+        checked = _check_field(name, f.name, value, default)
+        if checked is not value:
+            object.__setattr__(rule, f.name, checked)
+        if isinstance(default, (float, tuple)) and not isinstance(default, bool):
+            _check_finite(rule, f.name, checked)
+    eta = concrete(getattr(rule, "eta", 0.0))
+    if eta is not None and eta < 0:
+        raise ValueError(f"{name}: the learning rate eta cannot be negative, got {eta}")
 
 
 def _is_stacked(value) -> bool:
