@@ -69,6 +69,23 @@ def test_bench_smallest_run_prints_table_and_writes_json(tmp_path, capsys):
         assert entry["ratio"] == pytest.approx(ours["median_ms"] / naive["median_ms"])
 
 
+def test_bench_reports_the_cost_of_each_array_against_one_vector(tmp_path, capsys):
+    """S3-one holds S3's elements as one vector: the per-array line is what the extra arrays cost,
+    computed from the two rows of each `optimisers` implementation."""
+    out, doc = _run(tmp_path, capsys, "S3,S3-one", "numpy")
+    assert doc["shapes"]["S3-one"] == {**doc["shapes"]["S3"], "tensors": 1, "places": 1,
+                                       "layout": doc["shapes"]["S3-one"]["layout"]}
+    rows = {(r["impl"], r["shape"]): r for r in doc["rows"]}
+    entries = doc["per_array"]
+    assert [e["impl"] for e in entries] == ["optimisers update_", "optimisers update_, flat views"]
+    for e in entries:
+        many, one = rows[e["impl"], "S3"], rows[e["impl"], "S3-one"]
+        assert one["agree"] and many["agree"]
+        assert e["us_per_array"] == pytest.approx((many["median_ms"] - one["median_ms"]) * 1e3 / 100)
+        assert e["x_one"] == pytest.approx(many["median_ms"] / one["median_ms"])
+    assert "Per-array overhead, Adam" in out and "µs per array per step" in out
+
+
 def test_bench_times_s2_tied_against_s2_in_alternation(tmp_path, capsys):
     out, doc = _run(tmp_path, capsys, "S2,S2-tied", "numpy")
     assert "S2-tied / S2, paired" in out

@@ -52,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backends", type=_csv(ALL_BACKENDS), default=list(ALL_BACKENDS),
                    help="comma-separated: numpy,torch,jax")
     p.add_argument("--shapes", type=_csv(ALL_SHAPES + EXTRA_SHAPES), default=list(ALL_SHAPES),
-                   help="comma-separated: S1,S2,S2-tied,S3 (default), and S3-matrices (4000 16x16 "
+                   help="comma-separated: S1,S2,S2-tied,S3,S3-one (default), and S3-matrices (4000 16x16 "
                    "matrices, for muon and clip-adamw)")
     p.add_argument("--rules", type=_csv(tuple(RULES), everything=True), default=default_rules(),
                    help=f"comma-separated, or all: {','.join(RULES)} (default: "
@@ -146,6 +146,7 @@ class _Run:
     paired: list = field(default_factory=list)
     paired_peers: list = field(default_factory=list)
     summary: list = field(default_factory=list)
+    per_array: list = field(default_factory=list)
 
 
 def _time_every_row(run: _Run, impls: list, progress) -> None:
@@ -205,10 +206,10 @@ def _print_report(run: _Run) -> None:
     lines = report.paired_lines(run.paired, run.paired_peers)
     if lines:
         print("\n".join(lines))
-    lines = report.format_summary(run.summary)
-    if lines:
-        print()
-        print("\n".join(lines))
+    for lines in (report.format_summary(run.summary), report.format_per_array(run.per_array)):
+        if lines:
+            print()
+            print("\n".join(lines))
     for r in [r for r in run.rows if r.get("profile")]:
         print(f"\ncProfile, 3 steps, {r['backend']} {r['impl']} {r['shape']} {r['rule']} (by tottime):")
         print(r["profile"].rstrip())
@@ -233,6 +234,7 @@ def _write_json(run: _Run, elapsed: float, load: dict) -> None:
         "paired_tie_ratios": run.paired,
         "paired_peer_ratios": run.paired_peers,
         "summary": run.summary,
+        "per_array": run.per_array,
         "elapsed_s": elapsed,
         "load_average": load,
     }
@@ -258,6 +260,7 @@ def _run(opts) -> int:
     _time_pairs(run, impls, progress)
     report.fill_ratios(run.rows, run.bandwidth["floor_gbs"])
     run.summary = report.summary(run.rows, run.paired, run.paired_peers)
+    run.per_array = report.per_array(run.rows)
     _print_report(run)
     elapsed = time.perf_counter() - started
     load_end = _loadavg()

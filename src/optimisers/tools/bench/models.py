@@ -12,7 +12,8 @@ CHECK_STEPS = 3  # steps run by every implementation before its result is compar
 ATOL, RTOL = 1e-7, 1e-6  # float32 tolerance against the float64 reference (steps are ~1e-5..1e-3)
 
 ALL_BACKENDS = ("numpy", "torch", "jax")
-ALL_SHAPES = ("S1", "S2", "S2-tied", "S3")
+# S3-one: S3's elements as one vector, the baseline of the per-array cost (S3 - S3-one) / arrays
+ALL_SHAPES = ("S1", "S2", "S2-tied", "S3", "S3-one")
 # run when named (`--shapes S3-matrices`): many small matrices, for the matrix rules (Muon) and
 # the chains with a norm per array (ClipNorm+AdamW)
 EXTRA_SHAPES = ("S3-matrices",)
@@ -83,6 +84,7 @@ def make_shapes(quick: bool) -> dict[str, Shape]:
         ),
         "S3": Shape("S3", [(i,) for i in range(n_small)], [(256,)] * n_small,
                     layout=f"a list of {n_small} vectors of 256"),
+        "S3-one": Shape("S3-one", [(0,)], [(256 * n_small,)], layout="S3's elements as one vector"),
         "S3-matrices": Shape("S3-matrices", [(i,) for i in range(n_small)], [(16, 16)] * n_small,
                              layout=f"a list of {n_small} matrices of 16x16"),
     }

@@ -244,6 +244,31 @@ def summary(rows: list, paired: list = (), paired_peers: list = ()) -> list[dict
     return _against_peers(by, paired_peers) + _tied_over_untied(by, paired)
 
 
+def per_array(rows: list) -> list[dict]:
+    """Adam: what each of S3's arrays costs beyond its elements, for each `optimisers` row run on
+    both S3 and S3-one (the same elements as one vector): `us_per_array` = (S3 - S3-one) / S3's
+    arrays, in µs per array per step, and `x_one` = S3 / S3-one."""
+    by = {(r["backend"], r["impl"], r["shape"]): r for r in rows if r["rule"] == "adam" and "median_ms" in r}
+    out = []
+    for backend, impl in [*OURS.items(), *OURS_FLAT.items()]:
+        many, one = by.get((backend, impl, "S3")), by.get((backend, impl, "S3-one"))
+        if many and one:
+            extra_ms = many["median_ms"] - one["median_ms"]
+            out.append({"backend": backend, "impl": impl, "us_per_array": extra_ms * 1e3 / many["tensors"],
+                        "x_one": many["median_ms"] / one["median_ms"], "one_ms": one["median_ms"]})
+    return out
+
+
+def format_per_array(entries: list) -> list[str]:
+    if not entries:
+        return []
+    lines = ["Per-array overhead, Adam: (S3 - S3-one) / S3's arrays, and S3 over its elements as one "
+             "vector (S3-one):"]
+    lines += [f"  {e['backend']:7} {e['impl']:34} {e['us_per_array']:7.3f} µs per array per step   "
+              f"{e['x_one']:6.2f}x one vector ({e['one_ms']:.2f} ms)" for e in entries]
+    return lines
+
+
 def format_summary(entries: list) -> list[str]:
     if not entries:
         return []
