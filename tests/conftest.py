@@ -41,6 +41,19 @@ def compiled_kernels():
         opt.update_(opt.setup(opt.Adam(1e-3), model), model, [np.ones(n, np.float32)] * 2)
 
 
+@pytest.fixture(params=["read by numba", "NumPy's attributes"])
+def numpy_marks(request, monkeypatch):
+    """NumPy arrays' marks (the per-step checks of the engine and of spans) read in one compiled
+    call (`optimisers.backends.numpy_kernels.read_headers`), and without it."""
+    from optimisers.backends import numpy_kernels
+
+    if request.param == "read by numba" and numpy_kernels._reader() is None:
+        pytest.skip("numba is not installed")
+    if request.param != "read by numba":
+        monkeypatch.setattr(numpy_kernels, "_reader", lambda: None)
+    return request.param
+
+
 @pytest.fixture
 def replays(monkeypatch):
     """The results of every `update_` route replay in the test (True: the step was replayed)."""

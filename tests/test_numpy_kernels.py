@@ -141,3 +141,56 @@ def test_two_threads_step_at_once():
 
     with ThreadPoolExecutor(2) as pool:
         assert all(pool.map(train, range(4)))
+
+
+# --- the headers of many arrays, read in one call ------------------------------------------------
+
+needs_reader = pytest.mark.skipif(kernels._reader() is None, reason="numba is not installed")
+
+
+def _fields(x) -> list:
+    """What `read_headers` gives for `x`, from NumPy's own attributes."""
+    pad = [0, 0, 0, 0]
+    return [x.__array_interface__["data"][0], x.ndim, id(x.dtype), x.flags.num,
+            0 if x.base is None else id(x.base), *(list(x.shape) + pad)[:4], *(list(x.strides) + pad)[:4]]
+
+
+@needs_reader
+def test_headers_read_in_one_call_are_numpys_own_fields():
+    rng = np.random.default_rng(0)
+    grid = rng.standard_normal((6, 5, 4, 3)).astype(np.float32)
+    arrays = [grid, grid[::2, 1:, ::-1], grid.transpose(3, 1, 0, 2), np.asfortranarray(grid[0]),
+              np.float64(2.5) * np.ones(7), np.array(1.0, np.float16), np.empty(0, np.int8), grid[1, 2]]
+    arrays[-1].flags.writeable = False
+    got = np.frombuffer(kernels.read_headers(arrays), np.int64).reshape(len(arrays), -1)
+    assert got.tolist() == [_fields(x) for x in arrays]
+    assert kernels.read_headers([grid, grid[None]]) is None  # 5 dimensions: NumPy's attributes
+
+
+@needs_reader
+@pytest.mark.parametrize("change", ["shape", "dtype", "read-only"])
+def test_a_reader_made_once_sees_each_change_set_in_place(change):
+    """`header_reader` takes the arrays' addresses once; what a user sets on the same objects
+    later changes what it reads."""
+    base = np.zeros(4 * 6, np.float32)
+    xs = [base[i * 6:(i + 1) * 6] for i in range(4)]
+    read = kernels.header_reader(xs)
+    before = read()
+    assert read() == before == kernels.read_headers(xs)
+    if change == "shape":
+        xs[2].shape = (2, 3)
+    elif change == "dtype":
+        xs[2].dtype = np.int32
+    else:
+        xs[2].flags.writeable = False
+    assert read() != before
+    assert read() == kernels.read_headers(xs)
+    assert np.frombuffer(read(), np.int64).reshape(4, -1)[2].tolist() == _fields(xs[2])
+
+
+def test_without_the_reader_marks_are_numpys_attributes(monkeypatch):
+    monkeypatch.setattr(kernels, "_reader", lambda: None)
+    xs = [np.zeros(3), np.zeros((2, 2))]
+    assert kernels.read_headers(xs) is None and kernels.header_reader(xs) is None
+    assert numpy_backend.engine_marks(xs) == [(x.shape, x.strides, x.dtype, x.flags) for x in xs]
+    assert numpy_backend.marker(xs, numpy_backend.span_marks)() == numpy_backend.span_marks(xs)

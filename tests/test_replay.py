@@ -203,7 +203,7 @@ def _reshape_in_place(model):
     ],
     ids=["added-after-setup", "reshaped"],
 )
-def test_a_model_changed_after_replays_is_refused(replays, change, error, match):
+def test_a_model_changed_after_replays_is_refused(replays, change, error, match, numpy_marks):
     state, model, _, _ = _stepped_pair()
     change(model)
     grads = _grads_like(model, 5)
@@ -215,7 +215,7 @@ def test_a_model_changed_after_replays_is_refused(replays, change, error, match)
     _unchanged_by(call, state, model)
 
 
-def test_a_read_only_parameter_is_not_written(replays):
+def test_a_read_only_parameter_is_not_written(replays, numpy_marks):
     state, model, ref_state, reference = _stepped_pair()
     model["big"].flags.writeable = False
     state, model = opt.update_(state, model, _grads_like(model, 5))

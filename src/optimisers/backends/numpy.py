@@ -5,6 +5,7 @@ from __future__ import annotations
 import builtins
 import contextlib
 import ctypes
+import functools
 import operator
 import os
 import platform
@@ -28,10 +29,11 @@ def engine_marks(xs) -> list:
     """For each array, what `engine_ok`, `memory_order` and the engine's dtype and shape checks
     read of it (an ndarray's type and memory stay; its shape, strides, dtype and writeability
     can be set in place): while the marks are unchanged, so are those checks' results. Another
-    type (a subclass) gets a mark equal to nothing, so it is checked every time."""
+    type (a subclass) gets a mark equal to nothing, so it is checked every time. The usual case
+    is read in one compiled call (`numpy_kernels.read_headers`), else in one pass of C."""
     ndarray = np.ndarray
-    if set(map(type, xs)) == {ndarray}:  # the usual case, in one pass of C
-        return list(map(_MARKS, xs))
+    if set(map(type, xs)) == {ndarray}:
+        return numpy_kernels.read_headers(xs) or list(map(_MARKS, xs))
     return [_MARKS(x) if type(x) is ndarray else object() for x in xs]
 
 
@@ -81,14 +83,26 @@ def span_marks(xs):
     place: its shape, dtype, writeability and strides. Each was C contiguous when the span was
     found, so its flags (contiguity and writeability; a flags object is a snapshot and compares
     by value) stand for its strides: strides set to anything else clear the contiguous flag.
-    (Half the cost of reading strides and writeability: 4,000 arrays are read twice a step.)"""
+    (Half the cost of reading strides and writeability: 4,000 arrays are read twice a step.)
+    Where numba reads the arrays' headers in one call, these are `engine_marks`."""
     ndarray = np.ndarray
     if set(map(type, xs)) == {ndarray}:
-        return list(map(_SPAN_MARKS, xs))
+        return numpy_kernels.read_headers(xs) or list(map(_SPAN_MARKS, xs))
     return [_SPAN_MARKS(x) if type(x) is ndarray else object() for x in xs]
 
 
 _SPAN_MARKS = operator.attrgetter("shape", "dtype", "flags")
+
+
+def marker(xs, marks):
+    """`marks(xs)` (`engine_marks` or `span_marks`) as a function of no arguments, for a list
+    `xs` that the caller keeps as it is: where numba reads the arrays' headers, their addresses
+    are taken once, so a step that finds the same objects pays nothing more per array."""
+    if set(map(type, xs)) == {np.ndarray}:
+        read = numpy_kernels.header_reader(xs)
+        if read is not None:
+            return read
+    return functools.partial(marks, xs)
 
 
 try:  # NumPy >= 2

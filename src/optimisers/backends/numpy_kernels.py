@@ -16,8 +16,10 @@ engine's chunks run the rules' own maths. numba compiles a kernel the first time
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
+import platform
 import threading
 from collections.abc import Callable
 from typing import NamedTuple
@@ -78,3 +80,59 @@ class _FastPath(NamedTuple):
 
 
 FAST_PATHS = {"adam": _FastPath(_no_apply, _adam_step_many)} if AVAILABLE else {}
+
+
+# --- the marks of many arrays, read in one call -------------------------------------------------
+
+
+def read_headers(xs):
+    """The header fields of the ndarrays `xs` (exactly of type ndarray) that the engine's
+    per-step checks compare (memory, shape, strides, dtype, flags, base), as bytes, read in one
+    compiled call where numba is installed: about 7 ns an array against 0.2 µs for NumPy's
+    attributes. None where they cannot be read so (no numba, not CPython, an array of more than 4
+    dimensions, or a NumPy whose fields `_headers_agree` found elsewhere)."""
+    read = header_reader(xs)
+    return None if read is None else read()
+
+
+def header_reader(xs):
+    """`read_headers` of the arrays `xs` (a list of ndarrays that will not change) as a function
+    of no arguments, their addresses taken once; None where it would give None."""
+    reader = _reader()
+    if reader is None:
+        return None
+    addresses = np.fromiter(map(id, xs), np.int64, len(xs))
+    out = np.empty((len(xs), reader.WIDTH), np.int64)
+    headers = reader.headers
+
+    def read(xs=xs):  # (holds the arrays: their addresses are read)
+        return out.tobytes() if headers(addresses, out) else None
+
+    return read if read() is not None else None
+
+
+@functools.cache
+def _reader():
+    if not (AVAILABLE and platform.python_implementation() == "CPython"):
+        return None
+    from optimisers.backends import numpy_headers_numba
+
+    return numpy_headers_numba if _headers_agree(numpy_headers_numba) else None
+
+
+def _headers_agree(reader) -> bool:
+    """Does the compiled reader give NumPy's own attributes for arrays of every kind of layout?"""
+    base = np.arange(24, dtype=np.float32).reshape(2, 3, 4)
+    samples = [base, base[:, ::-1, ::2], base.T, np.float16(1) * np.ones(5), np.array(2.0), base[1]]
+    samples[-1].flags.writeable = False
+    out = np.zeros((len(samples), reader.WIDTH), np.int64)
+    if not reader.headers(np.array([id(x) for x in samples], np.int64), out):
+        return False
+    pad = [0] * reader.MAX_DIMS
+    for x, row in zip(samples, out.tolist()):
+        expected = [x.__array_interface__["data"][0], x.ndim, id(x.dtype), x.flags.num,
+                    0 if x.base is None else id(x.base)]
+        expected += [*x.shape, *pad][: reader.MAX_DIMS] + [*x.strides, *pad][: reader.MAX_DIMS]
+        if row != expected:
+            return False
+    return True

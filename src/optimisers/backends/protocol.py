@@ -153,6 +153,7 @@ class InPlaceEngine(Parameters, Protocol):
     def engine_start(self) -> None: ...  # called before a group is built (NumPy: malloc settings)
     def engine_ok(self, x: Array) -> bool: ...  # a parameter the engine can step in place
     def engine_marks(self, xs: list) -> list | None: ...  # cheap marks that `engine_ok` & co. hold
+    def marker(self, xs: list, marks: Callable) -> Callable: ...  # marks(xs), addresses taken once
     def fit_as_they_are(self, gs: list, xs: list, dtype: Any, device: Any) -> list | None: ...
     def raises_on_values(self) -> bool: ...  # maths raises on bad values (np.seterr(all="raise"))
     def numel(self, x: Array) -> int: ...

@@ -262,6 +262,11 @@ def span_marks(xs):
     return list(map(_DATA_PTR, xs))
 
 
+def marker(xs, marks):
+    """`marks(xs)` (`engine_marks` or `span_marks`) as a function of no arguments."""
+    return functools.partial(marks, xs)
+
+
 def fit_as_they_are(gs, xs, dtype, device) -> list:
     """For each gradient, whether it already is what the engine steps its parameter with (of the
     group's `dtype` and `device`): `astype` and `laid_out_like` would hand it back unchanged. The

@@ -38,6 +38,7 @@ class Group(GroupLayout):
         self.sums: dict[int, object] = {}  # member -> its summed-gradient buffer (`ties`)
         self._marks = None  # the members' `engine_marks` at their last full check
         self._owners = None  # (marks, parameters, their memory owners): see `param_owners`
+        self._marker = None  # (a list of parameters, the function giving their engine marks)
         self._staged = None  # `(xs, dxs)` whose packed members are in `staging_now` this step
         self.staging_now = None  # this step's staging buffers `(flat_x, flat_g)`
         self._steppable_at = None  # `Leaf.edits` when `steppable` last found every member ready
@@ -77,9 +78,11 @@ class Group(GroupLayout):
         return True
 
     def unchanged(self, xs) -> bool:
-        """Are `xs` (the members' parameters, as planned) unchanged since their last full check,
-        by their engine marks?"""
-        marks = self.b.engine_marks(xs)
+        """Are `xs` (the members' parameters, as planned: a list the caller keeps, of the objects
+        of the last full check) unchanged since that check, by their engine marks?"""
+        if self._marker is None or self._marker[0] is not xs:
+            self._marker = xs, self.b.marker(xs, self.b.engine_marks)
+        marks = self._marker[1]()
         return marks is not None and self._marks is not None and marks == self._marks
 
     def param_owners(self, xs) -> set:

@@ -61,8 +61,9 @@ def _walk(container, node, grad, xs, gs):
         raise _Off
     if container.whole and type(grad) is type(node) and len(grad) == len(node) == len(container.leaf_keys):
         if type(node) is dict:  # (a key of `grad` the model lacks leaves a None: no replay)
-            xs.extend(map(node.__getitem__, container.leaf_keys))
-            gs.extend(map(grad.get, container.leaf_keys))
+            keys = container.leaf_keys  # (in the same order, the values are read whole)
+            xs.extend(node.values() if list(node) == keys else map(node.__getitem__, keys))
+            gs.extend(grad.values() if list(grad) == keys else map(grad.get, keys))
         else:
             xs.extend(node)
             gs.extend(grad)

@@ -12,16 +12,34 @@ from __future__ import annotations
 import operator
 
 
+class _Found:
+    """Arrays found at a step (a span's parameters, or gradients that are views of one buffer)
+    and what was made of them: a later step may use `value` while it finds the same objects with
+    the same marks (`b.marker`: their addresses taken once, where the backend can)."""
+
+    def __init__(self, b, xs, value):
+        self.xs, self.value = list(xs), value
+        self.marks_now = b.marker(self.xs, b.span_marks)
+        self.marks = self.marks_now()
+
+    def still(self, xs) -> bool:
+        return (
+            len(xs) == len(self.xs)
+            and all(map(operator.is_, xs, self.xs))
+            and self.marks_now() == self.marks
+        )
+
+
 class Span:
     """The flat buffer `flat` that the parameters `xs` fill, in order, and what later steps
     compare with."""
 
     def __init__(self, b, flat, xs):
-        self.b, self.flat, self.xs = b, flat, list(xs)
-        self.marks = b.span_marks(self.xs)
+        self.b, self.flat = b, flat
+        self.params = _Found(b, xs, flat)
         self.last_list = None  # a list of parameters found to be `xs` (a replay passes the same one)
-        self.grads = None  # the gradients last found to be views of one buffer: (dxs, marks, view)
-        self.pieces = None  # the same for `gradient_pieces`: (dxs, marks, pieces)
+        self.grads = None  # the gradients last found to be views of one buffer (`_Found`: the view)
+        self.pieces = None  # the same for `gradient_pieces` (`_Found`: the pieces)
         self.checked = None  # the gradients `ready` found in `grads` this step
 
     @classmethod
@@ -32,9 +50,10 @@ class Span:
 
     def holds(self, xs) -> bool:
         """Are `xs` the parameters this span holds, where they were?"""
-        if not (xs is self.last_list or all(map(operator.is_, xs, self.xs))):
+        params = self.params
+        if not (xs is self.last_list or all(map(operator.is_, xs, params.xs))):
             return False
-        if self.b.span_marks(xs) != self.marks:
+        if params.marks_now() != params.marks:
             return False
         self.last_list = xs
         return True
@@ -42,14 +61,7 @@ class Span:
     def ready(self, xs, dxs) -> bool:
         """Can this step use the span as the last did: the same parameters, and the same
         gradients, still views of one flat buffer? Two bulk reads."""
-        kept = self.grads
-        if (
-            kept is None
-            or len(dxs) != len(kept[0])
-            or not all(map(operator.is_, dxs, kept[0]))
-            or not self.holds(xs)
-            or self.b.span_marks(dxs) != kept[1]
-        ):
+        if self.grads is None or not self.grads.still(dxs) or not self.holds(xs):
             return False
         self.checked = dxs
         return True
@@ -57,25 +69,17 @@ class Span:
     def gradient_owner(self, dxs):
         """The memory owner of the gradients `dxs` where `ready` found them in one buffer this
         step; else None."""
-        return self.b.memory_owners([self.grads[2]])[0] if self.checked is dxs else None
-
-    def _kept(self, kept, dxs) -> bool:
-        return (
-            kept is not None
-            and len(dxs) == len(kept[0])
-            and all(map(operator.is_, dxs, kept[0]))
-            and self.b.span_marks(dxs) == kept[1]
-        )
+        return self.b.memory_owners([self.grads.value])[0] if self.checked is dxs else None
 
     def gradient(self, dxs, group):
         """The gradients `dxs` as one 1-D array in the span's order: a view of the flat buffer
         they are views of (kept to compare with the next step's), else joined into a new one."""
         b = self.b
-        if self.checked is dxs or self._kept(self.grads, dxs):
-            return self.grads[2]
+        if self.checked is dxs or (self.grads is not None and self.grads.still(dxs)):
+            return self.grads.value
         flat = b.flat_span(dxs) if dxs[0].dtype == group.dtype else None
         if flat is not None and [g.shape for g in dxs] == group.shapes:
-            self.grads = list(dxs), b.span_marks(dxs), flat
+            self.grads = _Found(b, dxs, flat)
             return flat
         flat = b.empty_flat(group.offsets[-1], self.flat)
         b.join_into(flat, dxs, group.orders)
@@ -88,8 +92,8 @@ class Span:
         gradient is copied; else None."""
         if not own:
             return None
-        if self._kept(self.pieces, dxs):
-            return self.pieces[2]
+        if self.pieces is not None and self.pieces.still(dxs):
+            return self.pieces.value
         b, offsets, pieces, i = self.b, group.offsets, [], 0
         for j in [*own, len(dxs)]:
             if i < j:  # members i..j-1: views of one buffer, back to back?
@@ -100,7 +104,7 @@ class Span:
             if j < len(dxs):
                 pieces.append((offsets[j], offsets[j + 1], b.flat_in(dxs[j], group.orders[j])))
             i = j + 1
-        self.pieces = list(dxs), b.span_marks(dxs), pieces
+        self.pieces = _Found(b, dxs, pieces)
         return pieces
 
 
