@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import numba
 import numpy as np
+from numba import types
+from numba.extending import intrinsic
 
 
 @numba.njit(inline="always")
@@ -31,3 +33,41 @@ def adam_serial(x, g, m, v, cb1, cm, cb2, cv, scale, bc2, eps, decay, decoupled)
 def adam_parallel(x, g, m, v, cb1, cm, cb2, cv, scale, bc2, eps, decay, decoupled):  # pragma: no cover
     for i in numba.prange(x.shape[0]):
         _element(x, g, m, v, i, cb1, cm, cb2, cv, scale, bc2, eps, decay, decoupled)
+
+
+@intrinsic
+def _pointer(typingctx, address, like):  # pragma: no cover - compiled
+    """`address` as a pointer to elements of the array `like`'s dtype."""
+    pointer = types.CPointer(like.dtype)
+
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], context.get_value_type(pointer))
+
+    return pointer(types.int64, like), codegen
+
+
+@numba.njit(inline="always")
+def _block(data, sizes, i, like, cb1, cm, cb2, cv, scale, bc2, eps, decay, decoupled):  # pragma: no cover
+    n = sizes[i]
+    x, g = numba.carray(_pointer(data[0, i], like), n), numba.carray(_pointer(data[1, i], like), n)
+    m, v = numba.carray(_pointer(data[2, i], like), n), numba.carray(_pointer(data[3, i], like), n)
+    for j in range(n):
+        _element(x, g, m, v, j, cb1, cm, cb2, cv, scale, bc2, eps, decay, decoupled)
+
+
+@numba.njit(cache=True, nogil=True)
+def adam_blocks_serial(
+    data, sizes, like, cb1, cm, cb2, cv, scale, bc2, eps, decay, decoupled
+):  # pragma: no cover
+    """`adam_serial` of many arrays, found by the data pointers `data[:, i]` (parameter, gradient,
+    first and second moments) of `sizes[i]` elements each, one block of memory laid out alike."""
+    for i in range(sizes.shape[0]):
+        _block(data, sizes, i, like, cb1, cm, cb2, cv, scale, bc2, eps, decay, decoupled)
+
+
+@numba.njit(cache=True, nogil=True, parallel=True)
+def adam_blocks_parallel(
+    data, sizes, like, cb1, cm, cb2, cv, scale, bc2, eps, decay, decoupled
+):  # pragma: no cover
+    for i in numba.prange(sizes.shape[0]):
+        _block(data, sizes, i, like, cb1, cm, cb2, cv, scale, bc2, eps, decay, decoupled)

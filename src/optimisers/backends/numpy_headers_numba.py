@@ -51,3 +51,48 @@ def headers(addresses, out) -> bool:  # pragma: no cover - compiled
             out[i, 5 + k] = _word(dims + 8 * k) if k < nd else 0
             out[i, 5 + MAX_DIMS + k] = _word(strides + 8 * k) if k < nd else 0
     return True
+
+
+# NumPy's flags (ndarraytypes.h): C or Fortran contiguous, aligned, writeable
+_ONE_BLOCK, _ALIGNED, _WRITEABLE = 0x1 | 0x2, 0x100, 0x400
+
+
+@numba.njit(inline="always")
+def _alike(a, x, nd):  # pragma: no cover - compiled
+    """Has the array at `a` the dimensions, shape and strides of the `nd`-dimensional one at `x`?"""
+    if _word(a + _ND) & _INT != nd:
+        return False
+    dims_a, dims_x = _word(a + _DIMS), _word(x + _DIMS)
+    strides_a, strides_x = _word(a + _STRIDES), _word(x + _STRIDES)
+    for k in range(nd):
+        if _word(dims_a + 8 * k) != _word(dims_x + 8 * k):
+            return False
+        if _word(strides_a + 8 * k) != _word(strides_x + 8 * k):
+            return False
+    return True
+
+
+@numba.njit(cache=True, nogil=True)
+def blocks(addresses, descr, out) -> bool:  # pragma: no cover - compiled
+    """For the arrays at `addresses[:, i]` (a parameter, its gradient, its two moments): their data
+    pointers in `out[:4, i]` and the parameter's size in `out[4, i]`. True where each is of the
+    dtype `descr`, fills one aligned block of memory, the gradient is laid out as the parameter,
+    each moment too or 1-D of its size, and the parameter and moments are writable."""
+    for i in range(addresses.shape[1]):
+        x = addresses[0, i]
+        nd = _word(x + _ND) & _INT
+        size, dims = 1, _word(x + _DIMS)
+        for k in range(nd):
+            size *= _word(dims + 8 * k)
+        for j in range(4):
+            a = addresses[j, i]
+            flags = _word(a + _FLAGS) & _INT
+            need = _ALIGNED if j == 1 else _ALIGNED | _WRITEABLE
+            if _word(a + _DESCR) != descr or flags & need != need or flags & _ONE_BLOCK == 0:
+                return False
+            flat = j > 1 and _word(a + _ND) & _INT == 1 and _word(_word(a + _DIMS)) == size
+            if not (flat or _alike(a, x, nd)):
+                return False
+            out[j, i] = _word(a + _DATA)
+        out[4, i] = size
+    return True

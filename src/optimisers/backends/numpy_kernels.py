@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import itertools
 import os
 import platform
 import threading
@@ -32,37 +33,50 @@ PARALLEL_FROM = 1 << 16
 _DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
 
-def _kernel(parallel: bool):
-    """The compiled kernel (over all cores, or on one), imported at its first use."""
-    from optimisers.backends import numpy_adam_numba
-
-    return numpy_adam_numba.adam_parallel if parallel else numpy_adam_numba.adam_serial
-
-
 def _adam_step_many(args, xs, dxs, ms, vs, t) -> bool:
-    """Adam or AdamW steps of 1-D arrays in place (`t` counts this step); False where the kernel
-    cannot take them (another dtype, a non-contiguous array)."""
+    """Adam or AdamW steps in place (`t` counts this step) of parameters `xs` that each fill one
+    block of memory, their gradients `dxs` laid out alike and their moments `ms`, `vs` 1-D in
+    that order. Each array is found by its header's data pointer (`_blocks`), so all the small
+    ones step in one call and nothing is copied; a big one steps on every core. False where the
+    kernel cannot take them (another dtype, an array that is not one block)."""
     dtype = xs[0].dtype
-    if dtype not in _DTYPES:
+    blocks = _blocks(dtype, (xs, dxs, ms, vs)) if dtype in _DTYPES else None
+    if blocks is None:
         return False
-    for arrays in (xs, dxs, ms, vs):
-        if any(a.dtype != dtype or a.ndim != 1 or not a.flags.c_contiguous for a in arrays):
-            return False
+    from optimisers.backends import numpy_adam_numba as kernels
+
+    data, sizes = blocks
     T = dtype.type
     b1, b2 = args.beta1, args.beta2
-    cb1, cm, cb2, cv = T(b1), T(1 - b1), T(b2), T(1 - b2)
     eta, bc1, bc2 = T(args.lr), T(1 - b1**t), T(1 - b2**t)
-    scale, eps = eta / bc1, T(args.epsilon)
     decay = eta * T(args.weight_decay) if args.decoupled else T(0)
-    for x, g, m, v in zip(xs, dxs, ms, vs):
-        if x.shape[0] >= PARALLEL_FROM:
-            # numba's default threading layer aborts the process when two threads run parallel
-            # kernels at once (two States updated from two threads): one at a time
-            with _PARALLEL:
-                _kernel(True)(x, g, m, v, cb1, cm, cb2, cv, scale, bc2, eps, decay, bool(args.decoupled))
-        else:
-            _kernel(False)(x, g, m, v, cb1, cm, cb2, cv, scale, bc2, eps, decay, bool(args.decoupled))
+    maths = (T(b1), T(1 - b1), T(b2), T(1 - b2), eta / bc1, bc2, T(args.epsilon), decay, bool(args.decoupled))
+    big = sizes >= PARALLEL_FROM
+    small = np.flatnonzero(~big)
+    # numba's default threading layer aborts the process when two threads run parallel kernels
+    # at once (two States updated from two threads): one at a time
+    with _PARALLEL:
+        for i in np.flatnonzero(big):
+            x, g, m, v = (a[i].ravel("K") for a in (xs, dxs, ms, vs))  # views, in memory order
+            kernels.adam_parallel(x, g, m, v, *maths)
+        if sizes[small].sum() >= PARALLEL_FROM:
+            kernels.adam_blocks_parallel(data[:, small], sizes[small], ms[0], *maths)
+    if sizes[small].sum() < PARALLEL_FROM:
+        kernels.adam_blocks_serial(data[:, small], sizes[small], ms[0], *maths)
     return True
+
+
+def _blocks(dtype, lists):
+    """`(data pointers (4, n), sizes)` of the arrays in `lists` (parameters, gradients, first and
+    second moments), read from their headers in one compiled call (`numpy_headers_numba.blocks`
+    says what it checks), where each is an ndarray; else None."""
+    reader = _reader()
+    if reader is None or any(set(map(type, arrays)) != {np.ndarray} for arrays in lists):
+        return None
+    n = len(lists[0])
+    addresses = np.fromiter(map(id, itertools.chain(*lists)), np.int64, 4 * n).reshape(4, n)
+    out = np.empty((5, n), np.int64)
+    return (out[:4], out[4]) if reader.blocks(addresses, id(dtype), out) else None
 
 
 _PARALLEL = threading.Lock()
@@ -76,7 +90,7 @@ def _no_apply(args, state, x, dx):
 class _FastPath(NamedTuple):
     apply: Callable  # (args, state, x, dx) -> None: the per-Leaf path keeps the rule's maths
     step_many: Callable  # (args, xs, dxs, *state parts, t) -> whether it stepped them
-    joined: bool = True  # takes 1-D arrays that may join many parameters
+    joined: bool = False  # takes the parameters as they are (not joined into staging buffers)
 
 
 FAST_PATHS = {"adam": _FastPath(_no_apply, _adam_step_many)} if AVAILABLE else {}
