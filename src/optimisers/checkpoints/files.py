@@ -71,29 +71,21 @@ _STALE_TMP = r"[a-z0-9_]{8}\.tmp"  # tempfile.mkstemp's 8 random characters
 # --- writing -------------------------------------------------------------------------------------
 
 
-def _host_bits(value) -> tuple[np.ndarray, str | None]:
-    """A contiguous host array for the file, and the real dtype's name when the array holds the
-    bits of a dtype NumPy lacks (bfloat16, float8...) as unsigned integers."""
-    if _is_array(value):
-        return dispatch.backend(value).to_host_bits(value)
-    return np.asarray(value), None  # a number JSON does not hold (complex, nan, inf)
-
-
 def _split(d: dict) -> tuple[dict, dict]:
     """The state dict as `({key: host array}, metadata with its digest)`."""
     arrays: dict[str, np.ndarray] = {}
     entries: dict[str, Any] = {}
     dtypes: dict[str, str] = {}
     for key, value in d.items():
-        if isinstance(value, (str, bool, int, float)) and not (
-            isinstance(value, float) and not math.isfinite(value)
-        ):
+        if isinstance(value, (str, bool, int)) or (isinstance(value, float) and math.isfinite(value)):
             entries[key] = value
             continue
-        host, dtype = _host_bits(value)
+        if _is_array(value):  # the bits of a dtype NumPy lacks (bfloat16...) come with its name
+            arrays[key], dtype = dispatch.backend(value).to_host_bits(value)
+        else:  # a number JSON does not hold (complex, nan, inf)
+            arrays[key], dtype = np.asarray(value), None
         if dtype is not None:
             dtypes[key] = dtype
-        arrays[key] = host
     meta = {
         "format": FORMAT,
         "file_format": FILE_FORMAT,
@@ -118,16 +110,12 @@ def _digest(meta: dict, arrays: Mapping[str, np.ndarray]) -> str:
     return h.hexdigest()
 
 
-def _tmp_pattern(base: str) -> re.Pattern:
-    return re.compile(re.escape(f".{base}{_TMP_TAG}") + _STALE_TMP)
-
-
 def _remove_stale_tmp(directory: str, base: str) -> None:
     """Delete the temporary files of earlier saves to `base` that died before their rename: ours
     by name, and unlocked (a live save holds its file's lock; a dead process holds none)."""
     if fcntl is None:
         return
-    pattern = _tmp_pattern(base)
+    pattern = re.compile(re.escape(f".{base}{_TMP_TAG}") + _STALE_TMP)
     try:
         names = [n for n in os.listdir(directory) if pattern.fullmatch(n)]
     except OSError:
@@ -217,9 +205,7 @@ def save(path, state) -> None:
             ) from None
         blob = st_save(arrays, metadata={META_KEY: text})
         _atomic_write(path, lambda f: f.write(blob))
-    else:
-        if META_KEY in arrays:
-            raise ValueError(f"a state entry is named {META_KEY!r}, which the file format reserves")
+    else:  # (the arrays are state entries, "P/state...": none is named META_KEY)
         payload = {**arrays, META_KEY: np.array(text)}
         _atomic_write(path, lambda f: np.savez(f, **payload))
 
@@ -256,18 +242,17 @@ def _json(text) -> Any:
         raise CheckpointError(f"the {META_KEY!r} entry is not valid JSON ({str(e)[:200]})") from None
 
 
-def _check_meta(meta) -> int:
-    """Check the structure of the metadata; return its file format (1 for v0.1 files, 2)."""
+def _meta_of(text, budget: int) -> tuple[dict, dict | None]:
+    """The metadata, its structure checked, and the arrays it declares (`{key: (dtype, shape,
+    bytes)}`, None for a v0.1 file)."""
+    meta = _json(text)
     if not isinstance(meta, dict):
         _reject(f"the {META_KEY!r} entry is {type(meta).__name__} JSON, expected an object")
     if meta.get("format") != FORMAT:
         _reject(f"unknown checkpoint format {str(meta.get('format'))[:80]!r}; this version reads {FORMAT!r}")
     keys = set(meta)
-    if keys == _META_V1:
-        version = 1
-    elif keys == _META_V2 and meta["file_format"] == FILE_FORMAT and type(meta["file_format"]) is int:
-        version = 2
-    else:
+    v2 = keys == _META_V2 and meta["file_format"] == FILE_FORMAT and type(meta["file_format"]) is int
+    if keys != _META_V1 and not v2:
         _reject(
             f"the {META_KEY!r} entry is not one this version writes (its keys: "
             f"{_listing(sorted(map(str, keys)), 8)}, file_format {str(meta.get('file_format'))[:20]})"
@@ -279,41 +264,38 @@ def _check_meta(meta) -> int:
         _reject("the metadata's 'entries' must map names to text, bools and numbers")
     if not isinstance(dtypes, dict) or not all(isinstance(v, str) for v in dtypes.values()):
         _reject("the metadata's 'dtypes' must map names to dtype names")
-    if version == 2:
-        arrays = meta["arrays"]
-        if not isinstance(arrays, dict):
-            _reject("the metadata's 'arrays' must map names to [dtype, shape]")
-        for name, spec in arrays.items():
-            _declared_array(name, spec)
-        if not isinstance(meta["sha256"], str):
-            _reject("the metadata's 'sha256' must be text")
-        bad = [k for k in entries if k in arrays] + [k for k in dtypes if k not in arrays]
-        if bad:
-            _reject(f"the metadata names these entries both as arrays and otherwise: {_listing(bad)}")
-    return version
+    if not v2:
+        return meta, None
+    arrays = meta["arrays"]
+    if not isinstance(arrays, dict):
+        _reject("the metadata's 'arrays' must map names to [dtype, shape]")
+    declared = {name: _declared_array(name, spec) for name, spec in arrays.items()}
+    if not isinstance(meta["sha256"], str):
+        _reject("the metadata's 'sha256' must be text")
+    bad = [k for k in entries if k in arrays] + [k for k in dtypes if k not in arrays]
+    if bad:
+        _reject(f"the metadata names these entries both as arrays and otherwise: {_listing(bad)}")
+    if sum(d[2] for d in declared.values()) > budget:
+        _reject("its metadata declares far more array bytes than this state holds")
+    return meta, declared
 
 
 def _declared_array(name, spec) -> tuple[np.dtype, tuple, int]:
     """The dtype, shape and size in bytes that the metadata declares for an array."""
-    ok = (
+    dtype = None
+    if (
         isinstance(spec, list)
         and len(spec) == 2
         and isinstance(spec[0], str)
         and isinstance(spec[1], list)
         and all(type(n) is int and 0 <= n < 2**62 for n in spec[1])
         and len(spec[1]) <= 64
-    )
-    if ok:
-        try:
+    ):
+        with contextlib.suppress(TypeError, ValueError):
             dtype = np.dtype(spec[0])
-        except (TypeError, ValueError):
-            ok = False
-        else:
-            ok = dtype.kind in "biufc" and dtype.str == spec[0]
-    if not ok:
+    if dtype is None or dtype.kind not in "biufc" or dtype.str != spec[0]:
         _reject(f"{name}: the metadata declares {str(spec)[:80]}, expected [dtype, shape] of a numeric array")
-    count = math.prod(spec[1])
-    return dtype, tuple(spec[1]), count * dtype.itemsize
+    return dtype, tuple(spec[1]), math.prod(spec[1]) * dtype.itemsize
 
 
 def _check_raw_dtypes(dtypes: dict, arrays: Mapping) -> None:
@@ -331,18 +313,6 @@ def _check_raw_dtypes(dtypes: dict, arrays: Mapping) -> None:
             real = None
         if real is None or bits.dtype.kind != "u" or real.itemsize != bits.dtype.itemsize:
             _reject(f"{key}: the metadata says its bits hold {name[:40]!r}, which they cannot")
-
-
-def _meta_of(text, budget: int) -> tuple[dict, dict | None]:
-    """The metadata, checked, and the arrays it declares (`{key: (dtype, shape, bytes)}`, None
-    for a v0.1 file)."""
-    meta = _json(text)
-    if _check_meta(meta) == 1:
-        return meta, None
-    declared = {k: _declared_array(k, s) for k, s in meta["arrays"].items()}
-    if sum(d[2] for d in declared.values()) > budget:
-        _reject("its metadata declares far more array bytes than this state holds")
-    return meta, declared
 
 
 def _check_names(found, declared: dict | None) -> None:

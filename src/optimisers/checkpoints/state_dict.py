@@ -89,15 +89,10 @@ def _places(tree) -> list[tuple[str, Leaf]]:
     return out
 
 
-def _nnx_variable_type():
-    nnx_module = sys.modules.get("flax.nnx")  # Flax is not a dependency: only seen once imported
-    return getattr(nnx_module, "Variable", None) if nnx_module is not None else None
-
-
 def _is_variable(x) -> bool:
     """A Flax NNX `Variable`: `nnx.Optimizer` holds each array and number of its state, and each
     number of the rule, in one."""
-    variable = _nnx_variable_type()
+    variable = getattr(sys.modules.get("flax.nnx"), "Variable", None)  # Flax: only once imported
     return variable is not None and isinstance(x, variable)
 
 
@@ -140,17 +135,10 @@ def _rebuild_state(value, key: str, new: dict):
         return new[key]
     if isinstance(value, (tuple, list)):
         items = [_rebuild_state(v, f"{key}/{i}", new) for i, v in enumerate(value)]
-        if isinstance(value, list):
-            return type(value)(items) if type(value) is not list else items
-        if hasattr(type(value), "_fields"):
+        if isinstance(value, tuple) and hasattr(type(value), "_fields"):  # a NamedTuple
             return type(value)(*items)
-        return tuple(items) if type(value) is tuple else type(value)(items)
+        return type(value)(items)
     return type(value)((k, _rebuild_state(v, f"{key}/{k}", new)) for k, v in value.items())
-
-
-def _check_concrete(value, key):
-    if _is_array(value) and dispatch.backend(value).is_traced(value):
-        raise TypeError(f"{key}: state_dict needs concrete arrays; call it outside jax.jit")
 
 
 # --- rules as text -------------------------------------------------------------------------------
@@ -236,22 +224,18 @@ def encode(x) -> str:
     return repr(repr(x))  # compared as text, never restored
 
 
-def _parse(text: str):
-    node = ast.parse(text, mode="eval").body
-    return _parse_node(node)
-
-
-def _parse_node(node):
+def _parse(node):
+    """The value of a rule's text, parsed by `ast`: a `_Spec`, number, text, None or tuple of them."""
     if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and not node.args:
-        return _Spec(node.func.id, {kw.arg: _parse_node(kw.value) for kw in node.keywords})
+        return _Spec(node.func.id, {kw.arg: _parse(kw.value) for kw in node.keywords})
     if isinstance(node, ast.Constant) and isinstance(node.value, (bool, int, float, str, type(None))):
         return node.value
     if isinstance(node, ast.Tuple):
-        return tuple(_parse_node(e) for e in node.elts)
+        return tuple(_parse(e) for e in node.elts)
     if isinstance(node, ast.Name) and node.id in ("inf", "nan"):
         return float(node.id)
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
-        v = _parse_node(node.operand)
+        v = _parse(node.operand)
         if isinstance(v, (int, float)) and not isinstance(v, bool):
             return -v
     raise ValueError(f"unexpected {ast.dump(node)}")
@@ -306,16 +290,12 @@ def _compare_rule(spec, rule, label, kind_problems, hyper_diffs):
         kind_problems.append(label)
 
 
-def _invalid_rule(spec, rule, restored: dict) -> str | None:
-    """Why the checkpoint's numbers make no valid `rule` (a negative learning rate, an infinite
-    epsilon: the rule's own checks say), or None; the rule made is kept in `restored`."""
-    memo = (id(rule), id(spec))
+def _restored_rule(spec, rule, restored: dict):
+    """`_restore_rule(spec, rule)`, made once for each rule and spec and kept in `restored`."""
+    memo = (id(rule), id(spec))  # specs are shared per rule text (`_Planner.parsed`)
     if memo not in restored:
-        try:
-            restored[memo] = _restore_rule(spec, rule)
-        except (ValueError, TypeError, OverflowError) as e:
-            return str(e)[:200] or type(e).__name__
-    return None
+        restored[memo] = _restore_rule(spec, rule)
+    return restored[memo]
 
 
 def _schedule_from(spec):
@@ -397,14 +377,9 @@ def _value_dtype(v) -> str:
 
 def _kind(v) -> str | None:
     """'bool', 'int', 'float' or 'complex' for a number or an array's dtype; None otherwise."""
-    if isinstance(v, bool):
-        return "bool"
-    if isinstance(v, int):
-        return "int"
-    if isinstance(v, float):
-        return "float"
-    if isinstance(v, complex):
-        return "complex"
+    for number_type in (bool, int, float, complex):  # (bool before int: a bool is an int)
+        if isinstance(v, number_type):
+            return number_type.__name__
     if isinstance(v, _RawBits) or _is_array(v):
         name = _value_dtype(v)
         if name == "bool":
@@ -559,7 +534,8 @@ def state_dict(state) -> dict:
         d[f"{name}/frozen"] = bool(leaf.frozen)
         for key, value in _state_items(leaf.state, f"{name}/state", []):
             value = _unheld(value)
-            _check_concrete(value, key)
+            if _is_array(value) and dispatch.backend(value).is_traced(value):
+                raise TypeError(f"{key}: state_dict needs concrete arrays; call it outside jax.jit")
             if key in d:
                 raise ValueError(f"two state entries are both named {key!r}; rename a model key")
             d[key] = value
@@ -750,22 +726,12 @@ class _Planner:
         try:
             text = _text(self.d[rule_key], rule_key)
             if text not in self.parsed:
-                self.parsed[text] = _parse(text)
+                self.parsed[text] = _parse(ast.parse(text, mode="eval").body)
             return text, self.parsed[text]
         except (CheckpointError, SyntaxError, ValueError, RecursionError, MemoryError) as e:
             e = e if str(e) else type(e).__name__  # a crafted text nested too deeply
             self.problems.append(f"{rule_key}: cannot read the rule ({e})")
             return None
-
-    def _compare(self, text: str, spec, rule) -> tuple[list, list]:
-        """The places where `spec` is another kind of rule than `rule`, and the hyperparameters
-        that differ."""
-        if (text, id(rule)) not in self.compared:
-            kinds: list[str] = []
-            diffs: list = []
-            _compare_rule(spec, rule, type(rule).__name__, kinds, diffs)
-            self.compared[text, id(rule)] = (kinds, diffs)
-        return self.compared[text, id(rule)]
 
     def _rule_checked(self, name: str, rule):
         """The checkpoint's rule at `name` when it is the kind of `rule`, with hyperparameters
@@ -775,7 +741,10 @@ class _Planner:
         if read is None:
             return None
         text, spec = read
-        kinds, diffs = self._compare(text, spec, rule)
+        if (text, id(rule)) not in self.compared:  # (places of another kind, hyperparameters that differ)
+            self.compared[text, id(rule)] = ([], [])
+            _compare_rule(spec, rule, type(rule).__name__, *self.compared[text, id(rule)])
+        kinds, diffs = self.compared[text, id(rule)]
         if kinds:
             top = type(rule).__name__
             where = [k for k in kinds if k != top]
@@ -785,8 +754,10 @@ class _Planner:
             )
             return None
         if diffs and self.hyperparameters == "checkpoint":
-            why = _invalid_rule(spec, rule, self.restored)
-            if why:
+            try:  # a negative learning rate, an infinite epsilon: the rule's own checks say
+                _restored_rule(spec, rule, self.restored)
+            except (ValueError, TypeError, OverflowError) as e:
+                why = str(e)[:200] or type(e).__name__
                 self.problems.append(f"{rule_key}: the checkpoint's hyperparameters are not valid ({why})")
                 return None
         if diffs and self.hyperparameters == "check":
@@ -847,12 +818,7 @@ def _build(state, tree, leaf_at: dict, plans: dict, rules: dict, hyperparameters
     shared: dict[tuple, Any] = {}
     for name, leaf in leaf_at.items():
         spec, frozen, values = plans[name]
-        rule = leaf.rule
-        if hyperparameters == "checkpoint":
-            memo = (id(leaf.rule), id(spec))  # specs are shared per rule text (`_Planner.parsed`)
-            if memo not in rules:
-                rules[memo] = _restore_rule(spec, leaf.rule)
-            rule = rules[memo]
+        rule = _restored_rule(spec, leaf.rule, rules) if hyperparameters == "checkpoint" else leaf.rule
         converted = {
             key: _convert_shared(values[key], like, shared)
             for key, like in _state_items(leaf.state, f"{name}/state", [])
