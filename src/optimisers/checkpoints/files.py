@@ -44,7 +44,6 @@ from optimisers.checkpoints.state_dict import (
     _is_array,
     _listing,
     _places,
-    _RawBits,
     _state_items,
     _tree_of,
     _unheld,
@@ -506,11 +505,11 @@ def _read(path: str, state) -> dict:
                 f"cannot read the checkpoint {path}: {type(e).__name__}: {str(e)[:200]} (a truncated "
                 "or damaged file, or not a checkpoint?)"
             ) from e
-    d: dict[str, Any] = {}
-    for key, value in arrays.items():
-        d[key] = _RawBits(value, meta["dtypes"][key]) if key in meta["dtypes"] else value
-    d.update(meta["entries"])
-    return d
+    for key, name in meta["dtypes"].items():  # bits of a dtype NumPy lacks, as ml_dtypes holds it
+        import ml_dtypes  # (`_check_raw_dtypes` found `name` there)
+
+        arrays[key] = arrays[key].view(getattr(ml_dtypes, name))
+    return {**arrays, **meta["entries"]}
 
 
 def load(path, state, *, hyperparameters: str = "checkpoint") -> State:

@@ -357,21 +357,7 @@ def _restore_rule(spec, rule):
 # --- values --------------------------------------------------------------------------------------
 
 
-class _RawBits(NamedTuple):
-    """An array read from a file whose dtype NumPy lacks (bfloat16, float8...): its bits, viewed
-    as unsigned integers of the same size, and the real dtype's name."""
-
-    bits: np.ndarray
-    dtype: str
-
-    @property
-    def shape(self):
-        return self.bits.shape
-
-
 def _value_dtype(v) -> str:
-    if isinstance(v, _RawBits):
-        return v.dtype
     return str(v.dtype).removeprefix("torch.")
 
 
@@ -380,7 +366,7 @@ def _kind(v) -> str | None:
     for number_type in (bool, int, float, complex):  # (bool before int: a bool is an int)
         if isinstance(v, number_type):
             return number_type.__name__
-    if isinstance(v, _RawBits) or _is_array(v):
+    if _is_array(v):
         name = _value_dtype(v)
         if name == "bool":
             return "bool"
@@ -396,7 +382,7 @@ def _incompatible(value, like) -> str | None:
     """Why checkpoint entry `value` cannot replace state element `like`, or None. Arrays must
     agree in shape and dtype; a number or 0-d array need only hold the same kind of number, so
     a step counter saved as a Python int loads where a jitted run left a 0-d int32 array."""
-    value_is_array = _is_array(value) or isinstance(value, _RawBits)
+    value_is_array = _is_array(value)
     if not value_is_array and not isinstance(value, (bool, int, float, complex)):
         return f"the checkpoint holds a {type(value).__name__}, this state an array or number"
     like_shape = tuple(like.shape) if _is_array(like) else ()
@@ -438,14 +424,8 @@ def _counter_max(like) -> int:
 
 
 def _host(value) -> np.ndarray:
-    """A NumPy array on the host (a copy) of a checkpoint's value: an array of any backend, a
-    number, or the bits of a dtype NumPy lacks read from a file."""
-    if isinstance(value, _RawBits):
-        # ml_dtypes is how NumPy holds bfloat16, float8... (JAX's own arrays come back as its
-        # dtypes): a NumPy matter, so it stays here rather than in a backend
-        import ml_dtypes
-
-        return value.bits.view(getattr(ml_dtypes, value.dtype)).copy()
+    """A NumPy array on the host (a copy) of a checkpoint's value: an array of any backend or a
+    number."""
     if _is_array(value):
         return dispatch.backend(value).to_host(value)
     return np.array(value)
@@ -458,8 +438,6 @@ def _convert(value, like):
     if _is_variable(like):
         return like.copy(_convert(value, like.get_value()))
     if isinstance(like, (bool, int, float, complex)):
-        if isinstance(value, _RawBits):
-            value = _host(value)
         return type(like)(value.item() if hasattr(value, "item") else value)
     backend = dispatch.backend(like)
     if not (_is_array(value) and dispatch.backend(value) is backend):
