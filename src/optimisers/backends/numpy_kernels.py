@@ -90,7 +90,6 @@ def _no_apply(args, state, x, dx):
 class _FastPath(NamedTuple):
     apply: Callable  # (args, state, x, dx) -> None: the per-Leaf path keeps the rule's maths
     step_many: Callable  # (args, xs, dxs, *state parts, t) -> whether it stepped them
-    joined: bool = False  # takes the parameters as they are (not joined into staging buffers)
 
 
 FAST_PATHS = {"adam": _FastPath(_no_apply, _adam_step_many)} if AVAILABLE else {}

@@ -447,9 +447,6 @@ def _adam_step_many(args, xs, dxs, ms, vs, t) -> bool:
 class _FastPath(NamedTuple):
     apply: Callable  # (args, state, x, dx) -> (new state, NewValue) or None
     step_many: Callable  # (args, xs, dxs, *state parts, t) -> whether it stepped them
-    # one tensor per parameter: the kernel rounds a tensor's last elements on another path, so
-    # joined parameters would differ from torch.optim's in the last bit (a span is joined already)
-    joined: bool = False
 
 
 # torch's fused kernels, named for optimisers.engine.fused

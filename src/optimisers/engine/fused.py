@@ -30,49 +30,33 @@ def step_leaf(found, state, x, dx):
 
 
 def step_group(group, found, xs, dxs) -> bool:
-    """Every member of `group` with the kernel `found`, in place; whether it did. A span steps
-    as one array: one kernel call."""
+    """Every member of `group` with the kernel `found`, in place; whether it did. Kernels take
+    the parameters as they are (torch's would round a joined array's last elements otherwise);
+    a span steps as one array: one kernel call."""
     name, kernel, args = found
     if group.array_at != STATE_ARRAYS[name]:
         return False
-    joined = group.span is not None or kernel.joined
-    if joined:
-        parts = _joined_parts(group, xs, dxs)
+    if group.span is not None:
+        parts = _span_parts(group, xs, dxs)
     else:
         parts = (xs, dxs, *[group.member_parts(k) for k, a in enumerate(group.array_at) if a])
     t = group.scalars[-1] + 1
     if not kernel.step_many(args, *parts, t):
         return False
-    if joined and group.has_runs:
-        group.unpack(xs)
     group.scalars[:] = [None] * (len(group.scalars) - 1) + [t]
     return True
 
 
-def _joined_parts(group, xs, dxs):
-    """`(parameters, gradients, *state arrays)` as lists of 1-D arrays for a kernel that takes
-    them joined: one entry per big member (views of it), one for the packed members (the
-    staging buffers and the packed state), or one for a span (cut around a tied member whose
-    gradient is its own sum)."""
-    b, arrays = group.b, [k for k, a in enumerate(group.array_at) if a]
-    if group.span is not None:
-        pieces = group.span.gradient_pieces(dxs, group.own_sums(dxs), group)
-        if pieces is not None:
-            cuts = [slice(lo, hi) for lo, hi, _ in pieces]
-            state = [[group.buffers[k][0][cut] for cut in cuts] for k in arrays]
-            return [group.span.flat[cut] for cut in cuts], [g for _, _, g in pieces], *state
-    with b.no_grad():
+def _span_parts(group, xs, dxs):
+    """`(parameters, gradients, *state arrays)` of a span as lists of 1-D arrays: its flat
+    buffer, or its pieces cut around a tied member whose gradient is its own sum."""
+    arrays = [k for k, a in enumerate(group.array_at) if a]
+    pieces = group.span.gradient_pieces(dxs, group.own_sums(dxs), group)
+    if pieces is not None:
+        cuts = [slice(lo, hi) for lo, hi, _ in pieces]
+        state = [[group.buffers[k][0][cut] for cut in cuts] for k in arrays]
+        return [group.span.flat[cut] for cut in cuts], [g for _, _, g in pieces], *state
+    with group.b.no_grad():
         group.stage(xs, dxs)
-    if group.span is not None:
-        flat_x, flat_g = group.staging_now
-        return [flat_x], [flat_g], *[[group.buffers[k][0]] for k in arrays]
-    p0, orders = group.packed_from, group.orders
-    flat_xs = [b.flat_in(xs[i], orders[i]) for i in range(p0)]
-    flat_dxs = [b.flat_in(dxs[i], orders[i]) for i in range(p0)]
-    state = [[group.buffers[k][i] for i in range(p0)] for k in arrays]
-    if group.has_runs:
-        flat_xs.append(group.staging_now[0])
-        flat_dxs.append(group.staging_now[1])
-        for k, parts in zip(arrays, state):
-            parts.append(group.packed[k])
-    return flat_xs, flat_dxs, *state
+    flat_x, flat_g = group.staging_now
+    return [flat_x], [flat_g], *[[group.buffers[k][0]] for k in arrays]
