@@ -653,3 +653,35 @@ def test_parameter_frozen_by_requires_grad_after_setup_is_explained():
     opt.freeze_(state["bias"])  # the supported way
     state, layer = opt.update_(state, layer, opt.grads(layer))
     assert not torch.equal(layer.weight, before[0])
+
+
+@pytest.mark.parametrize("AdamType", [opt.Adam, opt.AdamW])
+def test_small_tensors_step_on_one_thread_with_torch_optims_numbers(AdamType, monkeypatch):
+    """With several intra-op threads, torch's fused CPU kernel steps small tensors on one
+    (entering its thread pool per tensor costs more than their arithmetic) and big ones on all:
+    the numbers are torch.optim's fused Adam's, bit for bit, either way."""
+    sizes = [256] * 50 + [1 << 16, 3, 1 << 15, 100003]
+    g = torch.Generator().manual_seed(0)
+    params = [torch.randn(n, generator=g) for n in sizes]
+    theirs = [nn.Parameter(p.clone()) for p in params]
+    rule = AdamType(1e-2) if AdamType is opt.Adam else AdamType(1e-2, lambd=0.1)
+    peer = (torch.optim.Adam if AdamType is opt.Adam else torch.optim.AdamW)(
+        theirs, lr=1e-2, fused=True, **({} if AdamType is opt.Adam else {"weight_decay": 0.1})
+    )
+    state = opt.setup(rule, params)
+    threads_set: list[int] = []
+    set_threads = torch.set_num_threads
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: (threads_set.append(n), set_threads(n)))
+    before = torch.get_num_threads()
+    set_threads(2)
+    try:
+        for step in range(3):
+            grads = [torch.randn(n, generator=g) for n in sizes]
+            for p, dx in zip(theirs, grads):
+                p.grad = dx.clone()
+            peer.step()
+            state, params = opt.update_(state, params, grads)
+            assert all(torch.equal(x, p.detach()) for x, p in zip(params, theirs)), step
+    finally:
+        set_threads(before)
+    assert threads_set == [1, 2] * 3  # each step: the small ones on one thread, then back
