@@ -37,7 +37,7 @@ class Group(GroupLayout):
         super().__init__(leaves, xs)
         self.sums: dict[int, object] = {}  # member -> its summed-gradient buffer (`ties`)
         self._marks = None  # the members' `engine_marks` at their last full check
-        self._owners = None  # (marks, parameters, their memory owners): see `param_owners`
+        self._owners = None  # (marks, parameters, their memory owners, the list given): `param_owners`
         self._marker = None  # (a list of parameters, the function giving their engine marks)
         self._staged = None  # `(xs, dxs)` whose packed members are in `staging_now` this step
         self.staging_now = None  # this step's staging buffers `(flat_x, flat_g)`
@@ -93,12 +93,11 @@ class Group(GroupLayout):
             kept is not None
             and self._marks is not None
             and kept[0] is self._marks
-            and len(xs) == len(kept[1])
-            and all(map(operator.is_, xs, kept[1]))
+            and (xs is kept[3] or (len(xs) == len(kept[1]) and all(map(operator.is_, xs, kept[1]))))
         ):
             return kept[2]
         owners = set(self.b.memory_owners(xs))
-        self._owners = (self._marks, list(xs), owners)
+        self._owners = (self._marks, list(xs), owners, xs)  # (a replay passes the same list)
         return owners
 
     def _fit(self, xs) -> bool:
