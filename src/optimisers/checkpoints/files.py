@@ -138,11 +138,9 @@ def _locked_tmp(directory: str, base: str) -> tuple[int, str]:
             return fd, tmp
         fcntl.flock(fd, fcntl.LOCK_EX)
         # another save's clean-up may have taken it between creation and lock: then start over
-        try:
+        with contextlib.suppress(FileNotFoundError):
             if os.stat(tmp).st_ino == os.fstat(fd).st_ino:
                 return fd, tmp
-        except FileNotFoundError:
-            pass
         os.close(fd)
 
 
@@ -387,8 +385,7 @@ def _read_npz(f, budget: int, meta_budget: int, members_max: int) -> tuple[dict,
     _check_directory(f, members_max)
     with zipfile.ZipFile(f) as z:
         infos = z.infolist()
-        names = [i.filename for i in infos]
-        if len(set(names)) != len(names):
+        if len({i.filename for i in infos}) != len(infos):
             _reject("the archive holds two members of the same name")
         members = {}
         for info in infos:
@@ -407,7 +404,7 @@ def _read_npz(f, budget: int, meta_budget: int, members_max: int) -> tuple[dict,
             _reject(f"its arrays declare {total} bytes, far more than this state holds")
         with z.open(meta_info) as m:
             text = _read_npy(m, meta_info.file_size, META_KEY, None, "U")
-        if text.shape != () or text.dtype.kind != "U":
+        if text.shape != ():  # (`_read_npy` read text: kind "U")
             _reject(f"its {META_KEY!r} entry is not text")
         meta, declared = _meta_of(text.item(), budget)
         _check_names(members, declared)

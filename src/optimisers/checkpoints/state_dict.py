@@ -152,9 +152,7 @@ class _Spec(NamedTuple):
 
 
 def _rule_fields(rule) -> list[str]:
-    if dataclasses.is_dataclass(rule):
-        return [f.name for f in dataclasses.fields(rule) if f.init]
-    return []
+    return [f.name for f in dataclasses.fields(rule) if f.init] if dataclasses.is_dataclass(rule) else []
 
 
 def _is_described(x) -> bool:
@@ -390,9 +388,9 @@ def _incompatible(value, like) -> str | None:
     if shape != like_shape:
         return f"shape {shape} in the checkpoint, {like_shape} in this state"
     if like_shape:
-        if isinstance(getattr(value, "dtype", None), np.dtype) and isinstance(like.dtype, np.dtype):
-            if value.dtype == like.dtype:  # the common case, without building names
-                return None
+        both_numpy = isinstance(value.dtype, np.dtype) and isinstance(like.dtype, np.dtype)
+        if both_numpy and value.dtype == like.dtype:  # the common case, without building names
+            return None
         if _value_dtype(value) != _value_dtype(like):
             return f"dtype {_value_dtype(value)} in the checkpoint, {_value_dtype(like)} in this state"
         return None
@@ -499,14 +497,13 @@ def state_dict(state) -> dict:
     dict back, and so does it after `torch.save`/`torch.load`, `np.savez(f, **d)`/`np.load`, or
     any checkpointer that keeps arrays, numbers and text.
     """
-    tree = _tree_of(state, "state_dict")
+    ours, leaf_at = _our_places(_tree_of(state, "state_dict"))
     d: dict[str, Any] = {FORMAT_KEY: FORMAT}
-    first: dict[int, str] = {}
-    for name, leaf in _places(tree):
-        if id(leaf) in first:
-            d[f"{name}/tied_to"] = first[id(leaf)]
+    for name, owner in ours.items():
+        if owner != name:
+            d[f"{name}/tied_to"] = owner
             continue
-        first[id(leaf)] = name
+        leaf = leaf_at[name]
         _check_storable(leaf.rule, f"{name}: {type(leaf.rule).__name__}")
         d[f"{name}/rule"] = encode(leaf.rule)
         d[f"{name}/frozen"] = bool(leaf.frozen)
@@ -572,7 +569,10 @@ def load_state_dict(state, d: Mapping, *, hyperparameters: str = "checkpoint") -
     planner = _Planner(d, hyperparameters, state_keys)
     plans = {name: planner.plan(name, leaf) for name, leaf in leaf_at.items() if theirs.get(name) == name}
     problems += planner.problems
-    explained = _explained_keys(theirs, stored, state_keys)
+    # the keys this format has a meaning for; any other is reported
+    explained = {FORMAT_KEY, *(f"{n}/tied_to" for n, t in theirs.items() if t != n)}
+    explained.update(f"{n}/{what}" for n in stored for what in ("rule", "frozen"))
+    explained.update(key for keys in state_keys.values() for key in keys)
     unknown = [str(k) for k in d if k not in explained]
     if unknown:
         problems.append(f"entries this format does not have: {_listing(unknown)}")
@@ -661,24 +661,6 @@ def _place_problems(ours: dict, theirs: dict) -> list[str]:
     return problems
 
 
-def _explained_keys(theirs: dict, stored: set, state_keys: dict) -> set:
-    """The checkpoint's keys that this format has a meaning for."""
-    explained = {FORMAT_KEY}
-    explained.update(f"{n}/tied_to" for n, t in theirs.items() if t != n)
-    explained.update(f"{n}/{what}" for n in stored for what in ("rule", "frozen"))
-    for keys in state_keys.values():
-        explained.update(keys)
-    return explained
-
-
-class _Plan(NamedTuple):
-    """What a stored Leaf is loaded from: the checkpoint's rule, frozen flag and state entries."""
-
-    spec: Any
-    frozen: bool | None
-    values: dict
-
-
 class _Planner:
     """Checks each stored Leaf against the checkpoint and plans its loading; what does not match
     goes to `problems` (and hyperparameters that differ under "check" to `hyper_problems`, listed
@@ -692,12 +674,13 @@ class _Planner:
         self.restored: dict[tuple, Any] = {}  # (id(rule), id(spec)) -> the rule with the checkpoint's numbers
         self.compared: dict[tuple, tuple] = {}  # (rule text, id(rule)) -> (kinds, diffs)
 
-    def plan(self, name: str, leaf: Leaf) -> _Plan | None:
-        """The plan for the Leaf stored at `name`, or None when its rule does not match."""
+    def plan(self, name: str, leaf: Leaf) -> tuple | None:
+        """What the Leaf stored at `name` is loaded from: the checkpoint's rule, frozen flag and
+        state entries; None when its rule does not match."""
         spec = self._rule_checked(name, leaf.rule)
         if spec is None:
             return None
-        return _Plan(spec, self._frozen(name), self._state_values(name, leaf))
+        return spec, self._frozen(name), self._state_values(name, leaf)
 
     def _read_rule(self, rule_key: str):
         """The text at `rule_key` and the rule it describes, or None (a problem)."""
