@@ -295,9 +295,9 @@ def _declared_array(name, spec) -> tuple[np.dtype, tuple, int]:
     return dtype, tuple(spec[1]), math.prod(spec[1]) * dtype.itemsize
 
 
-def _check_raw_dtypes(dtypes: dict, arrays: Mapping) -> None:
-    """Each dtype named for stored bits must be one that holds that many bits (bfloat16 in
-    uint16, ...), so restoring the bits cannot fail later."""
+def _view_raw_dtypes(dtypes: dict, arrays: dict) -> None:
+    """View each array stored as bits as the dtype named for it (bfloat16 from uint16, ...; as
+    ml_dtypes holds it), which must be one that holds that many bits."""
     for key, name in dtypes.items():
         bits = arrays.get(key)
         if bits is None:
@@ -310,6 +310,7 @@ def _check_raw_dtypes(dtypes: dict, arrays: Mapping) -> None:
             real = None
         if real is None or bits.dtype.kind != "u" or real.itemsize != bits.dtype.itemsize:
             _reject(f"{key}: the metadata says its bits hold {name[:40]!r}, which they cannot")
+        arrays[key] = bits.view(real)
 
 
 def _check_names(found, declared: dict | None) -> None:
@@ -471,7 +472,7 @@ def _verify(meta: dict, declared: dict | None, arrays: dict) -> None:
             _reject(
                 "its checksum does not match its content: the file was damaged or edited after it was written"
             )
-    _check_raw_dtypes(meta["dtypes"], arrays)
+    _view_raw_dtypes(meta["dtypes"], arrays)
     clash = [k for k in meta["entries"] if k in arrays]
     if clash:
         _reject(f"these entries are both arrays and values: {_listing(clash)}")
@@ -502,10 +503,6 @@ def _read(path: str, state) -> dict:
                 f"cannot read the checkpoint {path}: {type(e).__name__}: {str(e)[:200]} (a truncated "
                 "or damaged file, or not a checkpoint?)"
             ) from e
-    for key, name in meta["dtypes"].items():  # bits of a dtype NumPy lacks, as ml_dtypes holds it
-        import ml_dtypes  # (`_check_raw_dtypes` found `name` there)
-
-        arrays[key] = arrays[key].view(getattr(ml_dtypes, name))
     return {**arrays, **meta["entries"]}
 
 

@@ -682,26 +682,19 @@ class _Planner:
             return None
         return spec, self._frozen(name), self._state_values(name, leaf)
 
-    def _read_rule(self, rule_key: str):
-        """The text at `rule_key` and the rule it describes, or None (a problem)."""
-        try:
-            text = _text(self.d[rule_key], rule_key)
-            if text not in self.parsed:
-                self.parsed[text] = _parse(ast.parse(text, mode="eval").body)
-            return text, self.parsed[text]
-        except (CheckpointError, SyntaxError, ValueError, RecursionError, MemoryError) as e:
-            e = e if str(e) else type(e).__name__  # a crafted text nested too deeply
-            self.problems.append(f"{rule_key}: cannot read the rule ({e})")
-            return None
-
     def _rule_checked(self, name: str, rule):
         """The checkpoint's rule at `name` when it is the kind of `rule`, with hyperparameters
         that `hyperparameters` accepts; else None (a problem)."""
         rule_key = f"{name}/rule"
-        read = self._read_rule(rule_key)
-        if read is None:
+        try:
+            text = _text(self.d[rule_key], rule_key)
+            if text not in self.parsed:
+                self.parsed[text] = _parse(ast.parse(text, mode="eval").body)
+        except (CheckpointError, SyntaxError, ValueError, RecursionError, MemoryError) as e:
+            e = e if str(e) else type(e).__name__  # a crafted text nested too deeply
+            self.problems.append(f"{rule_key}: cannot read the rule ({e})")
             return None
-        text, spec = read
+        spec = self.parsed[text]
         if (text, id(rule)) not in self.compared:  # (places of another kind, hyperparameters that differ)
             self.compared[text, id(rule)] = ([], [])
             _compare_rule(spec, rule, type(rule).__name__, *self.compared[text, id(rule)])
