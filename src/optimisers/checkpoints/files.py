@@ -351,9 +351,7 @@ def _read_npy(m, size: int, key: str, want: tuple | None, kinds: str) -> np.ndar
         version = np.lib.format.read_magic(m)
         if version not in ((1, 0), (2, 0)):
             _reject(f".npy format version {version}, which NumPy does not write for these arrays")
-        read_header = (
-            np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
-        )
+        read_header = getattr(np.lib.format, f"read_array_header_{version[0]}_0")  # _1_0 or _2_0
         shape, fortran, dtype = read_header(m, max_header_size=_NPY_HEADER_MAX)
     except (ValueError, CheckpointError) as e:  # (CheckpointError is a ValueError)
         _reject(f"{key}: not an .npy array of a checkpoint ({str(e)[:160]})")

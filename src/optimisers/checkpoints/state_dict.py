@@ -421,14 +421,6 @@ def _counter_max(like) -> int:
         return np.iinfo(np.int64).max
 
 
-def _host(value) -> np.ndarray:
-    """A NumPy array on the host (a copy) of a checkpoint's value: an array of any backend or a
-    number."""
-    if _is_array(value):
-        return dispatch.backend(value).to_host(value)
-    return np.array(value)
-
-
 def _convert(value, like):
     """`value` as a fresh element of `like`'s kind: a Python number, or an array of `like`'s
     backend, dtype, device (and JAX sharding and weak type), held in a Flax Variable like `like`'s
@@ -438,8 +430,10 @@ def _convert(value, like):
     if isinstance(like, (bool, int, float, complex)):
         return type(like)(value.item() if hasattr(value, "item") else value)
     backend = dispatch.backend(like)
-    if not (_is_array(value) and dispatch.backend(value) is backend):
-        value = _host(value)  # from another backend or a file: through the host
+    if not _is_array(value):
+        value = np.array(value)  # a number
+    elif dispatch.backend(value) is not backend:
+        value = dispatch.backend(value).to_host(value)  # from another backend: through the host
     return backend.from_host(value, like)
 
 
@@ -700,8 +694,7 @@ class _Planner:
             _compare_rule(spec, rule, type(rule).__name__, *self.compared[text, id(rule)])
         kinds, diffs = self.compared[text, id(rule)]
         if kinds:
-            top = type(rule).__name__
-            where = [k for k in kinds if k != top]
+            where = [k for k in kinds if k != type(rule).__name__]
             self.problems.append(
                 f"{name}: the checkpoint has rule {encode(spec)}, this state has "
                 f"{encode(rule)}" + (f" (they differ at {', '.join(where[:3])})" if where else "")
@@ -724,12 +717,10 @@ class _Planner:
         return spec
 
     def _frozen(self, name: str) -> bool | None:
-        frozen_key = f"{name}/frozen"
-        frozen = _flag(self.d[frozen_key]) if frozen_key in self.d else None
+        key = f"{name}/frozen"
+        frozen = _flag(self.d[key]) if key in self.d else None
         if frozen is None:
-            self.problems.append(
-                f"{frozen_key}: " + ("missing" if frozen_key not in self.d else "expected True or False")
-            )
+            self.problems.append(f"{key}: " + ("missing" if key not in self.d else "expected True or False"))
         return frozen
 
     def _state_values(self, name: str, leaf: Leaf) -> dict:
