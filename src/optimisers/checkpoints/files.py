@@ -1,25 +1,16 @@
 """Checkpoint files: `save` / `load`, the entries of `state_dict` in one verified file.
 
-A file is a NumPy `.npz` archive (or a safetensors file for `.safetensors` paths): the arrays as
-arrays (moved to the host; dtypes NumPy lacks, such as bfloat16, as their bits) and one JSON
-text entry `__optimisers__` holding everything else:
+A file (an `.npz` archive, or safetensors for `.safetensors` paths: see `save`) holds the arrays
+and one JSON text entry `__optimisers__` with everything else and a digest of it all (`_digest`):
 
     {"format": "optimisers.state_dict.v1", "file_format": 2,
      "entries": {key: text, bool or number}, "dtypes": {key: real dtype of stored bits},
      "arrays": {key: [NumPy dtype string, shape]}, "sha256": hex digest}
 
-The digest covers the metadata (canonical JSON, without the digest) and every array (name,
-dtype, shape and bytes, in sorted name order), so an edited header or a flipped byte is caught.
 Files of version 0.1 of this library have no `file_format`, `arrays` or `sha256`; they still
-load, unverified (see docs/checkpoints.md).
-
-Reading is defensive: the layout (names, declared sizes, the JSON's structure) is checked before
-any array is read or decompressed, and the total is bounded by the size of the state loaded
-into, so a crafted file cannot make `load` allocate much more than the state itself.
-
-Writes go to a temporary file beside the target (`.<name>.optimisers-XXXXXXXX.tmp`, locked while
-it is written), flushed to disk and renamed over it; a save also removes such files that a killed
-save left behind.
+load, unverified (see docs/checkpoints.md). Reading is defensive: the layout is checked before any
+array is read or decompressed, and the total is bounded by the size of the state loaded into, so a
+crafted file cannot make `load` allocate much more than the state itself.
 """
 
 from __future__ import annotations

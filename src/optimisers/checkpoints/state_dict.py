@@ -1,22 +1,10 @@
 """Checkpoints of optimiser state as a flat dict: `state_dict` / `load_state_dict`.
 
-The state dict is a flat `dict` from strings to plain values (arrays, text, bools, numbers), so
-any checkpointer of such dicts can hold it (`torch.save`, `np.savez(**d)`, ...). With `P` the
-dotted path of a parameter (`format_path`: `"decoder.layers.0.w"`, `"<model>"` when the model is
-one array), it holds:
-
-    "__format__"         "optimisers.state_dict.v1"
-    "P/rule"             the rule and its hyperparameters as text, e.g. "Adam(eta=0.001,
-                         beta=(0.9, 0.999), epsilon=1e-08)"; nested rules nest
-    "P/frozen"           True or False
-    "P/state/0", ...     the rule's state: one entry per array or number of the state's tuples
-                         (nested tuples give "P/state/1/0"; a bare array gives "P/state"; `None`
-                         gives no entry). Arrays stay arrays of their backend (not copies);
-                         step counters stay Python ints
-    "Q/tied_to"          "P": the parameter at Q is tied to the one at P (stored once, under P)
-
-Each tied Leaf is stored once, under its first path (depth first, as `setup` finds it); every
-other place that holds it has a `tied_to` entry. `load_state_dict` checks everything (paths, ties,
+The keys are parameter paths (`format_path`; `"<model>"` when the model is one array) followed by
+`/rule`, `/frozen`, `/state...` or `/tied_to` (`state_dict` lists them; docs/checkpoints.md shows a
+whole dict). A state's `None` gives no entry and a bare array `"P/state"`; arrays stay arrays of
+their backend (not copies), step counters Python ints. Each tied Leaf is stored once, under its
+first path (depth first, as `setup` finds it). `load_state_dict` checks everything (paths, ties,
 rules, state entries, shapes, dtypes) before it builds anything and reports every difference at
 once; it returns a new `State` and leaves its arguments untouched (no trailing underscore: pure).
 
@@ -727,9 +715,7 @@ class _Planner:
         """The checkpoint's entries for the state of `leaf`, each checked against the element it
         replaces; entries missing, extra or incompatible are problems."""
         values = {}
-        expected = _state_items(leaf.state, f"{name}/state", [])
-        expected_keys = {k for k, _ in expected}
-        for key, like in expected:
+        for key, like in _state_items(leaf.state, f"{name}/state", []):
             if key not in self.d:
                 self.problems.append(f"{key}: missing from the checkpoint (this state has {describe(like)})")
                 continue
@@ -737,8 +723,8 @@ class _Planner:
             if why:
                 self.problems.append(f"{key}: {why}")
             values[key] = self.d[key]
-        for key in self.state_keys.get(name, ()):
-            if key not in expected_keys:
+        for key in self.state_keys.get(name, ()):  # (each in `d`: in `values` when expected)
+            if key not in values:
                 self.problems.append(
                     f"{key}: in the checkpoint, but the state of {type(leaf.rule).__name__} "
                     f"here has no such entry ({describe(leaf.state)})"
