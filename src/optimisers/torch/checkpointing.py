@@ -21,12 +21,7 @@ from optimisers.torch.lazy_state import set_state
 _ROOT = format_path(())  # how the library's state_dict names a lone Leaf's place
 
 
-def check_is_state_dict(state_dict, expected: str) -> None:
-    if not isinstance(state_dict, Mapping) or not {"state", "param_groups"} <= set(state_dict):
-        raise CheckpointError(f"expected {expected}, with 'state' and 'param_groups'")
-
-
-def split_extra_state(saved_state: Mapping) -> tuple[dict, dict]:
+def _split_extra_state(saved_state: Mapping) -> tuple[dict, dict]:
     """A checkpoint's `"state"`: the parameters' entries (keyed by number) and the rest, which
     `state[key]` held for keys that are not parameters (torch keeps and restores those too)."""
     params, extra = {}, {}
@@ -127,11 +122,26 @@ class Checkpointing:
         in full first (groups, sizes, rules, shapes, dtypes; a `CheckpointError` lists every
         difference), then loaded; tensors take the dtype and device of this optimizer's state.
         Parameters without state in the checkpoint have none after it, as in torch.optim."""
-        state_dict = self._run_load_pre_hooks(state_dict)
-        check_is_state_dict(state_dict, "the dict from Optimizer.state_dict()")
-        saved_groups = state_dict["param_groups"]
-        self._check_groups(saved_groups)
-        saved_state, extra = split_extra_state(state_dict["state"])
+        self._load(state_dict, "the dict from Optimizer.state_dict()")
+
+    def _load(self, state_dict, expected: str) -> None:
+        """What every `load_state_dict` does: torch's hooks around `_load_checked`, which checks
+        the whole checkpoint before it changes anything and returns the new group dicts."""
+        for hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        if not isinstance(state_dict, Mapping) or not {"state", "param_groups"} <= set(state_dict):
+            raise CheckpointError(f"expected {expected}, with 'state' and 'param_groups'")
+        self._check_groups(state_dict["param_groups"])
+        saved_state, extra = _split_extra_state(state_dict["state"])
+        self.param_groups[:] = self._load_checked(state_dict["param_groups"], saved_state)
+        self._extra_state = extra
+        self._changed()
+        for hook in self._optimizer_load_state_dict_post_hooks.values():
+            hook(self)
+
+    def _load_checked(self, saved_groups, saved_state: Mapping) -> list[dict]:
         flat = _flattened(saved_state)
         positions = self._checkpoint_positions(saved_state)
         template = State({position: self._template(position) for position in sorted(positions)})
@@ -150,10 +160,7 @@ class Checkpointing:
             loaded_rules = (leaf.rule for leaf in g.leaves if leaf is not None and id(leaf) in ready)
             g.use_rule(next(loaded_rules, g.rule))
             g.seen = group_entries(g.rule)
-        self.param_groups[:] = new_groups
-        self._extra_state = extra
-        self._changed()
-        self._run_load_post_hooks()
+        return new_groups
 
     @staticmethod
     def _restored_group(saved: Mapping, entries: Mapping) -> dict:
@@ -165,17 +172,6 @@ class Checkpointing:
         return group
 
     # --- shared with the drop-in classes' torch.optim format ----------------------------------------
-
-    def _run_load_pre_hooks(self, state_dict):
-        for hook in self._optimizer_load_state_dict_pre_hooks.values():
-            result = hook(self, state_dict)
-            if result is not None:
-                state_dict = result
-        return state_dict
-
-    def _run_load_post_hooks(self) -> None:
-        for hook in self._optimizer_load_state_dict_post_hooks.values():
-            hook(self)
 
     def _check_groups(self, saved_groups) -> None:
         if len(saved_groups) != len(self.param_groups):

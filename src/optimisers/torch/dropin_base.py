@@ -48,21 +48,17 @@ def check_torch_switches(h: Mapping, where: str) -> None:
     check_switches(h, where)
 
 
-def _check_fused(g: ParamGroup, grads: dict, start: int) -> None:
+def _check_fused(g: ParamGroup, grads: dict) -> None:
     """torch.optim's check of the parameters of a `fused=True` group, at the step."""
-    devices = _fused_devices()
-    for j, p in enumerate(g.params):
-        if start + j in grads and not (p.is_floating_point() and p.device.type in devices):
+    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+
+    devices = _get_fused_kernels_supported_devices()
+    for position, p in zip(g.positions, g.params):
+        if position in grads and not (p.is_floating_point() and p.device.type in devices):
             raise RuntimeError(
                 "`fused=True` requires all the params to be floating point Tensors of supported "
                 f"devices: {devices} but {p.dtype} and {p.device.type}"
             )
-
-
-def _fused_devices() -> list:
-    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
-
-    return _get_fused_kernels_supported_devices()
 
 
 class DropIn(TorchStateDict, Optimizer):
@@ -195,24 +191,22 @@ class DropIn(TorchStateDict, Optimizer):
         scale = getattr(self, "grad_scale", None)
         if scale is not None:
             grads = {i: grad / scale for i, grad in grads.items()}
-        start = 0
         for g in self._groups:
             h = g.seen
             if h.get("fused"):
-                _check_fused(g, grads, start)
+                _check_fused(g, grads)
             maximize = h.get("maximize", False)
             decay = h.get("weight_decay", 0) if self._l2 and not self._decoupled(h) else 0
             if maximize or isinstance(decay, torch.Tensor) or decay != 0 or g.has_complex:
-                _prepare(grads, g, start, maximize, decay)
+                _prepare(grads, g, maximize, decay)
             # else the gradients as they are (AdamW's usual case): no pass over them
-            start += len(g.params)
         return grads
 
 
-def _prepare(grads: dict, g: ParamGroup, start: int, maximize, decay) -> None:
-    """Group `g`'s gradients (numbered from `start`) as torch prepares them, in place in `grads`."""
-    for j, p in enumerate(g.params):
-        grad = grads.get(start + j)
+def _prepare(grads: dict, g: ParamGroup, maximize, decay) -> None:
+    """Group `g`'s gradients as torch prepares them, in place in `grads`."""
+    for position, p in zip(g.positions, g.params):
+        grad = grads.get(position)
         if grad is None:
             continue
         if maximize:
@@ -221,4 +215,4 @@ def _prepare(grads: dict, g: ParamGroup, start: int, maximize, decay) -> None:
             grad = grad.add(p.detach(), alpha=decay)
         if grad.is_complex():
             grad = torch.view_as_real(grad)
-        grads[start + j] = grad
+        grads[position] = grad

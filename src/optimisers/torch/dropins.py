@@ -332,9 +332,6 @@ class Adafactor(DropIn):
             raise RuntimeError(f"{where}: Adafactor does not support complex parameters")
         return built
 
-    def _layout(self, h):
-        return ("variance", STEP)
-
     def _layout_for(self, h, p):
         return ("row_var", "col_var", STEP) if is_factored(p) else ("variance", STEP)
 

@@ -23,11 +23,6 @@ def set_state(leaf: Leaf, state, *, owned: bool) -> None:
     leaf._owns = owned
 
 
-def replan(state: State) -> None:
-    """The set of Leafs with state changed: the update engine plans its groups again."""
-    plan.forget(state)
-
-
 def prune(node, ready: set):
     """The part of a state tree whose Leafs have state (tied places keep their shared Leaf)."""
     if isinstance(node, Leaf):
@@ -56,13 +51,13 @@ class LazyState:
 
     def _track(self, group) -> None:
         """Number the parameters of a new param group after those already there."""
-        start = len(self._model)
-        for j, (p, leaf) in enumerate(zip(group.params, group.leaves)):
-            self._model[start + j] = p
+        group.first = len(self._model)
+        for position, p, leaf in zip(group.positions, group.params, group.leaves):
+            self._model[position] = p
             if leaf is not None:
-                self._leaf_at[start + j] = leaf
-                self._leaf_of[id(p)] = (p, leaf, start + j)
-                self._trained.append((start + j, p))
+                self._leaf_at[position] = leaf
+                self._leaf_of[id(p)] = (p, leaf, position)
+                self._trained.append((position, p))
 
     @property
     def state(self):
@@ -131,11 +126,11 @@ class LazyState:
     def _changed(self) -> None:
         """After parameters gained or lost state: the engine plans again, and a module's
         `optimiser_state` shows the Leafs that have state now."""
-        replan(self._flat)
+        plan.forget(self._flat)
         if self._module_tree is not None:
             ready = {id(leaf) for leaf in self._flat.tree.values()}
             self.optimiser_state.tree = prune(self._module_tree, ready) or {}
-            replan(self.optimiser_state)
+            plan.forget(self.optimiser_state)
 
 
 def has_entry(leaf: Leaf) -> bool:

@@ -26,9 +26,10 @@ from torch import nn
 
 from optimisers.core.rule import Rule
 from optimisers.core.state import State
+from optimisers.engine import plan
 from optimisers.torch.checkpointing import Checkpointing
 from optimisers.torch.hyperparameters import adjusted_rule, unknown_key_error
-from optimisers.torch.lazy_state import LazyState, replan
+from optimisers.torch.lazy_state import LazyState
 from optimisers.torch.param_groups import (
     ParamGroup,
     check_distinct,
@@ -143,13 +144,11 @@ class Optimizer(Stepping, LazyState, Checkpointing, torch.optim.Optimizer):
 
     def _gradients(self, grads: dict) -> dict:
         """The gradients the rules see: negated in groups with `maximize`."""
-        start = 0
         for g in self._groups:
             if g.entries.get("maximize"):
-                for position in range(start, start + len(g.params)):
+                for position in g.positions:
                     if position in grads:
                         grads[position] = -grads[position]
-            start += len(g.params)
         return grads
 
     # --- copies (deepcopy, pickle) ----------------------------------------------------------------
@@ -168,7 +167,7 @@ class Optimizer(Stepping, LazyState, Checkpointing, torch.optim.Optimizer):
         # a copy holds new tensors: find each one's Leaf by its new identity
         self._leaf_of = {id(self._model[i]): (self._model[i], leaf, i) for i, leaf in self._leaf_at.items()}
         self._live = {i: self._engine_view(self._model[i]) for i in self._flat.tree}
-        replan(self._flat)
+        plan.forget(self._flat)  # the update engine plans its groups again
 
 
 def _check_rule_argument(rule) -> None:

@@ -42,6 +42,11 @@ class ParamGroup:
     rule: Any
     seen: dict
     has_complex: bool = False  # a drop-in class trains complex parameters as real views
+    first: int = 0  # the position (number in `param_groups`, as torch counts) of its first tensor
+
+    @property
+    def positions(self) -> range:
+        return range(self.first, self.first + len(self.params))
 
     def use_rule(self, rule) -> None:
         """Make `rule` the group's: one rule object for all its Leafs."""

@@ -43,7 +43,8 @@ class _ScheduleFreeDropIn(DropIn):
     _l2 = False  # the weight decay is the rule's own, at y
 
     def _b1(self, h) -> float:
-        raise NotImplementedError
+        """β₁: AdamW's `betas[0]`, SGD's `momentum`."""
+        return h["betas"][0] if "betas" in h else h["momentum"]
 
     # --- modes ----------------------------------------------------------------------------------
 
@@ -60,17 +61,15 @@ class _ScheduleFreeDropIn(DropIn):
         self._switch(True, lambda b1: 1 - b1)
 
     def _switch(self, train: bool, weight) -> None:
-        position = 0
         for g in self._groups:
             if bool(g.entries["train_mode"]) != train:
                 w = weight(self._b1(g.entries))
-                for j in range(len(g.params)):
-                    leaf = self._flat.tree.get(position + j)
+                for position in g.positions:
+                    leaf = self._flat.tree.get(position)
                     if leaf is not None:  # parameters with state (a gradient seen), as the package's
-                        p = self._engine_view(self._model[position + j])
+                        p = self._engine_view(self._model[position])
                         p.lerp_(leaf.state[0].to(p.device), w)
                 self._show(g, train_mode=train)
-            position += len(g.params)
 
     def step(self, closure=None):
         if not self.param_groups[0]["train_mode"]:
@@ -129,9 +128,6 @@ class AdamWScheduleFree(_ScheduleFreeDropIn):
             weight_decay=weight_decay, foreach=foreach,
         ))  # fmt: skip
 
-    def _b1(self, h):
-        return h["betas"][0]
-
     def _rule(self, h):
         return ScheduleFreeAdamW(
             as_number(h, "lr"), tuple(h["betas"]), h["eps"], h["weight_decay"], h["warmup_steps"], h["r"],
@@ -161,9 +157,6 @@ class SGDScheduleFree(_ScheduleFreeDropIn):
         super()._check(h, where)
         if not 0 < as_number(h, "momentum") < 1:
             raise ValueError(f"{where}: momentum must be between 0 and 1 exclusive: {h['momentum']!r}")
-
-    def _b1(self, h):
-        return h["momentum"]
 
     def _rule(self, h):
         return ScheduleFreeSGD(

@@ -37,16 +37,14 @@ class Stepping:
             super().zero_grad(set_to_none)
             return
         for p in rest:
-            if p.grad is None:
-                continue
             if set_to_none:
                 p.grad = None
-                continue
-            if p.grad.grad_fn is not None:
-                p.grad.detach_()
-            else:
-                p.grad.requires_grad_(False)
-            p.grad.zero_()
+            elif p.grad is not None:
+                if p.grad.grad_fn is not None:
+                    p.grad.detach_()
+                else:
+                    p.grad.requires_grad_(False)
+                p.grad.zero_()
 
     def _step(self):
         undo = self._sync()

@@ -11,7 +11,6 @@ from typing import Any, ClassVar
 import torch
 
 from optimisers.checkpoints.state_dict import CheckpointError
-from optimisers.torch.checkpointing import check_is_state_dict, split_extra_state
 from optimisers.torch.lazy_state import has_entry, set_state
 from optimisers.torch.param_groups import ParamGroup
 
@@ -75,11 +74,9 @@ class TorchStateFormat:
         return has_entry(leaf)  # torch's SGD without momentum keeps no state
 
     def _group_index(self, position: int) -> int:
-        start = 0
         for i, g in enumerate(self._groups):
-            if position < start + len(g.params):
+            if position in g.positions:
                 return i
-            start += len(g.params)
         raise KeyError(position)
 
     def _group_of(self, position: int) -> ParamGroup:
@@ -157,13 +154,11 @@ class TorchStateDict(TorchStateFormat):
         name: checked in full first (a `CheckpointError` lists every mismatch: groups, keys,
         shapes), then loaded, hyperparameters included, as torch.optim does. A run resumed from
         it continues as the saved one would have."""
-        state_dict = self._run_load_pre_hooks(state_dict)
-        check_is_state_dict(state_dict, "an optimizer state dict")
-        saved_groups = state_dict["param_groups"]
-        self._check_groups(saved_groups)
+        self._load(state_dict, "an optimizer state dict")
+
+    def _load_checked(self, saved_groups, saved_state: Mapping) -> list[dict]:
         problems: list[str] = []
         hypers, rules = self._saved_hyperparameters(saved_groups, problems)
-        saved_state, extra = split_extra_state(state_dict["state"])
         states = self._saved_states(saved_state, hypers, problems)
         if problems:
             raise CheckpointError("the checkpoint does not fit this optimizer:\n  " + "\n  ".join(problems))
@@ -176,10 +171,7 @@ class TorchStateDict(TorchStateFormat):
         for position, state in states.items():
             set_state(self._leaf_at[position], state, owned=True)  # decoded copies: the engine keeps them
         self._ready([p for p in states if p not in self._flat.tree])
-        self.param_groups[:] = new_groups
-        self._extra_state = extra
-        self._changed()
-        self._run_load_post_hooks()
+        return new_groups
 
     def _saved_hyperparameters(self, saved_groups, problems: list) -> tuple[list, list]:
         """Each saved group's hyperparameters and the rule they make (None where they do not fit)."""
