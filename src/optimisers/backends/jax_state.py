@@ -99,10 +99,8 @@ _NUM = "num"
 
 
 def _is_numeric(value) -> bool:
-    if isinstance(value, (bool, np.bool_)):
-        return False
-    if isinstance(value, numbers.Integral):
-        return False  # integer hyperparameters (AccumGrad.n) decide the program's shape
+    if isinstance(value, (bool, np.bool_, numbers.Integral)):
+        return False  # flags and integer hyperparameters (AccumGrad.n) decide the program's shape
     if isinstance(value, numbers.Number):
         return True
     return isinstance(value, (jax.Array, np.ndarray, np.generic))
@@ -152,11 +150,8 @@ def _decode(desc, values):
     if tag == "static":
         return desc[1].value
     if tag == "seq":
-        items = [_decode(d, values) for d in desc[2]]
-        cls = desc[1]
-        if cls is tuple or cls is list:
-            return cls(items)
-        return cls(*items)
+        cls, items = desc[1], [_decode(d, values) for d in desc[2]]
+        return cls(items) if cls is tuple or cls is list else cls(*items)  # else a NamedTuple
     # A rule, rebuilt without validation: JAX unflattens with tracers and placeholder objects.
     cls = desc[1]
     rule = object.__new__(cls)
@@ -170,13 +165,10 @@ def _decode(desc, values):
 
 
 def _rule_parts(rule):
+    """A rule's description and its numbers by name (`_named`), in normal form."""
     values: list = []
     desc = _encode(rule, values)
-    return desc, tuple(values)
-
-
-def _rule_from(desc, values):
-    return _decode(desc, iter(values))
+    return desc, _named(desc, map(_normal, values))
 
 
 def _has_numbers(desc) -> bool:
@@ -268,10 +260,6 @@ def _normal(value):
     return value
 
 
-def _normal_all(values) -> tuple:
-    return tuple(map(_normal, values))
-
-
 # --- State as a pytree -------------------------------------------------------------------------
 
 _RULES, _SCALARS = "rules", "scalars"
@@ -324,7 +312,7 @@ def _state_parts(state: State):
     scalars, slot_names, leaf_meta, leaf_children = _split_parts(found, flat, layout, names)
     aux = (skel, tuple(desc for desc, _ in rules), tuple(leaf_meta), bool(scalars))
     rule_values = [values for _, values in rules]
-    scalars = _normal_all(scalars)
+    scalars = tuple(map(_normal, scalars))
     place = _host_scalar_placement(leaf_children)
     if place is not None:
         rule_values = [_map_named(place, values) for values in rule_values]
@@ -356,8 +344,7 @@ def _skeleton(root):
                 r = rule_num.get(id(node.rule))
                 if r is None:
                     r = rule_num[id(node.rule)] = len(rules)
-                    desc, values = _rule_parts(node.rule)
-                    rules.append((desc, _named(desc, iter(_normal_all(values)))))
+                    rules.append(_rule_parts(node.rule))
                 j = leaf_num[id(node)] = len(found)
                 found.append((node, path, r))
             return j
@@ -399,7 +386,7 @@ def _remember(state, aux, keyed, dicts, leaves) -> None:
     at once instead of walking every Leaf again."""
     made = _Unflattened(aux, [c for _, c in keyed])
     root = state.tree
-    made.built(root, [] if isinstance(root, Leaf) else dicts, leaves)
+    made.built(root, dicts, leaves)
     made.keyed = keyed
     _MADE[state] = made
 
@@ -470,10 +457,7 @@ def _layout_by_value(flat, groups) -> list:
     layout = []
     for j, ((spec, parts), group) in enumerate(zip(flat, groups)):
         at = [i for i, p in enumerate(parts) if is_scalar(p)]
-        if group is None:
-            owner = ("own", j)
-        else:
-            owner = (group, spec, tuple(scalar_key(parts[i]) for i in at))
+        owner = ("own", j) if group is None else (group, spec, tuple(scalar_key(parts[i]) for i in at))
         slots: list = [None] * len(parts)
         for i in at:
             slots[i] = slot_of.setdefault((owner, i), len(slot_of))
@@ -554,6 +538,7 @@ class _Unflattened:
 
     def built(self, root, dicts, leaves) -> None:
         self.root = root
+        dicts = [] if isinstance(root, Leaf) else dicts  # a lone Leaf: no dicts to watch
         self.dicts = [(d, tuple(d), tuple(d.values())) for d in dicts]
         self.leaves = leaves
         self.states = list(map(_GET_STATE, leaves))
@@ -591,7 +576,7 @@ def _state_unflatten(aux, children):
     values: list = []
     if rule_descs:
         values = [_unnamed(d, v, []) for d, v in zip(rule_descs, children[0])]
-        children[0] = tuple(_named(d, iter(_normal_all(v))) for d, v in zip(rule_descs, values))
+        children[0] = tuple(_named(d, map(_normal, v)) for d, v in zip(rule_descs, values))
         head = 1
     named_scalars = children[head] if has_scalars else ()
     scalars = [next(iter(named.values())) for named in named_scalars]
@@ -607,7 +592,7 @@ def _state_unflatten(aux, children):
 @_without_gc
 def _build_tree(aux, values, scalars, own_children, made):
     skel, rule_descs, leaf_meta, _ = aux
-    rules = [_rule_from(d, v) for d, v in zip(rule_descs, values)]
+    rules = [_decode(d, iter(v)) for d, v in zip(rule_descs, values)]
     own_of = iter(own_children)
     leaves = []
     for r, frozen, spec, slots in leaf_meta:
@@ -628,7 +613,7 @@ def _build_tree(aux, values, scalars, own_children, made):
         return out
 
     root = build(skel)
-    made.built(root, [] if isinstance(root, Leaf) else dicts, leaves)
+    made.built(root, dicts, leaves)
     return root
 
 
@@ -643,13 +628,9 @@ def _normal_state(value):
 
 
 def _leaf_flatten_with_keys(leaf):
-    desc, values = _rule_parts(leaf.rule)
-    tu = jax.tree_util
-    children = [
-        (tu.GetAttrKey("rule"), _named(desc, iter(_normal_all(values)))),
-        (tu.GetAttrKey("state"), _normal_state(leaf.state)),
-    ]
-    return children, (desc, bool(leaf.frozen))
+    desc, named = _rule_parts(leaf.rule)
+    key = jax.tree_util.GetAttrKey
+    return [(key("rule"), named), (key("state"), _normal_state(leaf.state))], (desc, bool(leaf.frozen))
 
 
 def _leaf_flatten(leaf):
@@ -660,7 +641,7 @@ def _leaf_flatten(leaf):
 def _leaf_unflatten(aux, children):
     desc, frozen = aux
     named, st = children
-    return Leaf(_rule_from(desc, _unnamed(desc, named, [])), st, frozen)
+    return Leaf(_decode(desc, iter(_unnamed(desc, named, []))), st, frozen)
 
 
 def register() -> None:
