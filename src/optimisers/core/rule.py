@@ -44,12 +44,10 @@ def concrete(value):
 
 
 def _is_number(value) -> bool:
-    if isinstance(value, bool):
-        return False
-    if isinstance(value, numbers.Number):
-        return True
     # 0-d arrays of any backend (and JAX tracers) stand for numbers
-    return getattr(value, "shape", None) == ()
+    return not isinstance(value, bool) and (
+        isinstance(value, numbers.Number) or getattr(value, "shape", None) == ()
+    )
 
 
 def _is_schedule(value) -> bool:
@@ -80,9 +78,7 @@ def _check_field(rule: str, name: str, value, default):
         return value
     if isinstance(default, tuple):
         if not isinstance(value, (tuple, list)) or len(value) != len(default):
-            raise TypeError(
-                f"{rule}: {name} must be a tuple of {len(default)} numbers, got {value!r}"
-            )
+            raise TypeError(f"{rule}: {name} must be a tuple of {len(default)} numbers, got {value!r}")
         return tuple(_check_field(rule, f"{name}[{i}]", v, d) for i, (v, d) in enumerate(zip(value, default)))
     return value
 
@@ -166,18 +162,12 @@ class Rule:
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
-        own = cls.__dict__.get("init")
-        if callable(own) and not getattr(own, "_checks_its_argument", False):
-            cls.init = _checked_init(own)
-        for name in ("apply", "apply_stacked"):  # (a stack's count is one for all its members)
+        for name, wrap in _WRAPPERS:
             own = cls.__dict__.get(name)
-            if callable(own) and not getattr(own, "_evaluates_schedules", False):
-                setattr(cls, name, _scheduled_apply(own))
+            if callable(own) and not getattr(own, "_wrapped", False):
+                setattr(cls, name, wrap(own))
         if "apply" in cls.__dict__ and "kernel_args" not in cls.__dict__:
             cls.kernel_args = Rule.kernel_args  # a kernel computes the apply it was matched to
-        own = cls.__dict__.get("eval_value")
-        if callable(own) and not getattr(own, "_sees_own_state", False):
-            cls.eval_value = _own_state_eval(own)
 
     #: Fields that may be infinite (ClipNorm's p = inf is the max-norm); for every other number,
     #: an infinite value is refused like NaN: it would turn every parameter into inf or NaN.
@@ -195,7 +185,7 @@ class Rule:
         _check_one_array(self, x)
         return Scheduled(0, None) if scheduled_fields(self) else None
 
-    init._checks_its_argument = True
+    init._wrapped = True  # checks its argument itself
 
     def update(self, *args, **kwargs):
         """Not an optax method: a rule is not an optax `GradientTransformation`; wrap it with
@@ -215,7 +205,7 @@ class Rule:
         `apply`, it sees the rule's own state (without the step count of a schedule)."""
         return x
 
-    eval_value._sees_own_state = True
+    eval_value._wrapped = True  # has no state of its own to see
 
     def with_counters(self, state):
         """`state` with a step count for each schedule: a rule given a schedule by `adjust`
@@ -255,30 +245,40 @@ def _check_fields(rule: Rule) -> None:
         checked = _check_field(name, f.name, value, default)
         if checked is not value:
             object.__setattr__(rule, f.name, checked)
-        if isinstance(default, (float, tuple)) and not isinstance(default, bool):
+        if isinstance(default, (float, tuple)):
             _check_finite(rule, f.name, checked)
     eta = concrete(getattr(rule, "eta", 0.0))
     if eta is not None and eta < 0:
         raise ValueError(f"{name}: the learning rate eta cannot be negative, got {eta}")
 
 
+def _numbers(value):
+    """The numbers of a hyperparameter: itself, or each entry of a (nested) tuple."""
+    if isinstance(value, tuple):
+        for v in value:
+            yield from _numbers(v)
+    else:
+        yield value
+
+
+def _each_number(fn, value):
+    """`fn` of a hyperparameter's number, or of each entry of a (nested) tuple, as a like tuple."""
+    if isinstance(value, tuple):
+        return tuple(_each_number(fn, v) for v in value)
+    return fn(value)
+
+
 def _is_stacked(value) -> bool:
     """An array of hyperparameters, one per member of a stacked (vmapped) ensemble of states."""
-    if isinstance(value, tuple):
-        return any(map(_is_stacked, value))
-    return bool(getattr(value, "ndim", 0))
+    return any(getattr(v, "ndim", 0) for v in _numbers(value))
 
 
 def _shape(value):
-    if isinstance(value, tuple):
-        return tuple(map(_shape, value))
-    return tuple(getattr(value, "shape", ()))
+    return _each_number(lambda v: tuple(getattr(v, "shape", ())), value)
 
 
 def _member(value, i):
-    if isinstance(value, tuple):
-        return tuple(_member(v, i) for v in value)
-    return value[i] if getattr(value, "ndim", 0) else value
+    return _each_number(lambda v: v[i] if getattr(v, "ndim", 0) else v, value)
 
 
 def _like_stacked(value, old):
@@ -306,21 +306,19 @@ def _adjusted_stacked(rule, own):
                 "hyperparameter it replaces"
             )
     fields = {f.name: own.get(f.name, getattr(rule, f.name)) for f in dataclasses.fields(rule) if f.init}
-    n = min(len(v) for v in _values(fields.values()) if getattr(v, "ndim", 0))
+    n = min(len(v) for v in _numbers(tuple(fields.values())) if getattr(v, "ndim", 0))
     for i in range(n):  # each member's numbers pass the rule's own checks
         dataclasses.replace(rule, **{k: _member(v, i) for k, v in fields.items()})
+    return _unchecked(rule, fields)
+
+
+def _unchecked(rule, values: dict):
+    """A copy of `rule` with the fields named in `values` replaced, made without the checks (which
+    a stack's arrays or a traced value would not pass)."""
     new = object.__new__(type(rule))
     for f in dataclasses.fields(rule):
-        object.__setattr__(new, f.name, fields.get(f.name, getattr(rule, f.name)))
+        object.__setattr__(new, f.name, values.get(f.name, getattr(rule, f.name)))
     return new
-
-
-def _values(values):
-    for v in values:
-        if isinstance(v, tuple):
-            yield from _values(v)
-        else:
-            yield v
 
 
 #: `(is_held, held_like)` pairs that adapters register, for hyperparameters that a framework holds
@@ -372,13 +370,11 @@ def _checked_init(init):
             return Scheduled(0, init(at_step(self, names, 0), x))
         return init(self, x)
 
-    checked._checks_its_argument = True
+    checked._wrapped = True
     return checked
 
 
 # --- schedules as hyperparameters ---------------------------------------------------------------
-
-_SCHEDULABLE: dict[type, tuple[str, ...]] = {}  # rule class -> its fields that may hold schedules
 
 
 def scheduled_fields(rule) -> tuple[str, ...]:
@@ -387,31 +383,20 @@ def scheduled_fields(rule) -> tuple[str, ...]:
     own = getattr(rule, "__dict__", None)
     found = own.get("_scheduled_fields") if own is not None else None
     if found is None:
-        found = _scheduled_fields(rule)
+        found = tuple(
+            n for n in _schedulable(type(rule)) if any(map(_is_schedule, _numbers(getattr(rule, n, None))))
+        )
         if own is not None:
             own["_scheduled_fields"] = found  # not a field: equality, hashing and repr ignore it
     return found
 
 
-def _scheduled_fields(rule) -> tuple[str, ...]:
-    cls = type(rule)
-    names = _SCHEDULABLE.get(cls)
-    if names is None:
-        names = ()
-        if dataclasses.is_dataclass(cls):
-            names = tuple(
-                f.name
-                for f in dataclasses.fields(cls)
-                if isinstance(f.default, (float, tuple)) and not isinstance(f.default, bool)
-            )
-        _SCHEDULABLE[cls] = names
-    return tuple(n for n in names if _holds_schedule(getattr(rule, n, None)))
-
-
-def _holds_schedule(value) -> bool:
-    if isinstance(value, tuple):
-        return any(map(_holds_schedule, value))
-    return _is_schedule(value)
+@functools.cache
+def _schedulable(cls) -> tuple[str, ...]:
+    """The fields of a rule class that may hold schedules: those with a float or tuple default."""
+    if not dataclasses.is_dataclass(cls):
+        return ()
+    return tuple(f.name for f in dataclasses.fields(cls) if isinstance(f.default, (float, tuple)))
 
 
 def has_schedules(rule) -> bool:
@@ -429,8 +414,6 @@ def has_schedules(rule) -> bool:
 
 
 def _value_at(value, count):
-    if isinstance(value, tuple):
-        return tuple(_value_at(v, count) for v in value)
     if not _is_schedule(value):
         return value
     out = value(count)
@@ -442,11 +425,7 @@ def _value_at(value, count):
 def at_step(rule, names, count):
     """A copy of `rule` with the schedules in fields `names` replaced by their values at `count`
     (made without validation: under `jax.jit` the values are traced)."""
-    new = object.__new__(type(rule))
-    for f in dataclasses.fields(rule):
-        value = getattr(rule, f.name)
-        object.__setattr__(new, f.name, _value_at(value, count) if f.name in names else value)
-    return new
+    return _unchecked(rule, {n: _each_number(lambda v: _value_at(v, count), getattr(rule, n)) for n in names})
 
 
 def _scheduled_apply(apply):
@@ -463,7 +442,7 @@ def _scheduled_apply(apply):
         inner, step = apply(at_step(self, names, count) if names else self, inner, x, dx)
         return Scheduled(count + 1, inner), step
 
-    wrapped._evaluates_schedules = True
+    wrapped._wrapped = True
     return wrapped
 
 
@@ -474,8 +453,18 @@ def _own_state_eval(eval_value):
     def wrapped(self, state, x):
         return eval_value(self, state.state if type(state) is Scheduled else state, x)
 
-    wrapped._sees_own_state = True
+    wrapped._wrapped = True
     return wrapped
+
+
+#: what `Rule.__init_subclass__` wraps each method of a rule class in (a stack's count is one for
+#: all its members)
+_WRAPPERS = (
+    ("init", _checked_init),
+    ("apply", _scheduled_apply),
+    ("apply_stacked", _scheduled_apply),
+    ("eval_value", _own_state_eval),
+)
 
 
 def check_range(rule: Rule, name: str, low: float, high: float, *, high_open: bool = False):
@@ -488,6 +477,4 @@ def check_range(rule: Rule, name: str, low: float, high: float, *, high_open: bo
         label = f"{name}[{i}]" if isinstance(values, tuple) else name
         if not (low <= v and (v < high if high_open else v <= high)):
             bracket = ")" if high_open else "]"
-            raise ValueError(
-                f"{type(rule).__name__}: {label} must be in [{low}, {high}{bracket}, got {v}"
-            )
+            raise ValueError(f"{type(rule).__name__}: {label} must be in [{low}, {high}{bracket}, got {v}")
