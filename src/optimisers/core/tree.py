@@ -39,7 +39,7 @@ class NodeKind(NamedTuple):
 
 def _mapping_rebuild(node, changes):
     if type(node) is dict:
-        return {k: changes.get(k, v) if k in changes else v for k, v in node.items()}
+        return {k: changes.get(k, v) for k, v in node.items()}
     if isinstance(node, MutableMapping):
         new = copy.copy(node)
         new.update(changes)
@@ -222,13 +222,19 @@ def map_params(fn, model):
             kind = kind_of(node)
             if kind is None:
                 return node
-            changes = {}
-            for k, child in trainable_children(node, kind):
-                new_child = visit(child)
-                if new_child is not child:
-                    changes[k] = new_child
-            new = kind.rebuild(node, changes) if changes else node
+            new = rebuilt(node, kind, trainable_children(node, kind), lambda _, child: visit(child))
         done[key] = new
         return new
 
     return visit(model)
+
+
+def rebuilt(node, kind: NodeKind, pairs, new_child):
+    """`node` with each child of its `(key, child)` `pairs` replaced by `new_child(key, child)`:
+    rebuilt when one of those is a new object, else `node` itself."""
+    changes = {}
+    for k, child in pairs:
+        new = new_child(k, child)
+        if new is not child:
+            changes[k] = new
+    return kind.rebuild(node, changes) if changes else node

@@ -4,12 +4,7 @@ from __future__ import annotations
 
 from optimisers.core.eager import eager_under_compile
 from optimisers.core.rule import Rule, has_schedules
-from optimisers.core.state import (
-    Leaf,
-    State,
-    leaf_paths,
-    map_leaves,
-)
+from optimisers.core.state import Leaf, State, leaf_paths, map_leaves
 from optimisers.engine.layout import independent
 
 
@@ -49,19 +44,15 @@ def _adjusted_rules(leaves, eta, hyper, name) -> dict[int, Rule]:
     for leaf in leaves:
         if id(leaf.rule) not in rules:
             rules[id(leaf.rule)] = leaf.rule.adjust(**hyper)
-            used.update(k for k in hyper if k in _all_names(leaf.rule))
+            used.update(k for k in hyper if k in leaf.rule.hyperparameters())
     unknown = [k for k in hyper if k not in used]
     if unknown:
-        valid = sorted({n for leaf in leaves for n in _all_names(leaf.rule)})
+        valid = sorted({n for leaf in leaves for n in leaf.rule.hyperparameters()})
         raise ValueError(
             f"{name}: no rule in this state has a hyperparameter {unknown[0]!r}; "
             f"valid names here: {', '.join(valid) or 'none'}"
         )
     return rules
-
-
-def _all_names(rule) -> tuple[str, ...]:
-    return rule.hyperparameters()
 
 
 @eager_under_compile

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from optimisers import ops
@@ -29,7 +31,7 @@ def destructure(model):
     total = 0
     for x in arrays:
         offsets[id(x)] = total
-        total += _size(x)
+        total += math.prod(int(d) for d in x.shape)
 
     def rebuild(new_flat):
         length = _length(new_flat)
@@ -42,13 +44,6 @@ def destructure(model):
 
     rebuild.__doc__ = f"Rebuild the model from a flat vector of length {total}."
     return flat, rebuild
-
-
-def _size(x) -> int:
-    n = 1
-    for d in x.shape:
-        n *= int(d)
-    return n
 
 
 def _length(v) -> int:

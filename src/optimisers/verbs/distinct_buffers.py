@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from optimisers import ops
-from optimisers.core.tree import _is_array, kind_of
+from optimisers.core.tree import _is_array, kind_of, rebuilt
 
 
 def distinct_buffers(model):
@@ -42,11 +42,6 @@ def distinct_buffers(model):
         kind = kind_of(node)
         if kind is None:
             return node
-        changes = {}
-        for k, child in kind.children(node):
-            new = visit(child)
-            if new is not child:
-                changes[k] = new
-        return kind.rebuild(node, changes) if changes else node
+        return rebuilt(node, kind, kind.children(node), lambda _, child: visit(child))
 
     return visit(model)

@@ -7,10 +7,7 @@ from typing import Any
 from optimisers import ops
 from optimisers.core import dispatch
 from optimisers.core.rule import Rule
-from optimisers.core.state import (
-    Leaf,
-    State,
-)
+from optimisers.core.state import Leaf, State
 from optimisers.core.tree import format_path, is_param, kind_of, trainable_children
 from optimisers.engine.initial_state import initial_states
 

@@ -14,12 +14,8 @@ from typing import Any
 from optimisers import ops
 from optimisers.core.eager import eager_under_compile
 from optimisers.core.rule import NewValue
-from optimisers.core.state import (
-    Leaf,
-    State,
-    map_leaves,
-)
-from optimisers.core.tree import kind_of
+from optimisers.core.state import Leaf, State, map_leaves
+from optimisers.core.tree import kind_of, rebuilt
 from optimisers.engine import execute
 from optimisers.engine.layout import independent
 from optimisers.engine.locks import lock
@@ -139,12 +135,8 @@ def rebuild(tree, model, place):
             return node
         kind = kind_of(node)
         children = dict(kind.children(node))
-        changes = {}
-        for k, sub in snode.items():
-            new = visit(sub, children[k])
-            if new is not children[k]:
-                changes[k] = new
-        result = kind.rebuild(node, changes) if changes else node
+        pairs = [(k, children[k]) for k in snode]
+        result = rebuilt(node, kind, pairs, lambda k, child: visit(snode[k], child))
         done[key] = result
         return result
 
