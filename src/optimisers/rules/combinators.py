@@ -186,7 +186,10 @@ def _dtype_name(dtype) -> str:
 
 class _Wrapper(Rule):
     """A rule around another rule, its `rule` field, whose hyperparameters it shows as its own:
-    `hyperparameters()` and `adjust` forward to the inner rule."""
+    `hyperparameters()` and `adjust` forward to the inner rule. Its state is a tuple holding the
+    inner rule's state at `inner_at`."""
+
+    inner_at = 0
 
     def validate(self):
         if not isinstance(self.rule, Rule):
@@ -198,6 +201,14 @@ class _Wrapper(Rule):
     def adjust(self, **hyper):
         rule = self.rule.adjust(**hyper)
         return self if rule is self.rule else dataclasses.replace(self, rule=rule)
+
+    def with_counters(self, state):
+        i = self.inner_at
+        inner = self.rule.with_counters(state[i])
+        return state if inner is state[i] else (*state[:i], inner, *state[i + 1 :])
+
+    def eval_value(self, state, x):
+        return self.rule.eval_value(state[self.inner_at], x)
 
 
 class _ElementwiseWrapper(_Wrapper):
@@ -231,6 +242,7 @@ class MixedPrecision(_ElementwiseWrapper):
 
     rule: Rule
     dtype: Any = np.float32
+    inner_at = 1  # (master, inner)
 
     def validate(self):
         super().validate()
@@ -250,11 +262,6 @@ class MixedPrecision(_ElementwiseWrapper):
         real_only(self, x)
         master = ops.cast(x, self.dtype)
         return master, self.rule.init(master)
-
-    def with_counters(self, state):
-        master, inner = state
-        new = self.rule.with_counters(inner)
-        return state if new is inner else (master, new)
 
     def eval_value(self, state, x):
         master, inner = state
@@ -295,14 +302,6 @@ class SkipNonFinite(_Wrapper):
 
     def init(self, x):
         return self.rule.init(x), 0
-
-    def with_counters(self, state):
-        inner, skipped = state
-        new = self.rule.with_counters(inner)
-        return state if new is inner else (new, skipped)
-
-    def eval_value(self, state, x):
-        return self.rule.eval_value(state[0], x)
 
     def apply(self, state, x, dx):
         inner, skipped = state
@@ -357,6 +356,7 @@ class Lookahead(_ElementwiseWrapper):
     rule: Rule
     k: int = 6
     alpha: float = 0.5
+    inner_at = 1  # (slow, inner, n)
 
     def validate(self):
         super().validate()
@@ -378,11 +378,6 @@ class Lookahead(_ElementwiseWrapper):
     def init(self, x):
         # a cast is always a new plain array (ops.copy of a torch Parameter would be a Parameter)
         return ops.cast(x, x.dtype), self.rule.init(x), 0
-
-    def with_counters(self, state):
-        slow, inner, n = state
-        new = self.rule.with_counters(inner)
-        return state if new is inner else (slow, new, n)
 
     def eval_value(self, state, x):
         return state[0]
