@@ -9,6 +9,8 @@ import dataclasses
 import math
 from typing import ClassVar
 
+import numpy as np
+
 from optimisers import ops
 from optimisers.core.rule import Rule, check_range
 
@@ -74,6 +76,12 @@ def adam_direction(m, v, bc1, bc2, scale, eps):
     """`scale · (m/bc1) / (√(v/bc2) + ε)`, with `scale/bc1` one scalar: a pass over the arrays
     fewer than dividing `m` first, and a NumPy step costs about its number of passes."""
     return (scale / bc1) * m / (ops.sqrt(v / bc2) + eps)
+
+
+def at_least_float32(a):
+    """`a` in float32 when its dtype is narrower (float16, bfloat16): for a decomposition or an
+    iteration that half precision is too coarse for (and NumPy has no float16 `eigh`)."""
+    return ops.cast(a, np.float32) if ops.dtype_epsilon(a) > np.finfo(np.float32).eps else a
 
 
 def real_zeros(x):

@@ -9,11 +9,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from optimisers import ops
 from optimisers.core.rule import Rule, check_range
-from optimisers.rules.common import cast, nonnegative
+from optimisers.rules.common import at_least_float32, cast, nonnegative
 
 __all__ = ["Muon"]
 
@@ -51,11 +49,6 @@ def newton_schulz(g, coefficients, steps: int, epsilon):
         gram = ops.matmul(x, ops.matrix_transpose(x))
         x = a * x + ops.matmul(b * gram + c * ops.matmul(gram, gram), x)
     return ops.matrix_transpose(x) if tall else x
-
-
-def _computed_wide(x) -> bool:
-    """Is `x`'s dtype at least float32's precision? Narrower ones are orthogonalised in float32."""
-    return ops.dtype_epsilon(x) <= float(np.finfo(np.float32).eps)
 
 
 @dataclass(frozen=True)
@@ -147,9 +140,7 @@ class Muon(Rule):
         m = beta * state + keep * dx
         u = keep * dx + beta * m if self.nesterov else m
         rows, cols = matrix_shape(shape)
-        matrix = ops.reshape(u, (*x.shape[: len(x.shape) - len(shape)], rows, cols))
-        if not _computed_wide(matrix):
-            matrix = ops.cast(matrix, np.float32)
+        matrix = at_least_float32(ops.reshape(u, (*x.shape[: len(x.shape) - len(shape)], rows, cols)))
         o = newton_schulz(matrix, self.ns_coefficients, self.ns_steps, self.epsilon)
         o = ops.astype(ops.reshape(o, x.shape), x)
         eta, decay = cast(x, self.eta * SCALES[self.scale](rows, cols), self.eta * self.lambd)

@@ -13,7 +13,7 @@ import numpy as np
 
 from optimisers import ops
 from optimisers.core.rule import Rule, check_range
-from optimisers.rules.common import cast, nonnegative, real_only
+from optimisers.rules.common import at_least_float32, cast, nonnegative, real_only
 
 __all__ = ["SOAP"]
 
@@ -93,14 +93,12 @@ class SOAP(Rule):
 
     def init(self, x):
         real_only(self, x)
-        sizes = [n if self._has_basis(x, n) else None for n in x.shape]
+        preconditioned = len(x.shape) != 1 or self.precondition_1d
+        sizes = [n if preconditioned and n <= self.max_precond_dim else None for n in x.shape]
         # preconditioners and bases are distinct arrays: one buffer at two places of a state
         # cannot be donated to a jitted step
         ls, qs = (tuple(None if n is None else ops.zeros((n, n), x) for n in sizes) for _ in range(2))
         return ops.zeros_like(x), ops.zeros_like(x), ls, qs, 0
-
-    def _has_basis(self, x, n):
-        return n <= self.max_precond_dim and (len(x.shape) != 1 or self.precondition_1d)
 
     def apply(self, state, x, dx):
         t = state[-1]
@@ -130,15 +128,13 @@ class SOAP(Rule):
 
     def _accumulate(self, ls, g):
         """Each axis' `L ← σL + (1−σ)·G Gᵀ` (G Gᵀ contracts every other axis)."""
-        out = []
-        for i, lm in enumerate(ls):
-            if lm is None:
-                out.append(None)
-                continue
+
+        def accumulated(i, lm):
             rest = [j for j in range(len(g.shape)) if j != i]
             sigma, rate = cast(lm, self.shampoo_beta, 1 - self.shampoo_beta)
-            out.append(sigma * lm + rate * ops.tensordot(g, g, (rest, rest)))
-        return tuple(out)
+            return sigma * lm + rate * ops.tensordot(g, g, (rest, rest))
+
+        return tuple(None if lm is None else accumulated(i, lm) for i, lm in enumerate(ls))
 
 
 def _rotate(a, qs, back):
@@ -158,12 +154,6 @@ def _first_axis_last(a):
     return ops.reshape(moved, (*shape[1:], shape[0]))
 
 
-def _wide(a):
-    """`a` in float32 when narrower: NumPy has no float16 eigh, and half precision is too coarse
-    for a decomposition."""
-    return ops.cast(a, np.float32) if ops.dtype_epsilon(a) > np.finfo(np.float32).eps else a
-
-
 def _finite_or_zero(a):
     """`(a, True)` for a finite matrix, else `(zeros, False)`: NumPy's and PyTorch's eigh and qr
     raise on inf or NaN (XLA's return NaN), and a NaN gradient should give NaN steps, as in
@@ -178,7 +168,7 @@ def _nan_unless(finite, q):
 
 def _eigenbasis(lm):
     """The eigenvectors of `lm` as columns, by descending eigenvalue."""
-    lw, finite = _finite_or_zero(_wide(lm))
+    lw, finite = _finite_or_zero(at_least_float32(lm))
     w, q = ops.eigh(lw)
     q = _nan_unless(finite, ops.take(q, ops.argsort(w, descending=True), 1))
     return ops.astype(q, lm)
@@ -194,7 +184,7 @@ def _refresh(ls, qs, m, v):
         if q is None:
             new.append(None)
             continue
-        lw, qw = _wide(lm), _wide(q)
+        lw, qw = at_least_float32(lm), at_least_float32(q)
         order = ops.argsort(ops.sum(qw * ops.matmul(lw, qw), axis=0), descending=True)
         v = ops.take(v, order, i)
         power, finite = _finite_or_zero(ops.matmul(lw, ops.take(qw, order, 1)))
