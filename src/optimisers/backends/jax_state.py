@@ -391,29 +391,24 @@ def _remember(state, aux, keyed, dicts, leaves) -> None:
     _MADE[state] = made
 
 
-_PART_NAMES: dict = {}  # a state's structure -> the name of each of its parts
-
-
+@functools.cache  # a state's structure -> the name of each of its parts
 def _part_names(spec) -> tuple:
     """The key each part of a state of this structure gets among the shared scalars: the field
     of the NamedTuple that holds it (`Scheduled.count`), else "count" (a rule's scalar state is
     its step counter, as optax's `count`)."""
-    names = _PART_NAMES.get(spec)
-    if names is None:
-        out: list = []
+    out: list = []
 
-        def visit(spec, name):
-            if spec is None:
-                out.append(name)
-                return
-            cls, specs = spec
-            fields = getattr(cls, "_fields", None)
-            for i, sub in enumerate(specs):
-                visit(sub, fields[i] if fields else "count")
+    def visit(spec, name):
+        if spec is None:
+            out.append(name)
+            return
+        cls, specs = spec
+        fields = getattr(cls, "_fields", None)
+        for i, sub in enumerate(specs):
+            visit(sub, fields[i] if fields else "count")
 
-        visit(spec, "count")
-        names = _PART_NAMES[spec] = tuple(out)
-    return names
+    visit(spec, "count")
+    return tuple(out)
 
 
 def _host_scalar_placement(leaf_children):

@@ -59,20 +59,16 @@ def rule_value(rule, name):
     inner rule's (`Lookahead`, whose own `alpha` `adjust` does not reach) shows the inner rule's."""
     if not dataclasses.is_dataclass(rule):
         return MISSING
-    fields = dataclasses.fields(rule)
-    own = tuple(f.name for f in fields)
-    for f in fields:
-        if f.name == name and not isinstance(getattr(rule, name), Rule):
-            if rule.hyperparameters() != own and _inner_value(rule, name) is not MISSING:
-                break
-            return getattr(rule, name)
+    own = tuple(f.name for f in dataclasses.fields(rule))
+    if name in own and not isinstance(getattr(rule, name), Rule):
+        inner = MISSING if rule.hyperparameters() == own else _inner_value(rule, name)
+        return getattr(rule, name) if inner is MISSING else inner
     return _inner_value(rule, name)
 
 
 def _inner_value(rule, name):
     """Hyperparameter `name` of the first rule that `rule` holds that has it."""
-    fields = dataclasses.fields(rule)
-    for f in fields:
+    for f in dataclasses.fields(rule):
         held = getattr(rule, f.name)
         for sub in held if isinstance(held, tuple) else (held,):
             if isinstance(sub, Rule) and name in sub.hyperparameters():

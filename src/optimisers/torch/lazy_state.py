@@ -74,8 +74,6 @@ class LazyState:
             raise TypeError(
                 f"optimizer.state must be a mapping from parameter to state, got {type(value).__name__}"
             )
-        if getattr(self, "_leaf_of", None) is None:  # during torch's __init__
-            return
         entries = list(value.items())
         self._forget(list(self._flat.tree))
         self._extra_state = {}
@@ -131,12 +129,6 @@ class LazyState:
             ready = {id(leaf) for leaf in self._flat.tree.values()}
             self.optimiser_state.tree = prune(self._module_tree, ready) or {}
             plan.forget(self.optimiser_state)
-
-
-def has_entry(leaf: Leaf) -> bool:
-    """Whether a Leaf with state shows any in torch's `state[p]` (a stateless rule's does not,
-    as torch's SGD without momentum keeps none)."""
-    return not (leaf.state is None or (isinstance(leaf.state, tuple) and not leaf.state))
 
 
 class StateView(MutableMapping):

@@ -67,10 +67,9 @@ class ParamGroup:
 
     def unknown_keys(self) -> list[str]:
         """Keys added to the dict since it was synced that set nothing the adapter knows."""
-        return [k for k in self.entries if not self._known(k)]
-
-    def _known(self, key: str) -> bool:
-        return key in self.seen or key in NOT_HYPERPARAMETERS or is_adapter_key(key)
+        return [
+            k for k in self.entries if not (k in self.seen or k in NOT_HYPERPARAMETERS or is_adapter_key(k))
+        ]
 
     def apply(self, changed: dict, rule) -> tuple:
         """Adopt `rule`, made from the `changed` entries; returns what `restore` takes to undo it."""

@@ -11,7 +11,7 @@ from typing import Any, ClassVar
 import torch
 
 from optimisers.checkpoints.state_dict import CheckpointError
-from optimisers.torch.lazy_state import has_entry, set_state
+from optimisers.torch.lazy_state import set_state
 from optimisers.torch.param_groups import ParamGroup
 
 # names in a drop-in class's `_layout`, beside torch's names of state tensors:
@@ -24,15 +24,13 @@ class _Misfit(Exception):
     """A part of a checkpoint that does not fit; its message is one of the problems reported."""
 
 
-def _decoded_part(name: str, value, p: torch.Tensor, where: str, shape=None):
-    """The rule's state part `name` from torch's `value`, for parameter `p` (of `shape`, the
-    parameter's unless given)."""
+def _decoded_part(name: str, value, p: torch.Tensor, where: str, shape):
+    """The rule's state part `name` (of `shape`) from torch's `value`, for parameter `p`."""
     if name == STEP or name in SCALAR_STATE:
         number = float(value) if isinstance(value, (torch.Tensor, int, float)) else math.nan
         if not math.isfinite(number) or (name == STEP and number < 0):
             raise _Misfit(f"{where}: {name!r} must be a finite number, got {value!r}")
         return int(round(number)) if name == STEP else number
-    shape = p.shape if shape is None else shape
     if not isinstance(value, torch.Tensor) or value.shape != shape:
         got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
         whose = "the parameter" if shape == p.shape else f"expected for the parameter's {tuple(p.shape)}:"
@@ -71,7 +69,9 @@ class TorchStateFormat:
     _one_part: ClassVar[bool] = False
 
     def _shows(self, leaf) -> bool:
-        return has_entry(leaf)  # torch's SGD without momentum keeps no state
+        """Whether the Leaf's state shows in torch's `state[p]` (a stateless rule's does not, as
+        torch's SGD without momentum keeps none)."""
+        return not (leaf.state is None or (isinstance(leaf.state, tuple) and not leaf.state))
 
     def _group_index(self, position: int) -> int:
         for i, g in enumerate(self._groups):
@@ -139,10 +139,7 @@ class TorchStateFormat:
         if problems:
             raise CheckpointError("; ".join(problems))
         set_state(self._leaf_at[position], state, owned=True)  # decoded copies: the engine keeps them
-        if position not in self._flat.tree:
-            self._ready([position])
-        else:
-            self._changed()
+        self._ready([position])  # (again, if it had state: the engine plans anew)
 
 
 class TorchStateDict(TorchStateFormat):
