@@ -93,9 +93,7 @@ def is_complex(x) -> bool:
     if dtype is None:
         return False
     flag = getattr(dtype, "is_complex", None)  # torch.dtype
-    if isinstance(flag, bool):
-        return flag
-    return np.dtype(dtype).kind == "c"
+    return flag if isinstance(flag, bool) else np.dtype(dtype).kind == "c"
 
 
 def full_like(x, value):

@@ -68,9 +68,7 @@ def _maths(step):
         return dispatch.backend(step)
     if isinstance(step, numbers.Integral) and not isinstance(step, bool):
         return dispatch.backend(0)  # Python ints' (and those of an Integral of another library)
-    raise TypeError(
-        f"a schedule takes an integer step (int, or a NumPy/PyTorch/JAX integer), got {step!r}"
-    )
+    raise TypeError(f"a schedule takes an integer step (int, or a NumPy/PyTorch/JAX integer), got {step!r}")
 
 
 def _steps(o, step):
@@ -99,10 +97,6 @@ def _count(owner, name, value, *, positive: bool) -> int:
         need = "positive" if positive else "non-negative"
         raise ValueError(f"{owner}: {name} must be {need}, got {value!r}")
     return int(value)
-
-
-def _set(obj, name, value):
-    object.__setattr__(obj, name, value)
 
 
 def _boundaries(owner, what, pieces, boundaries) -> tuple:
@@ -137,7 +131,7 @@ class _Numbers(Schedule):
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if f.type in ("float", "float | None") and value is not None:
-                _set(self, f.name, _real(owner, f.name, value))
+                object.__setattr__(self, f.name, _real(owner, f.name, value))
             elif f.type == "int":
                 _count(owner, f.name, value, positive=f.default != 0)
 
@@ -152,8 +146,7 @@ class Constant(_Numbers):
     value: float
 
     def __call__(self, step):
-        o = _maths(step)
-        return o.real_scalar(self.value, step)
+        return _maths(step).real_scalar(self.value, step)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -281,8 +274,8 @@ class PiecewiseConstant(Schedule):
     def __post_init__(self):
         bounds = _boundaries("PiecewiseConstant", "values", self.values, self.boundaries)
         values = tuple(_real("PiecewiseConstant", f"values[{i}]", v) for i, v in enumerate(self.values))
-        _set(self, "values", values)
-        _set(self, "boundaries", bounds)
+        object.__setattr__(self, "values", values)
+        object.__setattr__(self, "boundaries", bounds)
 
     def __call__(self, step):
         o = _maths(step)
@@ -311,19 +304,18 @@ class Join(Schedule):
         for i, s in enumerate(self.schedules):
             if not callable(s):
                 raise TypeError(f"Join: schedules[{i}] is not callable: {s!r}")
-        _set(self, "schedules", tuple(self.schedules))
-        _set(self, "boundaries", bounds)
+        object.__setattr__(self, "schedules", tuple(self.schedules))
+        object.__setattr__(self, "boundaries", bounds)
 
     def __call__(self, step):
         o = _maths(step)
+        s = _steps(o, step)
         if not _is_array(step):  # a Python int: only the schedule in force is evaluated
-            s = _steps(o, step)
             start, current = 0, self.schedules[0]
             for b, sched in zip(self.boundaries, self.schedules[1:]):
                 if s >= b:
                     start, current = b, sched
             return float(current(s - start))
-        s = _steps(o, step)
         value = self.schedules[0](s)
         for b, sched in zip(self.boundaries, self.schedules[1:]):
             value = o.real_where(s >= b, sched(o.maximum(s - b, 0)), value)

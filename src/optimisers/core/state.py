@@ -328,7 +328,4 @@ def scalar_key(part):
 
 def path_of(tree, leaf) -> tuple:
     """The first path of `leaf` in a state tree (for error messages only: a walk)."""
-    for path, found in leaf_paths(tree):
-        if found is leaf:
-            return path
-    return ()
+    return next((path for path, found in leaf_paths(tree) if found is leaf), ())

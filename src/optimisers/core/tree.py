@@ -136,14 +136,11 @@ def _find_kind(obj) -> NodeKind | None:
 
 def kind_of(obj) -> NodeKind | None:
     """The container kind of `obj`, or None for a leaf (arrays, numbers, strings, anything else)."""
-    t = type(obj)
     try:
-        return _KIND_CACHE[t]
+        return _KIND_CACHE[type(obj)]
     except KeyError:
-        pass
-    kind = None if _is_array(obj) else _find_kind(obj)
-    _KIND_CACHE[t] = kind
-    return kind
+        kind = _KIND_CACHE[type(obj)] = None if _is_array(obj) else _find_kind(obj)
+        return kind
 
 
 def _is_array(x) -> bool:
@@ -160,8 +157,8 @@ def is_param(x) -> bool:
     try:
         check = _PARAM_CHECK[t]
     except KeyError:
-        check = dispatch.backend(x).is_param if dispatch.is_array_library(dispatch.library_of(t)) else None
-        _PARAM_CHECK[t] = check
+        is_array_type = dispatch.is_array_library(dispatch.library_of(t))
+        check = _PARAM_CHECK[t] = dispatch.backend(x).is_param if is_array_type else None
     return check is not None and check(x)
 
 

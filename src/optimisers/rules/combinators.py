@@ -84,10 +84,7 @@ class OptimiserChain(Rule):
         return f"OptimiserChain({', '.join(repr(r) for r in self.rules)})"
 
     def hyperparameters(self):
-        names: dict[str, None] = {}
-        for rule in self.rules:
-            names.update(dict.fromkeys(rule.hyperparameters()))
-        return tuple(names)
+        return tuple(dict.fromkeys(name for rule in self.rules for name in rule.hyperparameters()))
 
     def adjust(self, **hyper):
         new = tuple(rule.adjust(**hyper) for rule in self.rules)
@@ -273,10 +270,7 @@ class MixedPrecision(_ElementwiseWrapper):
         inner, step = self.rule.apply(inner, master, ops.astype(dx, master))
         if step is None:
             return (master, inner), None
-        if isinstance(step, NewValue):
-            master = ops.astype(step.value, master)
-        else:
-            master = ops.astype(master - step, master)
+        master = ops.astype(step.value if isinstance(step, NewValue) else master - step, master)
         return (master, inner), NewValue(ops.astype(master, x))
 
 

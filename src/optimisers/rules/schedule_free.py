@@ -30,9 +30,7 @@ def lerp(start, end, weight):
     known = concrete(weight)
     if known is not None:
         return start + w * (end - start) if abs(known) < 0.5 else end - (one - w) * (end - start)
-    near_start = start + w * (end - start)
-    near_end = end - (one - w) * (end - start)
-    return ops.where(abs(weight) < 0.5, near_start, near_end)
+    return ops.where(abs(weight) < 0.5, start + w * (end - start), end - (one - w) * (end - start))
 
 
 def average_weight(rule, k, lr_max, weight_sum):

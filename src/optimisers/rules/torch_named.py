@@ -88,8 +88,8 @@ class TorchRMSprop(Elementwise):
     centered: bool = False
 
     def init(self, x):
-        extra = (ops.zeros_like(x),) * (int(self.centered) + int(self.momentum > 0))
-        return (ops.zeros_like(x), *[ops.zeros_like(x) for _ in extra], 0)
+        arrays = 1 + int(self.centered) + int(self.momentum > 0)  # s, [c], [buf]
+        return (*(ops.zeros_like(x) for _ in range(arrays)), 0)
 
     def apply(self, state, x, dx):
         s, *rest, t = state
