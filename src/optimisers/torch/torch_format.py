@@ -41,15 +41,6 @@ def _decoded_part(name: str, value, p: torch.Tensor, where: str, shape):
     return torch.view_as_real(value) if value.is_complex() else value  # complex trained as real
 
 
-def _listed(missing: list, extra: list) -> str:
-    found = []
-    if missing:
-        found.append(f"missing {', '.join(map(repr, missing))}")
-    if extra:
-        found.append(f"unexpected {', '.join(map(repr, extra))}")
-    return "; ".join(found)
-
-
 class TorchStateFormat:
     """The part of a drop-in class that reads and writes torch.optim's state format, one
     parameter's entry at a time (`state[p]`). It uses the
@@ -125,7 +116,8 @@ class TorchStateFormat:
             raise _Misfit(f"{where}: expected a dict of state, got a {type(entry).__name__}")
         expected = {name for name in layout if name != NOT_SHOWN}
         if set(entry) != expected:
-            detail = _listed(sorted(expected - set(entry)), sorted(set(entry) - expected))
+            found = {"missing": sorted(expected - set(entry)), "unexpected": sorted(set(entry) - expected)}
+            detail = "; ".join(f"{what} {', '.join(map(repr, keys))}" for what, keys in found.items() if keys)
             raise _Misfit(
                 f"{where}: torch.optim.{type(self).__name__} with these settings keeps "
                 f"{', '.join(map(repr, sorted(expected))) or 'no state'}; the checkpoint has "
