@@ -80,9 +80,7 @@ class Adam(_AdamFamily):
     """
 
     def apply(self, state, x, dx):
-        m, v, t = state
-        t = t + 1
-        m, v, bc1, bc2 = adam_moments(x, dx, m, v, self.beta, t)
+        m, v, t, bc1, bc2 = adam_moments(x, dx, state, self.beta)
         eta, eps = ops.scalar(self.eta, x), ops.epsilon(self.epsilon, x)
         return (m, v, t), adam_direction(m, v, bc1, bc2, eta, eps)
 
@@ -111,9 +109,7 @@ class RAdam(_AdamFamily):
     """
 
     def apply(self, state, x, dx):
-        m, v, t = state
-        t = t + 1
-        m, v, bc1, bc2 = adam_moments(x, dx, m, v, self.beta, t)
+        m, v, t, bc1, bc2 = adam_moments(x, dx, state, self.beta)
         eta, eps = ops.scalar(self.eta, x), ops.epsilon(self.epsilon, x)
         b2 = self.beta[1]
         rho_inf = 2 / (1 - b2) - 1
@@ -123,10 +119,7 @@ class RAdam(_AdamFamily):
             r = ops.sqrt((rho - 4) * (rho - 2) * rho_inf / ((rho_inf - 4) * (rho_inf - 2) * rho))
             return adam_direction(m, v, bc1, bc2, ops.scalar(r, x) * eta, eps)
 
-        def unrectified():
-            return (eta / bc1) * m
-
-        return (m, v, t), ops.cond(rho > 4, rectified, unrectified)
+        return (m, v, t), ops.cond(rho > 4, rectified, lambda: (eta / bc1) * m)
 
 
 @dataclass(frozen=True)
@@ -175,12 +168,10 @@ class OAdam(_AdamFamily):
     moments = 3  # and q
 
     def apply(self, state, x, dx):
-        m, v, q, t = state
-        t = t + 1
-        m, v, bc1, bc2 = adam_moments(x, dx, m, v, self.beta, t)
+        m, v, t, bc1, bc2 = adam_moments(x, dx, state, self.beta)
         eta, eps = ops.scalar(self.eta, x), ops.epsilon(self.epsilon, x)
         q_new = adam_direction(m, v, bc1, bc2, eta, eps)
-        return (m, v, q_new, t), 2 * q_new - q
+        return (m, v, q_new, t), 2 * q_new - state[2]  # minus the last step's q
 
 
 @dataclass(frozen=True)
@@ -236,9 +227,7 @@ class NAdam(_AdamFamily):
     """
 
     def apply(self, state, x, dx):
-        m, v, t = state
-        t = t + 1
-        m, v, _, bc2 = adam_moments(x, dx, m, v, self.beta, t)
+        m, v, t, _, bc2 = adam_moments(x, dx, state, self.beta)
         b1 = self.beta[0]
         eta, cm, cg = cast(x, self.eta, b1 / (1 - b1 ** (t + 1)), (1 - b1) / (1 - b1**t))
         eps = ops.epsilon(self.epsilon, x)
@@ -271,9 +260,7 @@ class AdamW(Moments):
     couple: bool = field(default=True, kw_only=True)
 
     def apply(self, state, x, dx):
-        m, v, t = state
-        t = t + 1
-        m, v, bc1, bc2 = adam_moments(x, dx, m, v, self.beta, t)
+        m, v, t, bc1, bc2 = adam_moments(x, dx, state, self.beta)
         eta, lambd = cast(x, self.eta, self.lambd)
         eps = ops.epsilon(self.epsilon, x)
         decay = eta * lambd if self.couple else lambd

@@ -62,14 +62,16 @@ def cast(x, *values):
     return tuple(ops.scalar(v, x) for v in values)
 
 
-def adam_moments(x, dx, m, v, beta, t):
-    """Adam's moment updates at step `t`: `(m, v, 1−β₁ᵗ, 1−β₂ᵗ)`, the bias corrections as scalars
-    of `x`'s dtype, so that a rule can fold them into its other scalars before touching arrays."""
+def adam_moments(x, dx, state, beta):
+    """Adam's moment updates of a state `(m, v, ..., t)`: `(m, v, t, 1−β₁ᵗ, 1−β₂ᵗ)` at the new step
+    number `t`, the bias corrections as scalars of `x`'s dtype, so that a rule can fold them into
+    its other scalars before touching arrays."""
+    m, v, t = state[0], state[1], state[-1] + 1
     b1, b2 = beta
     cb1, cm, cb2, cv, bc1, bc2 = cast(x, b1, 1 - b1, b2, 1 - b2, 1 - b1**t, 1 - b2**t)
     m = cb1 * m + cm * dx
     v = cb2 * v + cv * ops.abs2(dx)
-    return m, v, bc1, bc2
+    return m, v, t, bc1, bc2
 
 
 def adam_direction(m, v, bc1, bc2, scale, eps):

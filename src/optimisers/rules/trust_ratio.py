@@ -81,9 +81,7 @@ class LAMB(_TrustRatio, Moments):
     lambd: float = 0.0
 
     def _step(self, state, x, dx, ratio_of):
-        m, v, t = state
-        t = t + 1
-        m, v, bc1, bc2 = adam_moments(x, dx, m, v, self.beta, t)
+        m, v, t, bc1, bc2 = adam_moments(x, dx, state, self.beta)
         eta, lambd, one = cast(x, self.eta, self.lambd, 1)
         u = adam_direction(m, v, bc1, bc2, one, ops.epsilon(self.epsilon, x)) + lambd * x
         return (m, v, t), (eta * ratio_of(x, u, 1, 0)) * u
