@@ -51,13 +51,11 @@ def backend(x) -> ModuleType:
     t = type(x)
     found = _BY_TYPE.get(t)
     if found is None:
-        library = library_of(t)
-        name = _MODULE_OF_LIBRARY.get(library)
+        name = _MODULE_OF_LIBRARY.get(library_of(t))
         if name is None:
             # np.float64 subclasses float but is NumPy's
             name = _SCALAR_MODULE if issubclass(t, _SCALARS) else _FALLBACK
-        found = importlib.import_module(name)
-        _BY_TYPE[t] = found
+        found = _BY_TYPE[t] = importlib.import_module(name)
     return found
 
 

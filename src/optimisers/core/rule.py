@@ -83,17 +83,19 @@ def _check_field(rule: str, name: str, value, default):
     return value
 
 
+def _labelled(name: str, value) -> list:
+    """`[(name, value)]`, or `(name[i], entry)` for each entry of a tuple: for error messages."""
+    if isinstance(value, tuple):
+        return [(f"{name}[{i}]", v) for i, v in enumerate(value)]
+    return [(name, value)]
+
+
 def _check_finite(rule, name: str, value) -> None:
     """NaN is never a hyperparameter, and inf only where the rule says so; traced values pass."""
-    values = value if isinstance(value, tuple) else (value,)
-    for i, v in enumerate(values):
+    for label, v in _labelled(name, value):
         c = concrete(v) if not isinstance(v, (bool, str)) else None
-        if c is None or math.isfinite(c):
-            continue
-        if math.isinf(c) and name in rule.infinite_ok:
-            continue
-        label = f"{name}[{i}]" if isinstance(value, tuple) else name
-        raise ValueError(f"{type(rule).__name__}: {label} must be a finite number, got {c}")
+        if c is not None and not math.isfinite(c) and not (math.isinf(c) and name in rule.infinite_ok):
+            raise ValueError(f"{type(rule).__name__}: {label} must be a finite number, got {c}")
 
 
 class Rule:
@@ -252,33 +254,33 @@ def _check_fields(rule: Rule) -> None:
         raise ValueError(f"{name}: the learning rate eta cannot be negative, got {eta}")
 
 
-def _numbers(value):
-    """The numbers of a hyperparameter: itself, or each entry of a (nested) tuple."""
+def _entries(value):
+    """The entries of a field's value: itself, or each entry of a (nested) tuple."""
     if isinstance(value, tuple):
         for v in value:
-            yield from _numbers(v)
+            yield from _entries(v)
     else:
         yield value
 
 
-def _each_number(fn, value):
-    """`fn` of a hyperparameter's number, or of each entry of a (nested) tuple, as a like tuple."""
+def _each_entry(fn, value):
+    """`fn` of a field's value, or of each entry of a (nested) tuple, as a tuple of that shape."""
     if isinstance(value, tuple):
-        return tuple(_each_number(fn, v) for v in value)
+        return tuple(_each_entry(fn, v) for v in value)
     return fn(value)
 
 
 def _is_stacked(value) -> bool:
     """An array of hyperparameters, one per member of a stacked (vmapped) ensemble of states."""
-    return any(getattr(v, "ndim", 0) for v in _numbers(value))
+    return any(getattr(v, "ndim", 0) for v in _entries(value))
 
 
 def _shape(value):
-    return _each_number(lambda v: tuple(getattr(v, "shape", ())), value)
+    return _each_entry(lambda v: tuple(getattr(v, "shape", ())), value)
 
 
 def _member(value, i):
-    return _each_number(lambda v: v[i] if getattr(v, "ndim", 0) else v, value)
+    return _each_entry(lambda v: v[i] if getattr(v, "ndim", 0) else v, value)
 
 
 def _like_stacked(value, old):
@@ -306,7 +308,7 @@ def _adjusted_stacked(rule, own):
                 "hyperparameter it replaces"
             )
     fields = {f.name: own.get(f.name, getattr(rule, f.name)) for f in dataclasses.fields(rule) if f.init}
-    n = min(len(v) for v in _numbers(tuple(fields.values())) if getattr(v, "ndim", 0))
+    n = min(len(v) for v in _entries(tuple(fields.values())) if getattr(v, "ndim", 0))
     for i in range(n):  # each member's numbers pass the rule's own checks
         dataclasses.replace(rule, **{k: _member(v, i) for k, v in fields.items()})
     return _unchecked(rule, fields)
@@ -384,7 +386,7 @@ def scheduled_fields(rule) -> tuple[str, ...]:
     found = own.get("_scheduled_fields") if own is not None else None
     if found is None:
         found = tuple(
-            n for n in _schedulable(type(rule)) if any(map(_is_schedule, _numbers(getattr(rule, n, None))))
+            n for n in _schedulable(type(rule)) if any(map(_is_schedule, _entries(getattr(rule, n, None))))
         )
         if own is not None:
             own["_scheduled_fields"] = found  # not a field: equality, hashing and repr ignore it
@@ -403,14 +405,9 @@ def has_schedules(rule) -> bool:
     """Does `rule`, or a rule inside it (a chain's member, a wrapper's rule), hold a schedule?"""
     if scheduled_fields(rule):
         return True
-    if not dataclasses.is_dataclass(rule):
-        return False
-    for f in dataclasses.fields(rule):
-        value = getattr(rule, f.name, None)
-        inner = value if isinstance(value, tuple) else (value,)
-        if any(isinstance(r, Rule) and has_schedules(r) for r in inner):
-            return True
-    return False
+    fields = dataclasses.fields(rule) if dataclasses.is_dataclass(rule) else ()
+    inner = (r for f in fields for r in _entries(getattr(rule, f.name, None)))
+    return any(isinstance(r, Rule) and has_schedules(r) for r in inner)
 
 
 def _value_at(value, count):
@@ -425,7 +422,7 @@ def _value_at(value, count):
 def at_step(rule, names, count):
     """A copy of `rule` with the schedules in fields `names` replaced by their values at `count`
     (made without validation: under `jax.jit` the values are traced)."""
-    return _unchecked(rule, {n: _each_number(lambda v: _value_at(v, count), getattr(rule, n)) for n in names})
+    return _unchecked(rule, {n: _each_entry(lambda v: _value_at(v, count), getattr(rule, n)) for n in names})
 
 
 def _scheduled_apply(apply):
@@ -469,12 +466,8 @@ _WRAPPERS = (
 
 def check_range(rule: Rule, name: str, low: float, high: float, *, high_open: bool = False):
     """Raise ValueError unless `low <= rule.name <= high` (or `< high`); traced values pass."""
-    values = getattr(rule, name)
-    for i, value in enumerate(values if isinstance(values, tuple) else (values,)):
+    for label, value in _labelled(name, getattr(rule, name)):
         v = concrete(value)
-        if v is None:
-            continue
-        label = f"{name}[{i}]" if isinstance(values, tuple) else name
-        if not (low <= v and (v < high if high_open else v <= high)):
+        if v is not None and not (low <= v and (v < high if high_open else v <= high)):
             bracket = ")" if high_open else "]"
             raise ValueError(f"{type(rule).__name__}: {label} must be in [{low}, {high}{bracket}, got {v}")

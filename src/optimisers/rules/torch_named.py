@@ -49,7 +49,7 @@ class _TorchAdam(Moments):
 
 
 @dataclass(frozen=True)
-class TorchSGD(Elementwise):
+class TorchSGD(Moments):
     """torch.optim.SGD with momentum: `buf ← g` at the first step, then
     `buf ← μ·buf + (1−dampening)·g`; `step = lr·(g + μ·buf)` with Nesterov, else `lr·buf`."""
 
@@ -57,14 +57,12 @@ class TorchSGD(Elementwise):
     momentum: float = 0.9
     dampening: float = 0.0
     nesterov: bool = False
+    moments = 1  # buf
 
     def validate(self):
         nonnegative(self, "momentum")
         if self.nesterov and (self.momentum <= 0 or self.dampening != 0):
             raise ValueError("TorchSGD: Nesterov momentum requires a momentum and zero dampening")
-
-    def init(self, x):
-        return ops.zeros_like(x), 0
 
     def apply(self, state, x, dx):
         buf, t = state
