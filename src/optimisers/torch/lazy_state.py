@@ -44,7 +44,9 @@ class LazyState:
         self._leaf_of: dict[int, tuple] = {}  # id(tensor) -> (tensor, Leaf, position)
         self._leaf_at: dict[int, Leaf] = {}  # position -> Leaf (with state or not yet)
         self._model: dict = {}  # position -> tensor, every parameter
-        self._trained: list = []  # (position, tensor) of every parameter a rule can train
+        # the positions and tensors of every parameter a rule can train, in position order
+        self._trained_at: list[int] = []
+        self._trained: list = []
         self._module_tree = None  # a module's whole state tree (Leafs without state included)
         self._extra_state: dict = {}  # `state[key]` for keys that are not parameters (hooks' notes)
         self.optimiser_state: State = self._flat
@@ -57,7 +59,8 @@ class LazyState:
             if leaf is not None:
                 self._leaf_at[position] = leaf
                 self._leaf_of[id(p)] = (p, leaf, position)
-                self._trained.append((position, p))
+                self._trained_at.append(position)
+                self._trained.append(p)
 
     @property
     def state(self):

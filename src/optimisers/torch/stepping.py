@@ -4,6 +4,9 @@ step that fails changes nothing."""
 
 from __future__ import annotations
 
+import operator
+from itertools import repeat
+
 import torch
 from torch import nn
 
@@ -50,7 +53,7 @@ class Stepping:
         undo = self._sync()
         born: list[int] = []
         try:
-            grads = {i: g for i, p in self._trained if (g := p.grad) is not None}
+            grads = _gradients_at(self._trained_at, self._trained)
             if grads:
                 grads = self._gradients(grads)
                 born = self._initialise(grads)
@@ -82,6 +85,8 @@ class Stepping:
         """The tensors `update_` steps. A parameter frozen by the user after its state was made
         is stepped through a detached view (its `.grad` may be left from before)."""
         model = self._live
+        if all(map(_REQUIRES_GRAD, model.values())):  # the usual case, in one pass of C
+            return model
         frozen = [i for i, p in model.items() if not p.requires_grad and isinstance(p, nn.Parameter)]
         if frozen:
             model = {**model, **{i: model[i].detach() for i in frozen}}
@@ -92,6 +97,17 @@ class Stepping:
 
     def eval(self):
         """For trainers that call it (rules here have no train/eval modes): does nothing."""
+
+
+def _gradients_at(positions, params) -> dict:
+    """`{position: p.grad}` of the parameters that have one (read in one pass of C)."""
+    grads = list(map(_GRAD, params))
+    if any(map(operator.is_, grads, repeat(None))):
+        return {i: g for i, g in zip(positions, grads) if g is not None}
+    return dict(zip(positions, grads))
+
+
+_GRAD, _REQUIRES_GRAD = operator.attrgetter("grad"), operator.attrgetter("requires_grad")
 
 
 # Under torch.compile the step runs eagerly, as the library's update does (see optimisers.core.eager):
