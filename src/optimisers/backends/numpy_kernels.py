@@ -114,11 +114,12 @@ def header_reader(xs):
     reader = _reader()
     if reader is None:
         return None
+    xs = list(xs)  # its own list: the arrays whose addresses it reads stay alive while it does
     addresses = np.fromiter(map(id, xs), np.int64, len(xs))
     out = np.empty((len(xs), reader.WIDTH), np.int64)
     headers = reader.headers
 
-    def read(xs=xs):  # (holds the arrays: their addresses are read)
+    def read(xs=xs):
         return out.tobytes() if headers(addresses, out) else None
 
     return read if read() is not None else None
