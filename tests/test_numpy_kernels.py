@@ -221,3 +221,20 @@ def test_without_the_reader_marks_are_numpys_attributes(monkeypatch):
     assert kernels.read_headers(xs) is None and kernels.header_reader(xs) is None
     assert numpy_backend.engine_marks(xs) == [(x.shape, x.strides, x.dtype, x.flags) for x in xs]
     assert numpy_backend.marker(xs, numpy_backend.span_marks)() == numpy_backend.span_marks(xs)
+
+
+def test_many_small_arrays_step_together_on_every_core(kernel_calls):
+    """Small arrays that add up to more than PARALLEL_FROM elements step in one call over all
+    cores (one array per thread at a time), with the rules' own numbers bit for bit."""
+    pytest.importorskip("numba")
+    rng = np.random.default_rng(3)
+    model = [rng.standard_normal(256).astype(np.float32) for _ in range(kernels.PARALLEL_FROM // 256 + 40)]
+    reference = copy.deepcopy(model)
+    state, ref_state = opt.setup(opt.Adam(1e-2), model), opt.setup(opt.Adam(1e-2), reference)
+    for k in range(3):
+        grads = [np.random.default_rng(k).standard_normal(256).astype(np.float32) for _ in model]
+        state, model = opt.update_(state, model, grads)
+        ref_state, reference = opt.update(ref_state, reference, grads)
+        for x, y in zip(model, reference, strict=True):
+            np.testing.assert_array_equal(x, y)
+    assert kernel_calls == [[256] * len(model)] * 3

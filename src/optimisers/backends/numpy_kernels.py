@@ -52,17 +52,19 @@ def _adam_step_many(args, xs, dxs, ms, vs, t) -> bool:
     decay = eta * T(args.weight_decay) if args.decoupled else T(0)
     maths = (T(b1), T(1 - b1), T(b2), T(1 - b2), eta / bc1, bc2, T(args.epsilon), decay, bool(args.decoupled))
     big = sizes >= PARALLEL_FROM
-    small = np.flatnonzero(~big)
-    # numba's default threading layer aborts the process when two threads run parallel kernels
-    # at once (two States updated from two threads): one at a time
-    with _PARALLEL:
-        for i in np.flatnonzero(big):
-            x, g, m, v = (a[i].ravel("K") for a in (xs, dxs, ms, vs))  # views, in memory order
-            kernels.adam_parallel(x, g, m, v, *maths)
-        if sizes[small].sum() >= PARALLEL_FROM:
-            kernels.adam_blocks_parallel(data[:, small], sizes[small], ms[0], *maths)
-    if sizes[small].sum() < PARALLEL_FROM:
-        kernels.adam_blocks_serial(data[:, small], sizes[small], ms[0], *maths)
+    if big.any():
+        # numba's default threading layer aborts the process when two threads run parallel
+        # kernels at once (two States updated from two threads): one at a time
+        with _PARALLEL:
+            for i in np.flatnonzero(big):
+                x, g, m, v = (a[i].ravel("K") for a in (xs, dxs, ms, vs))  # views, in memory order
+                kernels.adam_parallel(x, g, m, v, *maths)
+        data, sizes = data[:, ~big], sizes[~big]
+    if sizes.sum() < PARALLEL_FROM:
+        kernels.adam_blocks_serial(data, sizes, ms[0], *maths)
+    else:
+        with _PARALLEL:
+            kernels.adam_blocks_parallel(data, sizes, ms[0], *maths)
     return True
 
 
