@@ -81,10 +81,7 @@ def transform(rule) -> _optax.GradientTransformationExtraArgs:
     def init_fn(params):
         variables, params = params, _values_of(params)
         _check_leaves(params, "init")
-        # under jit, eval_shape or vmap this works as eagerly: ties are found by identity among
-        # the arrays the traced function holds (see the docstring of `transform`). The numbers
-        # stay as setup makes them, so eager updates equal `optimisers.update` bit for bit
-        state = setup(rule, params)
+        state = setup(rule, params)  # under jit as eagerly: see the docstring
         live.made_states = True
         if variables is not params:
             _annotate_sharded(state, variables, params)
@@ -153,8 +150,8 @@ def _no_move(x):
 
 
 def _nnx_variable_type():
-    nnx_module = sys.modules.get("flax.nnx")  # Flax is not a dependency: only seen once imported
-    return getattr(nnx_module, "Variable", None) if nnx_module is not None else None
+    # Flax is not a dependency: only seen once imported
+    return getattr(sys.modules.get("flax.nnx"), "Variable", None)
 
 
 def _is_nnx_variable(x) -> bool:
@@ -291,9 +288,7 @@ class _LiveHyperparameters:
 
 def _holds_arrays(value) -> bool:
     if isinstance(value, Rule):
-        if not dataclasses.is_dataclass(value):
-            return False
-        return any(
+        return dataclasses.is_dataclass(value) and any(
             _holds_arrays(getattr(value, f.name))
             for f in dataclasses.fields(value)
             if not f.metadata.get("static", False)
@@ -322,10 +317,7 @@ def _merged(held, fresh):
     if not changes:
         return held
     # built as unflattening builds rules: the values come from a rule that was validated
-    out = object.__new__(type(held))
-    for f in dataclasses.fields(held):
-        object.__setattr__(out, f.name, changes.get(f.name, getattr(held, f.name)))
-    return out
+    return _rule._unchecked(held, changes)
 
 
 def _merged_value(old, new):

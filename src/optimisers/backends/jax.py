@@ -79,18 +79,15 @@ def assign_(x, value):
 # --- what the rules ask -----------------------------------------------------------------------
 
 
-def _real_dtype(dtype):
-    dtype = np.dtype(dtype)
-    return np.finfo(dtype).dtype if dtype.kind == "c" else dtype
-
-
 def scalar(value, like):
     # works for Python numbers, concrete 0-d arrays and traced hyperparameters alike
     return jnp.asarray(value, dtype=like.dtype)
 
 
 def epsilon(value, like):
-    real = _real_dtype(like.dtype)
+    real = np.dtype(like.dtype)
+    if real.kind == "c":
+        real = np.finfo(real).dtype
     if real == _FLOAT16:
         if is_traced(value):
             v = jnp.asarray(value, dtype=jnp.float32)
@@ -233,17 +230,18 @@ def unflatten_one(flat, start, like):
 # --- JAX pytree nodes as model containers ------------------------------------------------------
 
 
+# what each kind of JAX key path entry holds: an attribute name, a dict key, a position
+_KEY_FIELDS = {
+    jax.tree_util.GetAttrKey: "name",
+    jax.tree_util.DictKey: "key",
+    jax.tree_util.SequenceKey: "idx",
+    jax.tree_util.FlattenedIndexKey: "key",
+}
+
+
 def _key_of(entry):
-    tu = jax.tree_util
-    if isinstance(entry, tu.GetAttrKey):
-        return entry.name
-    if isinstance(entry, tu.DictKey):
-        return entry.key
-    if isinstance(entry, tu.SequenceKey):
-        return entry.idx
-    if isinstance(entry, tu.FlattenedIndexKey):
-        return entry.key
-    return entry
+    field = _KEY_FIELDS.get(type(entry))
+    return entry if field is None else getattr(entry, field)
 
 
 def _one_level(node):
@@ -256,13 +254,8 @@ def _pytree_children(node):
 
 
 def _pytree_rebuild(node, changes):
-    if not changes:
-        return node
     flat, treedef = _one_level(node)
-    values = []
-    for path, child in flat:
-        key = _key_of(path[0])
-        values.append(changes[key] if key in changes else child)
+    values = [changes.get(_key_of(path[0]), child) for path, child in flat]
     return jax.tree_util.tree_unflatten(treedef, values)
 
 

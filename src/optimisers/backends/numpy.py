@@ -113,16 +113,14 @@ except ImportError:  # pragma: no cover - NumPy 1.x
 _FLOAT16 = np.dtype(np.float16)
 
 
-def _is_inexact(dtype) -> bool:
-    # ml_dtypes' bfloat16 and float8 types are kind "V", so ask their names too
-    return dtype.kind in "fc" or dtype.name.startswith(("bfloat", "float"))
-
-
 # --- what the tree layer asks -----------------------------------------------------------------
 
 
 def is_param(x) -> bool:
-    return isinstance(x, np.ndarray) and (x.dtype.kind in "fc" or _is_inexact(x.dtype))
+    if not isinstance(x, np.ndarray):
+        return False
+    # ml_dtypes' bfloat16 and float8 types are kind "V", so ask their names too
+    return x.dtype.kind in "fc" or x.dtype.name.startswith(("bfloat", "float"))
 
 
 def is_array(x) -> bool:
@@ -221,17 +219,18 @@ def engine_ok(x) -> bool:
     return (
         type(x) is np.ndarray
         and x.flags.writeable
-        and (x.flags.c_contiguous or _dense(x))  # Fortran order, transposed: stepped in memory order
+        and (x.flags.c_contiguous or dense(x.shape, x.strides, x.itemsize))  # Fortran order, transposed
         and x.ndim > 0
         and x.size > 0
     )
 
 
-def _dense(x) -> bool:
-    """Do `x`'s elements fill its memory without gaps or overlaps, at positive strides, in some
+def dense(shape, strides, itemsize) -> bool:
+    """Do the elements of an array of `shape` and `strides` (NumPy's in bytes; torch's count
+    elements: `itemsize` 1) fill its memory without gaps or overlaps, at positive strides, in some
     order of its dimensions? Size-1 dimensions do not count."""
-    expected = x.itemsize
-    for size, stride in sorted(zip(x.shape, x.strides), key=lambda p: p[1]):
+    expected = itemsize
+    for size, stride in sorted(zip(shape, strides), key=lambda p: p[1]):
         if size == 1:
             continue
         if stride != expected:
@@ -319,16 +318,14 @@ def is_buffer(value) -> bool:
 # --- what the rules ask -----------------------------------------------------------------------
 
 
-def _real_dtype(dtype):
-    return np.finfo(dtype).dtype if dtype.kind == "c" else dtype
-
-
 def scalar(value, like):
     return np.dtype(like.dtype).type(value)
 
 
 def epsilon(value, like):
-    real = _real_dtype(np.dtype(like.dtype))
+    real = np.dtype(like.dtype)
+    if real.kind == "c":
+        real = np.finfo(real).dtype
     if real == _FLOAT16 and value != 0:
         value = max(float(value), float(np.float16(1e-7)))
     return real.type(value)
@@ -360,25 +357,25 @@ def abs2(x):
 _NORM_CHUNK = 1 << 18  # elements: a norm's temporaries stay this small however large the array
 
 
+def _magnitudes(x):
+    """|x|, in float32 for narrower floats (float16/bfloat16 sums overflow: a norm over 256 of
+    entries of 10)."""
+    a = np.abs(x)
+    return a.astype(np.float32) if a.dtype.itemsize < 4 else a
+
+
 def norm(x, p):
     """The p-norm of all entries, computed over chunks of `_NORM_CHUNK` elements so that its
     temporaries (|x| and its powers) stay small: a chunk's partial result (a sum, a max...) and
     then one reduction over the partials. An array of at most one chunk gives exactly what one
     NumPy reduction over the whole array gives."""
     flat = np.ravel(x)  # a view for a contiguous array
-
-    def magnitudes(lo, hi):
-        a = np.abs(flat[lo:hi])
-        if a.dtype.itemsize < 4:  # float16/bfloat16 sums overflow (a norm over 256 of entries of 10)
-            a = a.astype(np.float32)
-        return a
-
     if flat.size == 0:
-        a = magnitudes(0, 0)
+        a = _magnitudes(flat)
         return a.dtype.type(0) if p != -np.inf else a.dtype.type(np.inf)
     parts = []
     for lo in range(0, flat.size, _NORM_CHUNK):
-        a = magnitudes(lo, lo + _NORM_CHUNK)
+        a = _magnitudes(flat[lo : lo + _NORM_CHUNK])
         dtype = a.dtype.type
         if p == 2:
             parts.append(np.sum(np.square(a)))
@@ -430,10 +427,7 @@ def norms(xs, p):
     for (size, _), idx in by_kind.items():
         if not 0 < size <= _NORM_CHUNK:
             continue
-        a = np.abs(np.concatenate([xs[i] for i in idx], axis=None).reshape(len(idx), size))
-        if a.dtype.itemsize < 4:  # as in `norm`
-            a = a.astype(np.float32)
-        found = rows(a)
+        found = rows(_magnitudes(np.concatenate([xs[i] for i in idx], axis=None).reshape(len(idx), size)))
         if len(idx) == len(xs):  # one kind, the usual case: the rows are in order
             return found
         for i, n in zip(idx, found):
@@ -478,8 +472,6 @@ def copy(x):
 
 
 def flatten(arrays):
-    if not arrays:
-        return np.zeros(0, np.float32)
     dtype = np.result_type(*arrays)
     return np.concatenate([np.ravel(a).astype(dtype, copy=False) for a in arrays])
 

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from optimisers import ops
+from optimisers.backends import numpy as _numpy
 from optimisers.core import eager
 from optimisers.core.rule import NewValue
 from optimisers.core.state import flatten_state
@@ -65,15 +66,10 @@ def writable(x) -> bool:
     return not x.is_inference()
 
 
-def _dtensor_class():
-    # a DTensor exists only once torch.distributed.tensor was imported: never import it here
-    module = sys.modules.get("torch.distributed.tensor")
-    return getattr(module, "DTensor", None)
-
-
 def is_dtensor(x) -> bool:
     """A `torch.distributed.tensor.DTensor` (what FSDP2's `fully_shard` makes parameters)."""
-    cls = _dtensor_class()
+    # a DTensor exists only once torch.distributed.tensor was imported: never import it here
+    cls = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
     return cls is not None and isinstance(x, cls)
 
 
@@ -393,7 +389,8 @@ def _adam_apply(args, state, x, dx):
     """An Adam step `(m, v, t)` -> `(new state, NewValue)` through torch's fused kernel on
     copies, or None where it has none. Both the pure and the in-place update use the kernel, so
     they agree bit for bit."""
-    if is_dtensor(x):
+    sharded = is_dtensor(x)
+    if sharded:
         _check_sharded_state(state, x)
     found = _fused_kernel(args, x)
     if found is None or getattr(dx, "is_sparse", False):
@@ -403,15 +400,12 @@ def _adam_apply(args, state, x, dx):
         return None  # a parameter converted after setup (module.double()): the generic maths promotes
     if m.shape != x.shape or v.shape != x.shape or dx.shape != x.shape:
         return None  # the kernel would write past the state's end; the update reports the misfit
-    sharded = is_dtensor(x)
     if sharded and not _same_sharding(x, dx, m, v):
         return None  # the generic maths redistributes, or reports the mix of Tensor and DTensor
     with torch.no_grad():
         x, m, v = x.detach().clone(), m.clone(), v.clone()
-        if sharded:  # elementwise: the kernel steps each process's shards
-            x_, dx_, m_, v_ = x.to_local(), dx.to_local(), m.to_local(), v.to_local()
-        else:
-            x_, dx_, m_, v_ = x, dx, m, v
+        # elementwise: the kernel steps each process's shards of a DTensor
+        x_, dx_, m_, v_ = (a.to_local() for a in (x, dx, m, v)) if sharded else (x, dx, m, v)
         if not _dense(x_):
             return None  # (a clone is dense; a DTensor's local shard might not be)
         m_kernel, v_kernel = laid_out_like(m_, x_), laid_out_like(v_, x_)
@@ -424,16 +418,8 @@ def _adam_apply(args, state, x, dx):
 
 def _dense(x) -> bool:
     """Do `x`'s elements fill its memory without gaps or overlaps, in some order of its
-    dimensions (contiguous, channels_last, a transposed matrix)? Size-1 dimensions do not count."""
-    expected = 1
-    for size, stride in sorted(zip(x.shape, x.stride()), key=lambda p: p[1]):
-        if size == 1:
-            continue
-        if stride != expected:
-            return False
-        expected *= size
-    return True
-
+    dimensions (contiguous, channels_last, a transposed matrix)?"""
+    return _numpy.dense(x.shape, x.stride(), 1)
 
 
 def _check_sharded_state(state, x):
@@ -568,15 +554,11 @@ def sign(x):
 
 
 def maximum(x, y):
-    if isinstance(y, torch.Tensor):
-        return torch.maximum(x, y)
-    return torch.clamp(x, min=y)
+    return torch.maximum(x, y) if isinstance(y, torch.Tensor) else torch.clamp(x, min=y)
 
 
 def minimum(x, y):
-    if isinstance(y, torch.Tensor):
-        return torch.minimum(x, y)
-    return torch.clamp(x, max=y)
+    return torch.minimum(x, y) if isinstance(y, torch.Tensor) else torch.clamp(x, max=y)
 
 
 def clip(x, low, high):
@@ -620,15 +602,13 @@ def norms(xs, p):
     tensors that `norm` takes whole: a loop in C++ over the very kernel `norm` calls, so the same
     bits (clip_grad_norm_ uses it too). Elsewhere (CUDA's foreach kernel sums in another order)
     a `norm` per tensor."""
-    foreach = getattr(torch, "_foreach_norm", None)
     if (
-        foreach is not None
-        and p in _FOREACH_NORM_P
+        p in _FOREACH_NORM_P
         and set(map(type, xs)) <= _PLAIN_TYPES
         and {(x.device.type, x.dtype) for x in xs} in ({("cpu", torch.float32)}, {("cpu", torch.float64)})
         and all(0 < n <= _NORM_CHUNK for n in map(torch.Tensor.numel, xs))
     ):
-        return torch.stack(foreach(xs, p))
+        return torch.stack(torch._foreach_norm(xs, p))
     return torch.stack([norm(x, p) for x in xs])
 
 
@@ -660,12 +640,7 @@ def astype(x, like):
     Gradients are data to the optimiser: a gradient made with `create_graph=True` must not drag
     its graph into the optimiser state."""
     if isinstance(x, torch.Tensor):
-        if (
-            not x.requires_grad
-            and x.dtype == like.dtype
-            and x.device == like.device
-            and x.layout is _STRIDED
-        ):
+        if not x.requires_grad and x.dtype == like.dtype and x.device == like.device and x.layout is _STRIDED:
             return x  # the usual gradient: nothing to do, and detach() costs a microsecond
         _check_gradient_tensor(x, like)
         return x.detach().to(dtype=like.dtype, device=like.device)
@@ -783,11 +758,6 @@ def _module_rebuild(m, changes):
     return new
 
 
-def _carried_name(m, key) -> bool:
-    """A frozen parameter or a buffer: gradients for it are accepted and ignored."""
-    return key in m._parameters or key in m._buffers
-
-
 def _module_grad_children(m, grad, path):
     """Gradient of a module: a mapping of its children's names (nested, mirroring the module) or
     of dotted names (`dict(module.named_parameters(remove_duplicate=False))`, as `torch.func.grad`
@@ -820,8 +790,8 @@ def _module_grad_children(m, grad, path):
                 raise ValueError(_both(path, head))
             dotted.setdefault(head, {})[rest] = g
             continue
-        if _carried_name(m, key):
-            continue
+        if key in m._parameters or key in m._buffers:
+            continue  # a frozen parameter or a buffer: its gradient is accepted and ignored
         have = ", ".join(repr(k) for k in children) or "none"
         raise ValueError(
             f"gradient at {format_path(path)} has key {key!r}, which the "
@@ -888,9 +858,7 @@ MODULE = NodeKind("module", _module_children, _module_rebuild, _module_grad_chil
 
 def node_kind(obj):
     """The tree kind of a torch container (`nn.Module`), or None."""
-    if isinstance(obj, nn.Module):
-        return MODULE
-    return None
+    return MODULE if isinstance(obj, nn.Module) else None
 
 
 # --- what schedules ask: float64 values on the step's device -----------------------------------
@@ -915,8 +883,7 @@ def real_scalar(value, like):
 
 
 def real_where(condition, x, y):
-    x = x if isinstance(x, torch.Tensor) else torch.tensor(x, dtype=torch.float64, device=condition.device)
-    y = y if isinstance(y, torch.Tensor) else torch.tensor(y, dtype=torch.float64, device=condition.device)
+    x, y = (v if isinstance(v, torch.Tensor) else real_scalar(v, condition) for v in (x, y))
     return torch.where(condition, x, y)
 
 
@@ -941,7 +908,7 @@ def to_host(x):
     except TypeError:  # bfloat16, float8: NumPy holds them as ml_dtypes' (exact through float32)
         import ml_dtypes
 
-        target = getattr(ml_dtypes, str(t.dtype).removeprefix("torch."))
+        target = getattr(ml_dtypes, dtype_name(t.dtype))
         return t.to(torch.float32).numpy().astype(target)
 
 
@@ -955,8 +922,7 @@ def to_host_bits(x):
         return t.numpy().copy(), None
     except TypeError:
         host = t.view(_SIGNED_OF_SIZE[t.element_size()]).numpy()
-        name = str(t.dtype).removeprefix("torch.")
-        return host.view(f"u{host.dtype.itemsize}").copy(), name
+        return host.view(f"u{host.dtype.itemsize}").copy(), dtype_name(t.dtype)
 
 
 def _from_numpy(a):
