@@ -282,8 +282,7 @@ class _LiveHyperparameters:
             rule = rules[key]
             return leaf if rule is leaf.rule else leaf._successor(rule, leaf.state)
 
-        tree = map_leaves(with_live, state.tree)
-        return State(tree, state._keys)
+        return State(map_leaves(with_live, state.tree), state._keys)
 
 
 def _holds_arrays(value) -> bool:

@@ -164,6 +164,9 @@ def assign_(x, value):
     return x
 
 
+copy_into = assign_  # the engine's copy of one chunk into another
+
+
 def replaced(x, value):
     """A new parameter like `x` holding `value`."""
     return np.array(value, dtype=x.dtype, copy=True)
@@ -265,9 +268,7 @@ def laid_out_like(a, x):
     """`a`, or a copy of it, with the strides of dense `x` (the engine reads both in memory order)."""
     if isinstance(a, np.ndarray) and a.strides == x.strides:
         return a
-    out = np.empty_like(x)
-    np.copyto(out, a, casting="unsafe")
-    return out
+    return from_host(a, x)  # a new array laid out as `x`
 
 
 def numel(x) -> int:
@@ -298,10 +299,6 @@ def split_into(flat, arrays, orders):
         hi = lo + a.size
         copyto(a if a.ndim == 1 else flat_in(a, o), flat[lo:hi])
         lo = hi
-
-
-def copy_into(dst, src):
-    np.copyto(dst, src, casting="unsafe")
 
 
 def sum_into(dst, arrays):
@@ -468,6 +465,9 @@ def copy(x):
     return np.array(x, copy=True)
 
 
+to_host = copy  # the host's arrays are NumPy's
+
+
 # --- what destructure asks --------------------------------------------------------------------
 
 
@@ -525,10 +525,6 @@ def dtype_name(x):
 
 def is_traced(x):
     return False
-
-
-def to_host(x):
-    return np.array(x, copy=True)
 
 
 def to_host_bits(x):

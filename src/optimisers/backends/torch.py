@@ -146,6 +146,9 @@ def assign_(x, value):
     return x
 
 
+copy_into = assign_  # the engine's copy of one chunk into another
+
+
 def _fresh_like(value, like):
     """`value` (a new tensor made under no_grad) as a leaf standing in for parameter `like`."""
     if isinstance(like, nn.Parameter):
@@ -226,13 +229,9 @@ def flat_span(xs):
     storage, item, dtype, device = _storage_ptr(x0), x0.element_size(), x0.dtype, x0.device
     at = start = x0.data_ptr()
     for x in xs:
-        if (
-            x.data_ptr() != at
-            or x.dtype != dtype
-            or x.device != device
-            or not x.is_contiguous()
-            or _storage_ptr(x) != storage
-        ):
+        if x.data_ptr() != at or not x.is_contiguous() or _storage_ptr(x) != storage:
+            return None
+        if x.dtype != dtype or x.device != device:
             return None
         at += x.numel() * item
     with torch.no_grad():
@@ -489,11 +488,6 @@ def split_into(flat, tensors, orders):
     with torch.no_grad():
         outs = [t if t.dim() == 1 else flat_in(t, o) for t, o in zip(tensors, orders)]
         torch.split_with_sizes_copy(flat, [t.numel() for t in outs], out=outs)
-
-
-def copy_into(dst, src):
-    with torch.no_grad():
-        dst.copy_(src)
 
 
 def sum_into(dst, tensors):
