@@ -27,21 +27,25 @@ def check_step(rule, result, x) -> None:
     parameter), or writing it in place would fail after other parameters were written."""
     if not isinstance(result, tuple) or len(result) != 2:
         raise TypeError(f"{type(rule).__name__}.apply must return (state, step), got {result!r:.80}")
-    step = result[1]
-    value = step.value if isinstance(step, NewValue) else step
-    if value is None:
-        return
-    shape = getattr(value, "shape", ())
-    if shape != x.shape and tuple(shape) != ():
-        raise ValueError(
-            f"{type(rule).__name__}.apply returned a step of shape {tuple(shape)} for a parameter of "
-            f"shape {tuple(x.shape)}"
-        )
+    value = check_step_shape(rule, result[1], x)
     if getattr(value, "dtype", None) != x.dtype and ops.is_complex(value) and not ops.is_complex(x):
         raise TypeError(
             f"{type(rule).__name__}.apply returned a complex step for a real parameter "
             f"(dtype {x.dtype}); was the state set up for a complex parameter?"
         )
+
+
+def check_step_shape(rule, step, x):
+    """The array of `step` (a `NewValue`'s value), refused unless it is None, a scalar or shaped
+    as the parameter `x`."""
+    value = step.value if isinstance(step, NewValue) else step
+    shape = getattr(value, "shape", ())
+    if value is not None and tuple(shape) not in ((), tuple(x.shape)):
+        raise ValueError(
+            f"{type(rule).__name__}.apply returned a step of shape {tuple(shape)} for a parameter of "
+            f"shape {tuple(x.shape)}"
+        )
+    return value
 
 
 def new_value(x, step):
@@ -65,9 +69,7 @@ def share_scalar_state(found, results) -> None:
     first: dict = {}
     for key, (new_state, step) in results.items():
         c = found[key]
-        if not c.leaf.rule.elementwise:
-            continue
-        if not ops.backend(c.x).SHARE_SCALAR_STATE:
+        if not (c.leaf.rule.elementwise and ops.backend(c.x).SHARE_SCALAR_STATE):
             continue
         old: list = []
         flatten_state(c.leaf.state, old)

@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from optimisers import ops
 from optimisers.core.rule import NewValue
 from optimisers.core.state import flatten_state, unflatten_state
-from optimisers.engine import precision
+from optimisers.engine import checks, precision
 
 CHUNK_SCALE = 1  # tests shrink chunks to exercise packing and splitting on small models
 MIN_CHUNK = 1 << 14  # elements: below this, the Python cost per chunk outweighs its work
@@ -49,44 +49,28 @@ def chunk_size(b, total: int, threads: bool) -> int:
     return max(smallest, min(largest, total // (CHUNKS_PER_WORKER * workers)))
 
 
-def member_runs(offsets, chunk):
-    """Members in runs of about a chunk's elements ("run", i, j, None)."""
-    runs, i, n = [], 0, len(offsets) - 1
-    for j in range(1, n + 1):
+def member_runs(offsets, chunk, first=0):
+    """Members `first`.. in runs of about a chunk's elements: ("run", i, j, bounds), members
+    i..j-1 packed, member i+k at elements bounds[k] of the packed chunk."""
+    runs, i, n = [], first, len(offsets) - 1
+    for j in range(first + 1, n + 1):
         if j == n or offsets[j] - offsets[i] >= chunk:
-            runs.append(("run", i, j, None))
+            bounds = [(offsets[k] - offsets[i], offsets[k + 1] - offsets[i]) for k in range(i, j)]
+            runs.append(("run", i, j, bounds))
             i = j
     return runs
 
 
 def plan(sizes, offsets, chunk, span: bool):
-    """("big", i, a, b): elements a..b of member i; ("run", i, j, bounds): small members i..j-1
-    packed, member i+k at elements bounds[k] of the packed chunk; ("flat", 0, a, b): elements
-    a..b of a span (every member, back to back) and of the packed buffers."""
+    """("big", i, a, b): elements a..b of member i; the small members (the last: see
+    `layout.GroupLayout`) packed in `member_runs`; or for a span, ("flat", 0, a, b): elements
+    a..b of the span (every member, back to back) and of the packed buffers."""
     if span:
         return [("flat", 0, a, b) for a, b in _cut(offsets[-1], chunk)]
-    chunks, start, size = [], None, 0
-
-    def run(i, j):
-        bounds = [(offsets[k] - offsets[i], offsets[k + 1] - offsets[i]) for k in range(i, j)]
-        chunks.append(("run", i, j, bounds))
-
-    for i, n in enumerate(sizes):
-        if n < chunk // 4:  # smaller members are packed (in a scaled group each with its factor)
-            if start is None:
-                start, size = i, 0
-            size += n
-            if size >= chunk:
-                run(start, i + 1)
-                start = None
-            continue
-        if start is not None:
-            run(start, i)
-            start = None
-        chunks.extend(("big", i, a, b) for a, b in _cut(n, chunk))
-    if start is not None:
-        run(start, len(sizes))
-    return chunks
+    # smaller members are packed (in a scaled group each with its factor)
+    small = next((i for i, n in enumerate(sizes) if n < chunk // 4), len(sizes))
+    big = [("big", i, a, b) for i in range(small) for a, b in _cut(sizes[i], chunk)]
+    return big + member_runs(offsets, chunk, small)
 
 
 def _cut(n, chunk):
@@ -122,11 +106,8 @@ def step(group, xs, dxs, factors=None) -> None:
     """Update every member of `group` in place, chunk by chunk: big chunks are views of one
     parameter, written where they are computed; packed members are stepped in the staging
     buffers and copied back at the end."""
-    rule = group.leaves[0].rule
     with group.b.no_grad():  # PyTorch: the step is data, not a graph
-        group.stage(xs, dxs)
-        compute = functools.partial(_chunk, group, rule, xs=xs, dxs=dxs, factors=factors)
-        done = _map(compute, group.chunks, group.threads)
+        done = _each_chunk(group, xs, dxs, factors, write=True)
         if group.has_runs:  # (a span's chunks wrote the parameters themselves)
             group.unpack(xs)
     group.unstage()
@@ -137,11 +118,15 @@ def rehearse(group, xs, dxs, factors=None) -> None:
     """Run the rule on every chunk without writing anything, checking what it returns: a rule
     that raises (or returns arrays that do not fit) on some chunk does so here, before `step`
     has written any chunk, so that a failed `update_` changes nothing."""
-    rule = group.leaves[0].rule
     with group.b.no_grad():
-        group.stage(xs, dxs)
-        check = functools.partial(_chunk, group, rule, xs=xs, dxs=dxs, factors=factors, write=False)
-        _map(check, group.chunks, group.threads)
+        _each_chunk(group, xs, dxs, factors, write=False)
+
+
+def _each_chunk(group, xs, dxs, factors, write: bool) -> list:
+    group.stage(xs, dxs)
+    rule = group.leaves[0].rule
+    one = functools.partial(_chunk, group, rule, xs=xs, dxs=dxs, factors=factors, write=write)
+    return _map(one, group.chunks, group.threads)
 
 
 def _views(group, chunk, xs, dxs):
@@ -162,7 +147,7 @@ def _views(group, chunk, xs, dxs):
     return i, 0, stop, flat_x[lo : lo + stop], flat_g[lo : lo + stop]
 
 
-def _chunk(group, rule, chunk, *, xs, dxs, factors=None, write=True):
+def _chunk(group, rule, chunk, *, xs, dxs, factors, write):
     """Compute and write one chunk: the new scalars. With `write=False` only compute and check."""
     b = group.b
     i, start, stop, x, dx = _views(group, chunk, xs, dxs)
@@ -182,11 +167,16 @@ def _chunk(group, rule, chunk, *, xs, dxs, factors=None, write=True):
     for a, old, new in zip(group.array_at, parts, new_parts):
         if a and new is not old:
             b.copy_into(old, new)
-    if isinstance(dx_step, NewValue):
-        b.assign_(x, dx_step.value)
-    elif dx_step is not None:
-        b.subtract_(x, dx_step)
+    _write(b, x, dx_step)
     return [None if a else p for a, p in zip(group.array_at, new_parts)]
+
+
+def _write(b, x, step) -> None:
+    """Apply `step` (a `NewValue`, or None for no change) to `x` in place."""
+    if isinstance(step, NewValue):
+        b.assign_(x, step.value)
+    elif step is not None:
+        b.subtract_(x, step)
 
 
 def _run_factors(b, factors, chunk):
@@ -208,10 +198,7 @@ def _check_chunk(rule, x, parts, new_parts, step) -> None:
                 f"{name}.apply returned a state array of shape {tuple(getattr(new, 'shape', ()))} "
                 f"for a state array of shape {tuple(shape)}"
             )
-    value = step.value if isinstance(step, NewValue) else step
-    shape = getattr(value, "shape", ())
-    if value is not None and tuple(shape) not in ((), tuple(x.shape)):
-        raise ValueError(f"{name}.apply returned a step of shape {tuple(shape)} for {tuple(x.shape)}")
+    checks.check_step_shape(rule, step, x)
 
 
 # --- the pure step of one large parameter ------------------------------------------------------
@@ -243,10 +230,9 @@ def pure_step(rule, state, x, dx):
     flat_new_x = b.flat_in(new_x, order)
     outs = [ops.zeros_like(p) if a else None for p, a in zip(flat_parts, array_at)]
     scalars = None
+    method, extra = (rule.apply, ()) if factor is None else (rule.apply_scaled, (factor,))
     for lo, hi in ((lo, min(n, lo + chunk)) for lo in range(0, n, chunk)):
         sub = [p[lo:hi] if a else p for p, a in zip(flat_parts, array_at)]
-        extra = () if factor is None else (factor,)
-        method = rule.apply if factor is None else rule.apply_scaled
         chunk_state = unflatten_state(spec, iter(sub))
         new_state, dx_step = precision.run(method, chunk_state, flat_x[lo:hi], flat_dx[lo:hi], *extra)
         new_parts: list = []
@@ -262,9 +248,6 @@ def pure_step(rule, state, x, dx):
         value = dx_step.value if isinstance(dx_step, NewValue) else dx_step
         if value is not None and ops.is_complex(value) and not ops.is_complex(x):
             return None  # a step that cannot be written: the whole-array path reports it
-        if isinstance(dx_step, NewValue):
-            b.assign_(flat_new_x[lo:hi], dx_step.value)
-        elif dx_step is not None:
-            b.subtract_(flat_new_x[lo:hi], dx_step)
+        _write(b, flat_new_x[lo:hi], dx_step)
     merged = [b.shaped_in(o, x.shape, order) if a else s for a, o, s in zip(array_at, outs, scalars)]
     return unflatten_state(spec, iter(merged)), new_x
