@@ -102,15 +102,14 @@ class Contribution:
     """What one update gathered for a Leaf: the parameter at its first place, each place's
     gradient, and whether other places hold a different array object (equal copies)."""
 
-    __slots__ = ("leaf", "x", "grads", "copies", "places", "where")
+    __slots__ = ("leaf", "x", "grads", "copies", "where")
 
     def __init__(self, leaf, x):
         self.leaf = leaf
         self.x = x
         self.grads: list = []
         self.copies = False
-        self.places = 1  # places of the Leaf visited so far
-        self.where: list = []  # for a tie: the place of each gradient (empty: all at the first)
+        self.where: list = []  # for a tie: the path of each gradient (None: the first place; empty: all)
 
     def dx(self):
         """The summed gradient, in the parameter's dtype (gradient arrays are never written)."""
@@ -128,50 +127,45 @@ class Contribution:
             raise
 
 
-class _Walk:
-    """What one `gather` has found so far."""
+def gather(tree, model, grads, known=None) -> dict[int, Contribution]:
+    """Each Leaf's contribution, keyed by `id(leaf)`; `known`: a State's `_keys`."""
+    found: dict[int, Contribution] = {}
+    owner = {}.setdefault  # id(parameter) -> its Leaf: one array, two Leafs is refused
+    tied: list[Contribution] = []  # Leafs with gradients from places after their first
 
-    def __init__(self, tree):
-        self.tree = tree
-        self.found: dict[int, Contribution] = {}
-        self.owner_of: dict[int, Leaf] = {}  # id(parameter) -> its Leaf: one array, two Leafs is refused
-        self.tied: list[Contribution] = []  # Leafs with gradients from places after their first
-
-    def take(self, leaf, x, grad, path):
+    def take(leaf, x, grad, path):
         """Collect the parameter `x` and its gradient at `path`, a place of `leaf`."""
         if not is_param(x):
             raise TypeError(
                 f"the state has a parameter at {format_path(path)}, but the model has a "
                 f"{type(x).__name__} there; was the state set up for another model?"
             )
-        entry = self.found.get(id(leaf))
-        place = 0
+        entry = found.get(id(leaf))
+        later = entry is not None  # a place after the Leaf's first
         if entry is None:
             if x.shape != leaf._shape:
                 _check_shape(leaf, x, path)
-            other = self.owner_of.setdefault(id(x), leaf)
+            other = owner(id(x), leaf)
             if other is not leaf:
-                _untied_in_state(self.tree, other, path)
-            entry = self.found[id(leaf)] = Contribution(leaf, x)
-        else:
-            place, entry.places = entry.places, entry.places + 1
-            if x is not entry.x:
-                _check_copy(self.tree, entry, x, path)
-                entry.copies = True
+                raise ValueError(
+                    f"the model has one array at {format_path(path_of(tree, other))} and "
+                    f"{format_path(path)}, but the optimiser state has a Leaf for each: the model was "
+                    "tied after setup, and an update would step that array twice. Tie them in the state "
+                    "too (state[...] = state[...] at the second place) or run setup again for the "
+                    "changed model; nothing was changed"
+                )
+            entry = found[id(leaf)] = Contribution(leaf, x)
+        elif x is not entry.x:
+            _check_copy(tree, entry, x, path)
+            entry.copies = True
         if grad is not None:
             _check_grad(grad, x, path)
-            if place:
+            if later:
                 if not entry.where:
-                    entry.where = [0] * len(entry.grads)  # those came from the first place
-                    self.tied.append(entry)
-                entry.where.append(place)
+                    entry.where = [None] * len(entry.grads)  # those came from the first place
+                    tied.append(entry)
+                entry.where.append(path)
             entry.grads.append(grad)
-
-
-def gather(tree, model, grads, known=None) -> dict[int, Contribution]:
-    """Each Leaf's contribution, keyed by `id(leaf)`; `known`: a State's `_keys`."""
-    walk = _Walk(tree)
-    found, owner, take = walk.found, walk.owner_of.setdefault, walk.take
 
     def visit(snode, node, grad, path):
         if not snode:  # nothing trainable here
@@ -213,13 +207,12 @@ def gather(tree, model, grads, known=None) -> dict[int, Contribution]:
         take(tree, model, grads, ())
     else:
         visit(tree, model, grads, ())
-    for entry in walk.tied:
+    for entry in tied:
         _check_each_place(tree, entry)
     return found
 
 
 def _missing_child(kind, node, key, path) -> KeyError:
-    """The error for a key the state has and the model's node lacks."""
     why = kind.why_not_child(node, key) if kind.why_not_child is not None else None
     if why is not None:
         return KeyError(
@@ -239,40 +232,14 @@ def _check_each_place(tree, entry) -> None:
     is converted as it would be alone, so that the sum is of the parameter's own kind; the rest
     are summed as given, then converted once, as before."""
     backend = ops.backend(entry.x)
-    for i, (g, place) in enumerate(zip(entry.grads, entry.where)):
+    for i, (g, path) in enumerate(zip(entry.grads, entry.where)):
         try:
             fitted = entry.fitted(g)
         except ops.GradientError as e:
-            raise ops.GradientError(
-                f"gradient at {format_path(_place_path(tree, entry.leaf, place))}: {e}; nothing was changed"
-            ) from None
+            where = format_path(path_of(tree, entry.leaf) if path is None else path)
+            raise ops.GradientError(f"gradient at {where}: {e}; nothing was changed") from None
         if fitted is not g and ops.backend(g) is not backend:
             entry.grads[i] = fitted
-
-
-def _place_path(tree, leaf, place: int) -> tuple:
-    """The path of the `place`-th place of `leaf`, counted as `gather` visits them (for error
-    messages only: a walk)."""
-    paths: list = []
-
-    def visit(node, path):
-        if node is leaf:
-            paths.append(path)
-        elif not isinstance(node, Leaf) and node:
-            for k, child in node.items():
-                visit(child, path + (k,))
-
-    visit(tree, ())
-    return paths[place] if place < len(paths) else ()
-
-
-def _untied_in_state(tree, other, path):
-    raise ValueError(
-        f"the model has one array at {format_path(path_of(tree, other))} and {format_path(path)}, "
-        "but the optimiser state has a Leaf for each: the model was tied after setup, and an update "
-        "would step that array twice. Tie them in the state too (state[...] = state[...] at the "
-        "second place) or run setup again for the changed model; nothing was changed"
-    )
 
 
 def _check_copy(tree, entry, x, path):
