@@ -56,14 +56,11 @@ class Group(GroupLayout):
         # the parameters as they were at the last full check (the usual step): nothing that
         # check read has changed, so it is not redone per parameter
         xs = [c.x for c in members]
-        now = self.b.engine_marks(xs)
-        if now is None:
-            return members if self._fit(xs) and self._respan(xs) else None
-        if now == self._marks and (self.span is None or self.span.holds(xs)):
-            return members
-        if not self._fit(xs) or not self._respan(xs):
-            return None
-        self._marks = now
+        now = self.b.engine_marks(xs)  # (None: a backend that cannot mark; checked every step)
+        if now is None or now != self._marks or not (self.span is None or self.span.holds(xs)):
+            if not (self._fit(xs) and self._respan(xs)):
+                return None
+            self._marks = now
         return members
 
     def _respan(self, xs) -> bool:
@@ -72,10 +69,8 @@ class Group(GroupLayout):
         if self.span is None or self.span.holds(xs):
             return True
         span = self.span.of(self.b, xs)
-        if span is None:
-            return False
-        self.span = span
-        return True
+        self.span = self.span if span is None else span
+        return span is not None
 
     def unchanged(self, xs) -> bool:
         """Are `xs` (the members' parameters, as planned: a list the caller keeps, of the objects
@@ -153,15 +148,12 @@ class Group(GroupLayout):
             return
         if self.span is not None:
             self.staging_now = self.span.flat, self.span.gradient(dxs, self)
-            self._staged = xs, dxs
-            return
-        if not self.has_runs:
-            return
-        p0 = self.packed_from
-        self.staging_now = flat_x, flat_g = self.staging(xs[p0])
-        orders = self.orders[p0:]
-        self.b.join_into(flat_x, xs[p0:], orders)
-        self.b.join_into(flat_g, dxs[p0:], orders)
+        elif self.has_runs:
+            p0 = self.packed_from
+            self.staging_now = flat_x, flat_g = self.staging(xs[p0])
+            orders = self.orders[p0:]
+            self.b.join_into(flat_x, xs[p0:], orders)
+            self.b.join_into(flat_g, dxs[p0:], orders)
         self._staged = xs, dxs
 
     def unpack(self, xs) -> None:

@@ -56,10 +56,14 @@ class _Held:
 
 def _whole(state, spec, array_at, scalars):
     """A held state (views of a group's buffers) with the group's `scalars` in it."""
+    merged = [s if not a else p for a, s, p in zip(array_at, scalars, _parts(state))]
+    return unflatten_state(spec, iter(merged))
+
+
+def _parts(state) -> list:
     parts: list = []
     flatten_state(state, parts)
-    merged = [s if not a else p for a, s, p in zip(array_at, scalars, parts)]
-    return unflatten_state(spec, iter(merged))
+    return parts
 
 
 HELD = _Held()
@@ -73,9 +77,7 @@ def independent(leaf, state):
     group = holder(leaf)
     if group is None:
         return state
-    own: list = []
-    flatten_state(leaf._state, own)
-    views = {id(p) for p, a in zip(own, group.array_at) if a}
+    views = {id(p) for p, a in zip(_parts(leaf._state), group.array_at) if a}
     parts: list = []
     spec = flatten_state(state, parts)
     return unflatten_state(spec, iter([ops.copy(p) if id(p) in views else p for p in parts]))
@@ -113,9 +115,8 @@ class GroupLayout:
         self.offsets = np.concatenate([[0], np.cumsum(self.sizes)]).astype(int).tolist()
         per_leaf = [[] for _ in leaves]  # (only these lists hold the old arrays: see _take_state)
         for leaf, parts in zip(leaves, per_leaf):
-            spec = flatten_state(leaf.state, parts)
+            self.spec = flatten_state(leaf.state, parts)
         del parts
-        self.spec = spec
         self.array_at = [b.is_buffer(p) for p in per_leaf[0]]
         self.scalars = [None if a else p for a, p in zip(self.array_at, per_leaf[0])]
         self.chunks = chunks.plan(self.sizes, self.offsets, self.chunk, self.span is not None)
@@ -141,21 +142,22 @@ class GroupLayout:
         b, array_at = self.b, self.array_at
         buffers = [{} if a else None for a in array_at]
         seen = set(b.memory_owners(xs))
-        if self.span is not None:
-            kept = self._state_spans(leaves, per_leaf, seen)
-            if kept is not None:
-                return kept
-        packed = None
+        mine = [leaf._owns or holder(leaf) is not None for leaf in leaves]  # (engine buffers already)
+        # a span whose members' own state arrays already fill one flat buffer each: kept, no copy
+        spans = all(mine) and self.span is not None
+        packed = state_buffers(b, per_leaf, array_at, self.shapes, self.dtype, seen) if spans else None
+        if packed is not None:
+            self.packed = packed  # (each member's state is already views of the buffers)
+            return [None if p is None else {0: p} for p in packed]
         runs = chunks.member_runs(self.offsets, self.chunk) if self.span is not None else self.chunks
         for chunk in runs:
             i = chunk[1]
             if chunk[0] == "big":
                 if per_leaf[i] is None:  # taken at its first chunk
                     continue
-                mine = leaves[i]._owns or holder(leaves[i]) is not None  # (engine buffers already)
                 order = self.orders[i]
                 flats = [
-                    self._own(p, seen, mine, order) if a else None for p, a in zip(per_leaf[i], array_at)
+                    self._own(p, seen, mine[i], order) if a else None for p, a in zip(per_leaf[i], array_at)
                 ]
                 members = [i]
             else:
@@ -186,17 +188,6 @@ class GroupLayout:
             buffers = [None if p is None else {0: p} for p in packed]
         return buffers
 
-    def _state_spans(self, leaves, per_leaf, seen):
-        """A span's buffers where its members' own state arrays already fill one flat buffer
-        each (`span.state_buffers`): kept as they are, with no copy. Else None."""
-        if not all(leaf._owns or holder(leaf) is not None for leaf in leaves):
-            return None
-        packed = state_buffers(self.b, per_leaf, self.array_at, self.shapes, self.dtype, seen)
-        if packed is None:
-            return None
-        self.packed = packed  # (each member's state is already views of the buffers)
-        return [None if p is None else {0: p} for p in packed]
-
     def state_of(self, leaf):
         """A held member's state with the group's current scalars."""
         return _whole(leaf._state, self.spec, self.array_at, self.scalars)
@@ -221,10 +212,5 @@ class GroupLayout:
         """Part `k` of every member's state: for an array part, each member's view of buffer `k`
         (made once; the views stay valid while the group is intact)."""
         if k not in self._member_parts:
-            out = []
-            for leaf in self.leaves:
-                parts: list = []
-                flatten_state(leaf._state, parts)
-                out.append(parts[k])
-            self._member_parts[k] = out
+            self._member_parts[k] = [_parts(leaf._state)[k] for leaf in self.leaves]
         return self._member_parts[k]

@@ -60,15 +60,11 @@ class Plan:
             scalars = tuple(None if b.is_buffer(p) else p for p in parts)
             key = (id(leaf.rule), b, x.dtype, getattr(x, "device", None), repr(spec), scalars)
             try:
-                hash(key)
-            except TypeError:
+                by_key.setdefault(key, []).append((leaf, x))
+            except TypeError:  # scalar state that cannot be a key: not grouped
                 continue
-            by_key.setdefault(key, []).append((leaf, x))
         self.groups = [Group([m[0] for m in ms], [m[1] for m in ms]) for ms in by_key.values()]
         self.route = None  # where its members sit in the model (`optimisers.engine.replay`)
-
-    def intact(self) -> bool:
-        return all(g.intact() for g in self.groups)
 
     def outgrown(self, found) -> bool:
         """Has a Leaf left out for its converted parameter been brought up to date since?"""
@@ -92,7 +88,7 @@ def select(state, found):
     plan = PLANS.get(state)
     if (
         plan is None
-        or not plan.intact()
+        or not all(group.intact() for group in plan.groups)
         or plan.considered - found.keys()  # a planned Leaf left the tree (tied by hand?)
         or plan.outgrown(found)
         or any(_ready(found[k]) for k in found.keys() - plan.considered)
@@ -101,9 +97,5 @@ def select(state, found):
         if not ready:
             return []
         plan = PLANS[state] = Plan([(c.leaf, c.x) for c in ready])
-    work = []
-    for group in plan.groups:
-        members = group.ready_members(found)
-        if members is not None:
-            work.append((group, members))
-    return work
+    work = [(group, group.ready_members(found)) for group in plan.groups]
+    return [(group, members) for group, members in work if members is not None]
