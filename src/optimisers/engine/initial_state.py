@@ -15,13 +15,12 @@ def initial_states(items, one=None) -> list:
     """`items`: `[(rule, x, where)]`; their initial states, in order: views of one state made
     over a span where parameters fill one, else `one(rule, x, where)` (default `init`, which names
     the path `where` in a refusal)."""
-    one = init if one is None else one
     states: list = [None] * len(items)
     for members in _candidates(items):
         _init_span([items[i] for i in members], members, states)
     for i, (rule, x, where) in enumerate(items):
         if states[i] is None:
-            states[i] = one(rule, x, where)
+            states[i] = (one or init)(rule, x, where)
     return states
 
 

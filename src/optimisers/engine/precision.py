@@ -22,9 +22,7 @@ _NARROW = frozenset({"float16", "bfloat16"})
 
 def narrow(x) -> bool:
     """Is `x` an array of float16 or bfloat16 (any backend: torch.float16, NumPy, ml_dtypes)?"""
-    dtype = getattr(x, "dtype", None)
-    if dtype is None:
-        return False
+    dtype = getattr(x, "dtype", None)  # (None: not an array, str(None) names no dtype)
     try:
         return _NARROW_DTYPES[dtype]
     except KeyError:
@@ -54,11 +52,8 @@ def run(method, state, x, dx, *extra):
     new_parts: list = []
     if flatten_state(new_state, new_parts) != spec:
         return new_state, step  # a rule that reshapes its state: it chose its dtypes itself
-    restored = [_as_before(new, old) for new, old in zip(new_parts, parts)]
+    restored = [
+        ops.astype(new, old) if narrow(old) and getattr(new, "dtype", None) != old.dtype else new
+        for new, old in zip(new_parts, parts)
+    ]
     return unflatten_state(spec, iter(restored)), step
-
-
-def _as_before(new, old):
-    if narrow(old) and getattr(new, "dtype", None) != old.dtype:
-        return ops.astype(new, old)
-    return new

@@ -138,10 +138,9 @@ class Route:
         gs: list = []
         try:
             _walk(self.root, model, grads, xs, gs)
+            if len(xs) != len(self.xs) or not all(map(operator.is_, xs, self.xs)):
+                raise _Off
         except Exception:  # noqa: BLE001 - any difference: the general path reports it
-            self.stale = True
-            return None
-        if len(xs) != len(self.xs) or not all(map(operator.is_, xs, self.xs)):
             self.stale = True
             return None
         return self._gradients(gs)
@@ -157,26 +156,25 @@ class Route:
                 continue
             if not (group.steppable() and group.unchanged(xs)):
                 return None
-            if not (_shaped(dxs, group.shapes) and _fit(group, dxs, xs)):
+            if not _usable(group, dxs, xs, group.shapes):
                 return None
             for m, more in tied:
                 others = [gs[p] for p in more]
                 n = len(others)
-                if not (_shaped(others, [group.shapes[m]] * n) and _fit(group, others, [xs[m]] * n)):
+                if not _usable(group, others, [xs[m]] * n, [group.shapes[m]] * n):
                     return None
                 dxs[m] = ties.member_sum(group, m, xs[m], [dxs[m], *others])
             ready.append((group, xs, dxs, dxs))
         return ready
 
 
-def _shaped(gs, shapes) -> bool:
+def _usable(group, gs, xs, shapes) -> bool:
+    """Are `gs` of `shapes`, and what the group steps its parameters `xs` with, as they are?"""
     try:
-        return [g.shape for g in gs] == shapes
+        if [g.shape for g in gs] != shapes:
+            return False
     except AttributeError:  # a missing gradient, or not an array
         return False
-
-
-def _fit(group, gs, xs) -> bool:
     fit = group.b.fit_as_they_are(gs, xs, group.dtype, group.device)
     return fit is not None and all(fit)
 
@@ -187,7 +185,7 @@ def remember(state, model, found, work, results) -> None:
     plan = planning.PLANS.get(state)
     if plan is None or results or plan.converted or len(work) != len(plan.groups):
         return
-    route = getattr(plan, "route", None)
+    route = plan.route
     if route is not None and (not route.stale or route.recorded >= _RECORDINGS):
         return  # it serves; or it went stale every time (a new model each step): stop walking
     if sum(len(group.leaves) for group, _ in work) != len(found):

@@ -45,16 +45,14 @@ def stacked_results(found, skip) -> dict:
             continue
         scalars = tuple(scalar_key(p) for p, a in zip(parts, array_at) if not a)
         kind = (id(rule), b, tuple(shape), c.x.dtype, getattr(c.x, "device", None), spec, array_at, scalars)
-        if kind not in stacks:
-            stacks[kind] = (b.numel(c.x), {"spec": spec, "array_at": array_at}, [])
-        stacks[kind][2].append((c, parts))
+        stacks.setdefault(kind, (b.numel(c.x), spec, array_at, []))[3].append((c, parts))
     results: dict = {}
-    for size, layout, members in stacks.values():
+    for size, spec, array_at, members in stacks.values():
         per_stack = max(2, STACK_ELEMENTS // size)
         for lo in range(0, len(members), per_stack):
             part = members[lo : lo + per_stack]
             if len(part) >= 2:
-                results.update(_step_stack(part, **layout))
+                results.update(_step_stack(part, spec=spec, array_at=array_at))
     return results
 
 

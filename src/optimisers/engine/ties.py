@@ -8,6 +8,9 @@ written once, left to right in the order of the places, and every path gives the
 
 from __future__ import annotations
 
+import functools
+import operator
+
 from optimisers import ops
 
 
@@ -17,10 +20,7 @@ def summed(grads, out=None):
     if out is not None:
         ops.backend(out).sum_into(out, grads)
         return out
-    dx = grads[0]
-    for g in grads[1:]:
-        dx = dx + g
-    return dx
+    return functools.reduce(operator.add, grads)
 
 
 def member_sum(group, i, x, grads):
@@ -44,17 +44,14 @@ def group_gradients(group, members) -> tuple[list, list]:
     for i, c in enumerate(members):
         grads, x = c.grads, c.x
         if fit is not None and fit[i] and len(grads) == 1:
-            out.append(grads[0])
-            given.append(grads[0])
-            continue
+            dx = laid_out = grads[0]
         # summed in place only when each gradient fits the parameter as it is (what the
         # backend's astype hands back unchanged), so that the sum equals `dx()` bit for bit
-        if len(grads) == 1 or not all(c.fitted(g) is g for g in grads):
+        elif len(grads) == 1 or not all(c.fitted(g) is g for g in grads):
             dx = c.dx()
-            out.append(group.b.laid_out_like(dx, x))  # chunks read it in x's memory order
-            given.append(dx)
-            continue
-        buf = member_sum(group, i, x, grads)
-        out.append(buf)
-        given.append(buf)
+            laid_out = group.b.laid_out_like(dx, x)  # chunks read it in x's memory order
+        else:
+            dx = laid_out = member_sum(group, i, x, grads)
+        out.append(laid_out)
+        given.append(dx)
     return out, given
