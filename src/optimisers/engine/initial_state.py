@@ -40,10 +40,8 @@ def _candidates(items) -> list[list[int]]:
     dtype, device), for groups of two or more."""
     by_key: dict = {}
     for i, (rule, x, _) in enumerate(items):
-        if not rule.elementwise:
-            continue
         b = ops.backend(x)
-        if b.IN_PLACE_ENGINE and b.engine_ok(x):
+        if rule.elementwise and b.IN_PLACE_ENGINE and b.engine_ok(x):
             by_key.setdefault((id(rule), b, x.dtype, getattr(x, "device", None)), []).append(i)
     return [members for members in by_key.values() if len(members) > 1]
 
