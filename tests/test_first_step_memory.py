@@ -85,9 +85,11 @@ def test_numpy_first_step_needs_no_more_than_a_steady_step(start, compiled_kerne
     finally:
         tracemalloc.stop()
     # what the first step keeps besides the state: the buffer that sums the tied embedding's
-    # two gradients at every step (made once); no copy of the state
+    # two gradients at every step (made once), and the plan with each array's marks (with numba,
+    # its header read in bulk: about 100 bytes, kept as read and as compared); no copy of the state
     tied = model["embed"].nbytes
-    assert kept - made <= tied + 0.05 * n, (kept - made) / n
+    marks = 256 * len(opt.trainables(model))
+    assert kept - made <= tied + 0.05 * n + marks, (kept - made) / n
     # beyond a steady step's temporaries (which vary with the threads' timing): small parameters'
     # state packed a run at a time, and the plan; a copy of the state would be 2x
     assert peak - kept <= steady + 0.2 * n, ((peak - kept) / n, steady / n)

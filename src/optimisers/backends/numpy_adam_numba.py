@@ -23,12 +23,6 @@ def _element(x, g, m, v, i, cb1, cm, cb2, cv, scale, bc2, eps, decay, decoupled)
     x[i] = x[i] - step
 
 
-@numba.njit(cache=True, nogil=True)
-def adam_serial(x, g, m, v, cb1, cm, cb2, cv, scale, bc2, eps, decay, decoupled):  # pragma: no cover
-    for i in range(x.shape[0]):
-        _element(x, g, m, v, i, cb1, cm, cb2, cv, scale, bc2, eps, decay, decoupled)
-
-
 @numba.njit(cache=True, nogil=True, parallel=True)
 def adam_parallel(x, g, m, v, cb1, cm, cb2, cv, scale, bc2, eps, decay, decoupled):  # pragma: no cover
     for i in numba.prange(x.shape[0]):
@@ -59,8 +53,9 @@ def _block(data, sizes, i, like, cb1, cm, cb2, cv, scale, bc2, eps, decay, decou
 def adam_blocks_serial(
     data, sizes, like, cb1, cm, cb2, cv, scale, bc2, eps, decay, decoupled
 ):  # pragma: no cover
-    """`adam_serial` of many arrays, found by the data pointers `data[:, i]` (parameter, gradient,
-    first and second moments) of `sizes[i]` elements each, one block of memory laid out alike."""
+    """`adam_parallel`'s loop, on one thread, over many arrays, found by the data pointers
+    `data[:, i]` (parameter, gradient, first and second moments) of `sizes[i]` elements each, one
+    block of memory laid out alike; `like`: an array of their dtype."""
     for i in range(sizes.shape[0]):
         _block(data, sizes, i, like, cb1, cm, cb2, cv, scale, bc2, eps, decay, decoupled)
 

@@ -31,6 +31,7 @@ AVAILABLE = os.environ.get("OPTIMISERS_NUMBA", "1") != "0" and importlib.util.fi
 # elements: smaller arrays step on one thread (waking numba's threads costs more than they save)
 PARALLEL_FROM = 1 << 16
 _DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+_LIKE = {dtype: np.empty(0, dtype) for dtype in _DTYPES}  # (one compiled kernel per dtype)
 
 
 def _adam_step_many(args, xs, dxs, ms, vs, t) -> bool:
@@ -61,10 +62,10 @@ def _adam_step_many(args, xs, dxs, ms, vs, t) -> bool:
                 kernels.adam_parallel(x, g, m, v, *maths)
         data, sizes = data[:, ~big], sizes[~big]
     if sizes.sum() < PARALLEL_FROM:
-        kernels.adam_blocks_serial(data, sizes, ms[0], *maths)
+        kernels.adam_blocks_serial(data, sizes, _LIKE[dtype], *maths)
     else:
         with _PARALLEL:
-            kernels.adam_blocks_parallel(data, sizes, ms[0], *maths)
+            kernels.adam_blocks_parallel(data, sizes, _LIKE[dtype], *maths)
     return True
 
 

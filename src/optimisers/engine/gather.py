@@ -5,6 +5,7 @@ one per place). Nothing is written here.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 
 from optimisers import ops
@@ -127,45 +128,48 @@ class Contribution:
             raise
 
 
+def _take(tree, found, owner, tied, leaf, x, grad, path):
+    """Collect the parameter `x` and its gradient at `path`, a place of `leaf`, into what `gather`
+    has found so far (`found`, `owner`, `tied`)."""
+    if not is_param(x):
+        raise TypeError(
+            f"the state has a parameter at {format_path(path)}, but the model has a "
+            f"{type(x).__name__} there; was the state set up for another model?"
+        )
+    entry = found.get(id(leaf))
+    later = entry is not None  # a place after the Leaf's first
+    if entry is None:
+        if x.shape != leaf._shape:
+            _check_shape(leaf, x, path)
+        other = owner(id(x), leaf)
+        if other is not leaf:
+            raise ValueError(
+                f"the model has one array at {format_path(path_of(tree, other))} and "
+                f"{format_path(path)}, but the optimiser state has a Leaf for each: the model was "
+                "tied after setup, and an update would step that array twice. Tie them in the state "
+                "too (state[...] = state[...] at the second place) or run setup again for the "
+                "changed model; nothing was changed"
+            )
+        entry = found[id(leaf)] = Contribution(leaf, x)
+    elif x is not entry.x:
+        _check_copy(tree, entry, x, path)
+        entry.copies = True
+    if grad is not None:
+        _check_grad(grad, x, path)
+        if later:
+            if not entry.where:
+                entry.where = [None] * len(entry.grads)  # those came from the first place
+                tied.append(entry)
+            entry.where.append(path)
+        entry.grads.append(grad)
+
+
 def gather(tree, model, grads, known=None) -> dict[int, Contribution]:
     """Each Leaf's contribution, keyed by `id(leaf)`; `known`: a State's `_keys`."""
     found: dict[int, Contribution] = {}
     owner = {}.setdefault  # id(parameter) -> its Leaf: one array, two Leafs is refused
     tied: list[Contribution] = []  # Leafs with gradients from places after their first
-
-    def take(leaf, x, grad, path):
-        """Collect the parameter `x` and its gradient at `path`, a place of `leaf`."""
-        if not is_param(x):
-            raise TypeError(
-                f"the state has a parameter at {format_path(path)}, but the model has a "
-                f"{type(x).__name__} there; was the state set up for another model?"
-            )
-        entry = found.get(id(leaf))
-        later = entry is not None  # a place after the Leaf's first
-        if entry is None:
-            if x.shape != leaf._shape:
-                _check_shape(leaf, x, path)
-            other = owner(id(x), leaf)
-            if other is not leaf:
-                raise ValueError(
-                    f"the model has one array at {format_path(path_of(tree, other))} and "
-                    f"{format_path(path)}, but the optimiser state has a Leaf for each: the model was "
-                    "tied after setup, and an update would step that array twice. Tie them in the state "
-                    "too (state[...] = state[...] at the second place) or run setup again for the "
-                    "changed model; nothing was changed"
-                )
-            entry = found[id(leaf)] = Contribution(leaf, x)
-        elif x is not entry.x:
-            _check_copy(tree, entry, x, path)
-            entry.copies = True
-        if grad is not None:
-            _check_grad(grad, x, path)
-            if later:
-                if not entry.where:
-                    entry.where = [None] * len(entry.grads)  # those came from the first place
-                    tied.append(entry)
-                entry.where.append(path)
-            entry.grads.append(grad)
+    take = functools.partial(_take, tree, found, owner, tied)
 
     def visit(snode, node, grad, path):
         if not snode:  # nothing trainable here
