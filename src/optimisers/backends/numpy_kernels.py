@@ -60,6 +60,8 @@ def _adam_step_many(args, xs, dxs, ms, vs, t) -> bool:
             for i in np.flatnonzero(big):
                 x, g, m, v = (a[i].ravel("K") for a in (xs, dxs, ms, vs))  # views, in memory order
                 kernels.adam_parallel(x, g, m, v, *maths)
+        if big.all():
+            return True
         data, sizes = np.ascontiguousarray(data[:, ~big]), sizes[~big]  # (one compiled layout)
     if sizes.sum() < PARALLEL_FROM:
         kernels.adam_blocks_serial(data, sizes, _LIKE[dtype], *maths)
