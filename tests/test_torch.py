@@ -685,3 +685,27 @@ def test_small_tensors_step_on_one_thread_with_torch_optims_numbers(AdamType, mo
     finally:
         set_threads(before)
     assert threads_set == [1, 2] * 3  # each step: the small ones on one thread, then back
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+def test_small_tensors_on_one_thread_give_the_numbers_of_one_thread_throughout(dtype):
+    """The split into small tensors (one thread) and big ones (all threads) on several intra-op
+    threads gives what torch's kernel gives on one thread, for every dtype it takes."""
+    sizes = [256] * 20 + [1 << 16, 5, 40000]
+    g = torch.Generator().manual_seed(1)
+    start = [torch.randn(n, generator=g).to(dtype) for n in sizes]
+    grads = [[torch.randn(n, generator=g).to(dtype) for n in sizes] for _ in range(3)]
+
+    def trained(threads):
+        params = [p.clone() for p in start]
+        state = opt.setup(opt.AdamW(1e-2, lambd=0.1), params)
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            for step_grads in grads:
+                state, params = opt.update_(state, params, step_grads)
+        finally:
+            torch.set_num_threads(before)
+        return params
+
+    assert all(torch.equal(a, b) for a, b in zip(trained(2), trained(1), strict=True))
