@@ -238,3 +238,31 @@ def test_many_small_arrays_step_together_on_every_core(kernel_calls):
         for x, y in zip(model, reference, strict=True):
             np.testing.assert_array_equal(x, y)
     assert kernel_calls == [[256] * len(model)] * 3
+
+
+# --- the same objects as before, asked of a whole list ------------------------------------------
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["read by numba", "is, item by item"])
+def test_same_objects_is_identity_of_every_item_in_order(compiled, monkeypatch):
+    """`SameObjects(xs)(ys)` is `len(ys) == len(xs) and all(y is x ...)`: an equal but new array
+    (even a 1-element one, which `==` would call equal), a list cut short, grown or reordered, or
+    one item swapped all give False, with numba's list reader and without."""
+    from optimisers.backends import objects
+
+    if compiled and objects._compiled() is None:
+        pytest.skip("numba is not installed")
+    if not compiled:
+        monkeypatch.setattr(objects, "_compiled", lambda: None)
+    xs = [np.ones(1), np.zeros(3), "x", None, np.ones(1)]
+    same = objects.SameObjects(xs)
+    assert (same._same is not None) == compiled
+    swapped = list(xs)
+    swapped[4] = np.ones(1)
+    cases = {"itself": (xs, True), "a copy": (list(xs), True), "a tuple": (tuple(xs), True),
+             "one swapped": (swapped, False), "short": (xs[:4], False), "longer": ([*xs, xs[0]], False),
+             "reordered": ([xs[4], *xs[1:4], xs[0]], False), "empty": ([], False)}
+    for name, (ys, expected) in cases.items():
+        assert same(ys) is expected, name
+    xs.append(1)  # (it keeps its own list: the caller's may change)
+    assert same(xs[:5]) and not same(xs)

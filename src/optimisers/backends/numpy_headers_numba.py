@@ -1,10 +1,13 @@
-"""The ndarray header reader of `optimisers.backends.numpy_kernels.read_headers`, compiled by numba
-(imported only where numba is installed, at the first read).
+"""The ndarray header reader of `optimisers.backends.numpy_kernels.read_headers`, and the list
+reader of `optimisers.backends.objects`, compiled by numba (imported only where numba is
+installed, at the first read).
 
 It reads the fields of NumPy's `PyArrayObject_fields` at their places in NumPy's public ABI (the
 header `ndarraytypes.h`; compiled extensions read them with `PyArray_DATA`, `PyArray_DIMS` & co.),
-given each array's address, which CPython's `id` is. `read_headers` checks every field against
-NumPy's own attributes on sample arrays before it trusts this.
+given each array's address, which CPython's `id` is, and a list's length and item pointers where
+CPython's `PyListObject` has them (`listobject.h`). Each caller checks the fields against Python's
+own answers on samples before it trusts this. None of these release the GIL: the objects they read
+cannot change while they do.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ def _word(typingctx, address):  # pragma: no cover - compiled
     return types.int64(types.int64), codegen
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True)
 def headers(addresses, out) -> bool:  # pragma: no cover - compiled
     """Row i of `out`: data pointer, dimensions, descr, flags and base of the array at
     `addresses[i]`, then its shape and strides (zero beyond its dimensions). False where an array
@@ -50,6 +53,23 @@ def headers(addresses, out) -> bool:  # pragma: no cover - compiled
         for k in range(MAX_DIMS):
             out[i, 5 + k] = _word(dims + 8 * k) if k < nd else 0
             out[i, 5 + MAX_DIMS + k] = _word(strides + 8 * k) if k < nd else 0
+    return True
+
+
+# byte offsets in PyListObject, after PyObject_HEAD: its length (ob_size) and its items' array
+_LENGTH, _ITEMS = 16, 24
+
+
+@numba.njit(cache=True)
+def same_items(address, expected) -> bool:  # pragma: no cover - compiled
+    """Does the list at `address` hold exactly the objects whose addresses are `expected`?"""
+    n = expected.shape[0]
+    if _word(address + _LENGTH) != n:
+        return False
+    items = _word(address + _ITEMS)
+    for i in range(n):
+        if _word(items + 8 * i) != expected[i]:
+            return False
     return True
 
 
@@ -72,7 +92,7 @@ def _alike(a, x, nd):  # pragma: no cover - compiled
     return True
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True)
 def blocks(addresses, descr, out) -> bool:  # pragma: no cover - compiled
     """For the arrays at `addresses[:, i]` (a parameter, its gradient, its two moments): their data
     pointers in `out[:4, i]` and the parameter's size in `out[4, i]`. True where each is of the

@@ -14,6 +14,7 @@ from __future__ import annotations
 import operator
 
 from optimisers import ops
+from optimisers.backends.objects import SameObjects
 from optimisers.core.state import Leaf
 from optimisers.engine import chunks, layout, precision
 from optimisers.engine.layout import GroupLayout
@@ -37,7 +38,7 @@ class Group(GroupLayout):
         super().__init__(leaves, xs)
         self.sums: dict[int, object] = {}  # member -> its summed-gradient buffer (`ties`)
         self._marks = None  # the members' `engine_marks` at their last full check
-        self._owners = None  # (marks, parameters, their memory owners, the list given): `param_owners`
+        self._owners = None  # (marks, `SameObjects` of the parameters, their memory owners): `param_owners`
         self._marker = None  # (a list of parameters, the function giving their engine marks)
         self._staged = None  # `(xs, dxs)` whose packed members are in `staging_now` this step
         self.staging_now = None  # this step's staging buffers `(flat_x, flat_g)`
@@ -84,15 +85,10 @@ class Group(GroupLayout):
         """The memory owners of the members' parameters `xs` (checked against the marks this
         step), kept while they are the same objects with the same marks."""
         kept = self._owners
-        if (
-            kept is not None
-            and self._marks is not None
-            and kept[0] is self._marks
-            and (xs is kept[3] or (len(xs) == len(kept[1]) and all(map(operator.is_, xs, kept[1]))))
-        ):
+        if kept is not None and self._marks is not None and kept[0] is self._marks and kept[1](xs):
             return kept[2]
         owners = set(self.b.memory_owners(xs))
-        self._owners = (self._marks, list(xs), owners, xs)  # (a replay passes the same list)
+        self._owners = (self._marks, SameObjects(xs), owners)
         return owners
 
     def _fit(self, xs) -> bool:

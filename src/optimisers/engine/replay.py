@@ -14,8 +14,7 @@ does) and records a new route.
 
 from __future__ import annotations
 
-import operator
-
+from optimisers.backends.objects import SameObjects
 from optimisers.core.state import Leaf
 from optimisers.core.tree import kind_of
 from optimisers.engine import plan as planning
@@ -30,12 +29,12 @@ class _Off(Exception):
 class _Container:
     """A container of the state tree and the model node it stood for when the route was made."""
 
-    __slots__ = ("snode", "keys", "values", "leaf_keys", "subs", "model_type", "child_keys", "whole")
+    __slots__ = ("snode", "keys", "same", "leaf_keys", "subs", "model_type", "child_keys", "whole")
 
     def __init__(self, snode, node, leaf_keys, subs, child_keys):
         self.snode = snode
         self.keys = list(snode)
-        self.values = list(snode.values())
+        self.same = SameObjects(snode.values())  # its values: Leafs and sub-trees
         self.leaf_keys = leaf_keys  # the keys of its Leafs, in the order of the route's places
         self.subs = subs  # [(key, _Container)] of its non-empty sub-trees
         self.model_type = type(node)
@@ -48,11 +47,7 @@ class _Container:
 
     def unchanged(self) -> bool:
         snode = self.snode
-        return (
-            len(snode) == len(self.values)
-            and all(map(operator.is_, snode.values(), self.values))
-            and list(snode) == self.keys
-        )
+        return self.same(list(snode.values())) and list(snode) == self.keys
 
 
 def _walk(container, node, grad, xs, gs):
@@ -103,6 +98,7 @@ class Route:
         leaves: list = []
         self.xs: list = []
         self.root = _record(tree, model, leaves, self.xs)
+        self.same = SameObjects(self.xs)
         member = {id(leaf): (g, m) for g, group in enumerate(groups) for m, leaf in enumerate(group.leaves)}
         first: list[list] = [[None] * len(group.leaves) for group in groups]
         extra: list[dict] = [{} for _ in groups]
@@ -138,7 +134,7 @@ class Route:
         gs: list = []
         try:
             _walk(self.root, model, grads, xs, gs)
-            if len(xs) != len(self.xs) or not all(map(operator.is_, xs, self.xs)):
+            if not self.same(xs):
                 raise _Off
         except Exception:  # noqa: BLE001 - any difference: the general path reports it
             self.stale = True

@@ -9,7 +9,7 @@ that, in bulk, instead of checking every array.
 
 from __future__ import annotations
 
-import operator
+from optimisers.backends.objects import SameObjects
 
 
 class _Found:
@@ -18,16 +18,12 @@ class _Found:
     the same marks (`b.marker`: their addresses taken once, where the backend can)."""
 
     def __init__(self, b, xs, value):
-        self.xs, self.value = list(xs), value
-        self.marks_now = b.marker(self.xs, b.span_marks)
+        self.same, self.value = SameObjects(xs), value
+        self.marks_now = b.marker(self.same.xs, b.span_marks)
         self.marks = self.marks_now()
 
     def still(self, xs) -> bool:
-        return (
-            len(xs) == len(self.xs)
-            and all(map(operator.is_, xs, self.xs))
-            and self.marks_now() == self.marks
-        )
+        return self.same(xs) and self.marks_now() == self.marks
 
 
 class Span:
@@ -51,7 +47,7 @@ class Span:
     def holds(self, xs) -> bool:
         """Are `xs` the parameters this span holds, where they were?"""
         params = self.params
-        if not (xs is self.last_list or all(map(operator.is_, xs, params.xs))):
+        if not (xs is self.last_list or params.same(xs)):
             return False
         if params.marks_now() != params.marks:
             return False
