@@ -8,6 +8,7 @@ it always does."""
 from __future__ import annotations
 
 import copy
+import re
 
 import numpy as np
 import pytest
@@ -299,3 +300,71 @@ def test_a_model_that_changes_every_step_stops_being_recorded(replays, monkeypat
         reference_state, reference = opt.update(reference_state, reference, grads)
     _same(model, reference)
     assert len(recorded) == replay._RECORDINGS
+
+
+def _torch_model(torch, dtype):
+    gen = torch.Generator().manual_seed(0)
+    model = {f"v{i}": torch.randn(6, generator=gen, dtype=dtype) for i in range(30)}
+    model.update({f"m{i}": torch.randn(4, 3, generator=gen, dtype=dtype) for i in range(5)})
+    return model
+
+
+def _torch_grads(torch, model, k):
+    gen = torch.Generator().manual_seed(100 + k)
+    return {key: torch.randn(x.shape, generator=gen, dtype=x.dtype) for key, x in model.items()}
+
+
+_TORCH_CHANGES = {  # what a user may hand in, or do to a parameter, between two steps
+    "gradient float64": lambda torch, model, grads: grads.__setitem__("v3", grads["v3"].double()),
+    "gradient requires grad": lambda torch, model, grads: grads["v4"].requires_grad_(),
+    "gradient transposed": lambda torch, model, grads: grads.__setitem__(
+        "m1", grads["m1"].t().contiguous().t()),
+    "gradient strided": lambda torch, model, grads: grads.__setitem__(
+        "v5", torch.stack([grads["v5"], grads["v5"]], 1)[:, 0]),
+    "gradient of another shape": lambda torch, model, grads: grads.__setitem__("v6", torch.zeros(7)),
+    "parameter float64": lambda torch, model, grads: setattr(model["v7"], "data", model["v7"].data.double()),
+    "parameter transposed": lambda torch, model, grads: setattr(
+        model["m2"], "data", model["m2"].data.t().contiguous().t()),
+    "parameter moved": lambda torch, model, grads: setattr(model["v8"], "data", model["v8"].data.clone()),
+    # the same memory: only the bulk check of shapes, strides and dtypes can see these
+    "parameter restrided": lambda torch, model, grads: setattr(
+        model["m3"], "data", model["m3"].data.as_strided((4, 3), (1, 4))),
+    "parameter transposed in place": lambda torch, model, grads: model["m4"].t_(),
+    "parameter viewed as int32": lambda torch, model, grads: setattr(
+        model["v9"], "data", model["v9"].data.view(torch.int32)),
+}
+
+
+@pytest.mark.parametrize("bulk", [True, False], ids=["bulk", "attributes"])
+@pytest.mark.parametrize("change", list(_TORCH_CHANGES))
+def test_torch_bulk_checks_see_each_change(replays, change, bulk, monkeypatch):
+    """After replays whose gradients and parameters torch checks in bulk (`gradients_like`: new
+    gradient tensors each step, as autograd makes them), each change a user can make is seen: the
+    step does not replay, and it steps or refuses as `update` does. The same without the bulk
+    check (another torch), where the attributes are read."""
+    torch = pytest.importorskip("torch")
+    from optimisers.backends import torch as torch_backend
+
+    if not bulk:
+        monkeypatch.setattr(torch_backend, "_tensor_guard", lambda: None)
+    model = _torch_model(torch, torch.float32)
+    assert (torch_backend.gradients_like(list(model.values())) is not None) == bulk
+    reference = {k: v.clone() for k, v in model.items()}
+    state, ref_state = opt.setup(opt.Adam(1e-2), model), opt.setup(opt.Adam(1e-2), reference)
+    for k in range(4):
+        state, model = opt.update_(state, model, _torch_grads(torch, model, k))
+        ref_state, reference = opt.update(ref_state, reference, _torch_grads(torch, reference, k))
+    assert replays[-3:] == [True, True, True]
+    grads, ref_grads = _torch_grads(torch, model, 4), _torch_grads(torch, reference, 4)
+    _TORCH_CHANGES[change](torch, model, grads)
+    _TORCH_CHANGES[change](torch, reference, ref_grads)
+    try:
+        ref_state, reference = opt.update(ref_state, reference, ref_grads)
+    except (ValueError, TypeError) as e:
+        with pytest.raises(type(e), match=re.escape(str(e))):
+            opt.update_(state, model, grads)
+    else:
+        state, model = opt.update_(state, model, grads)
+        for key in model:
+            assert torch.equal(model[key], reference[key]), key
+    assert replays[-1] is False

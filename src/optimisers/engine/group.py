@@ -40,6 +40,7 @@ class Group(GroupLayout):
         self._marks = None  # the members' `engine_marks` at their last full check
         self._owners = None  # (marks, `SameObjects` of the parameters, their memory owners): `param_owners`
         self._marker = None  # (a list of parameters, the function giving their engine marks)
+        self._gradients_like = None  # (marks, `b.gradients_like` of gradients found fit with them)
         self._staged = None  # `(xs, dxs)` whose packed members are in `staging_now` this step
         self.staging_now = None  # this step's staging buffers `(flat_x, flat_g)`
         self._steppable_at = None  # `Leaf.edits` when `steppable` last found every member ready
@@ -80,6 +81,29 @@ class Group(GroupLayout):
             self._marker = xs, self.b.marker(xs, self.b.engine_marks)
         marks = self._marker[1]()
         return marks is not None and self._marks is not None and marks == self._marks
+
+    def gradients_fit(self, gs, xs) -> bool:
+        """`fit` for the members' gradients `gs` and parameters `xs` (unchanged since the last
+        full check): first in bulk, as laid out as gradients found fit against the same marks
+        (where the backend has such a check), which a fit `gs` become."""
+        kept = self._gradients_like
+        if kept is not None and kept[0] is self._marks and self._marks is not None and kept[1](gs):
+            return True
+        if not self.fit(gs, xs, self.shapes):
+            return False
+        like = self.b.gradients_like(gs)
+        self._gradients_like = None if like is None else (self._marks, like)
+        return True
+
+    def fit(self, gs, xs, shapes) -> bool:
+        """Are `gs` of `shapes`, and what the group steps its parameters `xs` with, as they are?"""
+        try:
+            if [g.shape for g in gs] != shapes:
+                return False
+        except AttributeError:  # a missing gradient, or not an array
+            return False
+        fit = self.b.fit_as_they_are(gs, xs, self.dtype, self.device)
+        return fit is not None and all(fit)
 
     def param_owners(self, xs) -> set:
         """The memory owners of the members' parameters `xs` (checked against the marks this

@@ -152,27 +152,16 @@ class Route:
                 continue
             if not (group.steppable() and group.unchanged(xs)):
                 return None
-            if not _usable(group, dxs, xs, group.shapes):
+            if not group.gradients_fit(dxs, xs):
                 return None
             for m, more in tied:
                 others = [gs[p] for p in more]
                 n = len(others)
-                if not _usable(group, others, [xs[m]] * n, [group.shapes[m]] * n):
+                if not group.fit(others, [xs[m]] * n, [group.shapes[m]] * n):
                     return None
                 dxs[m] = ties.member_sum(group, m, xs[m], [dxs[m], *others])
             ready.append((group, xs, dxs, dxs))
         return ready
-
-
-def _usable(group, gs, xs, shapes) -> bool:
-    """Are `gs` of `shapes`, and what the group steps its parameters `xs` with, as they are?"""
-    try:
-        if [g.shape for g in gs] != shapes:
-            return False
-    except AttributeError:  # a missing gradient, or not an array
-        return False
-    fit = group.b.fit_as_they_are(gs, xs, group.dtype, group.device)
-    return fit is not None and all(fit)
 
 
 def remember(state, model, found, work, results) -> None:
