@@ -1008,3 +1008,23 @@ def test_jitted_updates_equal_eager_through_random_events(rule, n, events, seed)
             for x, y in zip(jax.tree_util.tree_leaves(a.state), jax.tree_util.tree_leaves(b.state)):
                 close(x, y, rtol=1e-5, atol=1e-6)
     close(m_jit["tie"], m_jit["p0"], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("rule", [opt.Adam(1e-2), opt.AdamW(1e-2, lambd=0.1)], ids=["Adam", "AdamW"])
+def test_leaves_sharing_a_counter_compute_its_bias_corrections_once(rule):
+    """Under `jit` the Leafs of a rule share one step counter, and one update computes its bias
+    corrections once (two `pow`s for any number of leaves, not two per leaf), with the numbers
+    of each leaf updated on its own under `jit`."""
+    keys = jax.random.split(jax.random.key(0), 41)
+    model = {f"w{i}": jax.random.normal(k, (3 + i % 4,)) for i, k in enumerate(keys[:40])}
+    grads = {name: jax.random.normal(keys[40], x.shape) for name, x in model.items()}
+    state = opt.setup(rule, model)
+    jaxpr = jax.make_jaxpr(opt.update)(state, model, grads)
+    assert [e.primitive.name for e in jaxpr.eqns].count("pow") == 2
+    state, new = jax.jit(opt.update)(state, model, grads)
+    state, new = jax.jit(opt.update)(state, new, grads)
+    for name, x in model.items():  # each alone: its own counter and bias corrections
+        alone = opt.setup(rule, x)
+        for _ in range(2):
+            alone, x = jax.jit(opt.update)(alone, x, grads[name])
+        np.testing.assert_array_equal(np.asarray(new[name]), np.asarray(x))

@@ -26,6 +26,7 @@ from optimisers.core.tree import format_path
 from optimisers.engine import checks, chunks, fused, plan, precision, replay, ties
 from optimisers.engine import stacked as stacks
 from optimisers.engine.gather import gather
+from optimisers.rules.common import sharing_step_scalars
 
 
 class _Applied(tuple):
@@ -68,21 +69,22 @@ def compute(found, tree, skip=frozenset(), pure=False) -> dict[int, tuple]:
     is applied to a new array at once, so that no step outlives its Leaf's turn."""
     results = {}
     stacked = stacks.stacked_results(found, skip)  # small arrays of a rule that stacks: one call
-    for key, c in found.items():
-        if c.leaf.frozen or not c.grads or key in skip:
-            continue
-        try:
-            result = step(c, stacked=stacked, pure=pure)
-            if type(result) is not _Applied:
-                checks.check_step(c.leaf.rule, result, c.x)
-                result = (result[0], checks.new_value(c.x, result[1])) if pure else result
-            results[key] = tuple(result)
-        except ops.GradientError as e:
-            raise checks.located(e, tree) from None
-        except Exception as e:
-            if hasattr(e, "add_note"):  # Python >= 3.11: say where, keeping the exception's type
-                e.add_note(f"(while updating the parameter at {format_path(path_of(tree, c.leaf))})")
-            raise
+    with sharing_step_scalars():
+        for key, c in found.items():
+            if c.leaf.frozen or not c.grads or key in skip:
+                continue
+            try:
+                result = step(c, stacked=stacked, pure=pure)
+                if type(result) is not _Applied:
+                    checks.check_step(c.leaf.rule, result, c.x)
+                    result = (result[0], checks.new_value(c.x, result[1])) if pure else result
+                results[key] = tuple(result)
+            except ops.GradientError as e:
+                raise checks.located(e, tree) from None
+            except Exception as e:
+                if hasattr(e, "add_note"):  # Python >= 3.11: say where, keeping the exception's type
+                    e.add_note(f"(while updating the parameter at {format_path(path_of(tree, c.leaf))})")
+                raise
     checks.share_scalar_state(found, results)
     return results
 

@@ -40,7 +40,7 @@ class Group(GroupLayout):
         self._marks = None  # the members' `engine_marks` at their last full check
         self._owners = None  # (marks, `SameObjects` of the parameters, their memory owners): `param_owners`
         self._marker = None  # (a list of parameters, the function giving their engine marks)
-        self._gradients_like = None  # (marks, `b.gradients_like` of gradients found fit with them)
+        self._gradients_like = None, None  # (marks, `b.gradients_like` of gradients fit with them)
         self._staged = None  # `(xs, dxs)` whose packed members are in `staging_now` this step
         self.staging_now = None  # this step's staging buffers `(flat_x, flat_g)`
         self._steppable_at = None  # `Leaf.edits` when `steppable` last found every member ready
@@ -86,21 +86,17 @@ class Group(GroupLayout):
         """`fit` for the members' gradients `gs` and parameters `xs` (unchanged since the last
         full check): first in bulk, as laid out as gradients found fit against the same marks
         (where the backend has such a check), which a fit `gs` become."""
-        kept = self._gradients_like
-        if kept is not None and kept[0] is self._marks and self._marks is not None and kept[1](gs):
+        marks, like = self._gradients_like
+        if like is not None and marks is self._marks and marks is not None and like(gs):
             return True
         if not self.fit(gs, xs, self.shapes):
             return False
-        like = self.b.gradients_like(gs)
-        self._gradients_like = None if like is None else (self._marks, like)
+        self._gradients_like = self._marks, self.b.gradients_like(gs)
         return True
 
     def fit(self, gs, xs, shapes) -> bool:
         """Are `gs` of `shapes`, and what the group steps its parameters `xs` with, as they are?"""
-        try:
-            if [g.shape for g in gs] != shapes:
-                return False
-        except AttributeError:  # a missing gradient, or not an array
+        if [getattr(g, "shape", None) for g in gs] != shapes:  # (None: a missing gradient)
             return False
         fit = self.b.fit_as_they_are(gs, xs, self.dtype, self.device)
         return fit is not None and all(fit)
@@ -118,10 +114,9 @@ class Group(GroupLayout):
     def _fit(self, xs) -> bool:
         """Is each parameter still as planned: its shape, dtype, device and memory order, and
         fit for the engine (a `.data` swap or `.to()` may have changed any of them)?"""
-        engine_ok, dtype, device = self.b.engine_ok, self.dtype, self.device
-        memory_order = self.b.memory_order
+        b, dtype, device = self.b, self.dtype, self.device
         for x, shape, order in zip(xs, self.shapes, self.orders):
-            if x.shape != shape or x.dtype != dtype or not engine_ok(x) or memory_order(x) != order:
+            if x.shape != shape or x.dtype != dtype or not b.engine_ok(x) or b.memory_order(x) != order:
                 return False
             if device is not None and x.device != device:
                 return False

@@ -5,6 +5,8 @@ The conventions every rule here follows are in `optimisers.rules`.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import math
 from typing import ClassVar
@@ -66,12 +68,40 @@ def adam_moments(x, dx, state, beta):
     """Adam's moment updates of a state `(m, v, ..., t)`: `(m, v, t, 1−β₁ᵗ, 1−β₂ᵗ)` at the new step
     number `t`, the bias corrections as scalars of `x`'s dtype, so that a rule can fold them into
     its other scalars before touching arrays."""
-    m, v, t = state[0], state[1], state[-1] + 1
-    b1, b2 = beta
-    cb1, cm, cb2, cv, bc1, bc2 = cast(x, b1, 1 - b1, b2, 1 - b2, 1 - b1**t, 1 - b2**t)
-    m = cb1 * m + cm * dx
-    v = cb2 * v + cv * ops.abs2(dx)
+    t, cb1, cm, cb2, cv, bc1, bc2 = _step_scalars(x, state[-1], beta)
+    m = cb1 * state[0] + cm * dx
+    v = cb2 * state[1] + cv * ops.abs2(dx)
     return m, v, t, bc1, bc2
+
+
+# Within one update (`sharing_step_scalars`), each counter's scalars are computed once: the Leafs
+# of a rule share one counter (under `jax.jit`, one traced value per rule), so thousands of
+# Leafs would otherwise each add the same dozen scalar operations for XLA to compile and merge.
+_SHARED: contextvars.ContextVar[dict | None] = contextvars.ContextVar("step_scalars", default=None)
+
+
+@contextlib.contextmanager
+def sharing_step_scalars():
+    token = _SHARED.set({})
+    try:
+        yield
+    finally:
+        _SHARED.reset(token)
+
+
+def _step_scalars(x, count, beta):
+    """`(t, β₁, 1−β₁, β₂, 1−β₂, 1−β₁ᵗ, 1−β₂ᵗ)` at `t = count + 1`, the rest as scalars of `x`'s
+    type and dtype; one computation per counter, betas, array type and dtype of an update."""
+    shared, (b1, b2) = _SHARED.get(), beta
+    key = (id(count), id(b1), id(b2), type(x), x.dtype)
+    kept = None if shared is None else shared.get(key)
+    if kept is not None and kept[0] is count and kept[1] is b1 and kept[2] is b2:
+        return kept[3]
+    t = count + 1
+    scalars = (t, *cast(x, b1, 1 - b1, b2, 1 - b2, 1 - b1**t, 1 - b2**t))
+    if shared is not None:
+        shared[key] = (count, b1, b2, scalars)  # (holding them: their ids stay theirs)
+    return scalars
 
 
 def adam_direction(m, v, bc1, bc2, scale, eps):
