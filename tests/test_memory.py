@@ -142,3 +142,58 @@ def test_peak_memory_of_a_step(rule, compiled_kernels):
         assert peak - kept < 0.75 * x.nbytes  # was 2x (the step and a temporary, full size)
     finally:
         tracemalloc.stop()
+
+
+def _numpy_steps():
+    model = {"a": np.ones(3, np.float32), "b": [np.ones((2, 2), np.float32)]}
+    model["tied"] = model["a"]
+    grads = {"a": np.ones(3, np.float32), "b": [np.ones((2, 2), np.float32)], "tied": np.ones(3, np.float32)}
+    state = opt.setup(opt.Adam(1e-3), model)
+    for _ in range(3):
+        state, model = opt.update_(state, model, grads)  # the general path, then replays
+    for _ in range(2):
+        state, model = opt.update(state, model, grads)
+    opt.load_state_dict(state, opt.state_dict(state))
+    opt.adjust_(state, eta=1e-4)
+
+
+def _jax_steps():
+    jax = pytest.importorskip("jax")
+    model = {"a": jax.numpy.ones(3), "b": [jax.numpy.ones((2, 2))]}
+    grads = jax.tree_util.tree_map(jax.numpy.ones_like, model)
+    state = opt.setup(opt.Adam(1e-3), model)
+    state, model = opt.update(state, model, grads)
+    step = jax.jit(opt.update)
+    for _ in range(2):
+        state, model = step(state, model, grads)
+
+
+def _torch_steps():
+    torch = pytest.importorskip("torch")
+    import optimisers.torch as ot
+
+    params = [torch.nn.Parameter(torch.ones(3)) for _ in range(3)]
+    optimizer = ot.Adam(params, lr=1e-3)
+    for _ in range(3):
+        for p in params:
+            p.grad = torch.ones(3)
+        optimizer.step()
+    optimizer.load_state_dict(optimizer.state_dict())
+
+
+@pytest.mark.parametrize("steps", [_numpy_steps, _jax_steps, _torch_steps], ids=["numpy", "jax", "torch"])
+def test_steps_leave_no_reference_cycles(steps):
+    """setup, update, update_, state dicts and the torch drop-ins free what they made as soon as
+    it is unused: a reference cycle (a recursive walk's closure) would hold parameters, gradients
+    and Leafs until the garbage collector runs, and make that run cost time per array."""
+    steps()  # (caches filled once: what stays is not garbage)
+    gc.collect()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        steps()
+        gc.collect()
+        cycles = [getattr(o, "__qualname__", type(o).__qualname__) for o in gc.garbage]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+    assert cycles == []

@@ -345,4 +345,7 @@ def _first_places(tree, model):
         children = dict(kind.children(node))
         return all(k in children and visit(sub, children[k], path + (k,)) for k, sub in snode.items())
 
-    return places if visit(tree, model, ()) else None
+    try:
+        return places if visit(tree, model, ()) else None
+    finally:
+        visit = None  # noqa: F841 - it calls itself: drop that cycle now, not at some later gc

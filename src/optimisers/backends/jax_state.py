@@ -355,7 +355,10 @@ def _skeleton(root):
         dicts.append(node)
         return ("dict", tuple([(k, walk(v, path + (k,))) for k, v in node.items()]))
 
-    return walk(root, ()), found, rules, dicts
+    try:
+        return walk(root, ()), found, rules, dicts
+    finally:
+        walk = None  # noqa: F841 - it calls itself: drop that cycle now, not at some later gc
 
 
 def _split_parts(found, flat, layout, names):
@@ -407,7 +410,10 @@ def _part_names(spec) -> tuple:
         for i, sub in enumerate(specs):
             visit(sub, fields[i] if fields else "count")
 
-    visit(spec, "count")
+    try:
+        visit(spec, "count")
+    finally:
+        visit = None  # noqa: F841 - it calls itself: drop that cycle now, not at some later gc
     return tuple(out)
 
 
@@ -607,7 +613,10 @@ def _build_tree(aux, values, scalars, own_children, made):
             out[k] = build(sub)
         return out
 
-    root = build(skel)
+    try:
+        root = build(skel)
+    finally:
+        build = None  # noqa: F841 - it calls itself: drop that cycle now, not at some later gc
     made.built(root, dicts, leaves)
     return root
 

@@ -73,7 +73,10 @@ def _places(tree) -> list[tuple[str, Leaf]]:
         for k, child in node.items():
             visit(child, path + (k,))
 
-    visit(tree, ())
+    try:
+        visit(tree, ())
+    finally:
+        visit = None  # noqa: F841 - it calls itself: drop that cycle now, not at some later gc
     return out
 
 

@@ -231,7 +231,10 @@ def leaf_paths(tree) -> list[tuple[tuple, Leaf]]:
             for k, child in node.items():
                 visit(child, path + (k,))
 
-    visit(tree, ())
+    try:
+        visit(tree, ())
+    finally:
+        visit = None  # noqa: F841 - it calls itself: drop that cycle now, not at some later gc
     return out
 
 
@@ -269,7 +272,10 @@ def map_leaves(fn, tree):
                 done[key] = {k: visit(child) for k, child in node.items()}
         return done[key]
 
-    return visit(tree)
+    try:
+        return visit(tree)
+    finally:
+        visit = None  # noqa: F841 - it calls itself: drop that cycle now, not at some later gc
 
 
 # --- a rule state as (spec, parts) -----------------------------------------------------------

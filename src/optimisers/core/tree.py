@@ -200,7 +200,10 @@ def params(model, with_paths: bool = False) -> list:
         for k, child in trainable_children(node, kind):
             visit(child, path + (k,))
 
-    visit(model, ())
+    try:
+        visit(model, ())
+    finally:
+        visit = None  # noqa: F841 - it calls itself: drop that cycle now, not at some later gc
     return out
 
 
@@ -223,7 +226,10 @@ def map_params(fn, model):
         done[key] = new
         return new
 
-    return visit(model)
+    try:
+        return visit(model)
+    finally:
+        visit = None  # noqa: F841 - it calls itself: drop that cycle now, not at some later gc
 
 
 def rebuilt(node, kind: NodeKind, pairs, new_child):

@@ -207,10 +207,13 @@ def gather(tree, model, grads, known=None) -> dict[int, Contribution]:
         if len(children) != len(snode):
             _check_no_new_params(node, children, snode, path, known.get(path) if known else None)
 
-    if isinstance(tree, Leaf):
-        take(tree, model, grads, ())
-    else:
-        visit(tree, model, grads, ())
+    try:
+        if isinstance(tree, Leaf):
+            take(tree, model, grads, ())
+        else:
+            visit(tree, model, grads, ())
+    finally:
+        visit = None  # noqa: F841 - it calls itself: drop that cycle now, not at some later gc
     for entry in tied:
         _check_each_place(tree, entry)
     return found

@@ -6,6 +6,9 @@ holding the state twice)."""
 
 from __future__ import annotations
 
+import itertools
+import math
+
 from optimisers import ops
 from optimisers.core.state import flatten_state, unflatten_state
 from optimisers.core.tree import format_path
@@ -65,10 +68,22 @@ def _init_span(group, members, states) -> None:
     spec = flatten_state(whole, parts)
     if not all(p.shape == span.shape for p in parts if b.is_buffer(p)):
         return
-    lo = 0
-    for k in order:
-        x = xs[k]
-        n = b.numel(x)
-        views = [b.shaped_in(p[lo : lo + n], x.shape, None) if b.is_buffer(p) else p for p in parts]
+    shapes = [xs[k].shape for k in order]
+    pieces = [_pieces(b, p, shapes) if b.is_buffer(p) else itertools.repeat(p) for p in parts]
+    for k, views in zip(order, zip(*pieces)):
         states[members[k]] = unflatten_state(spec, iter(views))
-        lo += n
+
+
+def _pieces(b, flat, shapes) -> list:
+    """Views of the 1-D `flat` cut back to back into arrays of `shapes`: one view of each run of
+    equal shapes, taken apart along its first axis in one call (a view per parameter of a model
+    of thousands of small ones would be most of `setup`)."""
+    out, lo = [], 0
+    for shape, run in itertools.groupby(shapes):
+        k, n = len(list(run)), math.prod(shape)
+        if k == 1:
+            out.append(b.shaped_in(flat[lo : lo + n], shape, None))
+        else:
+            out.extend(b.shaped_in(flat[lo : lo + k * n], (k, *shape), None))
+        lo += k * n
+    return out

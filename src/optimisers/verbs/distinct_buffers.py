@@ -44,4 +44,7 @@ def distinct_buffers(model):
             return node
         return rebuilt(node, kind, kind.children(node), lambda _, child: visit(child))
 
-    return visit(model)
+    try:
+        return visit(model)
+    finally:
+        visit = None  # noqa: F841 - it calls itself: drop that cycle now, not at some later gc

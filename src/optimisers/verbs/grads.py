@@ -52,4 +52,7 @@ def grads(model):
             return tuple(g for _, g in pairs)
         return dict(pairs)
 
-    return visit(model, ())
+    try:
+        return visit(model, ())
+    finally:
+        visit = None  # noqa: F841 - it calls itself: drop that cycle now, not at some later gc

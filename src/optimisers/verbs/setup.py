@@ -88,7 +88,10 @@ def setup(rule, model) -> State:
         built[key] = result
         return result
 
-    tree = build(model, ())
+    try:
+        tree = build(model, ())
+    finally:
+        build = None  # noqa: F841 - it calls itself: drop that cycle now, not at some later gc
     for (leaf, *_), state in zip(made, initial_states([m[1:] for m in made])):
         leaf._state = state
     _check_overlaps(arrays)
