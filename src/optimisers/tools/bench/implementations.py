@@ -10,6 +10,7 @@ one gradient per place.
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -59,12 +60,21 @@ def _tie_status(model, shape: Shape, same) -> str | None:
 # --- optimisers ----------------------------------------------------------------------------------
 
 
+def _setup(rule, model, times=3):
+    """`opt.setup(rule, model)` and the median of `times` timings of it (one can catch a full
+    garbage collection, whose cost is the whole process's heap, not this setup's)."""
+    took = []
+    for _ in range(times):
+        state = None  # (the last State is let go first: at most one held while timing)
+        t0 = time.perf_counter()
+        state = opt.setup(rule, model)
+        took.append(time.perf_counter() - t0)
+    return state, statistics.median(took)
+
+
 def _optimisers_in_place(model, grads, rule: str, to_numpy, shape) -> Runner:
     """`optimisers.update_` on a ready model and gradient tree (NumPy or PyTorch)."""
-    r = optimisers_rule(rule)
-    t0 = time.perf_counter()
-    state = opt.setup(r, model)
-    setup_s = time.perf_counter() - t0
+    state, setup_s = _setup(optimisers_rule(rule), model)
     box = [state, model]
 
     def step():
@@ -152,9 +162,7 @@ def _compiled(update, carry: tuple, grads, donate: bool):
 def _jitted(data: Data, rule: str, model, grads, setup_model, as_model) -> Runner:
     """`optimisers.update` under `jax.jit` with donation, stepping `model` (its state set up from
     `setup_model`) with `grads`; `as_model(trained)` is the model tree the check reads."""
-    t0 = time.perf_counter()
-    state = opt.setup(optimisers_rule(rule), setup_model)
-    setup_s = time.perf_counter() - t0
+    state, setup_s = _setup(optimisers_rule(rule), setup_model)
     box, step, compile_s = _compiled(opt.update, (state, model), grads, donate=True)
 
     def fetch():

@@ -167,7 +167,8 @@ def format_table(rows: list) -> str:
 COLUMNS_NOTE = (
     "xfloor: median / (bytes per param x params / floor bandwidth). xpeer: median / the peer's "
     "median (same shape and rule). extraMB: peak memory above the step's start, t = tracemalloc "
-    "(NumPy allocations), r = RSS high-water mark; xparam: extraMB / parameter bytes."
+    "(NumPy allocations), r = RSS high-water mark; xparam: extraMB / parameter bytes. setup: "
+    "median of 3 calls of setup on the model."
 )
 
 
