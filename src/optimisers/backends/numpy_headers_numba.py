@@ -34,26 +34,37 @@ def _word(typingctx, address):  # pragma: no cover - compiled
     return types.int64(types.int64), codegen
 
 
+@numba.njit(inline="always")
+def _put(out, i, j, value) -> bool:  # pragma: no cover - compiled
+    """Write `value` at `out[i, j]`: did it change?"""
+    if out[i, j] == value:
+        return False
+    out[i, j] = value
+    return True
+
+
 @numba.njit(cache=True)
-def headers(addresses, out) -> bool:  # pragma: no cover - compiled
+def headers(addresses, out) -> int:  # pragma: no cover - compiled
     """Row i of `out`: data pointer, dimensions, descr, flags and base of the array at
-    `addresses[i]`, then its shape and strides (zero beyond its dimensions). False where an array
-    has more than MAX_DIMS dimensions."""
+    `addresses[i]`, then its shape and strides (zero beyond its dimensions). 0 where an array
+    has more than MAX_DIMS dimensions; else 1 where `out` held these very fields already, 2
+    where some changed."""
+    changed = False
     for i in range(addresses.shape[0]):
         a = addresses[i]
         nd = _word(a + _ND) & _INT
         if nd > MAX_DIMS:
-            return False
-        out[i, 0] = _word(a + _DATA)
-        out[i, 1] = nd
-        out[i, 2] = _word(a + _DESCR)
-        out[i, 3] = _word(a + _FLAGS) & _INT
-        out[i, 4] = _word(a + _BASE)
+            return 0
+        changed |= _put(out, i, 0, _word(a + _DATA))
+        changed |= _put(out, i, 1, nd)
+        changed |= _put(out, i, 2, _word(a + _DESCR))
+        changed |= _put(out, i, 3, _word(a + _FLAGS) & _INT)
+        changed |= _put(out, i, 4, _word(a + _BASE))
         dims, strides = _word(a + _DIMS), _word(a + _STRIDES)
         for k in range(MAX_DIMS):
-            out[i, 5 + k] = _word(dims + 8 * k) if k < nd else 0
-            out[i, 5 + MAX_DIMS + k] = _word(strides + 8 * k) if k < nd else 0
-    return True
+            changed |= _put(out, i, 5 + k, _word(dims + 8 * k) if k < nd else 0)
+            changed |= _put(out, i, 5 + MAX_DIMS + k, _word(strides + 8 * k) if k < nd else 0)
+    return 2 if changed else 1
 
 
 # byte offsets in PyListObject, after PyObject_HEAD: its length (ob_size) and its items' array
