@@ -100,10 +100,15 @@ def epsilon(value, like):
 
 
 def zeros_like(x):
-    if not isinstance(x, jax.Array) or is_traced(x) or x.weak_type or not jnp.issubdtype(x.dtype, np.number):
+    if not isinstance(x, jax.Array) or is_traced(x) or x.weak_type or not _numeric(x.dtype):
         return jnp.zeros_like(x)  # tracers, weak types, bools and keys: the general path
     sharding = x.sharding if x._committed else None
     return _zeros_maker(x.shape, x.dtype, sharding)()
+
+
+@functools.cache
+def _numeric(dtype) -> bool:  # (jnp.issubdtype takes microseconds: setup asks per array)
+    return jnp.issubdtype(dtype, np.number)
 
 
 @functools.lru_cache(maxsize=1024)
