@@ -368,3 +368,58 @@ def test_torch_bulk_checks_see_each_change(replays, change, bulk, monkeypatch):
         for key in model:
             assert torch.equal(model[key], reference[key]), key
     assert replays[-1] is False
+
+
+class _Sub(np.ndarray):
+    pass
+
+
+_NUMPY_CHANGES = {  # what a user may hand in as a gradient between two steps, or do to a parameter
+    "gradient float64": lambda model, grads: grads.__setitem__("v3", grads["v3"].astype(np.float64)),
+    "gradient transposed": lambda model, grads: grads.__setitem__("m1", np.asfortranarray(grads["m1"])),
+    "gradient strided": lambda model, grads: grads.__setitem__("v5", np.repeat(grads["v5"], 2)[::2]),
+    "gradient of another shape": lambda model, grads: grads.__setitem__("v6", np.zeros(7, np.float32)),
+    "gradient a subclass": lambda model, grads: grads.__setitem__("v7", grads["v7"].view(_Sub)),
+    "gradient swapped bytes": lambda model, grads: grads.__setitem__("v8", grads["v8"].astype(">f4")),
+    "parameter reshaped in place": lambda model, grads: setattr(model["m2"], "shape", (3, 4)),
+    "parameter viewed as int32": lambda model, grads: setattr(model["v9"], "dtype", np.int32),
+}
+
+
+@pytest.mark.parametrize("bulk", [True, False], ids=["bulk", "attributes"])
+@pytest.mark.parametrize("change", list(_NUMPY_CHANGES))
+def test_numpy_bulk_checks_see_each_change(replays, change, bulk, monkeypatch):
+    """The NumPy side of `test_torch_bulk_checks_see_each_change`: gradients checked in one
+    compiled pass over their list and headers (`gradients_like`), new arrays each step."""
+    from optimisers.backends import numpy as numpy_backend
+
+    if bulk and numpy_backend.gradients_like([np.zeros(3)]) is None:
+        pytest.skip("numba is not installed")
+    if not bulk:
+        monkeypatch.setattr(numpy_backend, "gradients_like", lambda gs: None)
+    rng = np.random.default_rng(0)
+    model = {f"v{i}": rng.standard_normal(6).astype(np.float32) for i in range(30)}
+    model.update({f"m{i}": rng.standard_normal((4, 3)).astype(np.float32) for i in range(5)})
+    reference = copy.deepcopy(model)
+
+    def grads_of(model, k):
+        rng = np.random.default_rng(100 + k)
+        return {key: rng.standard_normal(x.shape).astype(x.dtype) for key, x in model.items()}
+
+    state, ref_state = opt.setup(opt.Adam(1e-2), model), opt.setup(opt.Adam(1e-2), reference)
+    for k in range(4):
+        state, model = opt.update_(state, model, grads_of(model, k))
+        ref_state, reference = opt.update(ref_state, reference, grads_of(reference, k))
+    assert replays[-3:] == [True, True, True]
+    grads, ref_grads = grads_of(model, 4), grads_of(reference, 4)
+    _NUMPY_CHANGES[change](model, grads)
+    _NUMPY_CHANGES[change](reference, ref_grads)
+    try:
+        ref_state, reference = opt.update(ref_state, reference, ref_grads)
+    except (ValueError, TypeError) as e:
+        with pytest.raises(type(e), match=re.escape(str(e))):
+            opt.update_(state, model, grads)
+    else:
+        state, model = opt.update_(state, model, grads)
+        _same(model, reference)
+    assert replays[-1] is False

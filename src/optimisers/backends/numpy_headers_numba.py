@@ -67,8 +67,9 @@ def headers(addresses, out) -> int:  # pragma: no cover - compiled
     return 2 if changed else 1
 
 
-# byte offsets in PyListObject, after PyObject_HEAD: its length (ob_size) and its items' array
-_LENGTH, _ITEMS = 16, 24
+# byte offsets in PyListObject, after PyObject_HEAD: its length (ob_size) and its items' array;
+# and in every object's PyObject_HEAD, its type
+_LENGTH, _ITEMS, _TYPE = 16, 24, 8
 
 
 @numba.njit(cache=True)
@@ -126,4 +127,46 @@ def blocks(addresses, descr, out) -> bool:  # pragma: no cover - compiled
                 return False
             out[j, i] = _word(a + _DATA)
         out[4, i] = size
+    return True
+
+
+@numba.njit(cache=True)
+def blocks_in(lists, ndarray, descr, addresses, out) -> bool:  # pragma: no cover - compiled
+    """`blocks` of the arrays held by the 4 lists at `lists`, each of `addresses.shape[1]` items,
+    each exactly an ndarray (of the type at `ndarray`); their addresses go to `addresses`."""
+    n = addresses.shape[1]
+    for j in range(4):
+        if _word(lists[j] + _LENGTH) != n:
+            return False
+        items = _word(lists[j] + _ITEMS)
+        for i in range(n):
+            a = _word(items + 8 * i)
+            if _word(a + _TYPE) != ndarray:
+                return False
+            addresses[j, i] = a
+    return blocks(addresses, descr, out)
+
+
+@numba.njit(cache=True)
+def items_alike(address, ndarray, expected) -> bool:  # pragma: no cover - compiled
+    """Does the list at `address` hold one array per row of `expected` (`headers`' rows), each
+    exactly an ndarray (of the type at `ndarray`) with its row's dimensions, descr, shape and
+    strides?"""
+    n = expected.shape[0]
+    if _word(address + _LENGTH) != n:
+        return False
+    items = _word(address + _ITEMS)
+    for i in range(n):
+        a = _word(items + 8 * i)
+        if _word(a + _TYPE) != ndarray:
+            return False
+        nd = _word(a + _ND) & _INT
+        if nd != expected[i, 1] or _word(a + _DESCR) != expected[i, 2]:
+            return False
+        dims, strides = _word(a + _DIMS), _word(a + _STRIDES)
+        for k in range(nd):
+            if _word(dims + 8 * k) != expected[i, 5 + k]:
+                return False
+            if _word(strides + 8 * k) != expected[i, 5 + MAX_DIMS + k]:
+                return False
     return True

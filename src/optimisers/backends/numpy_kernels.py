@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import itertools
 import os
 import platform
 import threading
@@ -73,15 +72,54 @@ def _adam_step_many(args, xs, dxs, ms, vs, t) -> bool:
 
 def _blocks(dtype, lists):
     """`(data pointers (4, n), sizes)` of the arrays in `lists` (parameters, gradients, first and
-    second moments), read from their headers in one compiled call (`numpy_headers_numba.blocks`
-    says what it checks), where each is an ndarray; else None."""
+    second moments), read from the lists and the arrays' headers in one compiled call
+    (`numpy_headers_numba.blocks` says what it checks), where each is an ndarray; else None."""
     reader = _reader()
-    if reader is None or any(set(map(type, arrays)) != {np.ndarray} for arrays in lists):
+    if reader is None or list_reader() is None:
         return None
+    lists = [a if type(a) is list else list(a) for a in lists]
     n = len(lists[0])
-    addresses = np.fromiter(map(id, itertools.chain(*lists)), np.int64, 4 * n).reshape(4, n)
     out = np.empty((5, n), np.int64)
-    return (out[:4], out[4]) if reader.blocks(addresses, id(dtype), out) else None
+    found = reader.blocks_in(np.array([id(a) for a in lists], np.int64), _NDARRAY, id(dtype),
+                             np.empty((4, n), np.int64), out)
+    return (out[:4], out[4]) if found else None
+
+
+_NDARRAY = id(np.ndarray)
+
+
+@functools.cache
+def list_reader():
+    """`numpy_headers_numba.same_items`, where numba compiles it and it reads lists as Python
+    sees them (the same check decides whether the kernels read their arrays from lists)."""
+    if _reader() is None:  # (no numba, not CPython, or NumPy's fields elsewhere)
+        return None
+    from optimisers.backends.numpy_headers_numba import same_items
+
+    xs = [object(), 1.5, "x"]
+    addresses = np.array(list(map(id, xs)), np.int64)
+    agrees = same_items(id(xs), addresses) and not any(
+        same_items(id(ys), addresses) for ys in (xs[:2], [*xs, None], xs[::-1], [])
+    )
+    return same_items if agrees else None
+
+
+def gradients_like(gs):
+    """A bulk check for later gradients (a list): is each exactly an ndarray of the dtype, shape
+    and strides of the one at its place in `gs`? One compiled pass over the list and the arrays'
+    headers (`numpy_headers_numba.items_alike`); None where numba does not read them."""
+    reader = _reader()
+    if reader is None or list_reader() is None or set(map(type, gs)) != {np.ndarray}:
+        return None
+    expected = np.zeros((len(gs), reader.WIDTH), np.int64)
+    if not reader.headers(np.fromiter(map(id, gs), np.int64, len(gs)), expected):
+        return None
+    dtypes = {g.dtype for g in gs}  # (held: their addresses are compared)
+
+    def like(ys, dtypes=dtypes):
+        return type(ys) is list and reader.items_alike(id(ys), _NDARRAY, expected)
+
+    return like
 
 
 _PARALLEL = threading.Lock()

@@ -8,10 +8,11 @@ else, and for anything but a list, `is` is asked of each item.
 
 from __future__ import annotations
 
-import functools
 import operator
 
 import numpy as np
+
+from optimisers.backends import numpy_kernels
 
 
 class SameObjects:
@@ -22,7 +23,7 @@ class SameObjects:
 
     def __init__(self, xs):
         self.xs = xs = list(xs)
-        self._same = _compiled()
+        self._same = numpy_kernels.list_reader()
         self._addresses = None if self._same is None else np.fromiter(map(id, xs), np.int64, len(xs))
 
     def __call__(self, ys) -> bool:
@@ -30,19 +31,3 @@ class SameObjects:
             return self._same(id(ys), self._addresses)
         return len(ys) == len(self.xs) and all(map(operator.is_, ys, self.xs))
 
-
-@functools.cache
-def _compiled():
-    """`same_items`, where numba compiles it and it reads lists as Python sees them."""
-    from optimisers.backends import numpy_kernels
-
-    if numpy_kernels._reader() is None:  # (no numba, not CPython, or NumPy's fields elsewhere)
-        return None
-    from optimisers.backends.numpy_headers_numba import same_items
-
-    xs = [object(), 1.5, "x"]
-    addresses = np.array(list(map(id, xs)), np.int64)
-    agrees = same_items(id(xs), addresses) and not any(
-        same_items(id(ys), addresses) for ys in (xs[:2], [*xs, None], xs[::-1], [])
-    )
-    return same_items if agrees else None
