@@ -93,7 +93,8 @@ def _step_scalars(x, count, beta):
     """`(t, β₁, 1−β₁, β₂, 1−β₂, 1−β₁ᵗ, 1−β₂ᵗ)` at `t = count + 1`, the rest as scalars of `x`'s
     type, dtype and device; one computation per counter, betas and kind of array of an update."""
     shared, (b1, b2) = _SHARED.get(), beta
-    key = (id(count), id(b1), id(b2), type(x), x.dtype, getattr(x, "device", None))
+    traced = ops.backend(x).is_traced(x)  # (a tracer's missing `.device` costs milliseconds)
+    key = (id(count), id(b1), id(b2), type(x), x.dtype, None if traced else getattr(x, "device", None))
     kept = None if shared is None else shared.get(key)
     if kept is not None and kept[0] is count and kept[1] is b1 and kept[2] is b2:
         return kept[3]
