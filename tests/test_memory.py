@@ -155,6 +155,8 @@ def _numpy_steps():
         state, model = opt.update(state, model, grads)
     opt.load_state_dict(state, opt.state_dict(state))
     opt.adjust_(state, eta=1e-4)
+    one = np.ones(3, np.float32)  # a model that is one array
+    opt.update(opt.setup(opt.Adam(1e-3), one), one, np.ones(3, np.float32))
 
 
 def _jax_steps():

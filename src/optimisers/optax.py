@@ -35,7 +35,7 @@ import optax as _optax
 from optimisers.core import rule as _rule
 from optimisers.core.rule import NewValue, Rule
 from optimisers.core.state import Leaf, State, flatten_state, map_leaves, unflatten_state
-from optimisers.core.tree import kind_of
+from optimisers.core.tree import kind_of, walked
 from optimisers.verbs.setup import rule_chooser, setup
 from optimisers.verbs.update import rebuild, stepped
 
@@ -345,7 +345,4 @@ def _first_places(tree, model):
         children = dict(kind.children(node))
         return all(k in children and visit(sub, children[k], path + (k,)) for k, sub in snode.items())
 
-    try:
-        return places if visit(tree, model, ()) else None
-    finally:
-        visit = None  # noqa: F841 - it calls itself: drop that cycle now, not at some later gc
+    return places if walked(visit, tree, model, ()) else None

@@ -57,7 +57,7 @@ import numpy as np
 
 from optimisers.core.rule import Rule, _is_held
 from optimisers.core.state import Leaf, State, flatten_state, is_scalar, scalar_key, unflatten_state
-from optimisers.core.tree import format_path
+from optimisers.core.tree import format_path, walked
 
 _Tracer = jax.core.Tracer
 
@@ -355,10 +355,7 @@ def _skeleton(root):
         dicts.append(node)
         return ("dict", tuple([(k, walk(v, path + (k,))) for k, v in node.items()]))
 
-    try:
-        return walk(root, ()), found, rules, dicts
-    finally:
-        walk = None  # noqa: F841 - it calls itself: drop that cycle now, not at some later gc
+    return walked(walk, root, ()), found, rules, dicts
 
 
 def _split_parts(found, flat, layout, names):
@@ -410,10 +407,7 @@ def _part_names(spec) -> tuple:
         for i, sub in enumerate(specs):
             visit(sub, fields[i] if fields else "count")
 
-    try:
-        visit(spec, "count")
-    finally:
-        visit = None  # noqa: F841 - it calls itself: drop that cycle now, not at some later gc
+    walked(visit, spec, "count")
     return tuple(out)
 
 
@@ -613,10 +607,7 @@ def _build_tree(aux, values, scalars, own_children, made):
             out[k] = build(sub)
         return out
 
-    try:
-        root = build(skel)
-    finally:
-        build = None  # noqa: F841 - it calls itself: drop that cycle now, not at some later gc
+    root = walked(build, skel)
     made.built(root, dicts, leaves)
     return root
 

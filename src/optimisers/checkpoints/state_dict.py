@@ -26,7 +26,7 @@ from optimisers import schedules
 from optimisers.core import dispatch
 from optimisers.core.rule import Rule, _held_like
 from optimisers.core.state import Leaf, State, describe, map_leaves
-from optimisers.core.tree import format_path
+from optimisers.core.tree import format_path, walked
 from optimisers.schedules import Schedule
 
 FORMAT = "optimisers.state_dict.v1"
@@ -73,10 +73,7 @@ def _places(tree) -> list[tuple[str, Leaf]]:
         for k, child in node.items():
             visit(child, path + (k,))
 
-    try:
-        visit(tree, ())
-    finally:
-        visit = None  # noqa: F841 - it calls itself: drop that cycle now, not at some later gc
+    walked(visit, tree, ())
     return out
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numbers
 from typing import Any
 
-from optimisers.core.tree import format_path
+from optimisers.core.tree import format_path, walked
 
 _WATCHED = frozenset(("rule", "frozen", "_state"))
 # Leafs whose state the update engine keeps in buffers of its own, each to the object whose
@@ -231,10 +231,7 @@ def leaf_paths(tree) -> list[tuple[tuple, Leaf]]:
             for k, child in node.items():
                 visit(child, path + (k,))
 
-    try:
-        visit(tree, ())
-    finally:
-        visit = None  # noqa: F841 - it calls itself: drop that cycle now, not at some later gc
+    walked(visit, tree, ())
     return out
 
 
@@ -272,10 +269,7 @@ def map_leaves(fn, tree):
                 done[key] = {k: visit(child) for k, child in node.items()}
         return done[key]
 
-    try:
-        return visit(tree)
-    finally:
-        visit = None  # noqa: F841 - it calls itself: drop that cycle now, not at some later gc
+    return walked(visit, tree)
 
 
 # --- a rule state as (spec, parts) -----------------------------------------------------------

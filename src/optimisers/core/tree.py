@@ -182,6 +182,17 @@ def format_path(path: Path) -> str:
 # --- maps over the distinct parameters -----------------------------------------------------------
 
 
+def walked(visit, *args):
+    """`visit(*args)` for a nested function that calls itself, which is then let go: through its
+    closure it refers to itself, a reference cycle that would keep it and everything its caller
+    made (parameters, gradients, Leafs) alive until the garbage collector runs."""
+    try:
+        return visit(*args)
+    finally:
+        names = visit.__code__.co_freevars
+        visit.__closure__[names.index(visit.__name__)].cell_contents = None
+
+
 def params(model, with_paths: bool = False) -> list:
     """The distinct trainable arrays of `model`, depth first, each once (at its first path)."""
     seen: set[int] = set()
@@ -200,10 +211,7 @@ def params(model, with_paths: bool = False) -> list:
         for k, child in trainable_children(node, kind):
             visit(child, path + (k,))
 
-    try:
-        visit(model, ())
-    finally:
-        visit = None  # noqa: F841 - it calls itself: drop that cycle now, not at some later gc
+    walked(visit, model, ())
     return out
 
 
@@ -226,10 +234,7 @@ def map_params(fn, model):
         done[key] = new
         return new
 
-    try:
-        return visit(model)
-    finally:
-        visit = None  # noqa: F841 - it calls itself: drop that cycle now, not at some later gc
+    return walked(visit, model)
 
 
 def rebuilt(node, kind: NodeKind, pairs, new_child):

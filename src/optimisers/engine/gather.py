@@ -15,7 +15,7 @@ from optimisers.core.state import (
     is_scalar,
     path_of,
 )
-from optimisers.core.tree import format_path, is_param, kind_of, params
+from optimisers.core.tree import format_path, is_param, kind_of, params, walked
 from optimisers.engine import ties
 
 _SEQUENCES = ("list", "tuple", "namedtuple")
@@ -170,6 +170,9 @@ def gather(tree, model, grads, known=None) -> dict[int, Contribution]:
     owner = {}.setdefault  # id(parameter) -> its Leaf: one array, two Leafs is refused
     tied: list[Contribution] = []  # Leafs with gradients from places after their first
     take = functools.partial(_take, tree, found, owner, tied)
+    if isinstance(tree, Leaf):  # a model that is one array: one place
+        take(tree, model, grads, ())
+        return found
 
     def visit(snode, node, grad, path):
         if not snode:  # nothing trainable here
@@ -207,13 +210,7 @@ def gather(tree, model, grads, known=None) -> dict[int, Contribution]:
         if len(children) != len(snode):
             _check_no_new_params(node, children, snode, path, known.get(path) if known else None)
 
-    try:
-        if isinstance(tree, Leaf):
-            take(tree, model, grads, ())
-        else:
-            visit(tree, model, grads, ())
-    finally:
-        visit = None  # noqa: F841 - it calls itself: drop that cycle now, not at some later gc
+    walked(visit, tree, model, grads, ())
     for entry in tied:
         _check_each_place(tree, entry)
     return found

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from optimisers import ops
-from optimisers.core.tree import _is_array, kind_of, rebuilt
+from optimisers.core.tree import _is_array, kind_of, rebuilt, walked
 
 
 def distinct_buffers(model):
@@ -44,7 +44,4 @@ def distinct_buffers(model):
             return node
         return rebuilt(node, kind, kind.children(node), lambda _, child: visit(child))
 
-    try:
-        return visit(model)
-    finally:
-        visit = None  # noqa: F841 - it calls itself: drop that cycle now, not at some later gc
+    return walked(visit, model)

@@ -7,7 +7,7 @@ model through the generic tree layer and only reads attributes.
 from __future__ import annotations
 
 from optimisers.core.eager import eager_under_compile
-from optimisers.core.tree import format_path, is_param, kind_of, trainable_children
+from optimisers.core.tree import format_path, is_param, kind_of, trainable_children, walked
 
 
 @eager_under_compile
@@ -52,7 +52,4 @@ def grads(model):
             return tuple(g for _, g in pairs)
         return dict(pairs)
 
-    try:
-        return visit(model, ())
-    finally:
-        visit = None  # noqa: F841 - it calls itself: drop that cycle now, not at some later gc
+    return walked(visit, model, ())

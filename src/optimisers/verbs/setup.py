@@ -8,7 +8,7 @@ from optimisers import ops
 from optimisers.core import dispatch
 from optimisers.core.rule import Rule
 from optimisers.core.state import Leaf, State
-from optimisers.core.tree import format_path, is_param, kind_of, trainable_children
+from optimisers.core.tree import format_path, is_param, kind_of, trainable_children, walked
 from optimisers.engine.initial_state import initial_states
 
 
@@ -88,10 +88,7 @@ def setup(rule, model) -> State:
         built[key] = result
         return result
 
-    try:
-        tree = build(model, ())
-    finally:
-        build = None  # noqa: F841 - it calls itself: drop that cycle now, not at some later gc
+    tree = walked(build, model, ())
     for (leaf, *_), state in zip(made, initial_states([m[1:] for m in made])):
         leaf._state = state
     _check_overlaps(arrays)

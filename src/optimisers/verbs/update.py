@@ -15,7 +15,7 @@ from optimisers import ops
 from optimisers.core.eager import eager_under_compile
 from optimisers.core.rule import NewValue
 from optimisers.core.state import Leaf, State, map_leaves
-from optimisers.core.tree import kind_of, rebuilt
+from optimisers.core.tree import kind_of, rebuilt, walked
 from optimisers.engine import execute
 from optimisers.engine.layout import independent
 from optimisers.engine.locks import lock
@@ -140,9 +140,4 @@ def rebuild(tree, model, place):
         done[key] = result
         return result
 
-    try:
-        return visit(tree, model)
-    finally:
-        # `visit` refers to itself: drop that cycle now, or `place` and the steps it holds stay
-        # alive until the garbage collector happens to run
-        visit = None  # noqa: F841
+    return walked(visit, tree, model)
