@@ -306,12 +306,36 @@ def _torch_model(torch, dtype):
     gen = torch.Generator().manual_seed(0)
     model = {f"v{i}": torch.randn(6, generator=gen, dtype=dtype) for i in range(30)}
     model.update({f"m{i}": torch.randn(4, 3, generator=gen, dtype=dtype) for i in range(5)})
+    model["tied"] = model["v0"]  # one tensor at two places: its second gradient is summed
     return model
 
 
 def _torch_grads(torch, model, k):
     gen = torch.Generator().manual_seed(100 + k)
     return {key: torch.randn(x.shape, generator=gen, dtype=x.dtype) for key, x in model.items()}
+
+
+def _a_change_after_replays(replays, model, reference, grads_of, change, same):
+    """Replayed steps of `model` (`update_`) beside `reference` (`update`); then `change(model,
+    grads)` to each and one more step, which must not replay and must step (`same(model,
+    reference)`) or refuse exactly as `update` does."""
+    state, ref_state = opt.setup(opt.Adam(1e-2), model), opt.setup(opt.Adam(1e-2), reference)
+    for k in range(4):
+        state, model = opt.update_(state, model, grads_of(model, k))
+        ref_state, reference = opt.update(ref_state, reference, grads_of(reference, k))
+    assert replays[-3:] == [True, True, True]
+    grads, ref_grads = grads_of(model, 4), grads_of(reference, 4)
+    change(model, grads)
+    change(reference, ref_grads)
+    try:
+        ref_state, reference = opt.update(ref_state, reference, ref_grads)
+    except (ValueError, TypeError) as e:
+        with pytest.raises(type(e), match=re.escape(str(e))):
+            opt.update_(state, model, grads)
+    else:
+        state, model = opt.update_(state, model, grads)
+        same(model, reference)
+    assert replays[-1] is False
 
 
 _TORCH_CHANGES = {  # what a user may hand in, or do to a parameter, between two steps
@@ -335,9 +359,10 @@ _TORCH_CHANGES = {  # what a user may hand in, or do to a parameter, between two
 }
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("bulk", [True, False], ids=["bulk", "attributes"])
 @pytest.mark.parametrize("change", list(_TORCH_CHANGES))
-def test_torch_bulk_checks_see_each_change(replays, change, bulk, monkeypatch):
+def test_torch_bulk_checks_see_each_change(replays, change, bulk, dtype, monkeypatch):
     """After replays whose gradients and parameters torch checks in bulk (`gradients_like`: new
     gradient tensors each step, as autograd makes them), each change a user can make is seen: the
     step does not replay, and it steps or refuses as `update` does. The same without the bulk
@@ -347,27 +372,17 @@ def test_torch_bulk_checks_see_each_change(replays, change, bulk, monkeypatch):
 
     if not bulk:
         monkeypatch.setattr(torch_backend, "_tensor_guard", lambda: None)
-    model = _torch_model(torch, torch.float32)
+    model = _torch_model(torch, getattr(torch, dtype))
     assert (torch_backend.gradients_like(list(model.values())) is not None) == bulk
     reference = {k: v.clone() for k, v in model.items()}
-    state, ref_state = opt.setup(opt.Adam(1e-2), model), opt.setup(opt.Adam(1e-2), reference)
-    for k in range(4):
-        state, model = opt.update_(state, model, _torch_grads(torch, model, k))
-        ref_state, reference = opt.update(ref_state, reference, _torch_grads(torch, reference, k))
-    assert replays[-3:] == [True, True, True]
-    grads, ref_grads = _torch_grads(torch, model, 4), _torch_grads(torch, reference, 4)
-    _TORCH_CHANGES[change](torch, model, grads)
-    _TORCH_CHANGES[change](torch, reference, ref_grads)
-    try:
-        ref_state, reference = opt.update(ref_state, reference, ref_grads)
-    except (ValueError, TypeError) as e:
-        with pytest.raises(type(e), match=re.escape(str(e))):
-            opt.update_(state, model, grads)
-    else:
-        state, model = opt.update_(state, model, grads)
+    reference["tied"] = reference["v0"]
+
+    def same(model, reference):
         for key in model:
             assert torch.equal(model[key], reference[key]), key
-    assert replays[-1] is False
+
+    _a_change_after_replays(replays, model, reference, lambda m, k: _torch_grads(torch, m, k),
+                            lambda m, g: _TORCH_CHANGES[change](torch, m, g), same)
 
 
 class _Sub(np.ndarray):
@@ -386,9 +401,10 @@ _NUMPY_CHANGES = {  # what a user may hand in as a gradient between two steps, o
 }
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
 @pytest.mark.parametrize("bulk", [True, False], ids=["bulk", "attributes"])
 @pytest.mark.parametrize("change", list(_NUMPY_CHANGES))
-def test_numpy_bulk_checks_see_each_change(replays, change, bulk, monkeypatch):
+def test_numpy_bulk_checks_see_each_change(replays, change, bulk, dtype, monkeypatch):
     """The NumPy side of `test_torch_bulk_checks_see_each_change`: gradients checked in one
     compiled pass over their list and headers (`gradients_like`), new arrays each step."""
     from optimisers.backends import numpy as numpy_backend
@@ -398,28 +414,13 @@ def test_numpy_bulk_checks_see_each_change(replays, change, bulk, monkeypatch):
     if not bulk:
         monkeypatch.setattr(numpy_backend, "gradients_like", lambda gs: None)
     rng = np.random.default_rng(0)
-    model = {f"v{i}": rng.standard_normal(6).astype(np.float32) for i in range(30)}
-    model.update({f"m{i}": rng.standard_normal((4, 3)).astype(np.float32) for i in range(5)})
+    model = {f"v{i}": rng.standard_normal(6).astype(dtype) for i in range(30)}
+    model.update({f"m{i}": rng.standard_normal((4, 3)).astype(dtype) for i in range(5)})
+    model["tied"] = model["v0"]
     reference = copy.deepcopy(model)
 
     def grads_of(model, k):
         rng = np.random.default_rng(100 + k)
         return {key: rng.standard_normal(x.shape).astype(x.dtype) for key, x in model.items()}
 
-    state, ref_state = opt.setup(opt.Adam(1e-2), model), opt.setup(opt.Adam(1e-2), reference)
-    for k in range(4):
-        state, model = opt.update_(state, model, grads_of(model, k))
-        ref_state, reference = opt.update(ref_state, reference, grads_of(reference, k))
-    assert replays[-3:] == [True, True, True]
-    grads, ref_grads = grads_of(model, 4), grads_of(reference, 4)
-    _NUMPY_CHANGES[change](model, grads)
-    _NUMPY_CHANGES[change](reference, ref_grads)
-    try:
-        ref_state, reference = opt.update(ref_state, reference, ref_grads)
-    except (ValueError, TypeError) as e:
-        with pytest.raises(type(e), match=re.escape(str(e))):
-            opt.update_(state, model, grads)
-    else:
-        state, model = opt.update_(state, model, grads)
-        _same(model, reference)
-    assert replays[-1] is False
+    _a_change_after_replays(replays, model, reference, grads_of, _NUMPY_CHANGES[change], _same)
