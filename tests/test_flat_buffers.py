@@ -452,3 +452,58 @@ def test_flatten_an_optimizer_makes_buffers_per_param_group():
     _loss(model, 0).backward()
     o.step()
     assert len(_span_groups(o._flat)) == 2  # each group's rule steps its own buffer
+
+
+def _swap(a, b, name):
+    """Swap the attribute `name` (`data` or `grad`) of the tensors `a` and `b`."""
+    x, y = getattr(a, name), getattr(b, name)
+    setattr(a, name, y)
+    setattr(b, name, x)
+
+
+def _set_elsewhere(p):
+    with torch.no_grad():
+        p.set_(p.detach().clone())
+
+
+TORCH_SPAN_CHANGES = {  # what a user can do to flattened parameters or their gradients between steps
+    "parameters swap their data": lambda ps: _swap(ps[1], ps[2], "data"),  # (one storage)
+    "parameter moved": lambda ps: setattr(ps[3], "data", ps[3].data.clone()),
+    "parameter set_ elsewhere": lambda ps: _set_elsewhere(ps[4]),
+    "gradients swap their data": lambda ps: _swap(ps[5].grad, ps[6].grad, "data"),  # (one storage)
+    "gradient moved": lambda ps: setattr(ps[7].grad, "data", ps[7].grad.data.clone()),
+}
+
+
+@pytest.mark.parametrize("bulk", [True, False], ids=["read by numba", "data pointers"])
+@pytest.mark.parametrize("change", list(TORCH_SPAN_CHANGES))
+def test_torch_span_sees_each_change_as_separate_tensors_do(change, bulk, replays, monkeypatch):
+    """After `flatten_` the span's checks compare where each parameter and gradient is in memory
+    (read in one compiled call, or by `data_ptr()`): a change that leaves a tensor in the same
+    storage at another offset, or moves it elsewhere, steps as separate tensors do. Every size is a
+    multiple of 64 elements, so torch's fused kernel gives the same numbers for the buffer and for
+    each tensor."""
+    if not bulk:
+        monkeypatch.setattr(torch_backend, "_memory_reader", lambda: None)
+    elif torch_backend._memory_reader() is None:
+        pytest.skip("numba is not installed")
+    torch.manual_seed(0)
+    shapes = [(8, 8), (64,), (64,), (4, 16), (64,), (2, 32), (2, 32), (64,)]
+    ours = [nn.Parameter(torch.randn(s)) for s in shapes]
+    theirs = [nn.Parameter(p.detach().clone()) for p in ours]
+    flatten_(ours)
+    state, ref_state = opt.setup(opt.Adam(1e-2), ours), opt.setup(opt.Adam(1e-2), theirs)
+    for step in range(5):
+        if step == 4:
+            TORCH_SPAN_CHANGES[change](ours)
+            TORCH_SPAN_CHANGES[change](theirs)
+        g = torch.Generator().manual_seed(step)
+        for p, q in zip(ours, theirs):  # (ours: into the same `.grad` tensors, as backward adds)
+            q.grad = torch.randn(p.shape, generator=g)
+            p.grad.copy_(q.grad)
+        state, ours = opt.update_(state, ours, [p.grad for p in ours])
+        ref_state, theirs = opt.update_(ref_state, theirs, [q.grad for q in theirs])
+        for p, q in zip(ours, theirs, strict=True):
+            assert torch.equal(p, q)
+        if step == 3:  # (`replays` holds both States' steps, turn by turn)
+            assert replays[4::2] == [True, True] and len(_span_groups(state)) == 1

@@ -364,14 +364,18 @@ _TORCH_CHANGES = {  # what a user may hand in, or do to a parameter, between two
 @pytest.mark.parametrize("change", list(_TORCH_CHANGES))
 def test_torch_bulk_checks_see_each_change(replays, change, bulk, dtype, monkeypatch):
     """After replays whose gradients and parameters torch checks in bulk (`gradients_like`: new
-    gradient tensors each step, as autograd makes them), each change a user can make is seen: the
-    step does not replay, and it steps or refuses as `update` does. The same without the bulk
-    check (another torch), where the attributes are read."""
+    gradient tensors each step, as autograd makes them; where each tensor is in memory: read by
+    numba), each change a user can make is seen: the step does not replay, and it steps or
+    refuses as `update` does. The same without the bulk checks (another torch, or no numba),
+    where the attributes are read."""
     torch = pytest.importorskip("torch")
     from optimisers.backends import torch as torch_backend
 
     if not bulk:
         monkeypatch.setattr(torch_backend, "_tensor_guard", lambda: None)
+        monkeypatch.setattr(torch_backend, "_memory_reader", lambda: None)
+    elif torch_backend._memory_reader() is None:
+        pytest.skip("numba is not installed")
     model = _torch_model(torch, getattr(torch, dtype))
     assert (torch_backend.gradients_like(list(model.values())) is not None) == bulk
     reference = {k: v.clone() for k, v in model.items()}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -121,6 +122,79 @@ def test_memory_span_and_shares_memory():
         meta = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3))
     state = opt.setup(opt.Adam(), meta)
     assert state["0"]["weight"].state[0].is_meta
+
+
+def _storage_and_offset(t):
+    """What the memory reader reads of `t`, by torch's own API: (0, 0) without a storage."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (a FakeTensor's data pointer is deprecated)
+            return [t.untyped_storage().data_ptr(), t.storage_offset()]
+    except (RuntimeError, NotImplementedError):
+        return [0, 0]
+
+
+class _Wrapper(torch.Tensor):
+    """A wrapper subclass (as DTensor and FakeTensor are): its storage has no data."""
+
+    @staticmethod
+    def __new__(cls, like):
+        return torch.Tensor._make_wrapper_subclass(cls, like.shape, dtype=like.dtype)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        return NotImplemented
+
+
+def _odd_tensors():
+    """Tensors of every kind a model might hand in, with or without a storage or its data."""
+    base, swapped, freed = rand(300), nn.Parameter(rand(4)), rand(8)
+    swapped.data = base[100:104]
+    freed.untyped_storage().resize_(0)  # (as FSDP frees a parameter's memory)
+    emptied = rand(4)
+    emptied.set_(torch.empty(0).untyped_storage())
+    with torch.inference_mode():
+        inference = torch.ones(3)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        fake = torch.ones(3)
+    with pytest.warns(UserWarning):  # (beta and prototype layouts)
+        odd = [torch.eye(3).to_sparse_csr(), torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])]
+    return [base[7:], base[5:69].view(2, 2, 2, 2, 2, 2)[1], base.view(20, 15).t(), swapped, freed,
+            emptied, inference, fake, _Wrapper(rand(3)), rand(9, dtype=torch.bfloat16)[2:],
+            rand(2, 3, 4, 5).to(memory_format=torch.channels_last), torch.zeros(0), torch.tensor(1.5),
+            torch.zeros(2, 3).to_sparse(), torch.zeros(3, device="meta"), *odd]
+
+
+def test_memory_reader_reads_where_every_tensor_is():
+    """The compiled reader of torch's objects (`_memory_reader`) gives torch's own answers for
+    each kind of tensor, follows no null pointer (storages without data, tensors without a
+    storage) and sees a `.data` swap and a `set_`; inside `vmap` and `grad` too."""
+    if npb.numpy_kernels.list_reader() is None:
+        pytest.skip("numba is not installed")
+    assert tb._memory_reader() is not None  # (this torch's objects read as it expects)
+    xs = _odd_tensors()
+    assert tb._memory_reading(xs).tolist() == [_storage_and_offset(t) for t in xs]
+    xs[0].data = xs[0].data.clone()
+    xs[1].set_(rand(2, 2, 2, 2, 2))
+    assert tb._memory_reading(xs).tolist() == [_storage_and_offset(t) for t in xs]
+
+    def inside(x):
+        assert tb._memory_reading([x, x * 2]).tolist() == [[0, 0], [0, 0]]  # (functorch's wrappers)
+        return x.sum()
+
+    torch.func.vmap(torch.func.grad(inside))(rand(3, 4))
+
+
+def test_memory_marks_see_each_move_within_one_storage():
+    """Two parameters of one buffer that swap their data keep its storage; their marks differ."""
+    flat = rand(8)
+    a, b = nn.Parameter(flat[:4]), nn.Parameter(flat[4:])
+    marks = tb.span_marks([a, b])
+    a.data, b.data = b.data, a.data
+    assert tb.span_marks([a, b]) != marks
+    assert tb.memory_owners([a, b]) == [flat.untyped_storage().data_ptr()] * 2
 
 
 def test_is_param():

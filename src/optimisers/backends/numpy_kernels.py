@@ -73,7 +73,7 @@ def _adam_step_many(args, xs, dxs, ms, vs, t) -> bool:
 def _blocks(dtype, lists):
     """`(data pointers (4, n), sizes)` of the arrays in `lists` (parameters, gradients, first and
     second moments), read from the lists and the arrays' headers in one compiled call
-    (`numpy_headers_numba.blocks` says what it checks), where each is an ndarray; else None."""
+    (`readers_numba.blocks` says what it checks), where each is an ndarray; else None."""
     reader = _reader()
     if reader is None or list_reader() is None:
         return None
@@ -90,11 +90,11 @@ _NDARRAY = id(np.ndarray)
 
 @functools.cache
 def list_reader():
-    """`numpy_headers_numba.same_items`, where numba compiles it and it reads lists as Python
+    """`readers_numba.same_items`, where numba compiles it and it reads lists as Python
     sees them (the same check decides whether the kernels read their arrays from lists)."""
     if _reader() is None:  # (no numba, not CPython, or NumPy's fields elsewhere)
         return None
-    from optimisers.backends.numpy_headers_numba import same_items
+    from optimisers.backends.readers_numba import same_items
 
     xs = [object(), 1.5, "x"]
     addresses = np.array(list(map(id, xs)), np.int64)
@@ -107,7 +107,7 @@ def list_reader():
 def gradients_like(gs):
     """A bulk check for later gradients (a list): is each exactly an ndarray of the dtype, shape
     and strides of the one at its place in `gs`? One compiled pass over the list and the arrays'
-    headers (`numpy_headers_numba.items_alike`); None where numba does not read them."""
+    headers (`readers_numba.items_alike`); None where numba does not read them."""
     reader = _reader()
     if reader is None or list_reader() is None or set(map(type, gs)) != {np.ndarray}:
         return None
@@ -175,9 +175,9 @@ def header_reader(xs):
 def _reader():
     if not (AVAILABLE and platform.python_implementation() == "CPython"):
         return None
-    from optimisers.backends import numpy_headers_numba
+    from optimisers.backends import readers_numba
 
-    return numpy_headers_numba if _headers_agree(numpy_headers_numba) else None
+    return readers_numba if _headers_agree(readers_numba) else None
 
 
 def _headers_agree(reader) -> bool:

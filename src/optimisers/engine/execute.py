@@ -154,7 +154,10 @@ def _unalias(prepared) -> None:
         one = None if group.span is None else group.span.gradient_owner(dxs)
         if one is not None and one not in held:
             continue
-        for i in [i for i, owner in enumerate(b.memory_owners(dxs)) if owner in held]:
+        found = b.memory_owners(dxs)
+        if held.isdisjoint(found):  # (the usual step: one pass in C)
+            continue
+        for i in [i for i, owner in enumerate(found) if owner in held]:
             same = (x for g, xs, _, _ in prepared if g.b is b for x in xs)
             if any(b.shares_memory(dxs[i], x) for x in same):
                 dxs[i] = b.copy(dxs[i])

@@ -1,13 +1,15 @@
-"""The ndarray header reader of `optimisers.backends.numpy_kernels.read_headers`, and the list
-reader of `optimisers.backends.objects`, compiled by numba (imported only where numba is
-installed, at the first read).
+"""Readers of many objects in one call, compiled by numba (imported only where numba is installed,
+at the first read): NumPy's array headers (`optimisers.backends.numpy_kernels.read_headers`),
+Python lists (`optimisers.backends.objects`) and where torch tensors' memory is
+(`optimisers.backends.torch`).
 
 It reads the fields of NumPy's `PyArrayObject_fields` at their places in NumPy's public ABI (the
 header `ndarraytypes.h`; compiled extensions read them with `PyArray_DATA`, `PyArray_DIMS` & co.),
-given each array's address, which CPython's `id` is, and a list's length and item pointers where
-CPython's `PyListObject` has them (`listobject.h`). Each caller checks the fields against Python's
-own answers on samples before it trusts this. None of these release the GIL: the objects they read
-cannot change while they do.
+given each array's address, which CPython's `id` is, a list's length and item pointers where
+CPython's `PyListObject` has them (`listobject.h`), and four fields of torch's C++ objects (not a
+public ABI: torch 2.13's layout). Each caller checks the fields against Python's own answers on
+samples before it trusts this. None of these release the GIL: the objects they read cannot change
+while they do.
 """
 
 from __future__ import annotations
@@ -170,3 +172,30 @@ def items_alike(address, ndarray, expected) -> bool:  # pragma: no cover - compi
             if _word(strides + 8 * k) != expected[i, 5 + MAX_DIMS + k]:
                 return False
     return True
+
+
+# byte offsets in torch's objects (torch 2.13; `optimisers.backends.torch` checks them on samples
+# with `_cdata`, `untyped_storage()` and `storage_offset()` before it reads any tensor so): a
+# tensor's PyObject holds its TensorImpl after PyObject_HEAD; a TensorImpl holds its StorageImpl
+# after its vtable and reference counts, and its storage offset at 144; a StorageImpl holds its
+# data pointer after the same two words
+TENSOR_IMPL, IMPL_STORAGE, STORAGE_DATA, IMPL_OFFSET = 16, 16, 16, 144
+
+
+@numba.njit(cache=True)
+def tensor_memory(address, out) -> int:  # pragma: no cover - compiled
+    """Row i of `out`: the data pointer of the storage of the tensor at item i of the list at
+    `address`, and its storage offset (no storage: 0, 0). 0 where the list does not hold
+    `out.shape[0]` items; else 1 where `out` held these already, 2 where some changed. Nothing
+    that C++ may throw at is called, and a pointer is followed only where it is not null."""
+    n = out.shape[0]
+    if _word(address + _LENGTH) != n:
+        return 0
+    items = _word(address + _ITEMS)
+    changed = False
+    for i in range(n):
+        impl = _word(_word(items + 8 * i) + TENSOR_IMPL)
+        storage = _word(impl + IMPL_STORAGE) if impl != 0 else 0
+        changed |= _put(out, i, 0, _word(storage + STORAGE_DATA) if storage != 0 else 0)
+        changed |= _put(out, i, 1, _word(impl + IMPL_OFFSET) if storage != 0 else 0)
+    return 2 if changed else 1
