@@ -251,8 +251,9 @@ from torch import nn  # noqa: E402
 
 import optimisers.backends.torch as torch_backend  # noqa: E402
 from optimisers.torch import SGD as DropInSGD  # noqa: E402
+from optimisers.torch import Adam as DropInAdam  # noqa: E402
 from optimisers.torch import AdamW as DropInAdamW  # noqa: E402
-from optimisers.torch import FlatBuffers, flatten_  # noqa: E402
+from optimisers.torch import FlatBuffers, flatten_, stepping  # noqa: E402
 
 
 class TiedNet(nn.Module):
@@ -507,3 +508,51 @@ def test_torch_span_sees_each_change_as_separate_tensors_do(change, bulk, replay
             assert torch.equal(p, q)
         if step == 3:  # (`replays` holds both States' steps, turn by turn)
             assert replays[4::2] == [True, True] and len(_span_groups(state)) == 1
+
+
+def _drop_grad(p):
+    p.grad = None
+
+
+DROP_IN_CHANGES = {  # what a training loop can do to flattened parameters' `.grad` between steps
+    "a gradient dropped": lambda ps: _drop_grad(ps[1]),
+    "a gradient replaced": lambda ps: setattr(ps[2], "grad", ps[2].grad.clone() * 3),
+    "gradients swapped": lambda ps: _swap(ps[1], ps[2], "grad"),
+    "a gradient's data swapped": lambda ps: setattr(ps[3].grad, "data", ps[3].grad.data.clone() * 2),
+    "a parameter frozen": lambda ps: ps[4].requires_grad_(False),
+    "every gradient dropped (zero_grad)": lambda ps: [_drop_grad(p) for p in ps],
+}
+
+
+@pytest.mark.parametrize("bulk", [True, False], ids=["read by numba", "attributes"])
+@pytest.mark.parametrize("change", list(DROP_IN_CHANGES))
+def test_drop_in_on_flat_buffers_sees_each_change_of_its_gradients(change, bulk, monkeypatch):
+    """The drop-in checks that the parameters still hold the gradient views of the step before
+    in one bulk read (`gradients_held`) instead of reading each `.grad`: each change a training
+    loop can make steps as torch.optim's fused Adam steps it (sizes multiples of 64 elements)."""
+    if not bulk:
+        monkeypatch.setattr(torch_backend, "_autograd_reader", lambda: None)
+    elif torch_backend._autograd_reader() is None:
+        pytest.skip("numba is not installed")
+    torch.manual_seed(0)
+    ours = [nn.Parameter(torch.randn(s)) for s in [(8, 8), (64,), (64,), (2, 32), (64,), (128,)]]
+    theirs = [nn.Parameter(p.detach().clone()) for p in ours]
+    flatten_(ours)
+    o = DropInAdam(ours, lr=1e-2)
+    t = torch.optim.Adam(theirs, lr=1e-2, fused=True)
+    for step in range(5):
+        g = torch.Generator().manual_seed(step)
+        for p, q in zip(ours, theirs):
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            q.grad = torch.randn(p.shape, generator=g)
+            p.grad.copy_(q.grad)
+        if step == 3:
+            DROP_IN_CHANGES[change](ours)
+            DROP_IN_CHANGES[change](theirs)
+        o.step()
+        t.step()
+        for p, q in zip(ours, theirs, strict=True):
+            assert torch.equal(p, q)
+        if step == 2 and bulk:  # the last two steps found their gradients in bulk
+            assert torch_backend.gradients_held is not None and o in stepping._HELD

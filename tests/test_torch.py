@@ -159,7 +159,8 @@ def _odd_tensors():
 
     with FakeTensorMode():
         fake = torch.ones(3)
-    with pytest.warns(UserWarning):  # (beta and prototype layouts)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (beta and prototype layouts, warned of once)
         odd = [torch.eye(3).to_sparse_csr(), torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])]
     return [base[7:], base[5:69].view(2, 2, 2, 2, 2, 2)[1], base.view(20, 15).t(), swapped, freed,
             emptied, inference, fake, _Wrapper(rand(3)), rand(9, dtype=torch.bfloat16)[2:],
@@ -174,6 +175,7 @@ def test_memory_reader_reads_where_every_tensor_is():
     if npb.numpy_kernels.list_reader() is None:
         pytest.skip("numba is not installed")
     assert tb._memory_reader() is not None  # (this torch's objects read as it expects)
+    assert tb._autograd_reader() is not None
     xs = _odd_tensors()
     assert tb._memory_reading(xs).tolist() == [_storage_and_offset(t) for t in xs]
     xs[0].data = xs[0].data.clone()
@@ -182,9 +184,59 @@ def test_memory_reader_reads_where_every_tensor_is():
 
     def inside(x):
         assert tb._memory_reading([x, x * 2]).tolist() == [[0, 0], [0, 0]]  # (functorch's wrappers)
+        _check_autograd_fields([x, x * 2])
         return x.sum()
 
     torch.func.vmap(torch.func.grad(inside))(rand(3, 4))
+
+
+def _check_autograd_fields(xs):
+    out = np.zeros((len(xs), 2), np.int64)
+    assert tb._autograd_reader()(id(xs), out)
+    for t, (grad, requires) in zip(xs, out.tolist()):
+        assert requires == t.requires_grad
+        if t.is_leaf and t.grad is not None:
+            assert grad == t.grad._cdata
+
+
+def test_autograd_reader_reads_every_tensors_gradient_and_requires_grad():
+    """The compiled reader of torch's autograd metadata (`_autograd_reader`) gives `.grad` and
+    `requires_grad` of every kind of tensor, with and without autograd metadata; and
+    `gradients_held` sees each change of them."""
+    if npb.numpy_kernels.list_reader() is None:
+        pytest.skip("numba is not installed")
+    assert tb._autograd_reader() is not None  # (this torch's objects read as it expects)
+    leaf = rand(5).requires_grad_()
+    params = [nn.Parameter(rand(3)) for _ in range(4)]
+    for p in params:
+        p.grad = rand(3)
+    _check_autograd_fields([*_odd_tensors(), leaf, leaf * 2, *params])
+    held = tb.gradients_held(params, [p.grad for p in params])
+    assert held(params) and not held(params[:3]) and not held(params[::-1])
+    for change in (lambda p: setattr(p, "grad", None), lambda p: setattr(p, "grad", rand(3)),
+                   lambda p: p.requires_grad_(False)):
+        params = [nn.Parameter(rand(3)) for _ in range(4)]
+        for p in params:
+            p.grad = rand(3)
+        held = tb.gradients_held(params, [p.grad for p in params])
+        change(params[2])
+        assert not held(params)
+
+
+def test_readers_checked_first_inside_a_transform_answer_none_until_checked_outside():
+    """The readers' checks change their samples (`requires_grad_`, `.data`), which functorch's
+    transforms refuse: a first call there answers None (each tensor is read instead), and the
+    next call outside checks again."""
+    if npb.numpy_kernels.list_reader() is None:
+        pytest.skip("numba is not installed")
+    fresh = [tb._checked_once(reader.__wrapped__) for reader in (tb._memory_reader, tb._autograd_reader)]
+
+    def inside(x):
+        assert [check() for check in fresh] == [None, None]
+        return x.sum()
+
+    torch.func.grad(inside)(rand(3))
+    assert None not in [check() for check in fresh]
 
 
 def test_memory_marks_see_each_move_within_one_storage():

@@ -199,3 +199,29 @@ def tensor_memory(address, out) -> int:  # pragma: no cover - compiled
         changed |= _put(out, i, 0, _word(storage + STORAGE_DATA) if storage != 0 else 0)
         changed |= _put(out, i, 1, _word(impl + IMPL_OFFSET) if storage != 0 else 0)
     return 2 if changed else 1
+
+
+# in torch's AutogradMeta (a TensorImpl's autograd_meta_ at 24, null for a tensor that never took
+# part in autograd): the gradient after its vtable and name (a std::string), then its grad_fn,
+# and the requires_grad flag in the low byte of the word at 128
+IMPL_AUTOGRAD, META_GRAD, META_GRAD_FN, META_REQUIRES_GRAD = 24, 40, 48, 128
+
+
+@numba.njit(cache=True)
+def autograd_fields(address, out) -> bool:  # pragma: no cover - compiled
+    """Row i of `out`: the TensorImpl of the gradient of the tensor at item i of the list at
+    `address`, and whether that tensor requires grad (its flag, or a grad_fn); 0, 0 without
+    autograd metadata. False where the list does not hold `out.shape[0]` items."""
+    n = out.shape[0]
+    if _word(address + _LENGTH) != n:
+        return False
+    items = _word(address + _ITEMS)
+    for i in range(n):
+        impl = _word(_word(items + 8 * i) + TENSOR_IMPL)
+        meta = _word(impl + IMPL_AUTOGRAD) if impl != 0 else 0
+        if meta == 0:
+            out[i, 0] = out[i, 1] = 0
+            continue
+        out[i, 0] = _word(meta + META_GRAD)
+        out[i, 1] = (_word(meta + META_REQUIRES_GRAD) & 0xFF) != 0 or _word(meta + META_GRAD_FN) != 0
+    return True

@@ -74,13 +74,18 @@ def has_flat_grads() -> bool:
     return _made[0]
 
 
+def is_flat_grad(g) -> bool:
+    """Is the gradient `g` a view made by `flatten_`?"""
+    return getattr(g, _MARK, False)
+
+
 def zero_flat_grads_(params) -> list:
     """Zero in place the gradients of `params` that still are `flatten_`'s views (one call for
     all); returns the parameters whose gradients are not."""
     views, rest = [], []
     for p in params:
         g = p.grad
-        if g is not None and getattr(g, _MARK, False):
+        if g is not None and is_flat_grad(g):
             views.append(g)
         else:
             rest.append(p)
