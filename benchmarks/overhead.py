@@ -11,7 +11,10 @@ Rows, each an Adam step, median over `--steps` steps after warm-up:
   fused on the same tensors);
 - frozen backbone: a PyTorch model of 200 frozen Linear+GELU blocks and one trained Linear
   (`update_` against torch.optim fused Adam on the trained parameters); what is not trained must
-  cost nothing per step.
+  cost nothing per step;
+- flat: 4000 PyTorch parameters of 256 elements after `optimisers.torch.flatten_` (`update_` and
+  the drop-in `optimisers.torch.Adam`), beside torch.optim's fused Adam on one tensor of all
+  their elements (what a step of the buffer costs) and on the 4000 tensors.
 
 The ratio column divides by torch.optim's fused Adam on the same model, measured in the same run.
 """
@@ -81,17 +84,38 @@ def frozen_backbone(steps: int) -> list[tuple[str, float]]:
     return rows
 
 
+def flat(steps: int) -> list[tuple[str, float]]:
+    from optimisers.torch import Adam, flatten_
+
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(256) * 0.02) for _ in range(4000)]
+    separate = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    flatten_(params)
+    for p, q in zip(params, separate):
+        p.grad.copy_(torch.randn(256) * 0.01)
+        q.grad = p.grad.clone()
+    state = opt.setup(opt.Adam(1e-3), params)
+    grads = [p.grad for p in params]
+    rows = [("optimisers update_, flatten_", median_ms(lambda: opt.update_(state, params, grads), steps))]
+    rows.append(("optimisers Adam, flatten_", median_ms(Adam(params, lr=1e-3).step, steps)))
+    one = torch.nn.Parameter(torch.cat([p.detach() for p in params]))
+    one.grad = torch.cat(grads)
+    for name, tensors in (("torch.optim Adam fused, 1 tensor", [one]), ("torch.optim Adam fused", separate)):
+        rows.append((name, median_ms(torch.optim.Adam(tensors, fused=True).step, steps)))
+    return rows
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=200, help="timed steps per row (default 200)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)  # overhead, not arithmetic: one thread keeps the rows comparable
-    print(f"{'model':<18} {'implementation':<30} {'median ms':>10} {'x fused':>8}")
-    models = {"tiny (1000 x 16)": tiny, "frozen backbone": frozen_backbone}
+    print(f"{'model':<18} {'implementation':<33} {'median ms':>10} {'x fused':>8}")
+    models = {"tiny (1000 x 16)": tiny, "frozen backbone": frozen_backbone, "flat (4000 x 256)": flat}
     for name, rows in ((name, run(args.steps)) for name, run in models.items()):
         fused = dict(rows)["torch.optim Adam fused"]
         for impl, ms in rows:
-            print(f"{name:<18} {impl:<30} {ms:>10.3f} {ms / fused:>8.2f}")
+            print(f"{name:<18} {impl:<33} {ms:>10.3f} {ms / fused:>8.3f}")
 
 
 if __name__ == "__main__":
