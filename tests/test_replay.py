@@ -370,11 +370,12 @@ def test_torch_bulk_checks_see_each_change(replays, change, bulk, dtype, monkeyp
     where the attributes are read."""
     torch = pytest.importorskip("torch")
     from optimisers.backends import torch as torch_backend
+    from optimisers.backends import torch_objects
 
     if not bulk:
         monkeypatch.setattr(torch_backend, "_tensor_guard", lambda: None)
-        monkeypatch.setattr(torch_backend, "_memory_reader", lambda: None)
-    elif torch_backend._memory_reader() is None:
+        monkeypatch.setattr(torch_objects, "_memory_reader", lambda: None)
+    elif torch_objects._memory_reader() is None:
         pytest.skip("numba is not installed")
     model = _torch_model(torch, getattr(torch, dtype))
     assert (torch_backend.gradients_like(list(model.values())) is not None) == bulk

@@ -18,6 +18,7 @@ import optimisers.ops as _ops
 from _torch_models import batch, lm_loss, make_gpt
 from optimisers.backends import numpy as npb
 from optimisers.backends import torch as tb
+from optimisers.backends import torch_objects as to
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 FLOATS = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
@@ -124,6 +125,13 @@ def test_memory_span_and_shares_memory():
     assert state["0"]["weight"].state[0].is_meta
 
 
+def _reading(xs):
+    """The memory reader's rows of the tensors `xs` (a list): storage data pointer, offset."""
+    out = np.zeros((len(xs), 2), np.int64)
+    to._memory_reader()(id(xs), out)
+    return out
+
+
 def _storage_and_offset(t):
     """What the memory reader reads of `t`, by torch's own API: (0, 0) without a storage."""
     try:
@@ -174,16 +182,16 @@ def test_memory_reader_reads_where_every_tensor_is():
     storage) and sees a `.data` swap and a `set_`; inside `vmap` and `grad` too."""
     if npb.numpy_kernels.list_reader() is None:
         pytest.skip("numba is not installed")
-    assert tb._memory_reader() is not None  # (this torch's objects read as it expects)
-    assert tb._autograd_reader() is not None
+    assert to._memory_reader() is not None  # (this torch's objects read as it expects)
+    assert to._autograd_reader() is not None
     xs = _odd_tensors()
-    assert tb._memory_reading(xs).tolist() == [_storage_and_offset(t) for t in xs]
+    assert _reading(xs).tolist() == [_storage_and_offset(t) for t in xs]
     xs[0].data = xs[0].data.clone()
     xs[1].set_(rand(2, 2, 2, 2, 2))
-    assert tb._memory_reading(xs).tolist() == [_storage_and_offset(t) for t in xs]
+    assert _reading(xs).tolist() == [_storage_and_offset(t) for t in xs]
 
     def inside(x):
-        assert tb._memory_reading([x, x * 2]).tolist() == [[0, 0], [0, 0]]  # (functorch's wrappers)
+        assert _reading([x, x * 2]).tolist() == [[0, 0], [0, 0]]  # (functorch's wrappers)
         _check_autograd_fields([x, x * 2])
         return x.sum()
 
@@ -192,7 +200,7 @@ def test_memory_reader_reads_where_every_tensor_is():
 
 def _check_autograd_fields(xs):
     out = np.zeros((len(xs), 2), np.int64)
-    assert tb._autograd_reader()(id(xs), out)
+    assert to._autograd_reader()(id(xs), out)
     for t, (grad, requires) in zip(xs, out.tolist()):
         assert requires == t.requires_grad
         if t.is_leaf and t.grad is not None:
@@ -205,20 +213,20 @@ def test_autograd_reader_reads_every_tensors_gradient_and_requires_grad():
     `gradients_held` sees each change of them."""
     if npb.numpy_kernels.list_reader() is None:
         pytest.skip("numba is not installed")
-    assert tb._autograd_reader() is not None  # (this torch's objects read as it expects)
+    assert to._autograd_reader() is not None  # (this torch's objects read as it expects)
     leaf = rand(5).requires_grad_()
     params = [nn.Parameter(rand(3)) for _ in range(4)]
     for p in params:
         p.grad = rand(3)
     _check_autograd_fields([*_odd_tensors(), leaf, leaf * 2, *params])
-    held = tb.gradients_held(params, [p.grad for p in params])
+    held = to.gradients_held(params, [p.grad for p in params])
     assert held(params) and not held(params[:3]) and not held(params[::-1])
     for change in (lambda p: setattr(p, "grad", None), lambda p: setattr(p, "grad", rand(3)),
                    lambda p: p.requires_grad_(False)):
         params = [nn.Parameter(rand(3)) for _ in range(4)]
         for p in params:
             p.grad = rand(3)
-        held = tb.gradients_held(params, [p.grad for p in params])
+        held = to.gradients_held(params, [p.grad for p in params])
         change(params[2])
         assert not held(params)
 
@@ -229,7 +237,7 @@ def test_readers_checked_first_inside_a_transform_answer_none_until_checked_outs
     next call outside checks again."""
     if npb.numpy_kernels.list_reader() is None:
         pytest.skip("numba is not installed")
-    fresh = [tb._checked_once(reader.__wrapped__) for reader in (tb._memory_reader, tb._autograd_reader)]
+    fresh = [to._checked_once(reader.__wrapped__) for reader in (to._memory_reader, to._autograd_reader)]
 
     def inside(x):
         assert [check() for check in fresh] == [None, None]

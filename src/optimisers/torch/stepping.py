@@ -11,7 +11,7 @@ from itertools import repeat
 import torch
 from torch import nn
 
-from optimisers.backends import torch as torch_backend
+from optimisers.backends import torch_objects
 from optimisers.torch.flat import has_flat_grads, is_flat_grad, zero_flat_grads_
 from optimisers.torch.hyperparameters import check_switches
 from optimisers.torch.param_groups import ParamGroup
@@ -114,7 +114,7 @@ def _gradients_now(optimizer) -> tuple[dict, bool]:
     grads = _gradients_at(optimizer._trained_at, params)
     _HELD.pop(optimizer, None)
     if has_flat_grads() and len(grads) == len(params) and all(map(is_flat_grad, grads.values())):
-        check = torch_backend.gradients_held(params, list(grads.values()))
+        check = torch_objects.gradients_held(params, list(grads.values()))
         if check is not None:
             _HELD[optimizer] = check, dict(grads)
     return grads, False
