@@ -7,6 +7,7 @@ the span path, and fall back to the general path on every change a user can make
 
 from __future__ import annotations
 
+import collections
 import copy
 
 import numpy as np
@@ -254,7 +255,8 @@ import optimisers.backends.torch_objects as torch_objects  # noqa: E402
 from optimisers.torch import SGD as DropInSGD  # noqa: E402
 from optimisers.torch import Adam as DropInAdam  # noqa: E402
 from optimisers.torch import AdamW as DropInAdamW  # noqa: E402
-from optimisers.torch import FlatBuffers, flatten_, stepping  # noqa: E402
+from optimisers.torch import FlatBuffers, flatten_  # noqa: E402
+from optimisers.torch.lazy_state import HELD_GRADIENTS  # noqa: E402
 
 
 class TiedNet(nn.Module):
@@ -515,13 +517,18 @@ def _drop_grad(p):
     p.grad = None
 
 
-DROP_IN_CHANGES = {  # what a training loop can do to flattened parameters' `.grad` between steps
-    "a gradient dropped": lambda ps: _drop_grad(ps[1]),
-    "a gradient replaced": lambda ps: setattr(ps[2], "grad", ps[2].grad.clone() * 3),
-    "gradients swapped": lambda ps: _swap(ps[1], ps[2], "grad"),
-    "a gradient's data swapped": lambda ps: setattr(ps[3].grad, "data", ps[3].grad.data.clone() * 2),
-    "a parameter frozen": lambda ps: ps[4].requires_grad_(False),
-    "every gradient dropped (zero_grad)": lambda ps: [_drop_grad(p) for p in ps],
+def _reset_state(o):
+    o.state = collections.defaultdict(dict)  # (as torch's own code resets it)
+
+
+DROP_IN_CHANGES = {  # what a training loop can do to flattened parameters between steps
+    "a gradient dropped": lambda ps, o: _drop_grad(ps[1]),
+    "a gradient replaced": lambda ps, o: setattr(ps[2], "grad", ps[2].grad.clone() * 3),
+    "gradients swapped": lambda ps, o: _swap(ps[1], ps[2], "grad"),
+    "a gradient's data swapped": lambda ps, o: setattr(ps[3].grad, "data", ps[3].grad.data.clone() * 2),
+    "a parameter frozen": lambda ps, o: ps[4].requires_grad_(False),
+    "every gradient dropped (zero_grad)": lambda ps, o: [_drop_grad(p) for p in ps],
+    "the state reset": lambda ps, o: _reset_state(o),
 }
 
 
@@ -549,11 +556,11 @@ def test_drop_in_on_flat_buffers_sees_each_change_of_its_gradients(change, bulk,
             q.grad = torch.randn(p.shape, generator=g)
             p.grad.copy_(q.grad)
         if step == 3:
-            DROP_IN_CHANGES[change](ours)
-            DROP_IN_CHANGES[change](theirs)
+            DROP_IN_CHANGES[change](ours, o)
+            DROP_IN_CHANGES[change](theirs, t)
         o.step()
         t.step()
         for p, q in zip(ours, theirs, strict=True):
             assert torch.equal(p, q)
         if step == 2 and bulk:  # the last two steps found their gradients in bulk
-            assert o in stepping._HELD
+            assert o in HELD_GRADIENTS

@@ -7,6 +7,7 @@ take memory. `StateView` is `optimizer.state`: torch's `state[p]`.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping, MutableMapping
 
 import torch
@@ -14,6 +15,11 @@ import torch
 from optimisers.core.state import Leaf, State
 from optimisers.engine import plan
 from optimisers.engine.initial_state import initial_states
+
+# optimizer -> (a bulk check, the gradients it found): what a step found, kept while no parameter
+# gains or loses state (`_changed` lets go of it), so that a later step finding the same gradients
+# knows that each of their parameters has state (`optimisers.torch.stepping`)
+HELD_GRADIENTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def set_state(leaf: Leaf, state, *, owned: bool) -> None:
@@ -128,6 +134,7 @@ class LazyState:
         """After parameters gained or lost state: the engine plans again, and a module's
         `optimiser_state` shows the Leafs that have state now."""
         plan.forget(self._flat)
+        HELD_GRADIENTS.pop(self, None)
         if self._module_tree is not None:
             ready = {id(leaf) for leaf in self._flat.tree.values()}
             self.optimiser_state.tree = prune(self._module_tree, ready) or {}

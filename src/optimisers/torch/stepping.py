@@ -5,7 +5,6 @@ step that fails changes nothing."""
 from __future__ import annotations
 
 import operator
-import weakref
 from itertools import repeat
 
 import torch
@@ -14,6 +13,7 @@ from torch import nn
 from optimisers.backends import torch_objects
 from optimisers.torch.flat import has_flat_grads, is_flat_grad, zero_flat_grads_
 from optimisers.torch.hyperparameters import check_switches
+from optimisers.torch.lazy_state import HELD_GRADIENTS
 from optimisers.torch.param_groups import ParamGroup
 from optimisers.verbs.update import update_
 
@@ -55,11 +55,11 @@ class Stepping:
         undo = self._sync()
         born: list[int] = []
         try:
-            grads, all_require_grad = _gradients_now(self)
+            grads, held = _gradients_now(self)
             if grads:
                 grads = self._gradients(grads)
-                born = self._initialise(grads)
-                update_(self._flat, self._stepped_model(all_require_grad), grads)
+                born = [] if held else self._initialise(grads)
+                update_(self._flat, self._stepped_model(held), grads)
         except BaseException:  # a failed step changes nothing
             if born:
                 self._forget(born)
@@ -83,11 +83,12 @@ class Stepping:
         # every group checked: only now change any
         return [(g, g.apply(changed, rule)) for g, changed, rule in plans]
 
-    def _stepped_model(self, all_require_grad: bool) -> dict:
-        """The tensors `update_` steps. A parameter frozen by the user after its state was made
-        is stepped through a detached view (its `.grad` may be left from before)."""
+    def _stepped_model(self, held: bool) -> dict:
+        """The tensors `update_` steps (`held`: each of them requires grad). A parameter frozen by
+        the user after its state was made is stepped through a detached view (its `.grad` may be
+        left from before)."""
         model = self._live
-        if all_require_grad or all(map(_REQUIRES_GRAD, model.values())):  # (the usual case)
+        if held or all(map(_REQUIRES_GRAD, model.values())):  # (the usual case)
             return model
         frozen = [i for i, p in model.items() if not p.requires_grad and isinstance(p, nn.Parameter)]
         if frozen:
@@ -102,25 +103,22 @@ class Stepping:
 
 
 def _gradients_now(optimizer) -> tuple[dict, bool]:
-    """`({position: p.grad}, whether every trained parameter is known to require grad)`. Where
-    the gradients are the views of flat buffers (`flatten_`) that the last step found, held by the
-    parameters as then, one bulk check finds so (`gradients_held`) instead of reading each
-    `.grad`. (It holds those views, as the parameters do: after `model.zero_grad()` dropped them,
-    until the next step.)"""
+    """`({position: p.grad}, held)`. Where the gradients are the views of flat buffers
+    (`flatten_`) that an earlier step found, held by the parameters as then, one bulk check finds
+    so (`gradients_held`) instead of reading each `.grad`: `held` is True, and every parameter
+    requires grad and has state (`HELD_GRADIENTS`). (The check holds those views, as the
+    parameters do: after `model.zero_grad()` dropped them, until the next step.)"""
     params = optimizer._trained
-    held = _HELD.get(optimizer)
+    held = HELD_GRADIENTS.get(optimizer)
     if held is not None and held[0](params):
         return dict(held[1]), True
     grads = _gradients_at(optimizer._trained_at, params)
-    _HELD.pop(optimizer, None)
+    HELD_GRADIENTS.pop(optimizer, None)
     if has_flat_grads() and len(grads) == len(params) and all(map(is_flat_grad, grads.values())):
         check = torch_objects.gradients_held(params, list(grads.values()))
         if check is not None:
-            _HELD[optimizer] = check, dict(grads)
+            HELD_GRADIENTS[optimizer] = check, dict(grads)
     return grads, False
-
-
-_HELD: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> (check, gradients)
 
 
 def _gradients_at(positions, params) -> dict:
