@@ -161,6 +161,13 @@ def _autograd_reader():
         return None
     from optimisers.backends import readers_numba as at
 
+    # (the metadata pointer: null without autograd metadata; with it, where it holds the gradient)
+    meta = _word(samples[0]._cdata + at.IMPL_AUTOGRAD)
+    if _word(samples[2]._cdata + at.IMPL_AUTOGRAD) != 0 or meta == 0:
+        return None
+    if _word(meta + at.META_GRAD) != samples[0].grad._cdata:
+        return None
+
     def agrees():
         out = np.zeros((len(samples), 2), np.int64)
         if not at.autograd_fields(id(samples), out):
