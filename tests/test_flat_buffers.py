@@ -479,21 +479,22 @@ TORCH_SPAN_CHANGES = {  # what a user can do to flattened parameters or their gr
 }
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bulk", [True, False], ids=["read by numba", "data pointers"])
 @pytest.mark.parametrize("change", list(TORCH_SPAN_CHANGES))
-def test_torch_span_sees_each_change_as_separate_tensors_do(change, bulk, replays, monkeypatch):
+def test_torch_span_sees_each_change_as_separate_tensors_do(change, bulk, dtype, replays, monkeypatch):
     """After `flatten_` the span's checks compare where each parameter and gradient is in memory
     (read in one compiled call, or by `data_ptr()`): a change that leaves a tensor in the same
-    storage at another offset, or moves it elsewhere, steps as separate tensors do. Every size is a
-    multiple of 64 elements, so torch's fused kernel gives the same numbers for the buffer and for
-    each tensor."""
+    storage at another offset, or moves it elsewhere, steps as separate tensors do (float32 and
+    bfloat16). Every size is a multiple of 64 elements, so torch's fused kernel gives the same
+    numbers for the buffer and for each tensor."""
     if not bulk:
         monkeypatch.setattr(torch_objects, "_memory_reader", lambda: None)
     elif torch_objects._memory_reader() is None:
         pytest.skip("numba is not installed")
     torch.manual_seed(0)
     shapes = [(8, 8), (64,), (64,), (4, 16), (64,), (2, 32), (2, 32), (64,)]
-    ours = [nn.Parameter(torch.randn(s)) for s in shapes]
+    ours = [nn.Parameter(torch.randn(s).to(dtype)) for s in shapes]
     theirs = [nn.Parameter(p.detach().clone()) for p in ours]
     flatten_(ours)
     state, ref_state = opt.setup(opt.Adam(1e-2), ours), opt.setup(opt.Adam(1e-2), theirs)
@@ -503,7 +504,7 @@ def test_torch_span_sees_each_change_as_separate_tensors_do(change, bulk, replay
             TORCH_SPAN_CHANGES[change](theirs)
         g = torch.Generator().manual_seed(step)
         for p, q in zip(ours, theirs):  # (ours: into the same `.grad` tensors, as backward adds)
-            q.grad = torch.randn(p.shape, generator=g)
+            q.grad = torch.randn(p.shape, generator=g).to(dtype)
             p.grad.copy_(q.grad)
         state, ours = opt.update_(state, ours, [p.grad for p in ours])
         ref_state, theirs = opt.update_(ref_state, theirs, [q.grad for q in theirs])
@@ -532,18 +533,20 @@ DROP_IN_CHANGES = {  # what a training loop can do to flattened parameters betwe
 }
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bulk", [True, False], ids=["read by numba", "attributes"])
 @pytest.mark.parametrize("change", list(DROP_IN_CHANGES))
-def test_drop_in_on_flat_buffers_sees_each_change_of_its_gradients(change, bulk, monkeypatch):
+def test_drop_in_on_flat_buffers_sees_each_change_of_its_gradients(change, bulk, dtype, monkeypatch):
     """The drop-in checks that the parameters still hold the gradient views of the step before
     in one bulk read (`gradients_held`) instead of reading each `.grad`: each change a training
-    loop can make steps as torch.optim's fused Adam steps it (sizes multiples of 64 elements)."""
+    loop can make steps as torch.optim's fused Adam steps it (sizes multiples of 64 elements; in
+    float32 and bfloat16)."""
     if not bulk:
         monkeypatch.setattr(torch_objects, "_autograd_reader", lambda: None)
     elif torch_objects._autograd_reader() is None:
         pytest.skip("numba is not installed")
     torch.manual_seed(0)
-    ours = [nn.Parameter(torch.randn(s)) for s in [(8, 8), (64,), (64,), (2, 32), (64,), (128,)]]
+    ours = [nn.Parameter(torch.randn(s).to(dtype)) for s in [(8, 8), (64,), (64,), (2, 32), (64,), (128,)]]
     theirs = [nn.Parameter(p.detach().clone()) for p in ours]
     flatten_(ours)
     o = DropInAdam(ours, lr=1e-2)
@@ -553,7 +556,7 @@ def test_drop_in_on_flat_buffers_sees_each_change_of_its_gradients(change, bulk,
         for p, q in zip(ours, theirs):
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            q.grad = torch.randn(p.shape, generator=g)
+            q.grad = torch.randn(p.shape, generator=g).to(dtype)
             p.grad.copy_(q.grad)
         if step == 3:
             DROP_IN_CHANGES[change](ours, o)

@@ -307,12 +307,15 @@ def _torch_model(torch, dtype):
     model = {f"v{i}": torch.randn(6, generator=gen, dtype=dtype) for i in range(30)}
     model.update({f"m{i}": torch.randn(4, 3, generator=gen, dtype=dtype) for i in range(5)})
     model["tied"] = model["v0"]  # one tensor at two places: its second gradient is summed
+    model["c0"] = torch.randn(2, 3, 4, 5, generator=gen, dtype=dtype).to(memory_format=torch.channels_last)
     return model
 
 
 def _torch_grads(torch, model, k):
+    """Gradients laid out as their parameters (channels_last for one)."""
     gen = torch.Generator().manual_seed(100 + k)
-    return {key: torch.randn(x.shape, generator=gen, dtype=x.dtype) for key, x in model.items()}
+    return {key: torch.empty_like(x).copy_(torch.randn(x.shape, generator=gen, dtype=x.dtype))
+            for key, x in model.items()}
 
 
 def _a_change_after_replays(replays, model, reference, grads_of, change, same):
@@ -350,6 +353,8 @@ _TORCH_CHANGES = {  # what a user may hand in, or do to a parameter, between two
     "parameter transposed": lambda torch, model, grads: setattr(
         model["m2"], "data", model["m2"].data.t().contiguous().t()),
     "parameter moved": lambda torch, model, grads: setattr(model["v8"], "data", model["v8"].data.clone()),
+    "channels_last parameter made contiguous": lambda torch, model, grads: setattr(
+        model["c0"], "data", model["c0"].data.contiguous()),
     # the same memory: only the bulk check of shapes, strides and dtypes can see these
     "parameter restrided": lambda torch, model, grads: setattr(
         model["m3"], "data", model["m3"].data.as_strided((4, 3), (1, 4))),
