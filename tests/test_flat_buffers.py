@@ -567,3 +567,27 @@ def test_drop_in_on_flat_buffers_sees_each_change_of_its_gradients(change, bulk,
             assert torch.equal(p, q)
         if step == 2 and bulk:  # the last two steps found their gradients in bulk
             assert o in HELD_GRADIENTS
+
+
+@pytest.mark.parametrize(
+    "options", [{"maximize": True}, {"weight_decay": 0.1}, {"maximize": True, "weight_decay": 1.0}]
+)
+def test_drop_in_on_flat_buffers_prepares_held_gradients_anew_each_step(options):
+    """`maximize` and L2 `weight_decay` make new gradients from the ones a step finds: the held
+    gradients of the step before (`HELD_GRADIENTS`) are left as they were, so each step negates
+    and decays the gradients once, as torch.optim does."""
+    torch.manual_seed(0)
+    ours = [nn.Parameter(torch.randn(s)) for s in [(8, 8), (64,), (2, 32)]]
+    theirs = [nn.Parameter(p.detach().clone()) for p in ours]
+    flatten_(ours)
+    o, t = DropInAdam(ours, lr=1e-2, **options), torch.optim.Adam(theirs, lr=1e-2, fused=True, **options)
+    for step in range(6):
+        g = torch.Generator().manual_seed(step)
+        for p, q in zip(ours, theirs):
+            q.grad = torch.randn(p.shape, generator=g)
+            p.grad.copy_(q.grad)
+        o.step()
+        t.step()
+        for p, q in zip(ours, theirs, strict=True):
+            assert torch.equal(p, q)
+    assert o in HELD_GRADIENTS or torch_objects._autograd_reader() is None

@@ -183,11 +183,10 @@ class DropIn(TorchStateDict, Optimizer):
     def _gradients(self, grads: dict) -> dict:
         """What torch does to a gradient before its formula, in its order: `maximize` negates it,
         non-decoupled `weight_decay` adds `weight_decay·p`, a complex one is viewed as reals
-        (a sparse one, where the class takes it, made dense; `grad_scale`, where set, divided out)."""
+        (a sparse one, where the class takes it, made dense; `grad_scale`, where set, divided out).
+        The dict handed in is left as it is: a step may hand in the one it found before."""
         if self._sparse:
-            for i, grad in grads.items():
-                if grad.layout is not torch.strided:
-                    grads[i] = grad.to_dense()
+            grads = {i: g if g.layout is torch.strided else g.to_dense() for i, g in grads.items()}
         scale = getattr(self, "grad_scale", None)
         if scale is not None:
             grads = {i: grad / scale for i, grad in grads.items()}
@@ -198,13 +197,14 @@ class DropIn(TorchStateDict, Optimizer):
             maximize = h.get("maximize", False)
             decay = h.get("weight_decay", 0) if self._l2 and not self._decoupled(h) else 0
             if maximize or isinstance(decay, torch.Tensor) or decay != 0 or g.has_complex:
-                _prepare(grads, g, maximize, decay)
+                grads = _prepared(grads, g, maximize, decay)
             # else the gradients as they are (AdamW's usual case): no pass over them
         return grads
 
 
-def _prepare(grads: dict, g: ParamGroup, maximize, decay) -> None:
-    """Group `g`'s gradients as torch prepares them, in place in `grads`."""
+def _prepared(grads: dict, g: ParamGroup, maximize, decay) -> dict:
+    """`grads` with group `g`'s gradients as torch prepares them (a new dict)."""
+    grads = dict(grads)
     for position, p in zip(g.positions, g.params):
         grad = grads.get(position)
         if grad is None:
@@ -216,3 +216,4 @@ def _prepare(grads: dict, g: ParamGroup, maximize, decay) -> None:
         if grad.is_complex():
             grad = torch.view_as_real(grad)
         grads[position] = grad
+    return grads

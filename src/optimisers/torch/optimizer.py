@@ -143,13 +143,10 @@ class Optimizer(Stepping, LazyState, Checkpointing, torch.optim.Optimizer):
         return p
 
     def _gradients(self, grads: dict) -> dict:
-        """The gradients the rules see: negated in groups with `maximize`."""
-        for g in self._groups:
-            if g.entries.get("maximize"):
-                for position in g.positions:
-                    if position in grads:
-                        grads[position] = -grads[position]
-        return grads
+        """The gradients the rules see: negated in groups with `maximize` (in a new dict: the one
+        handed in is left as it is)."""
+        maximized = [i for g in self._groups if g.entries.get("maximize") for i in g.positions if i in grads]
+        return {**grads, **{i: -grads[i] for i in maximized}} if maximized else grads
 
     # --- copies (deepcopy, pickle) ----------------------------------------------------------------
 

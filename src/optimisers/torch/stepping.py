@@ -111,7 +111,7 @@ def _gradients_now(optimizer) -> tuple[dict, bool]:
     params = optimizer._trained
     held = HELD_GRADIENTS.get(optimizer)
     if held is not None and held[0](params):
-        return dict(held[1]), True
+        return held[1], True  # (`_gradients` leaves it as it is)
     grads = _gradients_at(optimizer._trained_at, params)
     HELD_GRADIENTS.pop(optimizer, None)
     if has_flat_grads() and len(grads) == len(params) and all(map(is_flat_grad, grads.values())):
