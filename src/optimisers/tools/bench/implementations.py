@@ -19,6 +19,7 @@ import numpy as np
 
 import optimisers as opt
 
+from . import peers
 from .models import Data, Shape, get, nest
 from .rules import RULES, BenchRule
 
@@ -138,6 +139,35 @@ def _optimisers_torch_flat(data: Data, rule: str) -> Runner:
     tie_grads = [(path, torch.tensor(g)) for path, g in data.tie_grads.items()]
     grads = nest([*((path, p.grad) for path, p in zip(data.shape.paths, params)), *tie_grads])
     return _optimisers_in_place(model, grads, rule, lambda x: x.detach().numpy(), data.shape)
+
+
+def _optimisers_torch_drop_in(data: Data, rule: str) -> Runner:
+    """The drop-in class of torch.optim's name and signature (`optimisers.torch.Adam` & co.) after
+    `flatten_`: it reads each parameter's `.grad`, a view of a flat buffer, as backward leaves it
+    (a tied parameter once, with its gradients summed, as autograd sums them)."""
+    import torch
+
+    from optimisers.torch import flatten_
+
+    model = data.model(lambda a: torch.nn.Parameter(torch.tensor(a)))
+    params = [get(model, p) for p in data.shape.paths]
+    flatten_(params)
+    for p, g in zip(params, data.grads_sum):
+        p.grad.copy_(torch.from_numpy(g))
+    ours = optimisers_rule(rule)
+    o = peers.TORCH[type(ours)].drop_in(ours, params)
+
+    def fetch():
+        return [p.detach().numpy() for p in params], _tie_status(model, data.shape, lambda a, b: a is b)
+
+    return Runner(o.step, fetch)
+
+
+def _no_drop_in(rule: BenchRule) -> str | None:
+    # (optimisers.torch has a drop-in class for each torch.optim class of `peers.TORCH`)
+    if peers.TORCH.get(type(rule.ours())) is None:
+        return f"torch.optim has no class for {rule.title}, so optimisers.torch no drop-in"
+    return None
 
 
 def _compiled(update, carry: tuple, grads, donate: bool):
@@ -283,6 +313,8 @@ IMPLS = [
          flat=True),
     Impl("torch", "optimisers update_", _optimisers_torch, ours=True),
     Impl("torch", "optimisers update_, flatten_", _optimisers_torch_flat, ours=True, flat=True),
+    Impl("torch", "optimisers drop-in, flatten_", _optimisers_torch_drop_in, ours=True, flat=True,
+         absent=_no_drop_in),
     Impl("torch", "torch.optim foreach=False", _torch_optim("loop"), absent=_no_torch("loop")),
     Impl("torch", "torch.optim foreach=True", _torch_optim("foreach"), absent=_no_torch("foreach")),
     Impl("torch", "torch.optim fused", _torch_optim("fused"), absent=_no_torch("fused")),

@@ -30,6 +30,12 @@ class TorchOptim:
 
         return getattr(torch.optim, self.name)(params, **self.kwargs(rule), **implementation)
 
+    def drop_in(self, rule: opt.Rule, params):
+        """The same, made by `optimisers.torch`'s class of the same name and signature."""
+        import optimisers.torch
+
+        return getattr(optimisers.torch, self.name)(params, **self.kwargs(rule))
+
 
 # optax's gradient transformations give updates to add; ours on their own subtract them
 def _descend(optax, transform):

@@ -11,7 +11,7 @@ from .models import CHECK_STEPS
 from .rules import RULES
 
 OURS = {impl.backend: impl.name for impl in IMPLS if impl.ours and not impl.flat}  # the main rows
-OURS_FLAT = {impl.backend: impl.name for impl in IMPLS if impl.ours and impl.flat}
+OURS_FLAT = [(impl.backend, impl.name) for impl in IMPLS if impl.ours and impl.flat]  # (torch: two)
 _SHORT_PEER = {"torch.optim fused": "torch fused", "optax jit+donate": "optax j+d",
                "naive NumPy loop": "naive np"}
 
@@ -206,7 +206,7 @@ def _against_peers(by: dict, paired_peers: list) -> list[dict]:
     """Adam: each `optimisers` row over its peer's, the paired ratio where there is one."""
     pair = {(p["backend"], p["shape"]): p for p in paired_peers if "ratio_median" in p}
     out = []
-    for backend, impl in [*OURS.items(), *OURS_FLAT.items()]:
+    for backend, impl in [*OURS.items(), *OURS_FLAT]:
         for shape in ("S1", "S2", "S3"):
             r = by.get((backend, impl, shape, "adam"))
             if r is None or "x_peer" not in r:
@@ -251,7 +251,7 @@ def per_array(rows: list) -> list[dict]:
     arrays, in µs per array per step, and `x_one` = S3 / S3-one."""
     by = {(r["backend"], r["impl"], r["shape"]): r for r in rows if r["rule"] == "adam" and "median_ms" in r}
     out = []
-    for backend, impl in [*OURS.items(), *OURS_FLAT.items()]:
+    for backend, impl in [*OURS.items(), *OURS_FLAT]:
         many, one = by.get((backend, impl, "S3")), by.get((backend, impl, "S3-one"))
         if many and one:
             extra_ms = many["median_ms"] - one["median_ms"]
