@@ -196,9 +196,8 @@ def engine_ok(x) -> bool:
     )
 
 
-_PLAIN = (torch.Tensor, nn.Parameter)
-_PLAIN_TYPES = set(_PLAIN)
-_DATA_PTR = torch.Tensor.data_ptr
+_PLAIN_TYPES = torch_objects.PLAIN_TYPES
+_PLAIN = tuple(_PLAIN_TYPES)
 
 
 def engine_marks(xs):
@@ -218,8 +217,7 @@ def engine_marks(xs):
     )
 
 
-def addresses(xs) -> list:
-    return list(map(_DATA_PTR, xs))
+addresses = torch_objects.addresses
 
 
 def flat_span(xs):

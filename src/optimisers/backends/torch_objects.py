@@ -13,6 +13,7 @@ numba, on another layout, or where a check could not run, the callers read each 
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import numpy as np
 import torch
@@ -21,8 +22,13 @@ from torch import nn
 from optimisers.backends import numpy_kernels
 from optimisers.backends.objects import SameObjects
 
-_PLAIN_TYPES = {torch.Tensor, nn.Parameter}
+PLAIN_TYPES = {torch.Tensor, nn.Parameter}  # the types read here (not a DTensor, not a subclass)
 _DATA_PTR = torch.Tensor.data_ptr
+
+
+def addresses(xs) -> list:
+    """The data pointer of each tensor, read one by one."""
+    return list(map(_DATA_PTR, xs))
 
 
 def memory(xs):
@@ -49,7 +55,7 @@ def memory_marker(xs):
     bytes object), about 2 ns a tensor against 47 ns for `data_ptr()`; else their data pointers."""
     read = _memory_reader()
     if read is None:
-        return lambda: list(map(_DATA_PTR, xs))
+        return functools.partial(addresses, xs)
     out = np.zeros((len(xs), 2), np.int64)
     last = [None]
 
@@ -134,7 +140,7 @@ def gradients_held(params, grads):
     `requires_grad`. The check holds `grads`, so that no other tensor can take one's place in
     memory. None for anything but plain tensors, or where torch's objects are not read so."""
     read = _autograd_reader()
-    if read is None or not set(map(type, params)) | set(map(type, grads)) <= _PLAIN_TYPES:
+    if read is None or not set(map(type, params)) | set(map(type, grads)) <= PLAIN_TYPES:
         return None
     same = SameObjects(params)
     expected = np.array([[g._cdata, 1] for g in grads], np.int64).reshape(-1, 2)
