@@ -18,7 +18,6 @@ import optimisers.ops as _ops
 from _torch_models import batch, lm_loss, make_gpt
 from optimisers.backends import numpy as npb
 from optimisers.backends import torch as tb
-from optimisers.backends import torch_objects as to
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 FLOATS = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
@@ -125,23 +124,6 @@ def test_memory_span_and_shares_memory():
     assert state["0"]["weight"].state[0].is_meta
 
 
-def _reading(xs):
-    """The memory reader's rows of the tensors `xs` (a list): storage data pointer, offset."""
-    out = np.zeros((len(xs), 2), np.int64)
-    to._memory_reader()(id(xs), out)
-    return out
-
-
-def _storage_and_offset(t):
-    """What the memory reader reads of `t`, by torch's own API: (0, 0) without a storage."""
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # (a FakeTensor's data pointer is deprecated)
-            return [t.untyped_storage().data_ptr(), t.storage_offset()]
-    except (RuntimeError, NotImplementedError):
-        return [0, 0]
-
-
 class _Wrapper(torch.Tensor):
     """A wrapper subclass (as DTensor and FakeTensor are): its storage has no data."""
 
@@ -176,85 +158,57 @@ def _odd_tensors():
             torch.zeros(2, 3).to_sparse(), torch.zeros(3, device="meta"), *odd]
 
 
-def test_memory_reader_reads_where_every_tensor_is():
-    """The compiled reader of torch's objects (`_memory_reader`) gives torch's own answers for
-    each kind of tensor, follows no null pointer (storages without data, tensors without a
-    storage) and sees a `.data` swap and a `set_`; inside `vmap` and `grad` too."""
-    if npb.numpy_kernels.list_reader() is None:
-        pytest.skip("numba is not installed")
-    assert to._memory_reader() is not None  # (this torch's objects read as it expects)
-    assert to._autograd_reader() is not None
-    xs = _odd_tensors()
-    assert _reading(xs).tolist() == [_storage_and_offset(t) for t in xs]
-    xs[0].data = xs[0].data.clone()
-    xs[1].set_(rand(2, 2, 2, 2, 2))
-    assert _reading(xs).tolist() == [_storage_and_offset(t) for t in xs]
-
-    def inside(x):
-        assert _reading([x, x * 2]).tolist() == [[0, 0], [0, 0]]  # (functorch's wrappers)
-        _check_autograd_fields([x, x * 2])
-        return x.sum()
-
-    torch.func.vmap(torch.func.grad(inside))(rand(3, 4))
+def test_snapshot_takes_plain_tensors_and_refuses_the_rest():
+    """`snapshot` of every kind of tensor a model might hand in: plain dense tensors the engine
+    steps are taken, and `unchanged` holds for them as they are; any other kind (sparse, nested,
+    meta, fake, a wrapper subclass, an inference tensor, a storage without data) is refused or
+    found changed, never read past its memory."""
+    last = torch.channels_last
+    plain = [rand(3, 4), rand(4, 3).t(), nn.Parameter(rand(5)), rand(2, 3, 4, 5).to(memory_format=last)]
+    grads = [rand(3, 4), rand(4, 3).t(), rand(5), rand(2, 3, 4, 5).to(memory_format=last)]
+    token = tb.snapshot(plain, grads)
+    assert token is not None and tb.unchanged(token, plain, [g.clone() for g in grads[:1]] + grads[1:])
+    for odd in _odd_tensors():
+        if tb.engine_ok(odd) and type(odd) in (torch.Tensor, nn.Parameter):
+            continue
+        assert tb.snapshot([*plain, odd], grads + [grads[0]]) is None or not tb.unchanged(
+            token, [*plain, odd], grads)
 
 
-def _check_autograd_fields(xs):
-    out = np.zeros((len(xs), 2), np.int64)
-    assert to._autograd_reader()(id(xs), out)
-    for t, (grad, requires) in zip(xs, out.tolist()):
-        assert requires == t.requires_grad
-        if t.is_leaf and t.grad is not None:
-            assert grad == t.grad._cdata
+_CHANGES = {  # what a user may do between two steps, none of which a later step may miss
+    "data swapped": lambda p, g: setattr(p, "data", p.data.clone()),
+    "transposed in place": lambda p, g: p.t_(),
+    "gradient transposed in place": lambda p, g: g.t_(),
+    "frozen": lambda p, g: p.requires_grad_(False),
+    "set_ to another storage": lambda p, g: p.set_(p.data.clone()),
+    "viewed as float16 pairs": lambda p, g: setattr(p, "data", p.data.view(torch.float16)),
+    "storage freed": lambda p, g: p.untyped_storage().resize_(0),
+}
 
 
-def test_autograd_reader_reads_every_tensors_gradient_and_requires_grad():
-    """The compiled reader of torch's autograd metadata (`_autograd_reader`) gives `.grad` and
-    `requires_grad` of every kind of tensor, with and without autograd metadata; and
-    `gradients_held` sees each change of them."""
-    if npb.numpy_kernels.list_reader() is None:
-        pytest.skip("numba is not installed")
-    assert to._autograd_reader() is not None  # (this torch's objects read as it expects)
-    leaf = rand(5).requires_grad_()
-    params = [nn.Parameter(rand(3)) for _ in range(4)]
-    for p in params:
-        p.grad = rand(3)
-    _check_autograd_fields([*_odd_tensors(), leaf, leaf * 2, *params])
-    held = to.gradients_held(params, [p.grad for p in params])
-    assert held(params) and not held(params[:3]) and not held(params[::-1])
-    for change in (lambda p: setattr(p, "grad", None), lambda p: setattr(p, "grad", rand(3)),
-                   lambda p: p.requires_grad_(False)):
-        params = [nn.Parameter(rand(3)) for _ in range(4)]
-        for p in params:
-            p.grad = rand(3)
-        held = to.gradients_held(params, [p.grad for p in params])
-        change(params[2])
-        assert not held(params)
+@pytest.mark.parametrize("change", list(_CHANGES))
+def test_unchanged_sees_each_change_of_a_parameter(change):
+    params = [nn.Parameter(rand(4, 4)) for _ in range(3)]
+    grads = [rand(4, 4) for _ in params]
+    token = tb.snapshot(params, grads)
+    assert tb.unchanged(token, params, [g.clone() for g in grads])
+    with torch.no_grad():
+        _CHANGES[change](params[1], grads[1])
+    assert not tb.unchanged(token, params, grads)
 
 
-def test_readers_checked_first_inside_a_transform_answer_none_until_checked_outside():
-    """The readers' checks change their samples (`requires_grad_`, `.data`), which functorch's
-    transforms refuse: a first call there answers None (each tensor is read instead), and the
-    next call outside checks again."""
-    if npb.numpy_kernels.list_reader() is None:
-        pytest.skip("numba is not installed")
-    fresh = [to._checked_once(reader.__wrapped__) for reader in (to._memory_reader, to._autograd_reader)]
-
-    def inside(x):
-        assert [check() for check in fresh] == [None, None]
-        return x.sum()
-
-    torch.func.grad(inside)(rand(3))
-    assert None not in [check() for check in fresh]
-
-
-def test_memory_marks_see_each_move_within_one_storage():
-    """Two parameters of one buffer that swap their data keep its storage; their marks differ."""
-    flat = rand(8)
-    a, b = nn.Parameter(flat[:4]), nn.Parameter(flat[4:])
-    marks = tb.span_marks([a, b])
-    a.data, b.data = b.data, a.data
-    assert tb.span_marks([a, b]) != marks
-    assert tb.memory_owners([a, b]) == [flat.untyped_storage().data_ptr()] * 2
+def test_unchanged_sees_a_gradient_over_a_parameters_memory():
+    """A gradient that views a parameter's memory through another tensor of the same storage, or
+    through a storage made apart over the same bytes, is found, whichever object owns it."""
+    flat = rand(32)
+    params = [nn.Parameter(flat[:16]), nn.Parameter(flat[16:])]
+    grads = [rand(16), rand(16)]
+    token = tb.snapshot(params, grads)
+    assert tb.unchanged(token, params, grads)
+    assert not tb.unchanged(token, params, [grads[0], flat[:16].detach()])
+    apart = torch.from_numpy(flat.detach().numpy()[16:])  # (another storage, the same memory)
+    assert not tb.unchanged(token, params, [apart, grads[1]])
+    assert tb.snapshot(params, [flat[16:].detach(), grads[1]]) is None
 
 
 def test_is_param():

@@ -13,7 +13,7 @@ import platform
 import numpy as np
 
 from optimisers import ops
-from optimisers.backends import numpy_kernels
+from optimisers.backends import numpy_kernels, objects
 
 # --- how the update treats NumPy (see optimisers.backends.protocol) ---------------------------
 
@@ -50,6 +50,37 @@ def fit_as_they_are(gs, xs, dtype, device):
 
 
 gradients_like = numpy_kernels.gradients_like
+
+
+def _layout(x):
+    return x.__array_interface__["data"][0], x.shape, x.strides, x.dtype, bool(x.flags.writeable)
+
+
+def _spans(xs):
+    return np.array([_byte_bounds(x) for x in xs], np.int64).reshape(-1, 2)
+
+
+def snapshot(xs, gs):
+    """What a later step's kernels rely on for the parameters `xs` and gradients `gs`, or None
+    where they cannot be checked so (a subclass, a gradient over a parameter's memory)."""
+    if any(type(a) is not np.ndarray for a in (*xs, *gs)) or not all(map(engine_ok, xs)):
+        return None
+    if not objects.disjoint(_spans(xs), _spans(gs)):
+        return None
+    return objects.SameObjects(xs), list(map(_layout, xs)), [_layout(g)[1:4] for g in gs]
+
+
+def unchanged(token, xs, gs) -> bool:
+    """Can `xs` and `gs` (lists) be stepped as the ones of `snapshot` were: the same parameter
+    objects with the same data pointer, shape, strides, dtype and writeability; gradients that
+    are ndarrays of the same shape, strides and dtype, none reaching into a parameter's memory
+    (byte ranges: whichever buffer it belongs to)?"""
+    same, layout, grads = token
+    if len(gs) != len(grads) or not same(xs) or list(map(_layout, xs)) != layout:
+        return False
+    if any(type(g) is not np.ndarray for g in gs) or [_layout(g)[1:4] for g in gs] != grads:
+        return False
+    return objects.disjoint(_spans(xs), _spans(gs))
 
 
 def addresses(xs) -> list:

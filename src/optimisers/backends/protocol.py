@@ -152,10 +152,11 @@ class InPlaceEngine(Parameters, Protocol):
 
     def engine_start(self) -> None: ...  # called before a group is built (NumPy: malloc settings)
     def engine_ok(self, x: Array) -> bool: ...  # a parameter the engine can step in place
-    def engine_marks(self, xs: list) -> list | None: ...  # cheap marks that `engine_ok` & co. hold
-    def marker(self, xs: list, marks: Callable) -> Callable: ...  # marks(xs), addresses taken once
     def fit_as_they_are(self, gs: list, xs: list, dtype: Any, device: Any) -> list | None: ...
-    def gradients_like(self, gs: list) -> Callable | None: ...  # ys -> laid out as gs, in bulk
+    # the one check of a later step: what the kernels rely on for parameters xs and gradients gs,
+    # kept (None: cannot), and whether new lists still hold all of it (docs/architecture.md)
+    def snapshot(self, xs: list, gs: list) -> Any: ...
+    def unchanged(self, token: Any, xs: list, gs: list) -> bool: ...
     def raises_on_values(self) -> bool: ...  # maths raises on bad values (np.seterr(all="raise"))
     def numel(self, x: Array) -> int: ...
     def memory_order(self, x: Array) -> Any: ...
@@ -172,7 +173,6 @@ class InPlaceEngine(Parameters, Protocol):
     # parameters that are views of one flat buffer (`optimisers.engine.span`)
     def addresses(self, xs: list) -> list: ...  # where each array's first element is
     def flat_span(self, xs: list) -> Array | None: ...  # 1-D view of the memory xs fill in order
-    def span_marks(self, xs: list) -> Any: ...  # cheap marks of arrays found in a span
     def repeat_each(self, values: list, counts: list) -> Array: ...  # values[k] counts[k] times, 1-D
     def is_buffer(self, value: Any) -> bool: ...
 

@@ -1,15 +1,13 @@
 """Readers of many objects in one call, compiled by numba (imported only where numba is installed,
 at the first read): NumPy's array headers (`optimisers.backends.numpy_kernels.read_headers`),
-Python lists (`optimisers.backends.objects`) and where torch tensors' memory is
-(`optimisers.backends.torch`).
+and Python lists (`optimisers.backends.objects`).
 
 It reads the fields of NumPy's `PyArrayObject_fields` at their places in NumPy's public ABI (the
 header `ndarraytypes.h`; compiled extensions read them with `PyArray_DATA`, `PyArray_DIMS` & co.),
 given each array's address, which CPython's `id` is, a list's length and item pointers where
-CPython's `PyListObject` has them (`listobject.h`), and four fields of torch's C++ objects (not a
-public ABI: torch 2.13's layout). Each caller checks the fields against Python's own answers on
-samples before it trusts this. None of these release the GIL: the objects they read cannot change
-while they do.
+CPython's `PyListObject` has them (`listobject.h`). Each caller checks the fields against
+Python's own answers on samples before it trusts this. None of these release the GIL: the
+objects they read cannot change while they do.
 """
 
 from __future__ import annotations
@@ -171,57 +169,4 @@ def items_alike(address, ndarray, expected) -> bool:  # pragma: no cover - compi
                 return False
             if _word(strides + 8 * k) != expected[i, 5 + MAX_DIMS + k]:
                 return False
-    return True
-
-
-# byte offsets in torch's objects (torch 2.13; `optimisers.backends.torch` checks them on samples
-# with `_cdata`, `untyped_storage()` and `storage_offset()` before it reads any tensor so): a
-# tensor's PyObject holds its TensorImpl after PyObject_HEAD; a TensorImpl holds its StorageImpl
-# after its vtable and reference counts, and its storage offset at 144; a StorageImpl holds its
-# data pointer after the same two words
-TENSOR_IMPL, IMPL_STORAGE, STORAGE_DATA, IMPL_OFFSET = 16, 16, 16, 144
-
-
-@numba.njit(cache=True)
-def tensor_memory(address, out) -> int:  # pragma: no cover - compiled
-    """Row i of `out`: the data pointer of the storage of the tensor at item i of the list at
-    `address`, and its storage offset (no storage: 0, 0). 0 where the list does not hold
-    `out.shape[0]` items; else 1 where `out` held these already, 2 where some changed. Nothing
-    that C++ may throw at is called, and a pointer is followed only where it is not null."""
-    n = out.shape[0]
-    if _word(address + _LENGTH) != n:
-        return 0
-    items = _word(address + _ITEMS)
-    changed = False
-    for i in range(n):
-        impl = _word(_word(items + 8 * i) + TENSOR_IMPL)
-        storage = _word(impl + IMPL_STORAGE) if impl != 0 else 0
-        changed |= _put(out, i, 0, _word(storage + STORAGE_DATA) if storage != 0 else 0)
-        changed |= _put(out, i, 1, _word(impl + IMPL_OFFSET) if storage != 0 else 0)
-    return 2 if changed else 1
-
-
-# in torch's AutogradMeta (a TensorImpl's autograd_meta_ at 24, null for a tensor that never took
-# part in autograd): the gradient after its vtable and name (a std::string), then its grad_fn,
-# and the requires_grad flag in the low byte of the word at 128
-IMPL_AUTOGRAD, META_GRAD, META_GRAD_FN, META_REQUIRES_GRAD = 24, 40, 48, 128
-
-
-@numba.njit(cache=True)
-def autograd_fields(address, out) -> bool:  # pragma: no cover - compiled
-    """Row i of `out`: the TensorImpl of the gradient of the tensor at item i of the list at
-    `address`, and whether that tensor requires grad (its flag, or a grad_fn); 0, 0 without
-    autograd metadata. False where the list does not hold `out.shape[0]` items."""
-    n = out.shape[0]
-    if _word(address + _LENGTH) != n:
-        return False
-    items = _word(address + _ITEMS)
-    for i in range(n):
-        impl = _word(_word(items + 8 * i) + TENSOR_IMPL)
-        meta = _word(impl + IMPL_AUTOGRAD) if impl != 0 else 0
-        if meta == 0:
-            out[i, 0] = out[i, 1] = 0
-            continue
-        out[i, 0] = _word(meta + META_GRAD)
-        out[i, 1] = (_word(meta + META_REQUIRES_GRAD) & 0xFF) != 0 or _word(meta + META_GRAD_FN) != 0
     return True

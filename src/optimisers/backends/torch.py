@@ -28,7 +28,7 @@ from torch import nn
 
 from optimisers import ops
 from optimisers.backends import numpy as _numpy
-from optimisers.backends import torch_objects
+from optimisers.backends.objects import ByteRanges, SameObjects
 from optimisers.core import eager
 from optimisers.core.rule import NewValue
 from optimisers.core.state import flatten_state
@@ -101,12 +101,8 @@ def _storage_ptr(x) -> int:
 
 def memory_owners(tensors) -> list:
     """What owns the memory of each tensor (its storage): tensors with different owners never
-    overlap. Runs for every parameter and gradient of an in-place step, so plain tensors are read
-    in bulk (`torch_objects`) and skip the DTensor lookup."""
-    if set(map(type, tensors)) <= _PLAIN_TYPES:
-        found = torch_objects.storages(tensors)
-        if found is not None:
-            return found
+    overlap, unless two storages were made over one memory (`from_blob`): the checks that must
+    hold whatever the storage compare byte ranges (`unchanged`, `disjoint`)."""
     return [(x if type(x) in _PLAIN_TYPES else _local(x)).untyped_storage().data_ptr() for x in tensors]
 
 
@@ -196,28 +192,13 @@ def engine_ok(x) -> bool:
     )
 
 
-_PLAIN_TYPES = torch_objects.PLAIN_TYPES
+_PLAIN_TYPES = {torch.Tensor, nn.Parameter}  # (not a DTensor, not a subclass)
 _PLAIN = tuple(_PLAIN_TYPES)
+_DATA_PTR = torch.Tensor.data_ptr
 
 
-def engine_marks(xs):
-    """What `engine_ok`, `memory_order` and the engine's dtype, device and shape checks read of
-    the tensors `xs`: while the marks are unchanged, so are those checks' results. Plain tensors
-    are marked in bulk by where they are in memory (`torch_objects.memory`), their shapes,
-    strides and dtypes (a `.data` swap or `.to()` gives new memory; a view of the same memory
-    changes shape, strides or dtype); another kind of tensor (a DTensor, a subclass) gets a mark
-    equal to nothing, checked every time."""
-    if not set(map(type, xs)) <= _PLAIN_TYPES:
-        return [object()]
-    return (
-        torch_objects.memory(xs),
-        [x.shape for x in xs],
-        [x.stride() for x in xs],
-        {x.dtype for x in xs},
-    )
-
-
-addresses = torch_objects.addresses
+def addresses(xs) -> list:
+    return list(map(_DATA_PTR, xs))
 
 
 def flat_span(xs):
@@ -248,35 +229,54 @@ def repeat_each(values, counts):
         return torch.repeat_interleave(values, torch.tensor(counts, device=values.device))
 
 
-def span_marks(xs):
-    """The marks of tensors found in a span, for each step's check: where they are in memory.
-    With the objects themselves (the caller compares those), a tensor still where it was means it
-    still views its segment (the span's memory is held, so no other storage can be there); only
-    an in-place change of a tensor's own metadata (`t_()`, `as_strided_`) goes unseen."""
-    if not set(map(type, xs)) <= _PLAIN_TYPES:
-        return [object()]
-    return torch_objects.memory(xs)
+def _reach(xs) -> list:
+    """The bytes each tensor's elements span from its first (0 for an empty one)."""
+    return [
+        (builtins.sum((n - 1) * s for n, s in zip(x.shape, x.stride())) + 1) * x.element_size()
+        if x.numel() else 0
+        for x in xs
+    ]
 
 
-def marker(xs, marks):
-    """`marks(xs)` (`engine_marks` or `span_marks`) as a function of no arguments, for a list `xs`
-    that the caller keeps as it is. Plain tensors are read in bulk: where they are in memory
-    (`torch_objects.memory_marker`) and, for engine marks, one check (`gradients_like`) that their shapes,
-    strides and dtypes are as they were read here, else all of them again."""
-    if not set(map(type, xs)) <= _PLAIN_TYPES:
-        return functools.partial(marks, xs)
-    memory = torch_objects.memory_marker(list(xs))
-    if marks is span_marks:
-        return memory
-    like = gradients_like(xs)
-    if like is None:
-        return functools.partial(marks, xs)
-    _, *layout = engine_marks(xs)
+class _Snapshot(NamedTuple):
+    same: SameObjects  # the parameters, by identity
+    guard: Callable  # type, dtype, device, layout, shape, strides, requires_grad of every tensor
+    where: list  # each parameter's data pointer
+    spans: ByteRanges  # the parameters' bytes
+    reach: np.ndarray  # the bytes each gradient spans
 
-    def read():
-        return (memory(), *layout) if like(xs) else engine_marks(xs)
 
-    return read
+def snapshot(xs, gs):
+    """What a later step's kernels rely on for the parameters `xs` and gradients `gs` (as the
+    engine found them fit: see `unchanged`), or None where it cannot be checked in bulk (a
+    DTensor, a subclass, a gradient that requires grad, one that overlaps a parameter)."""
+    if not set(map(type, xs)) | set(map(type, gs)) <= _PLAIN_TYPES:
+        return None
+    if not all(map(engine_ok, xs)) or any(g.requires_grad for g in gs):
+        return None
+    where = addresses(xs)
+    spans = ByteRanges([(w, w + n) for w, n in zip(where, _reach(xs))])
+    token = _Snapshot(SameObjects(xs), (_tensor_guard() or _attribute_guard)([*xs, *gs]), where, spans,
+                      np.asarray(_reach(gs), np.int64))
+    return token if _apart(token, gs) else None
+
+
+def _apart(token, gs) -> bool:
+    """Does no gradient reach into a parameter's bytes?"""
+    starts = np.fromiter(map(_DATA_PTR, gs), np.int64, len(gs))
+    return not token.spans.reached(starts, starts + token.reach).any()
+
+
+def unchanged(token, xs, gs) -> bool:
+    """Can `xs` and `gs` (lists) be stepped as the ones of `snapshot` were? The same parameter
+    objects at the same data pointers; every tensor of the same type, dtype, device, layout,
+    shape, strides and requires_grad (torch's tensor guard: a `.data` swap, `t_()`, `.to()`,
+    `requires_grad_(False)` or an inference tensor all differ); no gradient reaching into a
+    parameter's memory, whichever storage it belongs to. Public APIs only: one guard call and a
+    data pointer per tensor."""
+    if not (token.same(xs) and token.guard([*xs, *gs]) and addresses(xs) == token.where):
+        return False
+    return _apart(token, gs)
 
 
 def fit_as_they_are(gs, xs, dtype, device) -> list:
@@ -303,36 +303,40 @@ def fit_as_they_are(gs, xs, dtype, device) -> list:
     ]
 
 
-def gradients_like(gs):
-    """A bulk check for later gradients (a list): does each have the type, dtype, device, layout,
-    requires_grad, shape and strides of the one at its place in `gs`? One C++ call (the tensor
-    guard torch.compile's guards began with), about 50 ns a tensor against 0.4 µs of attribute
-    reads; where it fails the caller reads them. None for anything but plain tensors (the guard
-    does not see a DTensor's placements), or where this torch's guard does not agree."""
-    guard = _tensor_guard()
-    return None if guard is None or not set(map(type, gs)) <= _PLAIN_TYPES else guard(gs)
+def _attributes(ts) -> list:
+    return [(type(t), t.dtype, t.device, t.layout, t.shape, t.stride(), t.requires_grad, t.is_inference())
+            for t in ts]
+
+
+def _attribute_guard(ts):
+    """`_tensor_guard`'s check, by reading each tensor's attributes (where torch has no guard)."""
+    expected = _attributes(ts)
+    return lambda ys: _attributes(ys) == expected
 
 
 @functools.cache
 def _tensor_guard():
-    """`gs -> check`, where torch's `TensorGuards` answers as `gradients_like` says on samples."""
+    """`tensors -> check`: torch's `TensorGuards` (one C++ call, about 50 ns a tensor), where it
+    tells apart, on samples, every difference `unchanged` relies on; else None."""
     try:
         from torch._C._dynamo.guards import TensorGuards
 
-        def guard(gs):
-            check = TensorGuards(*gs, dynamic_dims_sizes=[list(g.shape) for g in gs],
-                                 dynamic_dims_strides=[list(g.stride()) for g in gs]).check
-            n = len(gs)
+        def guard(ts):
+            check = TensorGuards(*ts, dynamic_dims_sizes=[list(t.shape) for t in ts],
+                                 dynamic_dims_strides=[list(t.stride()) for t in ts]).check
+            n = len(ts)
             return lambda ys: len(ys) == n and check(*ys)
 
         a, b = torch.zeros(2, 3), torch.zeros(3, 2).t()
         like = guard([a, b])
+        with torch.inference_mode():
+            inference = torch.zeros(2, 3)
         others = [torch.zeros(2, 3, dtype=torch.float64), torch.zeros(2, 3).requires_grad_(),
                   torch.zeros(3, 2).t(), torch.zeros(2, 4), nn.Parameter(torch.zeros(2, 3)),
-                  torch.zeros(2, 3).to_sparse(), torch.zeros(2, 3, device="meta")]
+                  torch.zeros(2, 3).to_sparse(), torch.zeros(2, 3, device="meta"), inference]
         if like([torch.ones(2, 3), torch.ones(3, 2).t()]) and not any(like([o, b]) for o in others):
             return guard
-    except Exception:  # noqa: BLE001 - another torch: the caller reads the attributes
+    except Exception:  # noqa: BLE001 - another torch: no bulk check, every step checks each tensor
         pass
     return None
 
@@ -886,13 +890,19 @@ def _both(path, key) -> str:
     )
 
 
-def _why_not_child(m, key):
-    p = m._parameters.get(key)
-    if p is not None and not p.requires_grad:
+def why_not_param(x):
+    if isinstance(x, nn.Parameter) and not x.requires_grad:
         return (
             "it has requires_grad=False now; to stop training a parameter and keep its optimiser "
             "state, use optimisers.freeze_ on its Leaf instead (or run setup again)"
         )
+    return None
+
+
+def _why_not_child(m, key):
+    p = m._parameters.get(key)
+    if p is not None and not p.requires_grad:
+        return why_not_param(p)
     if key in m._buffers:
         return "it is a buffer there, which is never trained"
     return None

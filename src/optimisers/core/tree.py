@@ -162,6 +162,15 @@ def is_param(x) -> bool:
     return check is not None and check(x)
 
 
+def why_not_param(x) -> str | None:
+    """Why the array `x` is not trained now, in its backend's words (a torch parameter frozen
+    with `requires_grad_(False)`), or None."""
+    if not dispatch.is_array_library(dispatch.library_of(type(x))):
+        return None
+    why = getattr(dispatch.backend(x), "why_not_param", None)
+    return None if why is None else why(x)
+
+
 def trainable_children(node, kind: NodeKind) -> list:
     """The `(key, child)` pairs the library trains; `__trainable__` on the class restricts them."""
     pairs = kind.children(node)

@@ -21,6 +21,7 @@ committed by the verb. Nothing is written until every result has been computed a
 from __future__ import annotations
 
 from optimisers import ops
+from optimisers.backends.objects import ByteRanges
 from optimisers.core.state import path_of
 from optimisers.core.tree import format_path
 from optimisers.engine import checks, chunks, fused, plan, precision, replay, ties
@@ -102,7 +103,7 @@ def in_place(state, model, grads):
     try:
         ready = replay.ready(state, model, grads)  # the usual step: as the last one went
         if ready is not None:
-            step_groups(ready)
+            step_groups(ready, checked=True)
             return None
     except ops.GradientError as e:
         raise checks.located(e, state.tree) from None
@@ -122,13 +123,15 @@ def in_place(state, model, grads):
     return found, done, in_engine
 
 
-def step_groups(ready) -> None:
+def step_groups(ready, checked=False) -> None:
     """Step engine groups in place: `ready` lists `(group, xs, dxs, given)`, the members'
-    parameters and summed gradients (`dxs` laid out as the parameters, `given` as they came).
-    Every scaled group's factors are computed first, and a group whose rule may raise is
-    rehearsed, all of them before any is stepped, so that an error changes nothing."""
+    parameters and summed gradients (`dxs` laid out as the parameters, `given` as they came;
+    `checked`: their snapshots found no gradient in a parameter's memory). Every scaled group's
+    factors are computed first, and a group whose rule may raise is rehearsed, all of them before
+    any is stepped, so that an error changes nothing."""
     prepared = [(group, xs, dxs, group.factors(given)) for group, xs, dxs, given in ready]
-    _unalias(prepared)
+    if not checked:
+        _unalias(prepared)
     try:
         for group, xs, dxs, factors in prepared:
             if not group.trusted():
@@ -141,23 +144,16 @@ def step_groups(ready) -> None:
 
 
 def _unalias(prepared) -> None:
-    """Copy each gradient that shares memory with a parameter about to be stepped (a view of it
-    such as `W[::-1]`, or another parameter): chunks write parameters while later chunks still
-    read gradients, so `update_` would otherwise differ from `update`. Memory owners are compared
-    first (one set lookup per gradient), so the exact test runs only where they match."""
-    owners: dict = {}  # backend -> the memory owners of its parameters in this step
+    """Copy each gradient whose memory overlaps a parameter about to be stepped (a view of it
+    such as `W[::-1]`, another parameter, or an array made over the same buffer apart from it):
+    chunks write parameters while later chunks still read gradients, so `update_` would
+    otherwise differ from `update`. Byte ranges are compared, whatever owns the memory."""
+    spans: dict = {}  # (backend, device) -> the byte ranges of its parameters in this step
     for group, xs, _, _ in prepared:
-        owners.setdefault(group.b, set()).update(group.param_owners(xs))
+        spans.setdefault((group.b, group.device), []).extend(map(group.b.memory_span, xs))
+    ranges = {key: ByteRanges(found) for key, found in spans.items()}
     for group, _, dxs, _ in prepared:
-        b, held = group.b, owners[group.b]
-        # a span's gradients, all views of one flat buffer: one owner
-        one = None if group.span is None else group.span.gradient_owner(dxs)
-        if one is not None and one not in held:
-            continue
-        found = b.memory_owners(dxs)
-        if held.isdisjoint(found):  # (the usual step: one pass in C)
-            continue
-        for i in [i for i, owner in enumerate(found) if owner in held]:
-            same = (x for g, xs, _, _ in prepared if g.b is b for x in xs)
-            if any(b.shares_memory(dxs[i], x) for x in same):
-                dxs[i] = b.copy(dxs[i])
+        b = group.b
+        starts, stops = zip(*map(b.memory_span, dxs))
+        for i in ranges[(b, group.device)].reached(starts, stops).nonzero()[0].tolist():
+            dxs[i] = b.copy(dxs[i])

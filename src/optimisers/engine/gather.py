@@ -15,7 +15,7 @@ from optimisers.core.state import (
     is_scalar,
     path_of,
 )
-from optimisers.core.tree import format_path, is_param, kind_of, params, walked
+from optimisers.core.tree import format_path, is_param, kind_of, params, walked, why_not_param
 from optimisers.engine import ties
 
 _SEQUENCES = ("list", "tuple", "namedtuple")
@@ -132,6 +132,11 @@ def _take(tree, found, owner, tied, leaf, x, grad, path):
     """Collect the parameter `x` and its gradient at `path`, a place of `leaf`, into what `gather`
     has found so far (`found`, `owner`, `tied`)."""
     if not is_param(x):
+        why = why_not_param(x)
+        if why is not None:
+            raise KeyError(
+                f"the state has a parameter at {format_path(path)}, which the model does not train: {why}"
+            )
         raise TypeError(
             f"the state has a parameter at {format_path(path)}, but the model has a "
             f"{type(x).__name__} there; was the state set up for another model?"

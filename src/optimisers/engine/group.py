@@ -1,9 +1,10 @@
 """An engine group: Leafs of one elementwise rule, stepped in place together over flat buffers.
 
 Leafs that share a rule object, backend, dtype, device and scalar state (step counters) form a
-group (`optimisers.engine.plan`), their state in the flat buffers of `GroupLayout`. Each step
-compares the group with what it found when it was made (its members, their engine marks), and
-`optimisers.engine.execute` chooses how it steps. Only rules whose update of an element depends
+group (`optimisers.engine.plan`), their state in the flat buffers of `GroupLayout`. A first step
+checks every member (`ready_members`) and keeps the backend's snapshot of what it found; a later
+step along the same route checks that in one call (`still`), and `optimisers.engine.execute`
+chooses how it steps. Only rules whose update of an element depends
 on that element and on shared scalars alone are grouped (`elementwise`, or a chain that scales
 each gradient by one factor first: `scaled_elementwise`), so a chunk computes what the whole
 array would.
@@ -14,7 +15,6 @@ from __future__ import annotations
 import operator
 
 from optimisers import ops
-from optimisers.backends.objects import SameObjects
 from optimisers.core.state import Leaf
 from optimisers.engine import chunks, layout, precision
 from optimisers.engine.layout import GroupLayout
@@ -37,10 +37,8 @@ class Group(GroupLayout):
     def __init__(self, leaves, xs):
         super().__init__(leaves, xs)
         self.sums: dict[int, object] = {}  # member -> its summed-gradient buffer (`ties`)
-        self._marks = None  # the members' `engine_marks` at their last full check
-        self._owners = None  # (marks, `SameObjects` of the parameters, their memory owners): `param_owners`
-        self._marker = None  # (a list of parameters, the function giving their engine marks)
-        self._gradients_like = None, None  # (marks, `b.gradients_like` of gradients fit with them)
+        self.token = None  # the backend's snapshot of the members' arrays at the last full check
+        self.broken = False  # its parameters left the span it was laid out for: plan anew
         self._staged = None  # `(xs, dxs)` whose packed members are in `staging_now` this step
         self.staging_now = None  # this step's staging buffers `(flat_x, flat_g)`
         self._steppable_at = None  # `Leaf.edits` when `steppable` last found every member ready
@@ -48,68 +46,34 @@ class Group(GroupLayout):
     def ready_members(self, found):
         """Every member's contribution to this update, or None if some member cannot step in
         the group now (no gradient, frozen, reshaped, converted (a torch module's `.double()` or
-        `.to(device)` swaps its parameters' data in place), not writable in place)."""
+        `.to(device)` swaps its parameters' data in place), not writable in place). Each
+        parameter is checked as it is (the full check: a later step checks it against `token`)."""
         members = []
         for leaf in self.leaves:
             c = found.get(id(leaf))
             if c is None or not c.grads or c.copies or leaf.frozen:
                 return None
             members.append(c)
-        # the parameters as they were at the last full check (the usual step): nothing that
-        # check read has changed, so it is not redone per parameter
         xs = [c.x for c in members]
-        now = self.b.engine_marks(xs)  # (None: a backend that cannot mark; checked every step)
-        if now is None or now != self._marks or not (self.span is None or self.span.holds(xs)):
-            if not (self._fit(xs) and self._respan(xs)):
-                return None
-            self._marks = now
+        if not self._fit(xs):
+            return None
+        if self.span is not None and not self.span.holds(xs):
+            self.broken = True  # (a parameter moved out of the buffer: it steps on its own)
+            return None
         return members
 
-    def _respan(self, xs) -> bool:
-        """Does a span group's span hold `xs`? (Its view is made anew where they fill one flat
-        buffer in order again, as after `flatten_` was called once more.)"""
-        if self.span is None or self.span.holds(xs):
-            return True
-        span = self.span.of(self.b, xs)
-        self.span = self.span if span is None else span
-        return span is not None
+    def snapshot(self, xs, gs, given) -> None:
+        """Keep the backend's snapshot of the members' parameters `xs` and gradients `gs` (each
+        member's first, then a tied member's others: `given` of them), where every gradient is
+        what the kernels take as it is; else none (later steps then take the full check)."""
+        fit = self.b.fit_as_they_are(gs, xs + [xs[m] for m in given], self.dtype, self.device)
+        self.token = self.b.snapshot(xs, gs) if fit is not None and all(fit) else None
 
-    def unchanged(self, xs) -> bool:
-        """Are `xs` (the members' parameters, as planned: a list the caller keeps, of the objects
-        of the last full check) unchanged since that check, by their engine marks?"""
-        if self._marker is None or self._marker[0] is not xs:
-            self._marker = xs, self.b.marker(xs, self.b.engine_marks)
-        marks = self._marker[1]()
-        return marks is not None and self._marks is not None and marks == self._marks
-
-    def gradients_fit(self, gs, xs) -> bool:
-        """`fit` for the members' gradients `gs` and parameters `xs` (unchanged since the last
-        full check): first in bulk, as laid out as gradients found fit against the same marks
-        (where the backend has such a check), which a fit `gs` become."""
-        marks, like = self._gradients_like
-        if like is not None and marks is self._marks and marks is not None and like(gs):
-            return True
-        if not self.fit(gs, xs, self.shapes):
+    def still(self, xs, gs) -> bool:
+        """Can `xs` and `gs` (as for `snapshot`) step as the snapshotted ones did?"""
+        if self.token is None or not self.b.unchanged(self.token, xs, gs):
             return False
-        self._gradients_like = self._marks, self.b.gradients_like(gs)
-        return True
-
-    def fit(self, gs, xs, shapes) -> bool:
-        """Are `gs` of `shapes`, and what the group steps its parameters `xs` with, as they are?"""
-        if [getattr(g, "shape", None) for g in gs] != shapes:  # (None: a missing gradient)
-            return False
-        fit = self.b.fit_as_they_are(gs, xs, self.dtype, self.device)
-        return fit is not None and all(fit)
-
-    def param_owners(self, xs) -> set:
-        """The memory owners of the members' parameters `xs` (checked against the marks this
-        step), kept while they are the same objects with the same marks."""
-        kept = self._owners
-        if kept is not None and self._marks is not None and kept[0] is self._marks and kept[1](xs):
-            return kept[2]
-        owners = set(self.b.memory_owners(xs))
-        self._owners = (self._marks, SameObjects(xs), owners)
-        return owners
+        return self.span is None or self.span.intact()
 
     def _fit(self, xs) -> bool:
         """Is each parameter still as planned: its shape, dtype, device and memory order, and
@@ -129,7 +93,7 @@ class Group(GroupLayout):
     def intact(self) -> bool:
         """Is the group still the holder of every member's state, all of the group's rule?"""
         rule, held = self.leaves[0].rule, layout.HELD.get
-        return all(held(leaf) is self and leaf.rule is rule for leaf in self.leaves)
+        return not self.broken and all(held(leaf) is self and leaf.rule is rule for leaf in self.leaves)
 
     def steppable(self) -> bool:
         """Intact, and no member frozen: checked again only after some Leaf was edited."""
@@ -179,5 +143,3 @@ class Group(GroupLayout):
     def unstage(self) -> None:
         """Let go of what `stage` made and refers to (after a step, or a failed rehearsal)."""
         self._staged = self.staging_now = None
-        if self.span is not None:
-            self.span.checked = None

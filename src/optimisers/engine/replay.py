@@ -1,18 +1,22 @@
-"""Replay: an `update_` that follows the route of an earlier step.
+"""Replay: a later `update_` that reuses the plan of the step before.
 
-Where every parameter of a State steps in place in the engine's groups, the general path
-(`gather`, then `plan.select` and `ties.group_gradients`) does Python work per parameter on every
-step: it walks the trees, checks each gradient, builds a contribution and compares marks, one
-array at a time. A `Route`, recorded after such a step, holds what that step found: the
-containers it walked, the array at each place and the group member each place feeds. A later
-step walks only those containers and compares what it finds with the route in bulk: the same
-state tree, the same arrays with unchanged engine marks, and gradients that the backend would
-use as they are (type, dtype, layout, shape). If all agree the groups step; if anything differs
-nothing has been written, and the general path runs instead (reporting any error as it always
-does) and records a new route.
+A State's first step, and any step after something changed, takes the general path: `gather`
+walks model, state and gradients and checks every gradient, `plan.select` groups the Leafs and
+each group checks its members in full. Where every Leaf then stepped in the engine's groups,
+`Route.record` keeps what that step walked: the containers of the state tree with the model
+nodes they stood for (depth first), the parameter at each place and the group member each place
+feeds, and each group keeps the backend's snapshot of its arrays (`Group.snapshot`).
+
+A later step walks those containers in one flat loop, takes each place's parameter and gradient,
+applies the one tie policy (a place without a gradient adds nothing: `ties.given`, as `gather`
+does) and asks each group's backend one question (`Group.still`: everything its kernels rely
+on). If anything differs, nothing has been written: the general path runs, reports any error,
+and records the route anew.
 """
 
 from __future__ import annotations
+
+import operator
 
 from optimisers.backends.objects import SameObjects
 from optimisers.core.state import Leaf
@@ -26,68 +30,98 @@ class _Off(Exception):
     """This step does not follow the route."""
 
 
-class _Container:
-    """A container of the state tree and the model node it stood for when the route was made."""
-
-    __slots__ = ("snode", "keys", "same", "leaf_keys", "subs", "model_type", "child_keys", "whole")
-
-    def __init__(self, snode, node, leaf_keys, subs, child_keys):
-        self.snode = snode
-        self.keys = list(snode)
-        self.same = SameObjects(snode.values())  # its values: Leafs and sub-trees
-        self.leaf_keys = leaf_keys  # the keys of its Leafs, in the order of the route's places
-        self.subs = subs  # [(key, _Container)] of its non-empty sub-trees
-        self.model_type = type(node)
-        self.child_keys = child_keys  # the model node's child keys (new ones: new parameters)
-        # a list, tuple or dict whose every entry is a place (a model of many small arrays): its
-        # arrays, and gradients in a container of its type, are taken whole
-        self.whole = type(node) in (list, tuple, dict) and not subs and leaf_keys == list(
-            node if type(node) is dict else range(len(node))
-        )
-
-    def unchanged(self) -> bool:
-        snode = self.snode
-        return self.same(list(snode.values())) and list(snode) == self.keys
+_SEQUENCES = (list, tuple)
 
 
-def _walk(container, node, grad, xs, gs):
-    """Append the model's array and the gradient at each of the route's places under `node`."""
-    if type(node) is not container.model_type or not container.unchanged():
-        raise _Off
-    if container.whole and type(grad) is type(node) and len(grad) == len(node) == len(container.leaf_keys):
-        if type(node) is dict:  # (a key of `grad` the model lacks leaves a None: no replay)
-            keys = container.leaf_keys  # (in the same order, the values are read whole)
-            xs.extend(node.values() if list(node) == keys else map(node.__getitem__, keys))
-            gs.extend(grad.values() if list(grad) == keys else map(grad.get, keys))
-        else:
-            xs.extend(node)
-            gs.extend(grad)
-        return
-    kind = kind_of(node)
-    children = dict(kind.children(node))
-    if children.keys() != container.child_keys:
-        raise _Off
-    grad_of = _grad_children(node, kind, children, grad, ()).get
-    xs.extend(map(children.__getitem__, container.leaf_keys))
-    gs.extend(map(grad_of, container.leaf_keys))
-    for key, sub in container.subs:
-        _walk(sub, children[key], grad_of(key), xs, gs)
+class _Node:
+    """A container of the state tree (`snode`, its `keys`) and what the model had there."""
+
+    __slots__ = ("parent", "key", "snode", "type", "kind", "seq", "child_keys", "leaf_keys", "nones")
+
+    def __init__(self, parent, key, snode, node, children):
+        self.parent, self.key, self.snode = parent, key, snode
+        self.type, self.kind = type(node), kind_of(node)
+        self.seq = type(node) in _SEQUENCES  # its children and gradients are read by position
+        self.child_keys = len(node) if self.seq else frozenset(children)
+        self.leaf_keys = [k for k, sub in snode.items() if type(sub) is Leaf]
+        self.nones = [None] * len(self.leaf_keys)
+
+    def children(self, node):
+        """`node`'s children by key (the node itself where it is a list, tuple or dict), if they
+        are the ones the route was made with; else `_Off`."""
+        if self.seq:
+            if len(node) != self.child_keys:
+                raise _Off
+            return node
+        kids = node if type(node) is dict else dict(self.kind.children(node))
+        if kids.keys() != self.child_keys:
+            raise _Off
+        return kids
+
+    def gradients(self, node, grad):
+        """The gradient of each child of `node` in `grad`, as a function of its key. Lists and
+        dicts are read where they are; any other form as `gather` reads it."""
+        t = type(grad)
+        if self.seq:
+            if t in _SEQUENCES and len(grad) == self.child_keys:
+                return grad.__getitem__
+        elif t is dict and grad.keys() <= self.child_keys:
+            if self.kind.grad_children is None or _apart(grad):
+                return grad.get
+        return _grad_children(node, self.kind, dict(self.kind.children(node)), grad, ()).get
 
 
-def _record(snode, node, leaves, xs):
-    """The `_Container` of `snode` (and its sub-trees), appending each place's Leaf and array."""
-    kind = kind_of(node)
-    children = dict(kind.children(node))
-    leaf_keys, subs = [], []
-    for key, sub in snode.items():
+def _apart(grad) -> bool:
+    """Does a module's gradient dict give each tensor once? (`gather` refuses one given twice.)"""
+    given = [g for g in grad.values() if g is not None]
+    return len(set(map(id, given))) == len(given)
+
+
+def _record(snode, node, parent, key, nodes, ranks):
+    """Append the `_Node`s of `snode` and its sub-trees to `nodes` (depth first), and to `ranks`
+    each place's position in the order `gather` visits places (a tie's first place, and the
+    order its gradients are summed in, are those of `gather`)."""
+    children = dict(kind_of(node).children(node))
+    here = _Node(parent, key, snode, node, children)
+    index = len(nodes)
+    nodes.append(here)
+    for k, sub in snode.items():
         if type(sub) is Leaf:
-            leaf_keys.append(key)
-            leaves.append(sub)
-            xs.append(children[key])
-    for key, sub in snode.items():
-        if type(sub) is not Leaf and sub:
-            subs.append((key, _record(sub, children[key], leaves, xs)))
-    return _Container(snode, node, leaf_keys, subs, frozenset(children))
+            ranks[(index, k)] = len(ranks)
+        elif sub:
+            _record(sub, children[k], index, k, nodes, ranks)
+
+
+def _walk(nodes, tree, model, grads):
+    """Each place's parameter and gradient, and the keys and values of every state container, in
+    the route's order; `_Off` where the model differs from the route (the caller compares the
+    state's keys and values with the route's)."""
+    xs: list = []
+    gs: list = []
+    keys: list = []
+    values: list = []
+    kids_at: list = []
+    grads_at: list = []
+    for r in nodes:
+        if kids_at:
+            node, get, snode = kids_at[r.parent][r.key], grads_at[r.parent], r.snode
+            grad = None if get is None else get(r.key)
+        else:
+            node, grad, snode = model, grads, tree
+        if type(node) is not r.type:
+            raise _Off
+        keys.append(len(snode))  # (each container's own keys, not only all of them in order)
+        keys.extend(snode)
+        values.extend(snode.values())
+        kids = r.children(node)
+        get = None if grad is None else r.gradients(node, grad)
+        kids_at.append(kids)
+        grads_at.append(get)
+        leaf_keys = r.leaf_keys
+        if leaf_keys:
+            xs.extend(map(kids.__getitem__, leaf_keys))
+            gs.extend(r.nones if get is None else map(get, leaf_keys))
+    return xs, gs, keys, values
 
 
 class Route:
@@ -95,25 +129,27 @@ class Route:
 
     def __init__(self, tree, model, groups):
         self.tree = tree
-        leaves: list = []
-        self.xs: list = []
-        self.root = _record(tree, model, leaves, self.xs)
-        self.same = SameObjects(self.xs)
+        self.nodes: list[_Node] = []
+        ranks: dict = {}
+        _record(tree, model, 0, None, self.nodes, ranks)
+        xs, _, self.keys, values = _walk(self.nodes, tree, model, None)
+        self.same_xs, self.same_values = SameObjects(xs), SameObjects(values)
         member = {id(leaf): (g, m) for g, group in enumerate(groups) for m, leaf in enumerate(group.leaves)}
+        places = [(i, k) for i, r in enumerate(self.nodes) for k in r.leaf_keys]
         first: list[list] = [[None] * len(group.leaves) for group in groups]
         extra: list[dict] = [{} for _ in groups]
-        for place, leaf in enumerate(leaves):
-            g, m = member[id(leaf)]
+        for place in sorted(range(len(places)), key=lambda p: ranks[places[p]]):
+            i, k = places[place]
+            g, m = member[id(self.nodes[i].snode[k])]
             if first[g][m] is None:
                 first[g][m] = place
             else:
                 extra[g].setdefault(m, []).append(place)
-        # per group: its members' parameters, each member's first place, a tied member's others
+        # per group: each member's first place, and a tied member's others
         self.groups = [
-            (group, [self.xs[p] for p in places], places, sorted(more.items()))
-            for group, places, more in zip(groups, first, extra)
+            (group, operator.itemgetter(*firsts), sorted(more.items()))
+            for group, firsts, more in zip(groups, first, extra)
         ]
-        self.every_place = first[0] if len(groups) == 1 and first[0] == list(range(len(leaves))) else None
         self.stale = False  # a step did not follow it: the next general step records anew
         self.recorded = 1  # how many routes this plan has recorded, this one included
 
@@ -127,49 +163,55 @@ class Route:
 
     def ready(self, state, model, grads):
         """`[(group, xs, dxs, given)]` for `execute.step_groups` if this step follows the route,
-    else None."""
+        else None."""
         if state.tree is not self.tree:
             return None
-        xs: list = []
-        gs: list = []
         try:
-            _walk(self.root, model, grads, xs, gs)
-            if not self.same(xs):
+            xs, gs, keys, values = _walk(self.nodes, self.tree, model, grads)
+            if not (keys == self.keys and self.same_values(values) and self.same_xs(xs)):
                 raise _Off
+            return [_ready(group, pick, tied, xs, gs) for group, pick, tied in self.groups]
         except Exception:  # noqa: BLE001 - any difference: the general path reports it
             self.stale = True
             return None
-        return self._gradients(gs)
 
-    def _gradients(self, gs):
-        ready = []
-        for group, xs, places, tied in self.groups:
-            # (one group at every place, in order: the walk's list itself)
-            dxs = gs if places is self.every_place else list(map(gs.__getitem__, places))
-            span = group.span
-            if span is not None and not tied and group.steppable() and span.ready(xs, dxs):
-                ready.append((group, xs, dxs, dxs))  # the gradients of the step before, in place
-                continue
-            if not (group.steppable() and group.unchanged(xs)):
-                return None
-            if not group.gradients_fit(dxs, xs):
-                return None
-            for m, more in tied:
-                others = [gs[p] for p in more]
-                n = len(others)
-                if not group.fit(others, [xs[m]] * n, [group.shapes[m]] * n):
-                    return None
-                dxs[m] = ties.member_sum(group, m, xs[m], [dxs[m], *others])
-            ready.append((group, xs, dxs, dxs))
-        return ready
+
+def _listed(picked) -> list:
+    return list(picked) if type(picked) is tuple else [picked]  # (itemgetter of one key)
+
+
+def _ready(group, pick, tied, xs, gs):
+    """One group's `(group, xs, dxs, given)` from the places' parameters `xs` and gradients `gs`,
+    if the group's snapshot still holds for them; else `_Off`."""
+    if not group.steppable():
+        raise _Off
+    pxs, dxs = _listed(pick(xs)), _listed(pick(gs))
+    extra, sums = [], []
+    for m, more in tied:
+        given = ties.given([dxs[m], *map(gs.__getitem__, more)])
+        if not given:
+            raise _Off  # (no gradient at any place: the member does not step, the group cannot)
+        dxs[m] = given[0]
+        extra.extend(given[1:])
+        sums.append((m, given))
+    if not group.still(pxs, dxs + extra):
+        raise _Off
+    for m, given in sums:
+        if len(given) > 1:
+            dxs[m] = ties.member_sum(group, m, pxs[m], given)
+    return group, pxs, dxs, dxs
 
 
 def remember(state, model, found, work, results) -> None:
     """After a general `update_`: record its route where every Leaf stepped in the engine's
-    groups (and the State's plan has none that still serves)."""
+    groups (and the State's plan has none that still serves), each group with its snapshot."""
     plan = planning.PLANS.get(state)
     if plan is None or results or plan.converted or len(work) != len(plan.groups):
         return
+    for group, members in work:
+        firsts = [c.grads[0] for c in members]
+        given = [m for m, c in enumerate(members) for _ in c.grads[1:]]
+        group.snapshot([c.x for c in members], firsts + [g for c in members for g in c.grads[1:]], given)
     route = plan.route
     if route is not None and (not route.stale or route.recorded >= _RECORDINGS):
         return  # it serves; or it went stale every time (a new model each step): stop walking

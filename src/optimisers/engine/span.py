@@ -2,9 +2,9 @@
 
 `optimisers.torch.flatten_`, or a model built over one array, puts a group's parameters in one
 flat buffer. The chunks then step the buffer itself, and where the gradients are views of one
-flat buffer too they are read where they are: nothing is joined or split. A `Span` remembers
-what it found (the parameters, the gradients' buffer) and each step compares cheap marks with
-that, in bulk, instead of checking every array.
+flat buffer too they are read where they are: nothing is joined or split. Whether the
+parameters still fill the span is the group's check (`Group.still`, the backend's `unchanged`
+on the parameters, and on the span's buffer itself).
 """
 
 from __future__ import annotations
@@ -12,70 +12,50 @@ from __future__ import annotations
 from optimisers.backends.objects import SameObjects
 
 
-class _Found:
-    """Arrays found at a step (a span's parameters, or gradients that are views of one buffer)
-    and what was made of them: a later step may use `value` while it finds the same objects with
-    the same marks (`b.marker`: their addresses taken once, where the backend can)."""
-
-    def __init__(self, b, xs, value):
-        self.same, self.value = SameObjects(xs), value
-        self.marks_now = b.marker(self.same.xs, b.span_marks)
-        self.marks = self.marks_now()
-
-    def still(self, xs) -> bool:
-        return self.same(xs) and self.marks_now() == self.marks
-
-
 class Span:
-    """The flat buffer `flat` that the parameters `xs` fill, in order, and what later steps
-    compare with."""
+    """The flat buffer `flat` that a group's parameters fill, in order. The span holds the buffer,
+    so no other allocation can take its memory while it lives; its own snapshot says whether the
+    buffer is still where it was (a storage freed by `resize_(0)`, or reloaded elsewhere, is not)."""
 
-    def __init__(self, b, flat, xs):
+    def __init__(self, b, flat):
         self.b, self.flat = b, flat
-        self.params = _Found(b, xs, flat)
-        self.last_list = None  # a list of parameters found to be `xs` (a replay passes the same one)
-        self.grads = None  # the gradients last found to be views of one buffer (`_Found`: the view)
-        self.pieces = None  # the same for `gradient_pieces` (`_Found`: the pieces)
-        self.checked = None  # the gradients `ready` found in `grads` this step
+        self.token = b.snapshot([flat], [])
+        self.grads = None  # (the gradients last found to be views of one buffer, where, that view)
+        self.pieces = None  # the same for `gradient_pieces`
 
     @classmethod
     def of(cls, b, xs):
         """The span of `xs` (in this order), or None where they do not fill one flat buffer."""
         flat = b.flat_span(xs)
-        return None if flat is None else cls(b, flat, xs)
+        return None if flat is None else cls(b, flat)
+
+    def intact(self) -> bool:
+        """Is the buffer still where it was, with all its memory?"""
+        return self.token is not None and self.b.unchanged(self.token, [self.flat], [])
 
     def holds(self, xs) -> bool:
-        """Are `xs` the parameters this span holds, where they were?"""
-        params = self.params
-        if not (xs is self.last_list or params.same(xs)):
-            return False
-        if params.marks_now() != params.marks:
-            return False
-        self.last_list = xs
-        return True
+        """Do `xs` fill this span's buffer, in order (checked array by array)?"""
+        flat = self.b.flat_span(xs) if self.intact() else None
+        return flat is not None and self.b.addresses([flat]) == self.b.addresses([self.flat]) and (
+            flat.shape == self.flat.shape
+        )
 
-    def ready(self, xs, dxs) -> bool:
-        """Can this step use the span as the last did: the same parameters, and the same
-        gradients, still views of one flat buffer? Two bulk reads."""
-        if self.grads is None or not self.grads.still(dxs) or not self.holds(xs):
-            return False
-        self.checked = dxs
-        return True
-
-    def gradient_owner(self, dxs):
-        """The memory owner of the gradients `dxs` where `ready` found them in one buffer this
-        step; else None."""
-        return self.b.memory_owners([self.grads.value])[0] if self.checked is dxs else None
+    def _found(self, found, dxs):
+        """`found`'s view where `dxs` are the gradients it was made of, where they were."""
+        if found is None or not found[0](dxs):
+            return None
+        return found[2] if self.b.addresses(dxs) == found[1] else None
 
     def gradient(self, dxs, group):
         """The gradients `dxs` as one 1-D array in the span's order: a view of the flat buffer
         they are views of (kept to compare with the next step's), else joined into a new one."""
         b = self.b
-        if self.checked is dxs or (self.grads is not None and self.grads.still(dxs)):
-            return self.grads.value
+        flat = self._found(self.grads, dxs)
+        if flat is not None:
+            return flat
         flat = b.flat_span(dxs) if dxs[0].dtype == group.dtype else None
         if flat is not None and [g.shape for g in dxs] == group.shapes:
-            self.grads = _Found(b, dxs, flat)
+            self.grads = SameObjects(dxs), b.addresses(dxs), flat
             return flat
         flat = b.empty_flat(group.offsets[-1], self.flat)
         b.join_into(flat, dxs, group.orders)
@@ -88,8 +68,9 @@ class Span:
         gradient is copied; else None."""
         if not own:
             return None
-        if self.pieces is not None and self.pieces.still(dxs):
-            return self.pieces.value
+        found = self._found(self.pieces, dxs)
+        if found is not None:
+            return found
         b, offsets, pieces, i = self.b, group.offsets, [], 0
         for j in [*own, len(dxs)]:
             if i < j:  # members i..j-1: views of one buffer, back to back?
@@ -100,7 +81,7 @@ class Span:
             if j < len(dxs):
                 pieces.append((offsets[j], offsets[j + 1], b.flat_in(dxs[j], group.orders[j])))
             i = j + 1
-        self.pieces = _Found(b, dxs, pieces)
+        self.pieces = SameObjects(dxs), b.addresses(dxs), pieces
         return pieces
 
 

@@ -14,6 +14,12 @@ import operator
 from optimisers import ops
 
 
+def given(grads) -> list:
+    """The gradients that a Leaf's places bring, in the order of its places: a place without one
+    (None) adds nothing. The one tie policy of every path (`gather` applies it place by place)."""
+    return [g for g in grads if g is not None]
+
+
 def summed(grads, out=None):
     """The sum of the places' gradients `grads`, left to right: a new array, or written into
     `out` (a buffer of the parameter's dtype and layout, kept between steps) when given."""

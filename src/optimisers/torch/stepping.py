@@ -10,10 +10,8 @@ from itertools import repeat
 import torch
 from torch import nn
 
-from optimisers.backends import torch_objects
-from optimisers.torch.flat import has_flat_grads, is_flat_grad, zero_flat_grads_
+from optimisers.torch.flat import has_flat_grads, zero_flat_grads_
 from optimisers.torch.hyperparameters import check_switches
-from optimisers.torch.lazy_state import HELD_GRADIENTS
 from optimisers.torch.param_groups import ParamGroup
 from optimisers.verbs.update import update_
 
@@ -103,22 +101,8 @@ class Stepping:
 
 
 def _gradients_now(optimizer) -> tuple[dict, bool]:
-    """`({position: p.grad}, held)`. Where the gradients are the views of flat buffers
-    (`flatten_`) that an earlier step found, held by the parameters as then, one bulk check finds
-    so (`gradients_held`) instead of reading each `.grad`: `held` is True, and every parameter
-    requires grad and has state (`HELD_GRADIENTS`). (The check holds those views, as the
-    parameters do: after `model.zero_grad()` dropped them, until the next step.)"""
-    params = optimizer._trained
-    held = HELD_GRADIENTS.get(optimizer)
-    if held is not None and held[0](params):
-        return held[1], True  # (`_gradients` leaves it as it is)
-    grads = _gradients_at(optimizer._trained_at, params)
-    HELD_GRADIENTS.pop(optimizer, None)
-    if has_flat_grads() and len(grads) == len(params) and all(map(is_flat_grad, grads.values())):
-        check = torch_objects.gradients_held(params, list(grads.values()))
-        if check is not None:
-            HELD_GRADIENTS[optimizer] = check, dict(grads)
-    return grads, False
+    """`({position: p.grad}, held)`: each parameter's `.grad` as it is now (`held`: False)."""
+    return _gradients_at(optimizer._trained_at, optimizer._trained), False
 
 
 def _gradients_at(positions, params) -> dict:

@@ -1,0 +1,185 @@
+"""One step plan: a later `update_` reuses the plan of the step before only where one check per
+backend confirms everything its kernels rely on; each thing a user may do between steps is
+followed with torch.optim's numbers, or refused with a clear error that changes nothing."""
+
+import numpy as np
+import pytest
+
+import optimisers as opt
+
+torch = pytest.importorskip("torch")
+from torch import nn  # noqa: E402
+
+from optimisers.torch import flatten_  # noqa: E402
+
+
+class TiedLM(nn.Module):
+    def __init__(self, tied=True):
+        super().__init__()
+        self.embed = nn.Embedding(50, 16)
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(3)])
+        self.head = nn.Linear(16, 50, bias=False)
+        if tied:
+            self.head.weight = self.embed.weight
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+def _loss(model, step):
+    ids = torch.randint(0, 50, (4, 9), generator=torch.Generator().manual_seed(step))
+    logits = model(ids[:, :-1])
+    return nn.functional.cross_entropy(logits.reshape(-1, 50), ids[:, 1:].reshape(-1))
+
+
+def test_a_tied_module_stepped_with_grads_replays_with_torch_optims_numbers(replays):
+    """The README's loop: `zero_grad()`, `backward()` and `update_(state, lm, grads(lm))`, where
+    `grads` gives None at the tie's later place. Every later step replays the plan, and the
+    numbers are torch.optim's fused Adam's, bit for bit."""
+    torch.manual_seed(0)
+    ours = TiedLM()
+    theirs = TiedLM()
+    theirs.load_state_dict(ours.state_dict())
+    theirs.head.weight = theirs.embed.weight
+    state = opt.setup(opt.Adam(1e-2), ours)
+    reference = torch.optim.Adam(theirs.parameters(), lr=1e-2, fused=True)
+    for step in range(6):
+        for model in (ours, theirs):
+            model.zero_grad()
+            _loss(model, step).backward()
+        state, ours = opt.update_(state, ours, opt.grads(ours))
+        reference.step()
+        for p, q in zip(ours.parameters(), theirs.parameters(), strict=True):
+            assert torch.equal(p, q)
+    assert ours.head.weight is ours.embed.weight
+    assert replays[1:] == [True] * 5
+
+
+def test_a_tie_whose_later_place_brings_a_gradient_too_sums_both_on_replays(replays):
+    """The one tie policy on every path: a later place may bring None or a gradient, step by step;
+    each step equals `update` on copies."""
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((4, 3)).astype(np.float32)
+    model = {"a": w, "b": [rng.standard_normal(3).astype(np.float32)], "c": w}
+    ref = {"a": w.copy(), "b": [model["b"][0].copy()]}
+    ref["c"] = ref["a"]
+    state, ref_state = opt.setup(opt.Adam(1e-2), model), opt.setup(opt.Adam(1e-2), ref)
+    for step in range(8):
+        def draw(*shape):
+            return rng.standard_normal(shape).astype(np.float32)
+
+        g = {"a": draw(4, 3), "b": [draw(3)], "c": draw(4, 3) if step % 3 == 2 else None}
+        state, model = opt.update_(state, model, g)
+        ref_state, ref = opt.update(ref_state, ref, g)
+        for k in ("a", "c"):
+            np.testing.assert_array_equal(model[k], ref[k])
+        np.testing.assert_array_equal(model["b"][0], ref["b"][0])
+    assert model["a"] is model["c"] and model["a"] is w
+    assert True in replays
+
+
+@pytest.mark.parametrize("flat", [False, True], ids=["separate", "flatten_"])
+@pytest.mark.parametrize("kind", ["list", "dict"])
+def test_a_parameter_frozen_between_steps_is_refused_pointing_at_freeze(kind, flat, replays):
+    """`requires_grad_(False)` on a parameter of a list or dict model after some (replayed)
+    steps: a KeyError that points at `freeze_`, nothing moved; as on a first step."""
+    params = [nn.Parameter(torch.randn(64)) for _ in range(3)]
+    if flat:
+        flatten_(params)
+    model = params if kind == "list" else {str(i): p for i, p in enumerate(params)}
+
+    def grads():
+        gs = [torch.ones(64) for _ in params]
+        return gs if kind == "list" else {str(i): g for i, g in enumerate(gs)}
+
+    for first in (False, True):
+        state = opt.setup(opt.Adam(0.1), model)
+        for _ in range(0 if first else 3):
+            state, model = opt.update_(state, model, grads())
+        assert first or replays[-1] is True
+        params[1].requires_grad_(False)
+        before = [p.detach().clone() for p in params]
+        with pytest.raises(KeyError, match=r"at 1.*requires_grad=False.*freeze_"):
+            opt.update_(state, model, grads())
+        for p, q in zip(params, before, strict=True):
+            assert torch.equal(p, q)
+        params[1].requires_grad_(True)
+
+
+def _transpose_parameter(p):
+    p.t_()
+
+
+def _transpose_gradient(p):
+    p.grad.t_()
+
+
+@pytest.mark.parametrize("change", [_transpose_parameter, _transpose_gradient], ids=["parameter", "gradient"])
+@pytest.mark.parametrize("use", ["update_", "drop-in"])
+def test_t_of_a_square_weight_after_flatten_steps_as_torch_optim(change, use):
+    """After `flatten_`, `t_()` under `no_grad` of a square weight (or of its gradient) between
+    steps keeps the same memory and shape: only its strides say it moved. The step equals
+    torch.optim's."""
+    torch.manual_seed(0)
+    shapes = [(8, 8), (64,), (8, 8), (64,)]
+    ours = [nn.Parameter(torch.randn(s)) for s in shapes]
+    theirs = [nn.Parameter(p.detach().clone()) for p in ours]
+    flatten_(ours)
+    state = opt.setup(opt.Adam(1e-2), ours) if use == "update_" else None
+    dropin = opt.torch.Adam(ours, lr=1e-2) if use == "drop-in" else None
+    reference = torch.optim.Adam(theirs, lr=1e-2)
+    for step in range(6):
+        g = torch.Generator().manual_seed(step)
+        for p, q in zip(ours, theirs):
+            q.grad = torch.randn(p.shape, generator=g)
+            with torch.no_grad():
+                p.grad.copy_(q.grad)
+        if step == 3:
+            with torch.no_grad():
+                change(ours[2])
+                change(theirs[2])
+        if dropin is None:
+            state, ours = opt.update_(state, ours, [p.grad for p in ours])
+        else:
+            dropin.step()
+        reference.step()
+        for p, q in zip(ours, theirs, strict=True):
+            torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+
+
+def test_flat_storage_freed_and_reloaded_elsewhere_keeps_training(replays):
+    """After `flatten_`, the flat storage freed with `resize_(0)` (as FSDP frees) and each
+    parameter pointed at a view of a fresh buffer, which the allocator may place at the same
+    address: later steps train on, with torch.optim's numbers and the optimiser state kept."""
+    torch.manual_seed(0)
+    shapes = [(64, 64), (64,), (32, 64)]
+    ours = [nn.Parameter(torch.randn(s)) for s in shapes]
+    theirs = [nn.Parameter(p.detach().clone()) for p in ours]
+    (buffers,) = flatten_(ours, gradients=False)
+    state = opt.setup(opt.Adam(1e-2), ours)
+    reference = torch.optim.Adam(theirs, lr=1e-2)
+    for step in range(7):
+        if step == 3:
+            values = [p.detach().clone() for p in ours]
+            buffers.params.untyped_storage().resize_(0)
+            fresh = torch.empty(buffers.params.numel())
+            at = 0
+            for p, v in zip(ours, values):
+                n = v.numel()
+                p.data = fresh[at : at + n].view_as(v)
+                with torch.no_grad():
+                    p.copy_(v)
+                at += n
+            del buffers
+        g = torch.Generator().manual_seed(step)
+        grads = [torch.randn(p.shape, generator=g) for p in ours]
+        for q, gq in zip(theirs, grads):
+            q.grad = gq.clone()
+        state, ours = opt.update_(state, ours, grads)
+        reference.step()
+        for p, q in zip(ours, theirs, strict=True):
+            torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+    assert replays[-2:] == [True, True]
