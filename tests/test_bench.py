@@ -1,20 +1,28 @@
 """Smoke test of the benchmark (benchmarks/ itself is not collected): the smallest run prints the
 table and writes JSON whose rows agree with the float64 reference; every rule of its table runs
 on each backend that has it, and a rule whose peers need matrices, or whose torch peer comes from
-another package, fits in one entry."""
+another package, fits in one entry. Also: S3-nested (S3's arrays nested as a model nests them) and
+its pairing with S3, the PyTorch row stepped with `optimisers.grads(module)` and new gradients,
+the cold cache, and benchmarks/overhead.py's smallest run."""
 
 import argparse
 import dataclasses
 import json
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
+import numpy as np
 import pytest
 
 import optimisers as opt
 from optimisers.tools import bench
 from optimisers.tools.bench import report
+from optimisers.tools.bench.cache import Evictor, evict_mib, is_cold
 from optimisers.tools.bench.implementations import IMPLS
-from optimisers.tools.bench.models import CHECK_STEPS, Shape, make_data, make_shapes
+from optimisers.tools.bench.models import CHECK_STEPS, Shape, as_module, get, make_data, make_shapes
 from optimisers.tools.bench.rules import (
     LR_MOMENTUM,
     RHO,
@@ -29,12 +37,14 @@ from optimisers.tools.bench.timing import run_row
 
 pytestmark = pytest.mark.slow
 
+ROOT = Path(__file__).resolve().parents[1]
 
-def _run(tmp_path, capsys, shapes, backend):
+
+def _run(tmp_path, capsys, shapes, backend, *extra):
     """The smallest run of the bench on `shapes` and `backend`: (printed output, JSON document)."""
     path = tmp_path / "bench.json"
     argv = ["--quick", "--shapes", shapes, "--backends", backend, "--rules", "adam",
-            "--repeats", "1", "--bandwidth-mb", "4", "--json", str(path)]
+            "--repeats", "1", "--bandwidth-mb", "4", "--evict-mb", "4", "--json", str(path), *extra]
     assert bench.main(argv) == 0
     return capsys.readouterr().out, json.loads(path.read_text())
 
@@ -81,9 +91,162 @@ def test_bench_reports_the_cost_of_each_array_against_one_vector(tmp_path, capsy
     for e in entries:
         many, one = rows[e["impl"], "S3"], rows[e["impl"], "S3-one"]
         assert one["agree"] and many["agree"]
+        # the S3 family is timed with a cold cache by default, and the line says so
+        assert e["cache"] == many["cache"] == one["cache"] == "cold" and e["shape"] == "S3"
         assert e["us_per_array"] == pytest.approx((many["median_ms"] - one["median_ms"]) * 1e3 / 100)
         assert e["x_one"] == pytest.approx(many["median_ms"] / one["median_ms"])
     assert "Per-array overhead, Adam" in out and "µs per array per step" in out
+    assert "cold cache)" in out
+
+
+# --- S3-nested, the row stepped with optimisers.grads, the cold cache -------------------------------
+
+
+def test_s3_nested_holds_s3s_arrays_in_blocks_of_dicts_and_lists():
+    for quick, blocks in ((False, 200), (True, 5)):
+        shapes = make_shapes(quick)
+        s3, nested = shapes["S3"], shapes["S3-nested"]
+        assert nested.shapes == s3.shapes and nested.n_params == s3.n_params and not nested.ties
+        assert nested.module and not s3.module
+        assert len(set(nested.paths)) == len(nested.paths) == 20 * blocks
+        assert {p[:2] for p in nested.paths} == {("blocks", b) for b in range(blocks)}
+    data = make_data(make_shapes(True)["S3-nested"])
+    tree = data.model(np.copy)
+    block = tree["blocks"][0]
+    assert isinstance(tree["blocks"], list) and isinstance(block, dict)
+    assert isinstance(block["mlp"], list) and isinstance(block["attn"]["q"], dict)
+    assert all(np.array_equal(get(tree, p), v) for p, v in zip(data.shape.paths, data.params))
+
+
+def test_as_module_nests_modulelists_and_moduledicts_and_keeps_ties():
+    torch = pytest.importorskip("torch")
+    data = make_data(make_shapes(True)["S3-nested"])
+    params = [torch.nn.Parameter(torch.tensor(a)) for a in data.params]
+    module = as_module(data.tree(params))
+    assert isinstance(module, torch.nn.ModuleDict) and isinstance(module["blocks"], torch.nn.ModuleList)
+    assert isinstance(module["blocks"][0], torch.nn.ModuleDict)
+    assert isinstance(module["blocks"][0]["mlp"], torch.nn.ModuleList)
+    assert [id(p) for p in module.parameters()] == [id(p) for p in params]  # depth first, as the paths
+    assert all(get(module, path) is p for path, p in zip(data.shape.paths, params))
+    # S2-tied: the head is the very Parameter of the embedding, listed once
+    tied = make_data(make_shapes(True)["S2-tied"])
+    params = [torch.nn.Parameter(torch.tensor(a)) for a in tied.params]
+    module = as_module(tied.tree(params))
+    assert module.lm_head is module.wte is params[0]
+    assert len(list(module.parameters())) == len(params)
+
+
+def test_the_opt_grads_row_hands_new_gradients_and_none_at_the_later_tied_place(monkeypatch):
+    """The row "optimisers update_, opt.grads" steps as a training loop: before each step new
+    `.grad` tensors (the summed gradient at the tied parameter), and `update_` gets
+    `optimisers.grads(module)`: the embedding's `.grad` at `wte`, None at `lm_head`."""
+    pytest.importorskip("torch")
+    impl = next(i for i in IMPLS if i.module_grads)
+    data = make_data(make_shapes(True)["S2-tied"])
+    seen = []
+    real = opt.update_
+
+    def spy(state, model, grads):
+        seen.append((grads, model.wte.grad))
+        return real(state, model, grads)
+
+    monkeypatch.setattr(opt, "update_", spy)
+    runner = impl.make(data, "adam")
+    for _ in range(2):
+        runner.prepare()
+        runner.step()
+    (first, g1), (second, g2) = seen
+    for grads, g in seen:
+        assert grads["wte"] is g and grads["lm_head"] is None
+        np.testing.assert_array_equal(g.numpy(), data.grads_sum[0])
+    assert g1 is not g2 and g1.data_ptr() != g2.data_ptr()  # a new tensor, with new memory
+    assert first["h"] is not second["h"]
+    got, ties = runner.fetch()
+    assert ties == "tied"
+
+
+def test_cache_policy_and_eviction():
+    assert is_cold("S3", "auto") and is_cold("S3-nested", "auto") and is_cold("S3-one", "auto")
+    assert not is_cold("S2", "auto") and not is_cold("S1", "auto")
+    assert is_cold("S2", "cold") and not is_cold("S3", "warm")
+    assert evict_mib(None) >= 64 and evict_mib(8) == 8
+    evictor = Evictor(1, 2)
+    try:
+        evictor()
+        evictor()
+        assert all(np.all(c == 2) for c in evictor._chunks) and len(evictor._chunks) == 2
+    finally:
+        evictor.close()
+
+
+def test_bench_times_nested_s3_against_s3_in_alternation(tmp_path, capsys):
+    out, doc = _run(tmp_path, capsys, "S3,S3-nested", "numpy")
+    assert doc["shapes"]["S3-nested"]["tensors"] == doc["shapes"]["S3"]["tensors"] == 100
+    nested_rows = [r for r in doc["rows"] if r["shape"] == "S3-nested"]
+    assert {r["impl"] for r in nested_rows} == {
+        "optimisers update_", "optimisers update_, flat views", "naive NumPy loop"}
+    assert all(r["agree"] and r["cache"] == "cold" for r in doc["rows"])
+    assert "cache: cold for S3, S3-nested: before each timed step" in out
+    assert "nested S3 / S3, paired" in out
+    pairs = {p["impl"]: p for p in doc["paired_nested_ratios"]}
+    assert set(pairs) == {"optimisers update_", "optimisers update_, flat views"}
+    for impl, p in pairs.items():
+        assert p["pairs"] == 6 and p["ratio_median"] > 0 and p["flat_ms"] > 0 and p["nested_ms"] > 0
+        assert p["cache"] == "cold"
+        entry = next(e for e in doc["summary"] if e["what"] == f"numpy nested S3 / S3: {impl}")
+        assert entry["ratio"] == p["ratio_median"] and entry["paired"]
+
+
+def test_bench_warm_cache_on_request(tmp_path, capsys):
+    out, doc = _run(tmp_path, capsys, "S3", "numpy", "--cache", "warm")
+    assert all(r["cache"] == "warm" for r in doc["rows"] if "median_ms" in r)
+    assert "cache: warm" in out and ", cold" not in out
+    assert doc["args"]["cache"] == "warm"
+
+
+def test_bench_torch_rows_on_the_tied_module_and_the_nested_module(tmp_path, capsys):
+    """PyTorch: S2-tied stepped with `optimisers.grads(module)` paired against S2 stepped the
+    same way ("S2-tied (opt.grads) / S2"), and S3-nested (an nn.Module) against S3 for each of
+    ours whose step sees the tree (not the drop-in)."""
+    pytest.importorskip("torch")
+    out, doc = _run(tmp_path, capsys, "S2,S2-tied,S3,S3-nested", "torch")
+    rows = {(r["impl"], r["shape"]): r for r in doc["rows"]}
+    for shape in ("S2", "S2-tied", "S3", "S3-nested"):
+        r = rows["optimisers update_, opt.grads", shape]
+        assert r["agree"] and r["median_ms"] > 0, r
+        assert r["cache"] == ("cold" if shape.startswith("S3") else "warm")
+    assert rows["optimisers update_, opt.grads", "S2-tied"]["ties"] == "tied"
+    for impl in ("optimisers update_", "optimisers update_, flatten_", "optimisers drop-in, flatten_",
+                 "torch.optim fused"):
+        assert rows[impl, "S3-nested"]["agree"], impl
+    ties = {p["impl"]: p for p in doc["paired_tie_ratios"]}
+    assert set(ties) == {"optimisers update_", "optimisers update_, opt.grads"}
+    assert "S2-tied / S2, paired" in out
+    entry = next(e for e in doc["summary"]
+                 if e["what"] == "torch S2-tied (opt.grads) / S2: optimisers update_, opt.grads")
+    assert entry["ratio"] == ties["optimisers update_, opt.grads"]["ratio_median"] and entry["paired"]
+    nested = {p["impl"]: p for p in doc["paired_nested_ratios"]}
+    assert set(nested) == {"optimisers update_", "optimisers update_, opt.grads",
+                           "optimisers update_, flatten_"}
+    assert all("error" not in p and p["ratio_median"] > 0 for p in nested.values())
+    assert {e["what"] for e in doc["summary"] if "nested S3 / S3" in e["what"]} == {
+        f"torch nested S3 / S3: {impl}" for impl in nested}
+    # the row stepped with opt.grads is not paired against torch.optim (that is the main row's)
+    assert {p["impl"] for p in doc["paired_peer_ratios"]} == {"optimisers update_"}
+
+
+def test_overhead_script_smallest_run():
+    pytest.importorskip("torch")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "overhead.py"), "--quick"],
+                         capture_output=True, text=True, timeout=600, check=True, env=env).stdout
+    for model in ("nested (100 x 256)", "tied (9 tensors)", "flat, cold (100 x 256)"):
+        assert f"{model} " in out
+    for ratio in ("nested / flat list, paired", "tied / untied, paired",
+                  "update_: flatten_ / 1 tensor, paired", "drop-in: flatten_ / 1 tensor, paired",
+                  "NumPy: views / 1 array, paired"):
+        assert float(next(li for li in out.splitlines() if ratio in li).split()[-1]) > 0, ratio
+    assert "optimisers update_, opt.grads, tied" in out and "optimisers Adam (drop-in), tied" in out
 
 
 def test_bench_times_s2_tied_against_s2_in_alternation(tmp_path, capsys):

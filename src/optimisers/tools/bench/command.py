@@ -17,11 +17,12 @@ import optimisers as opt
 
 from . import report
 from .bandwidth import measure_bandwidth
+from .cache import CACHE_MODES, Evictor, evict_mib
 from .implementations import BEST_PEER, IMPLS
 from .memory import can_reset_hwm
 from .models import ALL_BACKENDS, ALL_SHAPES, CHECK_STEPS, EXTRA_SHAPES, make_data, make_shapes
 from .rules import HYPERPARAMETERS, RULES, default_rules, reference
-from .timing import paired_peer_ratio, paired_tie_ratio, run_row
+from .timing import paired_nested_ratio, paired_peer_ratio, paired_tie_ratio, run_row
 
 
 def _csv(allowed, everything: bool = False):
@@ -52,8 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backends", type=_csv(ALL_BACKENDS), default=list(ALL_BACKENDS),
                    help="comma-separated: numpy,torch,jax")
     p.add_argument("--shapes", type=_csv(ALL_SHAPES + EXTRA_SHAPES), default=list(ALL_SHAPES),
-                   help="comma-separated: S1,S2,S2-tied,S3,S3-one (default), and S3-matrices (4000 16x16 "
-                   "matrices, for muon and clip-adamw)")
+                   help="comma-separated: S1,S2,S2-tied,S3,S3-nested,S3-one (default), and S3-matrices "
+                   "(4000 16x16 matrices, for muon and clip-adamw)")
     p.add_argument("--rules", type=_csv(tuple(RULES), everything=True), default=default_rules(),
                    help=f"comma-separated, or all: {','.join(RULES)} (default: "
                    f"{','.join(default_rules())})")
@@ -65,6 +66,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bandwidth-mb", type=int, default=None, metavar="MIB",
                    help="size of each bandwidth-test array (default 128, --quick 64; keep it well "
                    "above the last-level cache)")
+    p.add_argument("--cache", choices=CACHE_MODES, default="auto",
+                   help="between timed steps, evict the caches (as a training step's forward and "
+                   "backward passes do) for the S3 family (auto, the default), every shape (cold), "
+                   "or none (warm)")
+    p.add_argument("--evict-mb", type=int, default=None, metavar="MIB",
+                   help="size of the buffer touched between timed steps on a cold cache (default: "
+                   "the larger of 64 and twice the last-level cache)")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="print the top N cProfile entries of each optimisers row")
     return p
@@ -89,6 +97,7 @@ def _fill_defaults(opts) -> None:
     if opts.bandwidth_mb is None:
         opts.bandwidth_mb = 64 if opts.quick else 128
     opts.rss_ok = can_reset_hwm()
+    opts.evict_mb = evict_mib(opts.evict_mb)
 
 
 def _versions(backends) -> dict:
@@ -144,9 +153,11 @@ class _Run:
     rows: list = field(default_factory=list)
     agreement: list = field(default_factory=list)
     paired: list = field(default_factory=list)
+    paired_nested: list = field(default_factory=list)
     paired_peers: list = field(default_factory=list)
     summary: list = field(default_factory=list)
     per_array: list = field(default_factory=list)
+    cache: str = ""  # how the caches are evicted between timed steps, for the header
 
 
 def _time_every_row(run: _Run, impls: list, progress) -> None:
@@ -177,7 +188,8 @@ def _time_every_row(run: _Run, impls: list, progress) -> None:
 
 def _time_pairs(run: _Run, impls: list, progress) -> None:
     """The ratios worth a few percent, timed in alternation: S2-tied against S2 for each of ours,
-    and for Adam each of ours against its peer on S1 and S2."""
+    S3-nested against S3 for each of ours on NumPy and PyTorch that sees the tree, and for Adam
+    each of ours against its peer on S1 and S2."""
     opts = run.opts
     pairs = 6 if opts.quick else 15
     ours = [i for i in impls if i.ours and not i.flat]
@@ -185,25 +197,33 @@ def _time_pairs(run: _Run, impls: list, progress) -> None:
         for impl in ours:
             for rule in [r for r in opts.rules if RULES[r].shapes(run.shapes["S2"]) is None]:
                 progress(f"S2-tied against S2, paired: {impl.backend} {impl.name} {rule}")
-                run.paired.append(paired_tie_ratio(impl, run.shapes, rule, pairs))
+                run.paired.append(paired_tie_ratio(impl, run.shapes, rule, pairs, opts))
+    if "S3" in opts.shapes and "S3-nested" in opts.shapes:
+        nested = [i for i in impls if i.ours and i.sees_nesting and i.backend in ("numpy", "torch")]
+        for impl in nested:
+            for rule in [r for r in opts.rules
+                         if RULES[r].shapes(run.shapes["S3"]) is None and impl.absent(RULES[r]) is None]:
+                progress(f"S3-nested against S3, paired: {impl.backend} {impl.name} {rule}")
+                run.paired_nested.append(paired_nested_ratio(impl, run.shapes, rule, pairs, opts))
     if "adam" not in opts.rules:
         return
-    for impl in [i for i in ours if BEST_PEER[i.backend][0] == i.backend]:
+    for impl in [i for i in ours if BEST_PEER[i.backend][0] == i.backend and not i.module_grads]:
         peer = next((i for i in impls if (i.backend, i.name) == BEST_PEER[impl.backend]), None)
         for name in [n for n in ("S1", "S2") if n in opts.shapes and peer is not None]:
             progress(f"{name} adam against {peer.name}, paired: {impl.backend} {impl.name}")
-            run.paired_peers.append(paired_peer_ratio(impl, peer, run.shapes[name], "adam", pairs))
+            run.paired_peers.append(paired_peer_ratio(impl, peer, run.shapes[name], "adam", pairs, opts))
 
 
 def _print_report(run: _Run) -> None:
-    print("\n".join(report.header(run.opts, run.threads, run.versions, run.bandwidth, run.shapes)))
+    print("\n".join(report.header(run.opts, run.threads, run.versions, run.bandwidth, run.shapes,
+                                  run.cache)))
     print()
     print("\n".join(run.agreement))
     print()
     print(report.format_table(run.rows))
     print()
     print(report.COLUMNS_NOTE)
-    lines = report.paired_lines(run.paired, run.paired_peers)
+    lines = report.paired_lines(run.paired, run.paired_peers, run.paired_nested)
     if lines:
         print("\n".join(lines))
     for lines in (report.format_summary(run.summary), report.format_per_array(run.per_array)):
@@ -218,10 +238,11 @@ def _print_report(run: _Run) -> None:
 def _write_json(run: _Run, elapsed: float, load: dict) -> None:
     shapes = run.shapes
     doc = {
-        "args": dict(vars(run.opts)),
+        "args": {k: v for k, v in vars(run.opts).items() if k != "evictor"},
         "versions": run.versions,
         "machine": {"arch": platform.machine(), "cores": run.threads, "platform": platform.platform()},
         "bandwidth": run.bandwidth,
+        "cache": run.cache,
         "bytes_per_param": {name: RULES[name].bytes_per_param for name in run.opts.rules},
         "bytes_model": {name: RULES[name].bytes_model for name in run.opts.rules},
         "hyperparameters": HYPERPARAMETERS,
@@ -232,6 +253,7 @@ def _write_json(run: _Run, elapsed: float, load: dict) -> None:
         "agreement": run.agreement,
         "rows": run.rows,
         "paired_tie_ratios": run.paired,
+        "paired_nested_ratios": run.paired_nested,
         "paired_peer_ratios": run.paired_peers,
         "summary": run.summary,
         "per_array": run.per_array,
@@ -256,10 +278,17 @@ def _run(opts) -> int:
     progress("measuring memory bandwidth")
     run.bandwidth = measure_bandwidth(opts.bandwidth_mb, run.threads, 3 if opts.quick else 5)
     impls = [i for i in IMPLS if i.backend in opts.backends]
-    _time_every_row(run, impls, progress)
-    _time_pairs(run, impls, progress)
+    opts.evictor = Evictor(opts.evict_mb, run.threads) if opts.cache != "warm" else None
+    run.cache = report.cache_line(opts)
+    try:
+        _time_every_row(run, impls, progress)
+        _time_pairs(run, impls, progress)
+    finally:
+        if opts.evictor is not None:
+            opts.evictor.close()
+        opts.evictor = None  # (its 64 MiB buffer let go)
     report.fill_ratios(run.rows, run.bandwidth["floor_gbs"])
-    run.summary = report.summary(run.rows, run.paired, run.paired_peers)
+    run.summary = report.summary(run.rows, run.paired, run.paired_peers, run.paired_nested)
     run.per_array = report.per_array(run.rows)
     _print_report(run)
     elapsed = time.perf_counter() - started

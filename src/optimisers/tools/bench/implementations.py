@@ -5,7 +5,14 @@ builds its rule from the rule's entry in `rules.RULES`; a peer the entry lacks i
 
 Peers that have no notion of tied weights get the tied parameter once with its gradients already
 summed, which is what autograd / `jax.grad` would hand them; `optimisers` gets the tied model and
-one gradient per place.
+one gradient per place, except the row "optimisers update_, opt.grads", which is stepped as a
+PyTorch user steps a module: new `.grad` tensors before every step (the summed gradient of a tied
+parameter, as autograd leaves it), and `optimisers.grads(module)` (one gradient per tensor, None
+at the later places of a tied one) handed to `update_`.
+
+On the shapes marked `module` (S3-nested), the PyTorch rows of `optimisers` step an `nn.Module`
+(`models.as_module`) with the gradient tree `optimisers.grads` makes of it; the peers step the
+same tensors as they step any other shape.
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ import numpy as np
 import optimisers as opt
 
 from . import peers
-from .models import Data, Shape, get, nest
+from .models import Data, Shape, as_module, get, nest
 from .rules import RULES, BenchRule
 
 
@@ -31,6 +38,9 @@ class Runner:
     setup_s: float | None = None
     compile_s: float | None = None
     note: str | None = None  # shown beside the row: a torch peer from another package
+    # untimed work before each step that belongs to the training loop, not to the optimiser (new
+    # `.grad` tensors, as `zero_grad()` then `backward()` make them)
+    prepare: Callable[[], None] | None = None
 
 
 @dataclass
@@ -43,6 +53,12 @@ class Impl:
     tracemalloc: bool = False  # NumPy rows: memory by tracemalloc (RSS as a cross-check)
     absent: Callable[[BenchRule], str | None] = lambda rule: None  # why this row cannot run a rule
     flat: bool = False  # ours, with the parameters and gradients as views of flat buffers
+    # ours, stepped with `optimisers.grads(module)` and new gradient tensors every step: a variant
+    # reported on its own lines (S2-tied / S2), not against the peers
+    module_grads: bool = False
+    # False: what the step gets does not depend on the tree (a drop-in takes a list of parameters,
+    # JAX's flat vector is one array)
+    sees_nesting: bool = True
 
 
 def optimisers_rule(rule: str) -> opt.Rule:
@@ -94,12 +110,58 @@ def _optimisers_numpy(data: Data, rule: str) -> Runner:
     return _optimisers_in_place(model, grads, rule, lambda x: x, data.shape)
 
 
+def _torch_params(data: Data) -> list:
+    import torch
+
+    return [torch.nn.Parameter(torch.tensor(a)) for a in data.params]
+
+
+def _torch_model(data: Data, params: list):
+    """The model of `params`: the nested tree, or on a `module` shape the nn.Module of it."""
+    tree = data.tree(params)
+    return as_module(tree) if data.shape.module else tree
+
+
 def _optimisers_torch(data: Data, rule: str) -> Runner:
     import torch
 
-    model = data.model(lambda a: torch.nn.Parameter(torch.tensor(a)))
-    grads = data.grad_tree(torch.tensor)
+    params = _torch_params(data)
+    model = _torch_model(data, params)
+    if data.shape.module:  # gradients as a module user hands them: `optimisers.grads(module)`
+        for p, g in zip(params, data.grads_sum):
+            p.grad = torch.tensor(g)
+        grads = opt.grads(model)
+    else:
+        grads = data.grad_tree(torch.tensor)
     return _optimisers_in_place(model, grads, rule, lambda x: x.detach().numpy(), data.shape)
+
+
+def _optimisers_torch_module_grads(data: Data, rule: str) -> Runner:
+    """The model as an `nn.Module` (a tied place registers the one Parameter again), stepped as a
+    training loop steps it: before each step (untimed) every parameter gets a new `.grad` tensor,
+    as `zero_grad()` then `backward()` make them (a tied parameter's holds the sum over its
+    places, as autograd's does); the step is `update_(state, module, optimisers.grads(module))`,
+    `grads` included (one gradient per tensor, None at the later places of a tied one)."""
+    import torch
+
+    params = _torch_params(data)
+    model = as_module(data.tree(params))
+    values = [torch.from_numpy(g) for g in data.grads_sum]
+    state, setup_s = _setup(optimisers_rule(rule), model)
+    box = [state, model]
+
+    def prepare():
+        for p, g in zip(params, values):
+            p.grad = g.clone()  # a new tensor with new memory, as backward makes after zero_grad()
+
+    def step():
+        box[0], box[1] = opt.update_(box[0], box[1], opt.grads(box[1]))
+
+    def fetch():
+        m = box[1]
+        return [p.detach().numpy() for p in params], _tie_status(m, data.shape, lambda a, b: a is b)
+
+    return Runner(step, fetch, setup_s=setup_s, prepare=prepare)
 
 
 def views_of_one_buffer(values, make):
@@ -126,18 +188,24 @@ def _optimisers_numpy_flat(data: Data, rule: str) -> Runner:
 
 
 def _optimisers_torch_flat(data: Data, rule: str) -> Runner:
-    """`optimisers.torch.flatten_` on the parameters: their data and `.grad` views of flat buffers."""
+    """`optimisers.torch.flatten_` on the parameters: their data and `.grad` views of flat buffers
+    (on a `module` shape, the gradients handed over are `optimisers.grads(module)`: those views)."""
     import torch
 
     from optimisers.torch import flatten_
 
-    model = data.model(lambda a: torch.nn.Parameter(torch.tensor(a)))
-    params = [get(model, p) for p in data.shape.paths]
+    params = _torch_params(data)
+    model = _torch_model(data, params)
     flatten_(params)
-    for p, g in zip(params, data.grads):
-        p.grad.copy_(torch.from_numpy(g))
-    tie_grads = [(path, torch.tensor(g)) for path, g in data.tie_grads.items()]
-    grads = nest([*((path, p.grad) for path, p in zip(data.shape.paths, params)), *tie_grads])
+    if data.shape.module:
+        for p, g in zip(params, data.grads_sum):
+            p.grad.copy_(torch.from_numpy(g))
+        grads = opt.grads(model)
+    else:
+        for p, g in zip(params, data.grads):
+            p.grad.copy_(torch.from_numpy(g))
+        tie_grads = [(path, torch.tensor(g)) for path, g in data.tie_grads.items()]
+        grads = nest([*((path, p.grad) for path, p in zip(data.shape.paths, params)), *tie_grads])
     return _optimisers_in_place(model, grads, rule, lambda x: x.detach().numpy(), data.shape)
 
 
@@ -149,8 +217,8 @@ def _optimisers_torch_drop_in(data: Data, rule: str) -> Runner:
 
     from optimisers.torch import flatten_
 
-    model = data.model(lambda a: torch.nn.Parameter(torch.tensor(a)))
-    params = [get(model, p) for p in data.shape.paths]
+    params = _torch_params(data)
+    model = _torch_model(data, params)
     flatten_(params)
     for p, g in zip(params, data.grads_sum):
         p.grad.copy_(torch.from_numpy(g))
@@ -312,15 +380,17 @@ IMPLS = [
     Impl("numpy", "optimisers update_, flat views", _optimisers_numpy_flat, ours=True, tracemalloc=True,
          flat=True),
     Impl("torch", "optimisers update_", _optimisers_torch, ours=True),
+    Impl("torch", "optimisers update_, opt.grads", _optimisers_torch_module_grads, ours=True,
+         module_grads=True),
     Impl("torch", "optimisers update_, flatten_", _optimisers_torch_flat, ours=True, flat=True),
     Impl("torch", "optimisers drop-in, flatten_", _optimisers_torch_drop_in, ours=True, flat=True,
-         absent=_no_drop_in),
+         absent=_no_drop_in, sees_nesting=False),
     Impl("torch", "torch.optim foreach=False", _torch_optim("loop"), absent=_no_torch("loop")),
     Impl("torch", "torch.optim foreach=True", _torch_optim("foreach"), absent=_no_torch("foreach")),
     Impl("torch", "torch.optim fused", _torch_optim("fused"), absent=_no_torch("fused")),
     Impl("jax", "optimisers jit+donate", _optimisers_jax, ours=True, jit_key="optimisers"),
     Impl("jax", "optimisers jit+donate, flat vector", _optimisers_jax_flat, ours=True,
-         jit_key="optimisers-flat", flat=True, absent=_not_elementwise),
+         jit_key="optimisers-flat", flat=True, absent=_not_elementwise, sees_nesting=False),
     Impl("jax", "optax jit+donate", _optax(True), jit_key="optax", absent=_no_optax),
     Impl("jax", "optax jit", _optax(False), jit_key="optax", absent=_no_optax),
 ]

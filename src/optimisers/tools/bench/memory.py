@@ -57,7 +57,10 @@ def tracemalloc_extra(make_runner, data) -> int:
     tracemalloc.start()
     try:
         runner = make_runner(data)
+        prepare = getattr(runner, "prepare", None) or (lambda: None)  # the training loop's, untraced
+        prepare()
         runner.step()  # a first step may allocate lazily
+        prepare()
         gc.collect()
         tracemalloc.reset_peak()
         before = tracemalloc.get_traced_memory()[0]

@@ -1,6 +1,7 @@
-"""What the bench steps: the shapes (S1, S2, S2-tied, S3), the float32 parameters and gradients
-every implementation starts from, and how their results are compared with the float64 reference
-(the rules, their hyperparameters and the reference itself are in `rules`)."""
+"""What the bench steps: the shapes (S1, S2, S2-tied, S3, S3-nested, S3-one), the float32
+parameters and gradients every implementation starts from, the trees (and PyTorch modules) that
+hold them, and how their results are compared with the float64 reference (the rules, their
+hyperparameters and the reference itself are in `rules`)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ CHECK_STEPS = 3  # steps run by every implementation before its result is compar
 ATOL, RTOL = 1e-7, 1e-6  # float32 tolerance against the float64 reference (steps are ~1e-5..1e-3)
 
 ALL_BACKENDS = ("numpy", "torch", "jax")
-# S3-one: S3's elements as one vector, the baseline of the per-array cost (S3 - S3-one) / arrays
-ALL_SHAPES = ("S1", "S2", "S2-tied", "S3", "S3-one")
+# S3-nested: S3's arrays nested as a model nests them (200 blocks of dicts and lists, 20 leaves a
+# block; for PyTorch an nn.Module of ModuleLists and ModuleDicts); S3-one: S3's elements as one
+# vector, the baseline of the per-array cost (S3 - S3-one) / arrays
+ALL_SHAPES = ("S1", "S2", "S2-tied", "S3", "S3-nested", "S3-one")
 # run when named (`--shapes S3-matrices`): many small matrices, for the matrix rules (Muon) and
 # the chains with a norm per array (ClipNorm+AdamW)
 EXTRA_SHAPES = ("S3-matrices",)
@@ -26,6 +29,9 @@ class Shape:
     shapes: list
     ties: dict = field(default_factory=dict)  # extra place -> index of the parameter it repeats
     layout: str = ""
+    # PyTorch rows of `optimisers` step it as an nn.Module (`as_module`), its gradients given by
+    # `optimisers.grads(module)`; otherwise as the nested dicts and lists of `nest`
+    module: bool = False
 
     @property
     def n_params(self) -> int:
@@ -63,6 +69,21 @@ def _gpt_paths(d, layers, vocab, ctx):
     return [p for p, _ in items], [s for _, s in items]
 
 
+#: One block of S3-nested: 20 vectors in dicts and lists, as a transformer block nests its
+#: parameters (attention projections in a dict, an MLP and norms as lists of layers, loose leaves).
+_BLOCK = (
+    *((("attn", k, leaf)) for k in ("q", "k", "v", "o") for leaf in ("weight", "bias")),
+    *((("mlp", i, leaf)) for i in range(2) for leaf in ("weight", "bias")),
+    *((("norms", i, leaf)) for i in range(2) for leaf in ("weight", "bias")),
+    ("extra", "scale"), ("extra", "shift"), ("gate", "weight"), ("gate", "bias"),
+)
+LEAVES_PER_BLOCK = len(_BLOCK)  # 20
+
+
+def _nested_paths(n_blocks: int) -> list:
+    return [("blocks", b) + leaf for b in range(n_blocks) for leaf in _BLOCK]
+
+
 def make_shapes(quick: bool) -> dict[str, Shape]:
     # --quick shrinks every shape; XLA's compile time grows about quadratically with the leaf count,
     # so it also has fewer tensors (the full S3 costs optax ~45 s per compile)
@@ -84,6 +105,12 @@ def make_shapes(quick: bool) -> dict[str, Shape]:
         ),
         "S3": Shape("S3", [(i,) for i in range(n_small)], [(256,)] * n_small,
                     layout=f"a list of {n_small} vectors of 256"),
+        "S3-nested": Shape(
+            "S3-nested", _nested_paths(n_small // LEAVES_PER_BLOCK), [(256,)] * n_small,
+            layout=f"S3's {n_small} vectors in {n_small // LEAVES_PER_BLOCK} blocks of dicts and lists, "
+            f"{LEAVES_PER_BLOCK} a block (PyTorch: an nn.Module of ModuleLists/ModuleDicts)",
+            module=True,
+        ),
         "S3-one": Shape("S3-one", [(0,)], [(256 * n_small,)], layout="S3's elements as one vector"),
         "S3-matrices": Shape("S3-matrices", [(i,) for i in range(n_small)], [(16, 16)] * n_small,
                              layout=f"a list of {n_small} matrices of 16x16"),
@@ -110,10 +137,37 @@ def _listify(node):
 
 
 def get(tree, path):
-    """The value at `path` (a tuple of keys and indices) in a nested container."""
+    """The value at `path` (a tuple of keys and indices) in a nested container, or in a PyTorch
+    module made by `as_module` (a ModuleList or ModuleDict is indexed, another module's
+    parameters and submodules are its attributes)."""
     for k in path:
-        tree = tree[k]
+        try:
+            tree = tree[k]
+        except TypeError:  # a plain nn.Module: not subscriptable
+            tree = getattr(tree, str(k))
     return tree
+
+
+def as_module(tree):
+    """The nested dicts and lists of `nest` as PyTorch modules, as a model nests them: a list of
+    containers is a ModuleList, a list of parameters a ParameterList, a dict of containers a
+    ModuleDict, any other dict a plain Module holding its parameters and submodules by name (a
+    tied place registers the one Parameter again: `named_parameters()` lists it once)."""
+    import torch
+
+    if isinstance(tree, list):
+        if all(isinstance(v, torch.nn.Parameter) for v in tree):
+            return torch.nn.ParameterList(tree)
+        return torch.nn.ModuleList([as_module(v) for v in tree])
+    if not any(isinstance(v, torch.nn.Parameter) for v in tree.values()):
+        return torch.nn.ModuleDict({str(k): as_module(v) for k, v in tree.items()})
+    module = torch.nn.Module()
+    for k, v in tree.items():
+        if isinstance(v, torch.nn.Parameter):
+            module.register_parameter(str(k), v)
+        else:
+            module.add_module(str(k), as_module(v))
+    return module
 
 
 @dataclass
@@ -128,7 +182,10 @@ class Data:
 
     def model(self, convert):
         """The model tree (tied places hold the one converted object)."""
-        values = [convert(p) for p in self.params]
+        return self.tree([convert(p) for p in self.params])
+
+    def tree(self, values):
+        """The model tree of `values`, one per distinct parameter (tied places hold the same one)."""
         items = list(zip(self.shape.paths, values))
         items += [(path, values[i]) for path, i in self.shape.ties.items()]
         return nest(items)

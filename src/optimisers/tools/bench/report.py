@@ -6,17 +6,39 @@ from __future__ import annotations
 import platform
 
 from .bandwidth import KERNELS
+from .cache import is_cold
 from .implementations import BEST_PEER, FALLBACK_PEER, IMPLS
 from .models import CHECK_STEPS
 from .rules import RULES
 
-OURS = {impl.backend: impl.name for impl in IMPLS if impl.ours and not impl.flat}  # the main rows
+# the main rows
+OURS = {impl.backend: impl.name for impl in IMPLS if impl.ours and not impl.flat and not impl.module_grads}
 OURS_FLAT = [(impl.backend, impl.name) for impl in IMPLS if impl.ours and impl.flat]  # (torch: two)
+# stepped with optimisers.grads(module) and new gradient tensors every step
+OURS_GRADS = [(impl.backend, impl.name) for impl in IMPLS if impl.module_grads]
+# the rows whose model is the tree (not a drop-in, which takes a list of parameters)
+SEES_NESTING = {(impl.backend, impl.name) for impl in IMPLS if impl.sees_nesting}
 _SHORT_PEER = {"torch.optim fused": "torch fused", "optax jit+donate": "optax j+d",
                "naive NumPy loop": "naive np"}
 
 
-def header(opts, threads: int, versions: dict, bw: dict, shapes: dict) -> list[str]:
+def cache_line(opts) -> str:
+    """How the caches are treated between timed steps, by shape."""
+    evictor = getattr(opts, "evictor", None)
+    if evictor is None:
+        return "cache: warm (steps timed back to back) for every shape"
+    names = [n for n in opts.shapes if is_cold(n, opts.cache)]
+    if not names:
+        return "cache: warm (steps timed back to back) for the shapes of this run"
+    cold = "every shape" if opts.cache == "cold" else ", ".join(names)
+    line = (f"cache: cold for {cold}: before each timed step (untimed) {evictor.describe()}, as the "
+            "forward and backward passes between two steps of training evict what a step touched")
+    if len(names) < len(opts.shapes):
+        line += "; warm (back to back) for the others"
+    return line
+
+
+def header(opts, threads: int, versions: dict, bw: dict, shapes: dict, cache: str = "") -> list[str]:
     """The machine, the versions, the bandwidth measurements and the shapes with their floors."""
     floor, samples = bw["floor_gbs"], bw["floor_samples_gbs"]
     out = [
@@ -43,8 +65,10 @@ def header(opts, threads: int, versions: dict, bw: dict, shapes: dict) -> list[s
     for name in opts.shapes:
         s = shapes[name]
         floors = ", ".join(f"{rule} {_floor_ms(rule, s.n_params, floor)}" for rule in opts.rules)
-        out.append(f"  {name:7} {s.n_tensors:5d} tensors, {s.n_places:5d} places, {s.n_params:>10,} "
+        out.append(f"  {name:9} {s.n_tensors:5d} tensors, {s.n_places:5d} places, {s.n_params:>10,} "
                    f"params ({s.layout}); floor: {floors}")
+    if cache:
+        out.append(cache)
     return out
 
 
@@ -108,8 +132,11 @@ def _fmt(value, spec, width):
     return (format(value, spec) if value is not None else "-").rjust(width)
 
 
+IMPL_WIDTH, SHAPE_WIDTH = 34, 9
+
+
 def _table_line(r: dict, rule_width: int = 8) -> str:
-    lead = f"{r['backend']:7} {r['impl']:26} {r['shape']:7} {r['rule']:{rule_width}} "
+    lead = f"{r['backend']:7} {r['impl']:{IMPL_WIDTH}} {r['shape']:{SHAPE_WIDTH}} {r['rule']:{rule_width}} "
     if "median_ms" not in r:
         if "absent" in r:
             why = f"— ({r['absent']})"
@@ -128,6 +155,8 @@ def _table_line(r: dict, rule_width: int = 8) -> str:
         agree += ", " + r["ties"]
     if r.get("note"):
         agree += f" ({r['note']})"
+    if r.get("cache") == "cold":
+        agree += ", cold"
     return (
         lead
         + f"{r['median_ms']:8.2f} {r['min_ms']:8.2f} {r['max_ms']:8.2f} {r['repeats']:3d} "
@@ -144,13 +173,14 @@ def _table_line(r: dict, rule_width: int = 8) -> str:
 
 def format_table(rows: list) -> str:
     w = max([8] + [len(r["rule"]) for r in rows])
+    iw, sw = IMPL_WIDTH, SHAPE_WIDTH
     head = (
-        f"{'backend':7} {'impl':26} {'shape':7} {'rule':{w}} {'median':>8} {'min':>8} {'max':>8} "
+        f"{'backend':7} {'impl':{iw}} {'shape':{sw}} {'rule':{w}} {'median':>8} {'min':>8} {'max':>8} "
         f"{'n':>3} {'xfloor':>7} {'xpeer':>6} {'peer':11} {'compile':>8} {'setup':>7} "
         f"{'extraMB':>8} {'xparam':>6} agree"
     )
     units = (
-        f"{'':7} {'':26} {'':7} {'':{w}} {'ms':>8} {'ms':>8} {'ms':>8} {'':>3} {'':>7} {'':>6} {'':11} "
+        f"{'':7} {'':{iw}} {'':{sw}} {'':{w}} {'ms':>8} {'ms':>8} {'ms':>8} {'':>3} {'':>7} {'':>6} {'':11} "
         f"{'s':>8} {'ms':>7} {'':>8} {'':>6}"
     )
     lines = [head, units.rstrip(), "-" * len(head)]
@@ -168,7 +198,8 @@ COLUMNS_NOTE = (
     "xfloor: median / (bytes per param x params / floor bandwidth). xpeer: median / the peer's "
     "median (same shape and rule). extraMB: peak memory above the step's start, t = tracemalloc "
     "(NumPy allocations), r = RSS high-water mark; xparam: extraMB / parameter bytes. setup: "
-    "median of 3 calls of setup on the model."
+    "median of 3 calls of setup on the model. cold: the caches evicted before each timed step "
+    "(see the cache line above)."
 )
 
 
@@ -187,15 +218,23 @@ def format_paired(title: str, results: list, label, detail) -> list[str]:
     return lines
 
 
-def paired_lines(paired: list, paired_peers: list) -> list[str]:
+def _cache_note(p: dict) -> str:
+    return ", cold" if p.get("cache") == "cold" else ""
+
+
+def paired_lines(paired: list, paired_peers: list, paired_nested: list = ()) -> list[str]:
     return format_paired(
         "S2-tied / S2", paired,
-        lambda p: f"{p['backend']:7} {p['impl']:26} {p['rule']:9}",
-        lambda p: f"S2 {p['plain_ms']:.2f}, S2-tied {p['tied_ms']:.2f}",
+        lambda p: f"{p['backend']:7} {p['impl']:{IMPL_WIDTH}} {p['rule']:9}",
+        lambda p: f"S2 {p['plain_ms']:.2f}, S2-tied {p['tied_ms']:.2f}{_cache_note(p)}",
+    ) + format_paired(
+        "nested S3 / S3", list(paired_nested),
+        lambda p: f"{p['backend']:7} {p['impl']:{IMPL_WIDTH}} {p['rule']:9}",
+        lambda p: f"S3 {p['flat_ms']:.2f}, S3-nested {p['nested_ms']:.2f}{_cache_note(p)}",
     ) + format_paired(
         "optimisers / peer", paired_peers,
         lambda p: f"{p['backend']:7} {p['shape']:7} {p['impl']} / {p['peer']}",
-        lambda p: f"ours {p['ours_ms']:.2f}, peer {p['peer_ms']:.2f}",
+        lambda p: f"ours {p['ours_ms']:.2f}, peer {p['peer_ms']:.2f}{_cache_note(p)}",
     )
 
 
@@ -207,7 +246,7 @@ def _against_peers(by: dict, paired_peers: list) -> list[dict]:
     pair = {(p["backend"], p["shape"]): p for p in paired_peers if "ratio_median" in p}
     out = []
     for backend, impl in [*OURS.items(), *OURS_FLAT]:
-        for shape in ("S1", "S2", "S3"):
+        for shape in ("S1", "S2", "S3", "S3-nested"):
             r = by.get((backend, impl, shape, "adam"))
             if r is None or "x_peer" not in r:
                 continue
@@ -220,14 +259,16 @@ def _against_peers(by: dict, paired_peers: list) -> list[dict]:
 
 
 def _tied_over_untied(by: dict, paired: list) -> list[dict]:
-    """Adam: each `optimisers` implementation on S2-tied over S2, the paired ratio where there is one."""
-    pair = {p["backend"]: p for p in paired if p["rule"] == "adam" and "ratio_median" in p}
+    """Adam: each `optimisers` implementation on S2-tied over S2, the paired ratio where there is
+    one; for the row stepped with `optimisers.grads(module)`, "S2-tied (opt.grads) / S2"."""
+    pair = {(p["backend"], p["impl"]): p for p in paired if p["rule"] == "adam" and "ratio_median" in p}
     out = []
-    for backend, impl in OURS.items():
+    for backend, impl in [*OURS.items(), *OURS_GRADS]:
         tied, plain = by.get((backend, impl, "S2-tied", "adam")), by.get((backend, impl, "S2", "adam"))
-        what = f"{backend} S2-tied / S2: {impl}"
-        if backend in pair:
-            out.append({"what": what, "ratio": pair[backend]["ratio_median"], "ratio_of_minimums": None,
+        how = " (opt.grads)" if (backend, impl) in OURS_GRADS else ""
+        what = f"{backend} S2-tied{how} / S2: {impl}"
+        if (backend, impl) in pair:
+            out.append({"what": what, "ratio": pair[backend, impl]["ratio_median"], "ratio_of_minimums": None,
                         "paired": True})
         elif tied and plain:
             out.append({"what": what, "ratio": tied["median_ms"] / plain["median_ms"],
@@ -235,28 +276,53 @@ def _tied_over_untied(by: dict, paired: list) -> list[dict]:
     return out
 
 
-def summary(rows: list, paired: list = (), paired_peers: list = ()) -> list[dict]:
+def _nested_over_flat(by: dict, paired_nested: list) -> list[dict]:
+    """Adam: each `optimisers` implementation on S3-nested over S3 (the same arrays as a flat
+    list), the paired ratio where there is one."""
+    pair = {(p["backend"], p["impl"]): p for p in paired_nested
+            if p["rule"] == "adam" and "ratio_median" in p}
+    out = []
+    for backend, impl in [k for k in [*OURS.items(), *OURS_GRADS, *OURS_FLAT] if k in SEES_NESTING]:
+        nested, flat = by.get((backend, impl, "S3-nested", "adam")), by.get((backend, impl, "S3", "adam"))
+        what = f"{backend} nested S3 / S3: {impl}"
+        if (backend, impl) in pair:
+            out.append({"what": what, "ratio": pair[backend, impl]["ratio_median"], "ratio_of_minimums": None,
+                        "paired": True})
+        elif nested and flat:
+            out.append({"what": what, "ratio": nested["median_ms"] / flat["median_ms"],
+                        "ratio_of_minimums": nested["min_ms"] / flat["min_ms"], "paired": False})
+    return out
+
+
+def summary(rows: list, paired: list = (), paired_peers: list = (), paired_nested: list = ()) -> list[dict]:
     """The Adam ratios a reader looks for first: `optimisers` over torch.optim fused / optax
-    jit+donate (the naive NumPy loop where torch did not run) per shape, and a tied model over the
-    same model untied. Each entry: `what`, `ratio` (of medians, or the paired median),
-    `ratio_of_minimums` (unpaired only) and `paired`."""
+    jit+donate (the naive NumPy loop where torch did not run) per shape, a tied model over the
+    same model untied, and S3 nested over S3 as a flat list. Each entry: `what`, `ratio` (of
+    medians, or the paired median), `ratio_of_minimums` (unpaired only) and `paired`."""
     by = {(r["backend"], r["impl"], r["shape"], r["rule"]): r for r in rows
           if r["rule"] == "adam" and "median_ms" in r}
-    return _against_peers(by, paired_peers) + _tied_over_untied(by, paired)
+    return (_against_peers(by, paired_peers) + _tied_over_untied(by, paired)
+            + _nested_over_flat(by, paired_nested))
 
 
 def per_array(rows: list) -> list[dict]:
     """Adam: what each of S3's arrays costs beyond its elements, for each `optimisers` row run on
-    both S3 and S3-one (the same elements as one vector): `us_per_array` = (S3 - S3-one) / S3's
-    arrays, in µs per array per step, and `x_one` = S3 / S3-one."""
+    S3 (and S3-nested) and S3-one (the same elements as one vector): `us_per_array` = (S3 -
+    S3-one) / S3's arrays, in µs per array per step, and `x_one` = S3 / S3-one; `cache` says
+    whether the rows were timed with a cold cache (the default for the S3 family)."""
     by = {(r["backend"], r["impl"], r["shape"]): r for r in rows if r["rule"] == "adam" and "median_ms" in r}
     out = []
-    for backend, impl in [*OURS.items(), *OURS_FLAT]:
-        many, one = by.get((backend, impl, "S3")), by.get((backend, impl, "S3-one"))
-        if many and one:
-            extra_ms = many["median_ms"] - one["median_ms"]
-            out.append({"backend": backend, "impl": impl, "us_per_array": extra_ms * 1e3 / many["tensors"],
-                        "x_one": many["median_ms"] / one["median_ms"], "one_ms": one["median_ms"]})
+    for backend, impl in [*OURS.items(), *OURS_GRADS, *OURS_FLAT]:
+        one = by.get((backend, impl, "S3-one"))
+        for shape in ("S3", "S3-nested"):
+            many = by.get((backend, impl, shape))
+            if many and one:
+                extra_ms = many["median_ms"] - one["median_ms"]
+                cold = many.get("cache") == "cold" and one.get("cache") == "cold"
+                out.append({"backend": backend, "impl": impl, "shape": shape,
+                            "us_per_array": extra_ms * 1e3 / many["tensors"],
+                            "x_one": many["median_ms"] / one["median_ms"], "one_ms": one["median_ms"],
+                            "cache": "cold" if cold else "warm"})
     return out
 
 
@@ -264,9 +330,10 @@ def format_per_array(entries: list) -> list[str]:
     if not entries:
         return []
     lines = ["Per-array overhead, Adam: (S3 - S3-one) / S3's arrays, and S3 over its elements as one "
-             "vector (S3-one):"]
-    lines += [f"  {e['backend']:7} {e['impl']:34} {e['us_per_array']:7.3f} µs per array per step   "
-              f"{e['x_one']:6.2f}x one vector ({e['one_ms']:.2f} ms)" for e in entries]
+             "vector (S3-one); the same for S3-nested:"]
+    lines += [f"  {e['backend']:7} {e['impl']:{IMPL_WIDTH}} {e['shape']:9} {e['us_per_array']:7.3f} µs per "
+              f"array per step   {e['x_one']:6.2f}x one vector ({e['one_ms']:.2f} ms, {e['cache']} cache)"
+              for e in entries]
     return lines
 
 
@@ -277,5 +344,5 @@ def format_summary(entries: list) -> list[str]:
              "below 1 is faster):"]
     for e in entries:
         by_min = f"[{e['ratio_of_minimums']:.3g}]" if e["ratio_of_minimums"] is not None else ""
-        lines.append(f"  {e['what']:58} {e['ratio']:7.3g} {by_min:>8}{'  (paired)' if e['paired'] else ''}")
+        lines.append(f"  {e['what']:66} {e['ratio']:7.3g} {by_min:>8}{'  (paired)' if e['paired'] else ''}")
     return lines

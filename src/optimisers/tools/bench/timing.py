@@ -1,4 +1,8 @@
-"""Running one row of the bench (check, time, memory), and timing two runners in alternation."""
+"""Running one row of the bench (check, time, memory), and timing two runners in alternation.
+
+Every step a runner takes is preceded by its `prepare` (new gradient tensors, for the rows that
+step as a training loop does), and every timed step by the cache eviction when the shape is timed
+cold (`cache`): both outside the timed region."""
 
 from __future__ import annotations
 
@@ -11,23 +15,46 @@ import time
 import traceback
 from typing import Any
 
+from .cache import is_cold
 from .implementations import Impl, Runner
 from .memory import rss_extra, tracemalloc_extra
 from .models import CHECK_STEPS, Data, Shape, agrees, make_data
 from .rules import RULES
 
 
+def evictor_for(opts, shape: str):
+    """The cache eviction to run before each timed step of `shape`, or None (a warm cache)."""
+    evictor = getattr(opts, "evictor", None)
+    if evictor is None or not is_cold(shape, getattr(opts, "cache", "auto")):
+        return None
+    return evictor
+
+
+def _untimed(runner: Runner, evict=None) -> None:
+    """What comes before a step and is not timed: the runner's `prepare`, then the eviction."""
+    if runner.prepare is not None:
+        runner.prepare()
+    if evict is not None:
+        evict()
+
+
+def _timed(runner: Runner, evict=None) -> float:
+    """Seconds of one step of `runner`, after its untimed preparation."""
+    _untimed(runner, evict)
+    t = time.perf_counter()
+    runner.step()
+    return time.perf_counter() - t
+
+
 def _error_line(e: Exception) -> str:
     return (f"{type(e).__name__}: {e}".splitlines() or [type(e).__name__])[0][:300]
 
 
-def _step_times(step, repeats: int, warmup: int, quick: bool, est: float) -> list[float]:
+def _step_times(runner: Runner, repeats: int, warmup: int, quick: bool, est: float,
+                evict=None) -> list[float]:
     """Seconds of `repeats` steps, each timed alone; fast steps take more repeats, slow ones fewer."""
     if warmup:
-        t0 = time.perf_counter()
-        for _ in range(warmup):
-            step()
-        est = (time.perf_counter() - t0) / warmup
+        est = sum(_timed(runner, evict) for _ in range(warmup)) / warmup
     budget = 0.1 if quick else 0.25
     if est * repeats < budget:  # fast steps: more repeats for a steadier median
         repeats = min(50, max(repeats, int(budget / max(est, 1e-6))))
@@ -35,20 +62,16 @@ def _step_times(step, repeats: int, warmup: int, quick: bool, est: float) -> lis
         repeats = min(repeats, 3)
     elif est > 0.5:  # slow steps: the minimum of 5
         repeats = min(repeats, 5)
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t)
-    return times
+    return [_timed(runner, evict) for _ in range(repeats)]
 
 
-def _profile(step, n: int, top: int) -> str:
+def _profile(runner: Runner, n: int, top: int) -> str:
     prof = cProfile.Profile()
-    prof.enable()
     for _ in range(n):
-        step()
-    prof.disable()
+        _untimed(runner)
+        prof.enable()
+        runner.step()
+        prof.disable()
     out = io.StringIO()
     stats = pstats.Stats(prof, stream=out)
     stats.strip_dirs().sort_stats("tottime").print_stats(top)
@@ -78,9 +101,7 @@ def _check(runner: Runner, ref: list | None, rule: str, row: dict) -> float:
     the last step's seconds."""
     est = 0.0
     for _ in range(CHECK_STEPS):
-        t0 = time.perf_counter()
-        runner.step()
-        est = time.perf_counter() - t0
+        est = _timed(runner)
     got, ties = runner.fetch()
     if ref is None:
         if ties is not None:
@@ -94,10 +115,10 @@ def _check(runner: Runner, ref: list | None, rule: str, row: dict) -> float:
     return est
 
 
-def _time_row(runner: Runner, est: float, opts, row: dict) -> None:
+def _time_row(runner: Runner, est: float, opts, row: dict, evict=None) -> None:
     # the check steps warm up too; slow rows (a second per step) take no more
     warmup = opts.warmup if est < 0.25 else 0
-    times = _step_times(runner.step, opts.repeats, warmup, opts.quick, est)
+    times = _step_times(runner, opts.repeats, warmup, opts.quick, est, evict)
     row["repeats"] = len(times)
     row["times_ms"] = [t * 1e3 for t in times]
     row["median_ms"] = statistics.median(times) * 1e3
@@ -116,11 +137,14 @@ def _measure(impl: Impl, data: Data, rule: str, ref: list | None, opts, compile_
     if runner.setup_s is not None:
         row["setup_ms"] = runner.setup_s * 1e3
     est = _check(runner, ref, rule, row)
-    _time_row(runner, est, opts, row)
+    evict = evictor_for(opts, data.shape.name)
+    row["cache"] = "warm" if evict is None else "cold"
+    _time_row(runner, est, opts, row, evict)
     if opts.rss_ok:
+        _untimed(runner)  # (new gradients are the training loop's memory, not the step's)
         row["extra_bytes_rss"] = rss_extra(runner.step)
     if opts.profile and impl.ours:
-        row["profile"] = _profile(runner.step, 3, opts.profile)
+        row["profile"] = _profile(runner, 3, opts.profile)
     del runner  # the tracemalloc copy below is built without this one alive
     if impl.tracemalloc:
         row["extra_bytes_tracemalloc"] = tracemalloc_extra(lambda d: impl.make(d, rule), data)
@@ -166,32 +190,32 @@ def run_row(impl: Impl, data: Data, rule: str, ref: list | None, opts, compile_s
 # --- paired ratios -------------------------------------------------------------------------------
 
 
-def _alternate(first, second, pairs: int) -> tuple[float, float, float]:
+def _alternate(first: Runner, second: Runner, pairs: int, evict=None) -> tuple[float, float, float]:
     """Step two runners in alternation (which goes first alternates too): `(median of the
     per-pair ratios second/first, median ms of first, median ms of second)`. On a shared machine
     two rows timed a minute apart differ by more than a few percent, so the ratios that compare
-    `optimisers` with its peer are also measured this way."""
+    `optimisers` with its peer are also measured this way. `evict` (the cold cache) runs before
+    every timed step, outside the timing."""
     runners = (first, second)
     for _ in range(2):
-        first.step()
-        second.step()
+        _timed(first)
+        _timed(second)
     times: tuple[list, list] = ([], [])
     for k in range(pairs):
         for which in ((0, 1) if k % 2 == 0 else (1, 0)):
-            t = time.perf_counter()
-            runners[which].step()
-            times[which].append(time.perf_counter() - t)
+            times[which].append(_timed(runners[which], evict))
     ratios = [b / a for a, b in zip(*times)]
     return statistics.median(ratios), statistics.median(times[0]) * 1e3, statistics.median(times[1]) * 1e3
 
 
-def _paired(result: dict, make_first, make_second, pairs: int, names: tuple[str, str]) -> dict:
+def _paired(result: dict, make_first, make_second, pairs: int, names: tuple[str, str], evict=None) -> dict:
     """`result` with the paired ratio second/first and each side's median ms under `names`."""
     first = second = None
     try:
         first, second = make_first(), make_second()
-        ratio, first_ms, second_ms = _alternate(first, second, pairs)
+        ratio, first_ms, second_ms = _alternate(first, second, pairs, evict)
         result.update({"pairs": pairs, "ratio_median": ratio, names[0]: first_ms, names[1]: second_ms})
+        result["cache"] = "warm" if evict is None else "cold"
     except Exception as e:  # reported, not fatal
         result["error"] = _error_line(e)
     finally:
@@ -200,7 +224,7 @@ def _paired(result: dict, make_first, make_second, pairs: int, names: tuple[str,
     return result
 
 
-def paired_tie_ratio(impl: Impl, shapes: dict, rule: str, pairs: int) -> dict:
+def paired_tie_ratio(impl: Impl, shapes: dict, rule: str, pairs: int, opts=None) -> dict:
     """S2-tied against S2 for one implementation, timed in alternation."""
     return _paired(
         {"backend": impl.backend, "impl": impl.name, "rule": rule},
@@ -208,10 +232,24 @@ def paired_tie_ratio(impl: Impl, shapes: dict, rule: str, pairs: int) -> dict:
         lambda: impl.make(make_data(shapes["S2-tied"]), rule),
         pairs,
         ("plain_ms", "tied_ms"),
+        evictor_for(opts, "S2"),
     )
 
 
-def paired_peer_ratio(impl: Impl, peer: Impl, shape: Shape, rule: str, pairs: int) -> dict:
+def paired_nested_ratio(impl: Impl, shapes: dict, rule: str, pairs: int, opts=None) -> dict:
+    """S3-nested against S3 (the same arrays as a flat list) for one implementation, timed in
+    alternation."""
+    return _paired(
+        {"backend": impl.backend, "impl": impl.name, "rule": rule},
+        lambda: impl.make(make_data(shapes["S3"]), rule),
+        lambda: impl.make(make_data(shapes["S3-nested"]), rule),
+        pairs,
+        ("flat_ms", "nested_ms"),
+        evictor_for(opts, "S3-nested"),
+    )
+
+
+def paired_peer_ratio(impl: Impl, peer: Impl, shape: Shape, rule: str, pairs: int, opts=None) -> dict:
     """One implementation against its peer on one shape, timed in alternation."""
     data = make_data(shape)
     return _paired(
@@ -220,4 +258,5 @@ def paired_peer_ratio(impl: Impl, peer: Impl, shape: Shape, rule: str, pairs: in
         lambda: impl.make(data, rule),
         pairs,
         ("peer_ms", "ours_ms"),
+        evictor_for(opts, shape.name),
     )
