@@ -152,8 +152,8 @@ def test_kernel_refuses_what_it_cannot_step():
 
 
 def test_two_threads_step_at_once():
-    """Two States updated from two threads at the same time (numba's default threading layer
-    would abort the process on two parallel kernels at once)."""
+    """Two States updated from two threads at the same time, each step shared out over the
+    kernels' threads."""
     from concurrent.futures import ThreadPoolExecutor
 
     def train(seed):
@@ -168,6 +168,45 @@ def test_two_threads_step_at_once():
 
     with ThreadPoolExecutor(2) as pool:
         assert all(pool.map(train, range(4)))
+
+
+@pytest.mark.parametrize("threads", [2, 3, 5])
+def test_shares_cut_anywhere_step_as_one_call(threads, monkeypatch):
+    """The step's elements cut into shares at any place (inside an array, at its ends) give one
+    call's numbers bit for bit; arrays of no elements among them are fine."""
+    pytest.importorskip("numba")
+    from optimisers.rules.adam import AdamArgs
+
+    rng = np.random.default_rng(threads)
+    sizes = [int(k) for k in rng.integers(0, 3000, 40)] + [0, 70000]
+    xs = [rng.standard_normal(k).astype(np.float32) for k in sizes]
+    gs = [rng.standard_normal(k).astype(np.float32) for k in sizes]
+    state = [[np.full(k, 0.1, np.float32) for k in sizes] for _ in range(2)]
+    a = AdamArgs(1e-3, 0.9, 0.999, 1e-8, 0.01, True)
+    expected = [copy.deepcopy(v) for v in (xs, state[0], state[1])]
+    monkeypatch.setattr(kernels, "_threads", lambda: 1)
+    assert kernels._adam_step_many(a, *expected[:1], gs, *expected[1:], 3)
+    monkeypatch.setattr(kernels, "_threads", lambda: threads)
+    monkeypatch.setattr(kernels, "PARALLEL_FROM", 64)  # (shares as many as threads)
+    assert kernels._adam_step_many(a, xs, gs, *state, 3)
+    for got, want in zip((xs, *state), expected):
+        for x, y in zip(got, want):
+            np.testing.assert_array_equal(x, y)
+
+
+def test_a_share_that_raises_raises_after_every_share_is_done():
+    done = []
+
+    def kernel(k, fail):
+        done.append(k)
+        if k == fail:
+            raise ValueError(k)
+
+    for fail in (0, 2):  # this thread's share, a worker's
+        done.clear()
+        with pytest.raises(ValueError):
+            kernels._run(kernel, [(k,) for k in range(4)], (fail,))
+        assert sorted(done) == [0, 1, 2, 3]
 
 
 # --- the headers of many arrays, read in one call ------------------------------------------------
@@ -227,7 +266,7 @@ def test_without_the_reader_marks_are_numpys_attributes(monkeypatch):
 
 def test_many_small_arrays_step_together_on_every_core(kernel_calls):
     """Small arrays that add up to more than PARALLEL_FROM elements step in one call over all
-    cores (one array per thread at a time), with the rules' own numbers bit for bit."""
+    cores (each thread a share of their elements), with the rules' own numbers bit for bit."""
     pytest.importorskip("numba")
     rng = np.random.default_rng(3)
     model = [rng.standard_normal(256).astype(np.float32) for _ in range(kernels.PARALLEL_FROM // 256 + 40)]

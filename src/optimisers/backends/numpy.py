@@ -95,6 +95,108 @@ def marker(xs, marks):
     return functools.partial(marks, xs)
 
 
+# --- one check of a step's arrays: everything the kernels rely on, complete -------------------
+
+
+def snapshot(xs, gs):
+    """What a later step's kernels rely on in the parameters `xs` and their gradients `gs` (lists
+    of one length, `gs[i]` the gradient of `xs[i]`), for `unchanged`; None where they cannot be
+    stepped in place as they are: an item that is not exactly an ndarray, a parameter that is not
+    writable or shares a byte with another, a gradient whose strides are not aligned. Read in
+    compiled passes over the arrays' headers where numba reads them (`numpy_kernels.Snapshot`),
+    else with NumPy's public attributes."""
+    xs, gs = list(xs), list(gs)
+    if len(xs) != len(gs):
+        return None
+    if numpy_kernels.reads_headers():
+        return numpy_kernels.snapshot(xs, gs)
+    return _Snapshot.of(xs, gs)
+
+
+def unchanged(token, xs, gs) -> bool:
+    """Can the parameters `xs` and gradients `gs` of a later step be stepped exactly as those of
+    `snapshot` (`token`)? True only where each `xs[i]` is the same object, with the same data
+    pointer, shape, strides, dtype and flags (writable among them), and each `gs[i]` is exactly an
+    ndarray (a new one is fine) with the dtype, shape and strides of the gradient at the
+    snapshot, its data pointer aligned and none of its bytes a parameter's (compared as address
+    ranges: through any buffer, whatever owns it)."""
+    return token is not None and token.still(xs, gs)
+
+
+def overlapping(xs, gs) -> list:
+    """The indices of the arrays `gs` that share some byte with one of the arrays `xs`, found by
+    their address ranges (data pointer, and the bytes their strides reach), whatever buffer or
+    object owns their memory: one sort and one search of all of them."""
+    xs, gs = list(xs), list(gs)
+    x_spans = numpy_kernels.spans(xs)
+    g_spans = None if x_spans is None else numpy_kernels.spans(gs)
+    if g_spans is None:  # (without numba, or some array of a subclass: NumPy's attributes)
+        x_spans, g_spans = _spans(xs), _spans(gs)
+    (x_first, x_end), (g_first, g_end) = x_spans, g_spans
+    starts, ends = numpy_kernels.sorted_spans(x_first, x_end)
+    return np.flatnonzero(numpy_kernels.hits(starts, ends, g_first, g_end)).tolist()
+
+
+def _spans(arrays):
+    """`numpy_kernels.spans` of any arrays, from NumPy's public attributes."""
+    bounds = [(0, 0) if a.size == 0 else _byte_bounds(a) for a in arrays]
+    found = np.array(bounds, np.int64).reshape(len(arrays), 2)
+    return found[:, 0], found[:, 1]
+
+
+def _pointer(a) -> int:
+    return a.__array_interface__["data"][0]
+
+
+def _gradient(g):
+    return (g.dtype, g.shape, g.strides) if type(g) is np.ndarray else None
+
+
+class _Snapshot:
+    """`snapshot`'s token from NumPy's public attributes (without numba)."""
+
+    __slots__ = ("xs", "params", "grads", "reach", "alignment", "starts", "ends")
+
+    @classmethod
+    def of(cls, xs, gs):
+        if not all(type(a) is np.ndarray for a in (*xs, *gs)) or not all(x.flags.writeable for x in xs):
+            return None
+        if not all(_aligned_strides(g) for g in gs):
+            return None
+        starts, ends = numpy_kernels.sorted_spans(*_spans(xs))
+        if (starts[1:] < ends[:-1]).any():  # parameters that share bytes
+            return None
+        self = cls()
+        self.xs, self.starts, self.ends = xs, starts, ends
+        self.params = list(map(_param, xs))
+        self.grads = list(map(_gradient, gs))
+        first, end = _spans(gs)
+        data = np.fromiter(map(_pointer, gs), np.int64, len(gs))
+        self.reach = (first - data, end - data)
+        self.alignment = np.array([g.dtype.alignment for g in gs], np.int64)
+        return self
+
+    def still(self, xs, gs) -> bool:
+        n = len(self.xs)
+        if len(xs) != n or len(gs) != n or not all(map(operator.is_, xs, self.xs)):
+            return False
+        if list(map(_param, xs)) != self.params or list(map(_gradient, gs)) != self.grads:
+            return False
+        data = np.fromiter(map(_pointer, gs), np.int64, n)
+        if (data % self.alignment).any():
+            return False
+        first, end = data + self.reach[0], data + self.reach[1]
+        return not numpy_kernels.hits(self.starts, self.ends, first, end).any()
+
+
+def _param(x):
+    return _pointer(x), x.shape, x.strides, x.dtype, x.flags  # (flags compare by value)
+
+
+def _aligned_strides(a) -> bool:
+    return all(n <= 1 or s % a.dtype.alignment == 0 for n, s in zip(a.shape, a.strides))
+
+
 try:  # NumPy >= 2
     from numpy.lib.array_utils import byte_bounds as _byte_bounds
 except ImportError:  # pragma: no cover - NumPy 1.x
