@@ -127,7 +127,7 @@ def overlapping(xs, gs) -> list:
     """The indices of the arrays `gs` that share some byte with one of the arrays `xs`, found by
     their address ranges (data pointer, and the bytes their strides reach), whatever buffer or
     object owns their memory: one sort and one search of all of them."""
-    xs, gs = list(xs), list(gs)
+    xs, gs = (a if type(a) is list else list(a) for a in (xs, gs))
     x_spans = numpy_kernels.spans(xs)
     g_spans = None if x_spans is None else numpy_kernels.spans(gs)
     if g_spans is None:  # (without numba, or some array of a subclass: NumPy's attributes)
