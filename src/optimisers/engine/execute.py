@@ -143,8 +143,25 @@ def step_groups(ready) -> None:
 def _unalias(prepared) -> None:
     """Copy each gradient that shares memory with a parameter about to be stepped (a view of it
     such as `W[::-1]`, or another parameter): chunks write parameters while later chunks still
-    read gradients, so `update_` would otherwise differ from `update`. Memory owners are compared
-    first (one set lookup per gradient), so the exact test runs only where they match."""
+    read gradients, so `update_` would otherwise differ from `update`. A backend that compares
+    address ranges (`overlapping`: NumPy's, through any buffer) finds them in one call; for the
+    others memory owners are compared first (one set lookup per gradient), so the exact test
+    runs only where they match."""
+    ranged: dict = {}  # backend -> [(group, xs, dxs, factors)]
+    for entry in prepared:
+        if hasattr(entry[0].b, "overlapping"):
+            ranged.setdefault(entry[0].b, []).append(entry)
+    for b, entries in ranged.items():
+        lists = [dxs for _, _, dxs, _ in entries]
+        xs = entries[0][1] if len(entries) == 1 else [x for _, group_xs, _, _ in entries for x in group_xs]
+        found = b.overlapping(xs, lists[0] if len(lists) == 1 else [g for dxs in lists for g in dxs])
+        for k in found:  # (the usual step: none)
+            for dxs in lists:
+                if k < len(dxs):
+                    dxs[k] = b.copy(dxs[k])
+                    break
+                k -= len(dxs)
+    prepared = [entry for entry in prepared if entry[0].b not in ranged]
     owners: dict = {}  # backend -> the memory owners of its parameters in this step
     for group, xs, _, _ in prepared:
         owners.setdefault(group.b, set()).update(group.param_owners(xs))
