@@ -43,8 +43,8 @@ def compiled_kernels():
 
 @pytest.fixture(params=["read by numba", "NumPy's attributes"])
 def numpy_marks(request, monkeypatch):
-    """NumPy arrays' marks (the per-step checks of the engine and of spans) read in one compiled
-    call (`optimisers.backends.numpy_kernels.read_headers`), and without it."""
+    """NumPy's later-step check (`snapshot`/`unchanged`) read from the arrays' headers in compiled
+    passes (`optimisers.backends.numpy_kernels`), and from NumPy's attributes without them."""
     from optimisers.backends import numpy_kernels
 
     if request.param == "read by numba" and numpy_kernels._reader() is None:

@@ -152,8 +152,8 @@ def test_kernel_refuses_what_it_cannot_step():
 
 
 def test_two_threads_step_at_once():
-    """Two States updated from two threads at the same time (numba's default threading layer
-    would abort the process on two parallel kernels at once)."""
+    """Two States updated from two threads at the same time, each step shared out over the
+    kernels' threads."""
     from concurrent.futures import ThreadPoolExecutor
 
     def train(seed):
@@ -170,64 +170,48 @@ def test_two_threads_step_at_once():
         assert all(pool.map(train, range(4)))
 
 
-# --- the headers of many arrays, read in one call ------------------------------------------------
+@pytest.mark.parametrize("threads", [2, 3, 5])
+def test_shares_cut_anywhere_step_as_one_call(threads, monkeypatch):
+    """The step's elements cut into shares at any place (inside an array, at its ends) give one
+    call's numbers bit for bit; arrays of no elements among them are fine."""
+    pytest.importorskip("numba")
+    from optimisers.rules.adam import AdamArgs
 
-needs_reader = pytest.mark.skipif(kernels._reader() is None, reason="numba is not installed")
-
-
-def _fields(x) -> list:
-    """What `read_headers` gives for `x`, from NumPy's own attributes."""
-    pad = [0, 0, 0, 0]
-    return [x.__array_interface__["data"][0], x.ndim, id(x.dtype), x.flags.num,
-            0 if x.base is None else id(x.base), *(list(x.shape) + pad)[:4], *(list(x.strides) + pad)[:4]]
-
-
-@needs_reader
-def test_headers_read_in_one_call_are_numpys_own_fields():
-    rng = np.random.default_rng(0)
-    grid = rng.standard_normal((6, 5, 4, 3)).astype(np.float32)
-    arrays = [grid, grid[::2, 1:, ::-1], grid.transpose(3, 1, 0, 2), np.asfortranarray(grid[0]),
-              np.float64(2.5) * np.ones(7), np.array(1.0, np.float16), np.empty(0, np.int8), grid[1, 2]]
-    arrays[-1].flags.writeable = False
-    got = np.frombuffer(kernels.read_headers(arrays), np.int64).reshape(len(arrays), -1)
-    assert got.tolist() == [_fields(x) for x in arrays]
-    assert kernels.read_headers([grid, grid[None]]) is None  # 5 dimensions: NumPy's attributes
-
-
-@needs_reader
-@pytest.mark.parametrize("change", ["shape", "dtype", "read-only"])
-def test_a_reader_made_once_sees_each_change_set_in_place(change):
-    """`header_reader` takes the arrays' addresses once; what a user sets on the same objects
-    later changes what it reads."""
-    base = np.zeros(4 * 6, np.float32)
-    xs = [base[i * 6:(i + 1) * 6] for i in range(4)]
-    read = kernels.header_reader(xs)
-    before = read()
-    assert read() == before == kernels.read_headers(xs)
-    if change == "shape":
-        xs[2].shape = (2, 3)
-    elif change == "dtype":
-        xs[2].dtype = np.int32
-    else:
-        xs[2].flags.writeable = False
-    after = read()
-    assert after != before
-    assert after == kernels.read_headers(xs)
-    assert np.frombuffer(after, np.int64).reshape(4, -1)[2].tolist() == _fields(xs[2])
-    assert read() is after  # unchanged since: the same bytes, which compare by identity
+    rng = np.random.default_rng(threads)
+    sizes = [int(k) for k in rng.integers(0, 3000, 40)] + [0, 70000]
+    xs = [rng.standard_normal(k).astype(np.float32) for k in sizes]
+    gs = [rng.standard_normal(k).astype(np.float32) for k in sizes]
+    state = [[np.full(k, 0.1, np.float32) for k in sizes] for _ in range(2)]
+    a = AdamArgs(1e-3, 0.9, 0.999, 1e-8, 0.01, True)
+    expected = [copy.deepcopy(v) for v in (xs, state[0], state[1])]
+    monkeypatch.setattr(kernels, "_threads", lambda: 1)
+    assert kernels._adam_step_many(a, *expected[:1], gs, *expected[1:], 3)
+    monkeypatch.setattr(kernels, "_threads", lambda: threads)
+    monkeypatch.setattr(kernels, "PARALLEL_FROM", 64)  # (shares as many as threads)
+    assert kernels._adam_step_many(a, xs, gs, *state, 3)
+    for got, want in zip((xs, *state), expected):
+        for x, y in zip(got, want):
+            np.testing.assert_array_equal(x, y)
 
 
-def test_without_the_reader_marks_are_numpys_attributes(monkeypatch):
-    monkeypatch.setattr(kernels, "_reader", lambda: None)
-    xs = [np.zeros(3), np.zeros((2, 2))]
-    assert kernels.read_headers(xs) is None and kernels.header_reader(xs) is None
-    assert numpy_backend.engine_marks(xs) == [(x.shape, x.strides, x.dtype, x.flags) for x in xs]
-    assert numpy_backend.marker(xs, numpy_backend.span_marks)() == numpy_backend.span_marks(xs)
+def test_a_share_that_raises_raises_after_every_share_is_done():
+    done = []
+
+    def kernel(k, fail):
+        done.append(k)
+        if k == fail:
+            raise ValueError(k)
+
+    for fail in (0, 2):  # this thread's share, a worker's
+        done.clear()
+        with pytest.raises(ValueError):
+            kernels._run(kernel, [(k,) for k in range(4)], (fail,))
+        assert sorted(done) == [0, 1, 2, 3]
 
 
 def test_many_small_arrays_step_together_on_every_core(kernel_calls):
     """Small arrays that add up to more than PARALLEL_FROM elements step in one call over all
-    cores (one array per thread at a time), with the rules' own numbers bit for bit."""
+    cores (each thread a share of their elements), with the rules' own numbers bit for bit."""
     pytest.importorskip("numba")
     rng = np.random.default_rng(3)
     model = [rng.standard_normal(256).astype(np.float32) for _ in range(kernels.PARALLEL_FROM // 256 + 40)]

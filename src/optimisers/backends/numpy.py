@@ -5,7 +5,6 @@ from __future__ import annotations
 import builtins
 import contextlib
 import ctypes
-import functools
 import operator
 import os
 import platform
@@ -13,7 +12,8 @@ import platform
 import numpy as np
 
 from optimisers import ops
-from optimisers.backends import numpy_kernels, objects
+from optimisers.backends import numpy_kernels
+from optimisers.backends.ranges import ByteRanges
 
 # --- how the update treats NumPy (see optimisers.backends.protocol) ---------------------------
 
@@ -25,62 +25,12 @@ IN_PLACE_ENGINE = True
 FAST_PATHS = numpy_kernels.FAST_PATHS
 
 
-def engine_marks(xs) -> list:
-    """For each array, what `engine_ok`, `memory_order` and the engine's dtype and shape checks
-    read of it (an ndarray's type and memory stay; its shape, strides, dtype and writeability
-    can be set in place): while the marks are unchanged, so are those checks' results. Another
-    type (a subclass) gets a mark equal to nothing, so it is checked every time. The usual case
-    is read in one compiled call (`numpy_kernels.read_headers`), else in one pass of C."""
-    ndarray = np.ndarray
-    if set(map(type, xs)) == {ndarray}:
-        return numpy_kernels.read_headers(xs) or list(map(_MARKS, xs))
-    return [_MARKS(x) if type(x) is ndarray else object() for x in xs]
-
-
-# (a flags object is a snapshot that compares by value, cheaper to read than one flag)
-_MARKS = operator.attrgetter("shape", "strides", "dtype", "flags")
-
-
 def fit_as_they_are(gs, xs, dtype, device):
     """For each gradient, whether it already is what the engine steps its parameter with (an
     ndarray of the group's `dtype`, laid out as its parameter): `astype` and `laid_out_like` would
     hand it back unchanged."""
     ndarray = np.ndarray
     return [type(g) is ndarray and g.dtype is dtype and g.strides == x.strides for g, x in zip(gs, xs)]
-
-
-gradients_like = numpy_kernels.gradients_like
-
-
-def _layout(x):
-    return x.__array_interface__["data"][0], x.shape, x.strides, x.dtype, bool(x.flags.writeable)
-
-
-def _spans(xs):
-    return np.array([_byte_bounds(x) for x in xs], np.int64).reshape(-1, 2)
-
-
-def snapshot(xs, gs):
-    """What a later step's kernels rely on for the parameters `xs` and gradients `gs`, or None
-    where they cannot be checked so (a subclass, a gradient over a parameter's memory)."""
-    if any(type(a) is not np.ndarray for a in (*xs, *gs)) or not all(map(engine_ok, xs)):
-        return None
-    if not objects.disjoint(_spans(xs), _spans(gs)):
-        return None
-    return objects.SameObjects(xs), list(map(_layout, xs)), [_layout(g)[1:4] for g in gs]
-
-
-def unchanged(token, xs, gs) -> bool:
-    """Can `xs` and `gs` (lists) be stepped as the ones of `snapshot` were: the same parameter
-    objects with the same data pointer, shape, strides, dtype and writeability; gradients that
-    are ndarrays of the same shape, strides and dtype, none reaching into a parameter's memory
-    (byte ranges: whichever buffer it belongs to)?"""
-    same, layout, grads = token
-    if len(gs) != len(grads) or not same(xs) or list(map(_layout, xs)) != layout:
-        return False
-    if any(type(g) is not np.ndarray for g in gs) or [_layout(g)[1:4] for g in gs] != grads:
-        return False
-    return objects.disjoint(_spans(xs), _spans(gs))
 
 
 def addresses(xs) -> list:
@@ -111,19 +61,91 @@ def repeat_each(values, counts):
     return np.repeat(np.asarray(values), counts)
 
 
-# a span's members (an ndarray's memory never moves): what can change is set in place, as above
-span_marks = engine_marks
+# --- one check of a step's arrays: everything the kernels rely on, complete -------------------
 
 
-def marker(xs, marks):
-    """`marks(xs)` (`engine_marks` or `span_marks`) as a function of no arguments, for a list
-    `xs` that the caller keeps as it is: where numba reads the arrays' headers, their addresses
-    are taken once, so a step that finds the same objects pays nothing more per array."""
-    if set(map(type, xs)) == {np.ndarray}:
-        read = numpy_kernels.header_reader(xs)
-        if read is not None:
-            return read
-    return functools.partial(marks, xs)
+def snapshot(xs, gs):
+    """What a later step's kernels rely on in the parameters `xs` and their gradients `gs` (`gs[i]`
+    the gradient of `xs[i]`; any further ones, a tied parameter's others; none to check the
+    parameters alone), for `unchanged`; None where they cannot be
+    stepped in place as they are: an item that is not exactly an ndarray, a parameter that is not
+    writable or shares a byte with another, a gradient whose strides are not aligned. Read in
+    compiled passes over the arrays' headers where numba reads them (`numpy_kernels.Snapshot`),
+    else with NumPy's public attributes."""
+    xs, gs = list(xs), list(gs)
+    if numpy_kernels.reads_headers():
+        return numpy_kernels.snapshot(xs, gs)
+    return _Snapshot.of(xs, gs)
+
+
+def unchanged(token, xs, gs) -> bool:
+    """Can the parameters `xs` and gradients `gs` of a later step be stepped exactly as those of
+    `snapshot` (`token`)? True only where each `xs[i]` is the same object, with the same data
+    pointer, shape, strides, dtype and flags (writable among them), and each `gs[i]` is exactly an
+    ndarray (a new one is fine) with the dtype, shape and strides of the gradient at the
+    snapshot, its data pointer aligned and none of its bytes a parameter's (compared as address
+    ranges: through any buffer, whatever owns it)."""
+    return token is not None and token.still(xs, gs)
+
+
+def _spans(arrays):
+    """`(first, end)`: each array's first byte and one past its last, from NumPy's attributes."""
+    bounds = [(0, 0) if a.size == 0 else _byte_bounds(a) for a in arrays]
+    found = np.array(bounds, np.int64).reshape(len(arrays), 2)
+    return found[:, 0], found[:, 1]
+
+
+def _pointer(a) -> int:
+    return a.__array_interface__["data"][0]
+
+
+def _gradient(g):
+    return (g.dtype, g.shape, g.strides) if type(g) is np.ndarray else None
+
+
+class _Snapshot:
+    """`snapshot`'s token from NumPy's public attributes (without numba)."""
+
+    __slots__ = ("xs", "layouts", "grads", "reach", "alignment", "params")
+
+    @classmethod
+    def of(cls, xs, gs):
+        if not all(type(a) is np.ndarray for a in (*xs, *gs)) or not all(x.flags.writeable for x in xs):
+            return None
+        if not all(_aligned_strides(g) for g in gs):
+            return None
+        params = ByteRanges(*_spans(xs))
+        if params.overlap_one_another():
+            return None
+        self = cls()
+        self.xs, self.params = xs, params
+        self.layouts = list(map(_param, xs))
+        self.grads = list(map(_gradient, gs))
+        first, end = _spans(gs)
+        data = np.fromiter(map(_pointer, gs), np.int64, len(gs))
+        self.reach = (first - data, end - data)
+        self.alignment = np.array([g.dtype.alignment for g in gs], np.int64)
+        return self
+
+    def still(self, xs, gs) -> bool:
+        n = len(self.xs)
+        if len(xs) != n or len(gs) != len(self.grads) or not all(map(operator.is_, xs, self.xs)):
+            return False
+        if list(map(_param, xs)) != self.layouts or list(map(_gradient, gs)) != self.grads:
+            return False
+        data = np.fromiter(map(_pointer, gs), np.int64, len(gs))
+        if (data % self.alignment).any():
+            return False
+        first, end = data + self.reach[0], data + self.reach[1]
+        return not self.params.reached(first, end).any()
+
+
+def _param(x):
+    return _pointer(x), x.shape, x.strides, x.dtype, x.flags  # (flags compare by value)
+
+
+def _aligned_strides(a) -> bool:
+    return all(n <= 1 or s % a.dtype.alignment == 0 for n, s in zip(a.shape, a.strides))
 
 
 try:  # NumPy >= 2

@@ -30,34 +30,3 @@ class SameObjects:
         if type(ys) is list and self._same is not None:
             return self._same(id(ys), self._addresses)
         return len(ys) == len(self.xs) and all(map(operator.is_, ys, self.xs))
-
-
-
-
-
-class ByteRanges:
-    """Byte ranges `(start, stop)` (stop exclusive) that do not overlap one another, as
-    parameters never do; sorted once, then asked of other ranges, by one binary search each,
-    whether they reach into one: whichever buffer or storage the memory belongs to."""
-
-    def __init__(self, ranges):
-        ranges = np.asarray(ranges, np.int64).reshape(-1, 2)
-        ranges = ranges[ranges[:, 0] < ranges[:, 1]]  # (an empty range holds no byte)
-        ranges = ranges[np.argsort(ranges[:, 0], kind="stable")]
-        self.starts, self.stops = ranges[:, 0], ranges[:, 1]
-
-    def reached(self, starts, stops) -> np.ndarray:
-        """For each range `(starts[i], stops[i])`, does it overlap one of these?"""
-        starts, stops = np.asarray(starts, np.int64), np.asarray(stops, np.int64)
-        if not len(self.starts):
-            return np.zeros(len(starts), bool)
-        # the last range starting before each other range ends: the only one that can reach into it
-        last = np.searchsorted(self.starts, stops, side="left") - 1
-        reach = np.where(last >= 0, self.stops[np.maximum(last, 0)], np.iinfo(np.int64).min)
-        return (reach > starts) & (starts < stops)
-
-
-def disjoint(spans, others) -> bool:
-    """Does no range of `others` overlap one of `spans` (both rows `(start, stop)`: `ByteRanges`)?"""
-    others = np.asarray(others, np.int64).reshape(-1, 2)
-    return not ByteRanges(spans).reached(others[:, 0], others[:, 1]).any()

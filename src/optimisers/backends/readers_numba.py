@@ -1,24 +1,25 @@
 """Readers of many objects in one call, compiled by numba (imported only where numba is installed,
-at the first read): NumPy's array headers (`optimisers.backends.numpy_kernels.read_headers`),
-and Python lists (`optimisers.backends.objects`).
+at the first read): NumPy's array headers (`optimisers.backends.numpy_kernels`: `blocks`,
+`layouts` and `still` for `optimisers.backends.numpy.snapshot` and `unchanged`) and Python lists
+(`optimisers.backends.objects`).
 
 It reads the fields of NumPy's `PyArrayObject_fields` at their places in NumPy's public ABI (the
 header `ndarraytypes.h`; compiled extensions read them with `PyArray_DATA`, `PyArray_DIMS` & co.),
 given each array's address, which CPython's `id` is, a list's length and item pointers where
-CPython's `PyListObject` has them (`listobject.h`). Each caller checks the fields against
-Python's own answers on samples before it trusts this. None of these release the GIL: the
-objects they read cannot change while they do.
+CPython's `PyListObject` has them (`listobject.h`). Before anything here reads an object, its
+caller checks every offset it reads with ctypes against Python's own answers on samples
+(`numpy_kernels._offsets_agree`, which follows no pointer before the fields beside it agree).
+None of these release the GIL: the objects they read cannot change while they do.
 """
 
 from __future__ import annotations
 
 import numba
+import numpy as np
 from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-MAX_DIMS = 4  # arrays of more dimensions are read by NumPy's attributes
-WIDTH = 5 + 2 * MAX_DIMS
 # byte offsets in PyArrayObject_fields, after PyObject_HEAD
 _DATA, _ND, _DIMS, _STRIDES, _BASE, _DESCR, _FLAGS = 16, 24, 32, 40, 48, 56, 64
 _INT = 0xFFFFFFFF  # nd and flags are C ints: the low half of their word
@@ -32,39 +33,6 @@ def _word(typingctx, address):  # pragma: no cover - compiled
         return builder.load(builder.inttoptr(args[0], ir.IntType(64).as_pointer()))
 
     return types.int64(types.int64), codegen
-
-
-@numba.njit(inline="always")
-def _put(out, i, j, value) -> bool:  # pragma: no cover - compiled
-    """Write `value` at `out[i, j]`: did it change?"""
-    if out[i, j] == value:
-        return False
-    out[i, j] = value
-    return True
-
-
-@numba.njit(cache=True)
-def headers(addresses, out) -> int:  # pragma: no cover - compiled
-    """Row i of `out`: data pointer, dimensions, descr, flags and base of the array at
-    `addresses[i]`, then its shape and strides (zero beyond its dimensions). 0 where an array
-    has more than MAX_DIMS dimensions; else 1 where `out` held these very fields already, 2
-    where some changed."""
-    changed = False
-    for i in range(addresses.shape[0]):
-        a = addresses[i]
-        nd = _word(a + _ND) & _INT
-        if nd > MAX_DIMS:
-            return 0
-        changed |= _put(out, i, 0, _word(a + _DATA))
-        changed |= _put(out, i, 1, nd)
-        changed |= _put(out, i, 2, _word(a + _DESCR))
-        changed |= _put(out, i, 3, _word(a + _FLAGS) & _INT)
-        changed |= _put(out, i, 4, _word(a + _BASE))
-        dims, strides = _word(a + _DIMS), _word(a + _STRIDES)
-        for k in range(MAX_DIMS):
-            changed |= _put(out, i, 5 + k, _word(dims + 8 * k) if k < nd else 0)
-            changed |= _put(out, i, 5 + MAX_DIMS + k, _word(strides + 8 * k) if k < nd else 0)
-    return 2 if changed else 1
 
 
 # byte offsets in PyListObject, after PyObject_HEAD: its length (ob_size) and its items' array;
@@ -148,25 +116,96 @@ def blocks_in(lists, ndarray, descr, addresses, out) -> bool:  # pragma: no cove
 
 
 @numba.njit(cache=True)
-def items_alike(address, ndarray, expected) -> bool:  # pragma: no cover - compiled
-    """Does the list at `address` hold one array per row of `expected` (`headers`' rows), each
-    exactly an ndarray (of the type at `ndarray`) with its row's dimensions, descr, shape and
-    strides?"""
-    n = expected.shape[0]
+def layouts(address, ndarray, known, sizes, rows, shapes, reach) -> int:  # pragma: no cover - compiled
+    """For the array at item i of the list at `address`: row i of `rows`, its address, data
+    pointer, dimensions, descr, flags, where its dimensions and then its strides start in
+    `shapes` (written where `shapes` is long enough) and its descr's place in `known`; row i of
+    `reach`, its first and one past its last byte from its data pointer (0, 0 where it has no
+    elements), its dtype's alignment, and whether its strides are multiples of that (1 or 0), of
+    a dtype `sizes[k]` (itemsize, alignment) for descr `known[k]`. -1 where the list does not
+    hold `rows.shape[0]` items, each exactly an ndarray (of the type at `ndarray`); -2 - i where
+    item i's descr is not `known`; else the length `shapes` needs."""
+    n = rows.shape[0]
     if _word(address + _LENGTH) != n:
-        return False
-    items = _word(address + _ITEMS)
+        return -1
+    items, at = _word(address + _ITEMS), 0
     for i in range(n):
         a = _word(items + 8 * i)
         if _word(a + _TYPE) != ndarray:
-            return False
-        nd = _word(a + _ND) & _INT
-        if nd != expected[i, 1] or _word(a + _DESCR) != expected[i, 2]:
-            return False
-        dims, strides = _word(a + _DIMS), _word(a + _STRIDES)
+            return -1
+        nd, descr = _word(a + _ND) & _INT, _word(a + _DESCR)
+        kind = -1
+        for k in range(known.shape[0]):
+            if known[k] == descr:
+                kind = k
+                break
+        if kind < 0:
+            return -2 - i
+        rows[i, 0], rows[i, 1], rows[i, 2], rows[i, 3] = a, _word(a + _DATA), nd, descr
+        rows[i, 4], rows[i, 5], rows[i, 6] = _word(a + _FLAGS) & _INT, at, kind
+        dims, strides, write = _word(a + _DIMS), _word(a + _STRIDES), at + 2 * nd <= shapes.shape[0]
+        lo, hi, align, ok, empty = 0, sizes[kind, 0], sizes[kind, 1], 1, False
         for k in range(nd):
-            if _word(dims + 8 * k) != expected[i, 5 + k]:
-                return False
-            if _word(strides + 8 * k) != expected[i, 5 + MAX_DIMS + k]:
+            size, stride = _word(dims + 8 * k), _word(strides + 8 * k)
+            if write:
+                shapes[at + k], shapes[at + nd + k] = size, stride
+            if size > 1 and stride % align != 0:  # (as NumPy's ALIGNED flag)
+                ok = 0
+            if size == 0:
+                empty = True
+            elif stride < 0:
+                lo += (size - 1) * stride
+            else:
+                hi += (size - 1) * stride
+        if empty:
+            lo, hi = 0, 0
+        reach[i, 0], reach[i, 1], reach[i, 2], reach[i, 3] = lo, hi, align, ok
+        at += 2 * nd
+    return at
+
+
+@numba.njit(inline="always")
+def _laid_out(a, nd, shapes, at) -> bool:  # pragma: no cover - compiled
+    """Has the `nd`-dimensional array at `a` the dimensions and strides at `shapes[at:]`?"""
+    dims, strides = _word(a + _DIMS), _word(a + _STRIDES)
+    for k in range(nd):
+        if _word(dims + 8 * k) != shapes[at + k] or _word(strides + 8 * k) != shapes[at + nd + k]:
+            return False
+    return True
+
+
+@numba.njit(cache=True)
+def still(xs, gs, ndarray, x_rows, x_shapes, g_rows, g_shapes, reach, starts, ends):  # pragma: no cover
+    """Do the lists at `xs` and `gs` hold, item by item, the arrays of `x_rows` (`layouts`' rows:
+    the same objects, with the same data pointer, dimensions, descr, flags, shape and strides) and
+    arrays exactly of type ndarray with the descr, shape and strides of `g_rows`, each at an
+    address aligned to `reach[i, 2]` and no byte of which (from its data pointer + `reach[i, 0]`
+    to + `reach[i, 1]`) is a parameter's? The parameters' bytes: `[starts[j], ends[j])` in order
+    of their starts, `ends` each the greatest end so far."""
+    n, m = x_rows.shape[0], g_rows.shape[0]
+    if _word(xs + _LENGTH) != n or _word(gs + _LENGTH) != m:
+        return False
+    x_items, g_items = _word(xs + _ITEMS), _word(gs + _ITEMS)
+    for i in range(n):
+        a, nd = _word(x_items + 8 * i), x_rows[i, 2]
+        if a != x_rows[i, 0] or _word(a + _DATA) != x_rows[i, 1] or _word(a + _ND) & _INT != nd:
+            return False
+        if _word(a + _DESCR) != x_rows[i, 3] or _word(a + _FLAGS) & _INT != x_rows[i, 4]:
+            return False
+        if not _laid_out(a, nd, x_shapes, x_rows[i, 5]):
+            return False
+    for i in range(m):
+        a, nd = _word(g_items + 8 * i), g_rows[i, 2]
+        if _word(a + _TYPE) != ndarray or _word(a + _ND) & _INT != nd or _word(a + _DESCR) != g_rows[i, 3]:
+            return False
+        if not _laid_out(a, nd, g_shapes, g_rows[i, 5]):
+            return False
+        data = _word(a + _DATA)
+        if data % reach[i, 2] != 0:
+            return False
+        lo, hi = data + reach[i, 0], data + reach[i, 1]
+        if lo < hi:  # (an empty array has no bytes)
+            k = np.searchsorted(starts, hi)  # the parameters that start before it ends
+            if k > 0 and ends[k - 1] > lo:
                 return False
     return True

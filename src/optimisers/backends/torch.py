@@ -28,7 +28,8 @@ from torch import nn
 
 from optimisers import ops
 from optimisers.backends import numpy as _numpy
-from optimisers.backends.objects import ByteRanges, SameObjects
+from optimisers.backends.objects import SameObjects
+from optimisers.backends.ranges import ByteRanges
 from optimisers.core import eager
 from optimisers.core.rule import NewValue
 from optimisers.core.state import flatten_state
@@ -102,7 +103,7 @@ def _storage_ptr(x) -> int:
 def memory_owners(tensors) -> list:
     """What owns the memory of each tensor (its storage): tensors with different owners never
     overlap, unless two storages were made over one memory (`from_blob`): the checks that must
-    hold whatever the storage compare byte ranges (`unchanged`, `disjoint`)."""
+    hold whatever the storage compare byte ranges (`unchanged`, `ranges.ByteRanges`)."""
     return [(x if type(x) in _PLAIN_TYPES else _local(x)).untyped_storage().data_ptr() for x in tensors]
 
 
@@ -255,7 +256,7 @@ def snapshot(xs, gs):
     if not all(map(engine_ok, xs)) or any(g.requires_grad for g in gs):
         return None
     where = addresses(xs)
-    spans = ByteRanges([(w, w + n) for w, n in zip(where, _reach(xs))])
+    spans = ByteRanges(where, np.add(where, _reach(xs)))
     token = _Snapshot(SameObjects(xs), (_tensor_guard() or _attribute_guard)([*xs, *gs]), where, spans,
                       np.asarray(_reach(gs), np.int64))
     return token if _apart(token, gs) else None

@@ -82,6 +82,15 @@ def _cut(n, chunk):
 # --- stepping a group --------------------------------------------------------------------------
 
 
+def _forget_pool() -> None:
+    global _POOL
+    _POOL = None  # (a forked child has none of the parent's threads: its first step starts its own)
+
+
+if hasattr(os, "register_at_fork"):  # (not on Windows, which has no fork)
+    os.register_at_fork(after_in_child=_forget_pool)
+
+
 def _pool() -> ThreadPoolExecutor:
     global _POOL
     if _POOL is None:

@@ -21,7 +21,7 @@ committed by the verb. Nothing is written until every result has been computed a
 from __future__ import annotations
 
 from optimisers import ops
-from optimisers.backends.objects import ByteRanges
+from optimisers.backends.ranges import ByteRanges
 from optimisers.core.state import path_of
 from optimisers.core.tree import format_path
 from optimisers.engine import checks, chunks, fused, plan, precision, replay, ties
@@ -151,7 +151,7 @@ def _unalias(prepared) -> None:
     spans: dict = {}  # (backend, device) -> the byte ranges of its parameters in this step
     for group, xs, _, _ in prepared:
         spans.setdefault((group.b, group.device), []).extend(map(group.b.memory_span, xs))
-    ranges = {key: ByteRanges(found) for key, found in spans.items()}
+    ranges = {key: ByteRanges(*zip(*found)) for key, found in spans.items()}
     for group, _, dxs, _ in prepared:
         b = group.b
         starts, stops = zip(*map(b.memory_span, dxs))
