@@ -79,6 +79,36 @@ def _cut(n, chunk):
     return list(zip(bounds, bounds[1:]))
 
 
+# --- the staging buffers of one step: the packed members joined ---------------------------
+
+
+def stage(group, xs, dxs) -> None:
+    """Join the packed members' parameters and gradients into the staging buffers (once per
+    step: a rehearsal does it before the step). A span is its own staging buffer for the
+    parameters, and so are the gradients where they are views of one flat buffer too."""
+    staged = group.staged
+    if staged is not None and staged[0] is xs and staged[1] is dxs:
+        return
+    if group.span is not None:
+        group.staging_now = group.span.flat, group.span.gradient(dxs, group)
+    elif group.has_runs:
+        p0 = group.packed_from
+        group.staging_now = flat_x, flat_g = group.staging(xs[p0])
+        orders = group.orders[p0:]
+        group.b.join_into(flat_x, xs[p0:], orders)
+        group.b.join_into(flat_g, dxs[p0:], orders)
+    group.staged = xs, dxs
+
+def unpack(group, xs) -> None:
+    """Copy the stepped packed parameters from the staging buffer back into `xs`."""
+    p0 = group.packed_from
+    group.b.split_into(group.staging_now[0], xs[p0:], group.orders[p0:])
+
+def unstage(group) -> None:
+    """Let go of what `stage` made and refers to (after a step, or a failed rehearsal)."""
+    group.staged = group.staging_now = None
+
+
 # --- stepping a group --------------------------------------------------------------------------
 
 
@@ -118,8 +148,8 @@ def step(group, xs, dxs, factors=None) -> None:
     with group.b.no_grad():  # PyTorch: the step is data, not a graph
         done = _each_chunk(group, xs, dxs, factors, write=True)
         if group.has_runs:  # (a span's chunks wrote the parameters themselves)
-            group.unpack(xs)
-    group.unstage()
+            unpack(group, xs)
+    unstage(group)
     group.scalars[:] = done[0]  # (in place: what the group's members see, see `layout._Held`)
 
 
@@ -132,7 +162,7 @@ def rehearse(group, xs, dxs, factors=None) -> None:
 
 
 def _each_chunk(group, xs, dxs, factors, write: bool) -> list:
-    group.stage(xs, dxs)
+    stage(group, xs, dxs)
     rule = group.leaves[0].rule
     one = functools.partial(_chunk, group, rule, xs=xs, dxs=dxs, factors=factors, write=write)
     return _map(one, group.chunks, group.threads)

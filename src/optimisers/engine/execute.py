@@ -129,18 +129,18 @@ def step_groups(ready, checked=False) -> None:
     `checked`: their snapshots found no gradient in a parameter's memory). Every scaled group's
     factors are computed first, and a group whose rule may raise is rehearsed, all of them before
     any is stepped, so that an error changes nothing."""
-    prepared = [(group, xs, dxs, group.factors(given)) for group, xs, dxs, given in ready]
+    prepared = [(group, xs, dxs, _factors(group, given)) for group, xs, dxs, given in ready]
     if not checked:
         _unalias(prepared)
     try:
         for group, xs, dxs, factors in prepared:
-            if not group.trusted():
+            if not _trusted(group):
                 chunks.rehearse(group, xs, dxs, factors)
         for group, xs, dxs, factors in prepared:
             step(group=group, xs=xs, dxs=dxs, factors=factors)
     finally:
         for group, *_ in prepared:
-            group.unstage()  # (a failed rehearsal leaves the gradients it staged)
+            chunks.unstage(group)  # (a failed rehearsal leaves the gradients it staged)
 
 
 def _unalias(prepared) -> None:
@@ -157,3 +157,17 @@ def _unalias(prepared) -> None:
         starts, stops = zip(*map(b.memory_span, dxs))
         for i in ranges[(b, group.device)].reached(starts, stops).nonzero()[0].tolist():
             dxs[i] = b.copy(dxs[i])
+
+
+def _factors(group, dxs):
+    """For a scaled group, each member's factor over its whole gradient, indexed by member (a
+    list, or a 1-D array); else None. This may raise: ClipNorm of a non-finite gradient."""
+    if not group.scaled:
+        return None
+    with group.b.no_grad():
+        return group.leaves[0].rule.gradient_factors([precision.widened(dx) for dx in dxs])
+
+
+def _trusted(group) -> bool:
+    """Can this step run without a rehearsal: does the rule promise not to raise?"""
+    return group.leaves[0].rule.never_raises and not group.b.raises_on_values()  # (np.seterr)

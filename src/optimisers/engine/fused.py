@@ -11,6 +11,8 @@ exactly, with which arguments, through `Rule.kernel_args` (`Adam` and `AdamW(cou
 
 from __future__ import annotations
 
+from optimisers.engine import chunks
+
 STATE_ARRAYS = {"adam": [True, True, False]}  # which parts of the rule's state each kernel takes as arrays
 
 
@@ -57,6 +59,6 @@ def _span_parts(group, xs, dxs):
         state = [[group.buffers[k][0][cut] for cut in cuts] for k in arrays]
         return [group.span.flat[cut] for cut in cuts], [g for _, _, g in pieces], *state
     with group.b.no_grad():
-        group.stage(xs, dxs)
+        chunks.stage(group, xs, dxs)
     flat_x, flat_g = group.staging_now
     return [flat_x], [flat_g], *[[group.buffers[k][0]] for k in arrays]

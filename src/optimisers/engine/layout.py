@@ -124,69 +124,10 @@ class GroupLayout:
         # the packed members (the smallest, sorted last; in a span, all): one flat range of
         # every buffer
         self.packed_from = 0 if self.span is not None else runs[0][1] if runs else len(leaves)
-        self.buffers = self._take_state(leaves, per_leaf, xs)
+        self.buffers = _take_state(self, leaves, per_leaf, xs)
         HELD.hold(self)
         self.has_runs = bool(runs)  # (a span has none: its chunks step the span itself)
         self._member_parts: dict[int, list] = {}
-
-    def _take_state(self, leaves, per_leaf, xs):
-        """The members' state arrays in the form the chunks read, for each array part a dict
-        from a big member or a packed run (by its first member) to a 1-D array (a packed run's:
-        its range of one buffer that holds every packed member), and each member's state made
-        views of them. A big member whose arrays are its own (`Leaf._owns`: made by
-        setup, a copy or a load) keeps them (raveled views, no copy: a copy of the whole state at
-        once was the first step's peak); a run's small members are copied into one buffer, a run
-        at a time, and their old arrays are let go before the next run is copied. Arrays that
-        another State may share, or that are not contiguous, not writable, or share memory with
-        another member's state or a parameter, are copied (steps write the buffers in place)."""
-        b, array_at = self.b, self.array_at
-        buffers = [{} if a else None for a in array_at]
-        seen = set(b.memory_owners(xs))
-        mine = [leaf._owns or holder(leaf) is not None for leaf in leaves]  # (engine buffers already)
-        # a span whose members' own state arrays already fill one flat buffer each: kept, no copy
-        spans = all(mine) and self.span is not None
-        packed = state_buffers(b, per_leaf, array_at, self.shapes, self.dtype, seen) if spans else None
-        if packed is not None:
-            self.packed = packed  # (each member's state is already views of the buffers)
-            return [None if p is None else {0: p} for p in packed]
-        runs = chunks.member_runs(self.offsets, self.chunk) if self.span is not None else self.chunks
-        for chunk in runs:
-            i = chunk[1]
-            if chunk[0] == "big":
-                if per_leaf[i] is None:  # taken at its first chunk
-                    continue
-                order = self.orders[i]
-                flats = [
-                    self._own(p, seen, mine[i], order) if a else None for p, a in zip(per_leaf[i], array_at)
-                ]
-                members = [i]
-            else:
-                j = chunk[2]
-                members = list(range(i, j))
-                if packed is None:  # one buffer per array part for all packed members
-                    n = self.offsets[-1] - self.offsets[self.packed_from]
-                    packed = [b.zeros((n,), p) if a else None for p, a in zip(per_leaf[i], array_at)]
-                lo = self.offsets[i] - self.offsets[self.packed_from]
-                hi = lo + self.offsets[j] - self.offsets[i]
-                flats = [p[lo:hi] if a else None for p, a in zip(packed, array_at)]
-                for k, flat in enumerate(flats):
-                    if flat is not None:  # a run at a time: its old arrays go before the next's are read
-                        b.join_into(flat, [per_leaf[m][k] for m in members], self.orders[i:j])
-            for k, flat in enumerate(flats):
-                if flat is not None:
-                    buffers[k][i] = flat
-            for m in members:
-                lo, hi = self.offsets[m] - self.offsets[i], self.offsets[m + 1] - self.offsets[i]
-                parts = [
-                    b.shaped_in(f[lo:hi], self.shapes[m], self.orders[m]) if a else p
-                    for a, f, p in zip(array_at, flats, per_leaf[m])
-                ]
-                per_leaf[m] = None  # the old arrays go as soon as the member holds the new ones
-                leaves[m]._state = unflatten_state(self.spec, iter(parts))
-        self.packed = packed  # the packed members' buffers, whole (None: no packed members)
-        if self.span is not None:  # the flat chunks read the whole packed buffers
-            buffers = [None if p is None else {0: p} for p in packed]
-        return buffers
 
     def state_of(self, leaf):
         """A held member's state with the group's current scalars."""
@@ -199,18 +140,79 @@ class GroupLayout:
         n = self.offsets[-1] - self.offsets[self.packed_from]
         return self.b.empty_flat(n, like), self.b.empty_flat(n, like)
 
-    def _own(self, p, seen, mine, order):
-        """`p` raveled in its parameter's memory order `order`: a view of it where the step may
-        write it in place (it is laid out as the parameter), else a copy."""
-        b = self.b
-        owner = b.memory_owners([p])[0]
-        keep = mine and owner not in seen and b.engine_ok(p) and b.memory_order(p) == order
-        seen.add(owner)
-        return b.flat_in(p, order) if keep else b.concat([b.flat_in(p, order)])
-
     def member_parts(self, k):
         """Part `k` of every member's state: for an array part, each member's view of buffer `k`
         (made once; the views stay valid while the group is intact)."""
         if k not in self._member_parts:
             self._member_parts[k] = [_parts(leaf._state)[k] for leaf in self.leaves]
         return self._member_parts[k]
+
+
+def _take_state(layout, leaves, per_leaf, xs):
+    """The members' state arrays in the form the chunks read, for each array part a dict
+    from a big member or a packed run (by its first member) to a 1-D array (a packed run's:
+    its range of one buffer that holds every packed member), and each member's state made
+    views of them. A big member whose arrays are its own (`Leaf._owns`: made by
+    setup, a copy or a load) keeps them (raveled views, no copy: a copy of the whole state at
+    once was the first step's peak); a run's small members are copied into one buffer, a run
+    at a time, and their old arrays are let go before the next run is copied. Arrays that
+    another State may share, or that are not contiguous, not writable, or share memory with
+    another member's state or a parameter, are copied (steps write the buffers in place)."""
+    b, array_at = layout.b, layout.array_at
+    buffers = [{} if a else None for a in array_at]
+    seen = set(b.memory_owners(xs))
+    mine = [leaf._owns or holder(leaf) is not None for leaf in leaves]  # (engine buffers already)
+    # a span whose members' own state arrays already fill one flat buffer each: kept, no copy
+    spans = all(mine) and layout.span is not None
+    packed = state_buffers(b, per_leaf, array_at, layout.shapes, layout.dtype, seen) if spans else None
+    if packed is not None:
+        layout.packed = packed  # (each member's state is already views of the buffers)
+        return [None if p is None else {0: p} for p in packed]
+    runs = chunks.member_runs(layout.offsets, layout.chunk) if layout.span is not None else layout.chunks
+    for chunk in runs:
+        i = chunk[1]
+        if chunk[0] == "big":
+            if per_leaf[i] is None:  # taken at its first chunk
+                continue
+            order = layout.orders[i]
+            flats = [
+                _own(layout, p, seen, mine[i], order) if a else None for p, a in zip(per_leaf[i], array_at)
+            ]
+            members = [i]
+        else:
+            j = chunk[2]
+            members = list(range(i, j))
+            if packed is None:  # one buffer per array part for all packed members
+                n = layout.offsets[-1] - layout.offsets[layout.packed_from]
+                packed = [b.zeros((n,), p) if a else None for p, a in zip(per_leaf[i], array_at)]
+            lo = layout.offsets[i] - layout.offsets[layout.packed_from]
+            hi = lo + layout.offsets[j] - layout.offsets[i]
+            flats = [p[lo:hi] if a else None for p, a in zip(packed, array_at)]
+            for k, flat in enumerate(flats):
+                if flat is not None:  # a run at a time: its old arrays go before the next's are read
+                    b.join_into(flat, [per_leaf[m][k] for m in members], layout.orders[i:j])
+        for k, flat in enumerate(flats):
+            if flat is not None:
+                buffers[k][i] = flat
+        for m in members:
+            lo, hi = layout.offsets[m] - layout.offsets[i], layout.offsets[m + 1] - layout.offsets[i]
+            parts = [
+                b.shaped_in(f[lo:hi], layout.shapes[m], layout.orders[m]) if a else p
+                for a, f, p in zip(array_at, flats, per_leaf[m])
+            ]
+            per_leaf[m] = None  # the old arrays go as soon as the member holds the new ones
+            leaves[m]._state = unflatten_state(layout.spec, iter(parts))
+    layout.packed = packed  # the packed members' buffers, whole (None: no packed members)
+    if layout.span is not None:  # the flat chunks read the whole packed buffers
+        buffers = [None if p is None else {0: p} for p in packed]
+    return buffers
+
+
+def _own(layout, p, seen, mine, order):
+    """`p` raveled in its parameter's memory order `order`: a view of it where the step may
+    write it in place (it is laid out as the parameter), else a copy."""
+    b = layout.b
+    owner = b.memory_owners([p])[0]
+    keep = mine and owner not in seen and b.engine_ok(p) and b.memory_order(p) == order
+    seen.add(owner)
+    return b.flat_in(p, order) if keep else b.concat([b.flat_in(p, order)])

@@ -97,5 +97,37 @@ def select(state, found):
         if not ready:
             return []
         plan = PLANS[state] = Plan([(c.leaf, c.x) for c in ready])
-    work = [(group, group.ready_members(found)) for group in plan.groups]
+    work = [(group, _ready_members(group, found)) for group in plan.groups]
     return [(group, members) for group, members in work if members is not None]
+
+
+def _ready_members(group, found):
+    """Every member's contribution to this update, or None if some member cannot step in
+    the group now (no gradient, frozen, reshaped, converted (a torch module's `.double()` or
+    `.to(device)` swaps its parameters' data in place), not writable in place). Each
+    parameter is checked as it is (the full check: a later step checks it against `token`)."""
+    members = []
+    for leaf in group.leaves:
+        c = found.get(id(leaf))
+        if c is None or not c.grads or c.copies or leaf.frozen:
+            return None
+        members.append(c)
+    xs = [c.x for c in members]
+    if not _as_planned(group, xs):
+        return None
+    if group.span is not None and not group.span.holds(xs):
+        group.broken = True  # (a parameter moved out of the buffer: it steps on its own)
+        return None
+    return members
+
+
+def _as_planned(group, xs) -> bool:
+    """Is each parameter still as planned: its shape, dtype, device and memory order, and
+    fit for the engine (a `.data` swap or `.to()` may have changed any of them)?"""
+    b, dtype, device = group.b, group.dtype, group.device
+    for x, shape, order in zip(xs, group.shapes, group.orders):
+        if x.shape != shape or x.dtype != dtype or not b.engine_ok(x) or b.memory_order(x) != order:
+            return False
+        if device is not None and x.device != device:
+            return False
+    return True
