@@ -2,6 +2,10 @@
 backend confirms everything its kernels rely on; each thing a user may do between steps is
 followed with torch.optim's numbers, or refused with a clear error that changes nothing."""
 
+import copy
+import dataclasses
+from typing import NamedTuple
+
 import numpy as np
 import pytest
 
@@ -183,3 +187,41 @@ def test_flat_storage_freed_and_reloaded_elsewhere_keeps_training(replays):
         for p, q in zip(ours, theirs, strict=True):
             torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
     assert replays[-2:] == [True, True]
+
+
+class _Pair(NamedTuple):
+    w: np.ndarray
+    b: np.ndarray
+
+
+@dataclasses.dataclass
+class _Block:
+    pair: _Pair
+    scales: tuple
+    name: str = "block"
+
+
+def test_every_kind_of_container_replays_with_updates_numbers(replays):
+    """The route's walk reads lists, tuples and dicts where they are, and namedtuples and
+    dataclasses through their node kind, gradients in each form `gather` takes (the same type,
+    a mapping of field names, None); each step equals `update` on copies."""
+    rng = np.random.default_rng(1)
+
+    def arr(*shape):
+        return rng.standard_normal(shape).astype(np.float32)
+
+    model = {"blocks": [_Block(_Pair(arr(3, 2), arr(2)), (arr(4), arr(4))) for _ in range(3)], "head": arr(2)}
+    reference = copy.deepcopy(model)
+    state, ref_state = opt.setup(opt.Adam(1e-2), model), opt.setup(opt.Adam(1e-2), reference)
+    for step in range(8):
+        blocks = []
+        for k in range(len(model["blocks"])):
+            pair = _Pair(arr(3, 2), arr(2)) if (step + k) % 2 else {"w": arr(3, 2), "b": arr(2)}
+            scales = (arr(4), None) if (k, step) == (1, 4) else [arr(4), arr(4)]
+            blocks.append(_Block(pair, scales) if step % 3 else {"pair": pair, "scales": scales})
+        grads = {"blocks": blocks, "head": arr(2)}
+        state, model = opt.update_(state, model, grads)
+        ref_state, reference = opt.update(ref_state, reference, copy.deepcopy(grads))
+        for x, y in zip(opt.trainables(model), opt.trainables(reference), strict=True):
+            np.testing.assert_array_equal(x, y)
+    assert replays[1:4] == [True] * 3 and replays[4] is False and replays[6:] == [True] * 2

@@ -47,27 +47,19 @@ class _Node:
         self.nones = [None] * len(self.leaf_keys)
 
     def children(self, node):
-        """`node`'s children by key (the node itself where it is a list, tuple or dict), if they
-        are the ones the route was made with; else `_Off`."""
-        if self.seq:
-            if len(node) != self.child_keys:
-                raise _Off
-            return node
-        kids = node if type(node) is dict else dict(self.kind.children(node))
+        """`node`'s children by key (a node other than a list, tuple or dict), if they are the
+        ones the route was made with; else `_Off`."""
+        kids = dict(self.kind.children(node))
         if kids.keys() != self.child_keys:
             raise _Off
         return kids
 
     def gradients(self, node, grad):
-        """The gradient of each child of `node` in `grad`, as a function of its key. Lists and
-        dicts are read where they are; any other form as `gather` reads it."""
-        t = type(grad)
-        if self.seq:
-            if t in _SEQUENCES and len(grad) == self.child_keys:
-                return grad.__getitem__
-        elif t is dict and grad.keys() <= self.child_keys:
-            if self.kind.grad_children is None or _apart(grad):
-                return grad.get
+        """The gradient of each child of `node` in `grad` (in a form the walk does not read where
+        it is), as a function of its key: as `gather` reads it. A module's dict is read where it
+        is where it gives each tensor once (`gather` refuses one given twice)."""
+        if type(grad) is dict and grad.keys() <= self.child_keys and not self.seq and _apart(grad):
+            return grad.get
         return _grad_children(node, self.kind, dict(self.kind.children(node)), grad, ()).get
 
 
@@ -92,36 +84,49 @@ def _record(snode, node, parent, key, nodes, ranks):
             _record(sub, children[k], index, k, nodes, ranks)
 
 
-def _walk(nodes, tree, model, grads):
-    """Each place's parameter and gradient, and the keys and values of every state container, in
-    the route's order; `_Off` where the model differs from the route (the caller compares the
-    state's keys and values with the route's)."""
-    xs: list = []
-    gs: list = []
-    keys: list = []
-    values: list = []
-    kids_at: list = []
-    grads_at: list = []
-    for r in nodes:
-        if kids_at:
-            node, get, snode = kids_at[r.parent][r.key], grads_at[r.parent], r.snode
-            grad = None if get is None else get(r.key)
+def _compiled(nodes):
+    """The route's walk as one Python function of `(model, grads)`, written out node by node (a
+    loop over nodes cost more per container than the work itself): each place's parameter and
+    gradient, and the keys and values of every state container, in the route's order; `_Off`
+    where the model differs from the route (the caller compares the state's keys and values).
+    Lists, tuples and dicts, and dicts of gradients, are read where they are; any other node
+    through its `_Node` (`children`, `gradients`)."""
+    names: dict = {"Off": _Off, "SEQ": _SEQUENCES}
+    lines = ["def walk(model, grads):", "    xs = []; gs = []; keys = []; values = []"]
+    for i, r in enumerate(nodes):
+        names.update({f"N{i}": r, f"S{i}": r.snode, f"T{i}": r.type, f"C{i}": r.child_keys})
+        if i == 0:
+            lines.append("    n0 = model; g0 = grads")
         else:
-            node, grad, snode = model, grads, tree
-        if type(node) is not r.type:
-            raise _Off
-        keys.append(len(snode))  # (each container's own keys, not only all of them in order)
-        keys.extend(snode)
-        values.extend(snode.values())
-        kids = r.children(node)
-        get = None if grad is None else r.gradients(node, grad)
-        kids_at.append(kids)
-        grads_at.append(get)
-        leaf_keys = r.leaf_keys
-        if leaf_keys:
-            xs.extend(map(kids.__getitem__, leaf_keys))
-            gs.extend(r.nones if get is None else map(get, leaf_keys))
-    return xs, gs, keys, values
+            p = r.parent
+            names[f"K{i}"] = r.key
+            parent = nodes[p]
+            lines.append(f"    n{i} = {'n' if parent.seq or parent.type is dict else 'k'}{p}[K{i}]")
+            lines.append(f"    g{i} = None if get{p} is None else get{p}(K{i})")
+        lines.append(f"    if type(n{i}) is not T{i}: raise Off")
+        lines.append(f"    keys.append(len(S{i})); keys += S{i}; values += S{i}.values()")
+        if r.seq:
+            lines.append(f"    if len(n{i}) != C{i}: raise Off")
+        elif r.type is dict:
+            lines.append(f"    if n{i}.keys() != C{i}: raise Off")
+        else:
+            lines.append(f"    k{i} = N{i}.children(n{i})")
+        fast = "type(g{i}) is dict and g{i}.keys() <= C{i}" if r.type is dict else (
+            "type(g{i}) in SEQ and len(g{i}) == C{i}" if r.seq else "False")
+        getter = "__getitem__" if r.seq else "get"
+        lines.append(f"    get{i} = None if g{i} is None else g{i}.{getter} if {fast.format(i=i)} "
+                     f"else N{i}.gradients(n{i}, g{i})")
+        if r.leaf_keys:
+            kids = f"n{i}" if r.seq or r.type is dict else f"k{i}"
+            at = [f"L{i}_{j}" for j in range(len(r.leaf_keys))]
+            names.update(zip(at, r.leaf_keys))
+            names[f"NONES{i}"] = r.nones
+            lines.append(f"    xs += ({''.join(f'{kids}[{a}], ' for a in at)})")
+            given = "".join(f"get{i}({a}), " for a in at)
+            lines.append(f"    gs += NONES{i} if get{i} is None else ({given})")
+    lines.append("    return xs, gs, keys, values")
+    exec(compile("\n".join(lines), "<the route's walk>", "exec"), names)  # noqa: S102 - our own code
+    return names["walk"]
 
 
 class Route:
@@ -132,7 +137,8 @@ class Route:
         self.nodes: list[_Node] = []
         ranks: dict = {}
         _record(tree, model, 0, None, self.nodes, ranks)
-        xs, _, self.keys, values = _walk(self.nodes, tree, model, None)
+        self.walk = _compiled(self.nodes)
+        xs, _, self.keys, values = self.walk(model, None)
         self.same_xs, self.same_values = SameObjects(xs), SameObjects(values)
         member = {id(leaf): (g, m) for g, group in enumerate(groups) for m, leaf in enumerate(group.leaves)}
         places = [(i, k) for i, r in enumerate(self.nodes) for k in r.leaf_keys]
@@ -167,7 +173,7 @@ class Route:
         if state.tree is not self.tree:
             return None
         try:
-            xs, gs, keys, values = _walk(self.nodes, self.tree, model, grads)
+            xs, gs, keys, values = self.walk(model, grads)
             if not (keys == self.keys and self.same_values(values) and self.same_xs(xs)):
                 raise _Off
             return [_ready(group, pick, tied, xs, gs) for group, pick, tied in self.groups]
