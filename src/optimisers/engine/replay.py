@@ -7,9 +7,9 @@ each group checks its members in full. Where every Leaf then stepped in the engi
 nodes they stood for (depth first), the parameter at each place and the group member each place
 feeds, and each group keeps the backend's snapshot of its arrays (`Group.snapshot`).
 
-A later step walks those containers in one flat loop, takes each place's parameter and gradient,
-applies the one tie policy (a place without a gradient adds nothing: `ties.given`, as `gather`
-does) and asks each group's backend one question (`Group.still`: everything its kernels rely
+A later step walks those containers in one function written for the route (`_compiled`), takes
+each place's parameter and gradient, applies the one tie policy (a place without a gradient adds
+nothing: `ties.given`, as `gather` does) and asks each group's backend one question (`Group.still`: everything its kernels rely
 on). If anything differs, nothing has been written: the general path runs, reports any error,
 and records the route anew.
 """
