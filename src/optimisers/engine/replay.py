@@ -9,9 +9,9 @@ feeds, and each group keeps the backend's snapshot of its arrays (`Group.snapsho
 
 A later step walks those containers in one function written for the route (`_compiled`), takes
 each place's parameter and gradient, applies the one tie policy (a place without a gradient adds
-nothing: `ties.given`, as `gather` does) and asks each group's backend one question (`Group.still`: everything its kernels rely
-on). If anything differs, nothing has been written: the general path runs, reports any error,
-and records the route anew.
+nothing: `ties.given`, as `gather` does) and asks each group's backend one question
+(`Group.still`: everything its kernels rely on). If anything differs, nothing has been written:
+the general path runs, reports any error, and records the route anew.
 """
 
 from __future__ import annotations
@@ -69,19 +69,24 @@ def _apart(grad) -> bool:
     return len(set(map(id, given))) == len(given)
 
 
-def _record(snode, node, parent, key, nodes, ranks):
-    """Append the `_Node`s of `snode` and its sub-trees to `nodes` (depth first), and to `ranks`
-    each place's position in the order `gather` visits places (a tie's first place, and the
-    order its gradients are summed in, are those of `gather`)."""
+def _record(snode, node, parent, key, nodes, ranks, found):
+    """Append the `_Node`s of `snode` and its sub-trees to `nodes` (depth first); to `ranks` each
+    place's position in the order `gather` visits places (a tie's first place, and the order its
+    gradients are summed in, are those of `gather`); and to `found` what the walk reads (`xs`,
+    `keys`, `values`), as it will read them."""
     children = dict(kind_of(node).children(node))
     here = _Node(parent, key, snode, node, children)
     index = len(nodes)
     nodes.append(here)
+    xs, keys, values = found
+    keys += [len(snode), *snode]
+    values += snode.values()
+    xs += [children[k] for k in here.leaf_keys]
     for k, sub in snode.items():
         if type(sub) is Leaf:
             ranks[(index, k)] = len(ranks)
         elif sub:
-            _record(sub, children[k], index, k, nodes, ranks)
+            _record(sub, children[k], index, k, nodes, ranks, found)
 
 
 def _compiled(nodes):
@@ -126,7 +131,7 @@ def _compiled(nodes):
             lines.append(f"    gs += NONES{i} if get{i} is None else ({given})")
     lines.append("    return xs, gs, keys, values")
     exec(compile("\n".join(lines), "<the route's walk>", "exec"), names)  # noqa: S102 - our own code
-    return names["walk"]
+    return names.pop("walk")  # (its globals are `names`: kept there, it would be a reference cycle)
 
 
 class Route:
@@ -136,10 +141,12 @@ class Route:
         self.tree = tree
         self.nodes: list[_Node] = []
         ranks: dict = {}
-        _record(tree, model, 0, None, self.nodes, ranks)
-        self.walk = _compiled(self.nodes)
-        xs, _, self.keys, values = self.walk(model, None)
+        xs: list = []
+        values: list = []
+        self.keys: list = []
+        _record(tree, model, 0, None, self.nodes, ranks, (xs, self.keys, values))
         self.same_xs, self.same_values = SameObjects(xs), SameObjects(values)
+        self.walk = None  # written at the first step that follows the route (`_compiled`)
         member = {id(leaf): (g, m) for g, group in enumerate(groups) for m, leaf in enumerate(group.leaves)}
         places = [(i, k) for i, r in enumerate(self.nodes) for k in r.leaf_keys]
         first: list[list] = [[None] * len(group.leaves) for group in groups]
@@ -173,6 +180,8 @@ class Route:
         if state.tree is not self.tree:
             return None
         try:
+            if self.walk is None:
+                self.walk = _compiled(self.nodes)
             xs, gs, keys, values = self.walk(model, grads)
             if not (keys == self.keys and self.same_values(values) and self.same_xs(xs)):
                 raise _Off
