@@ -128,10 +128,10 @@ def test_rule_function_on_a_module_makes_a_group_per_rule():
     names = [set(g["param_names"]) for g in opt.param_groups]
     assert "embed.weight" in names[0] and "head.weight" not in names[0]  # the tie is one tensor
     assert names[1] == {n for n, p in model.named_parameters() if p.ndim < 2}
+    _train(model, opt, steps=1)  # state is made at the first gradient
     # one rule object per group: the update engine keeps a group's Leafs together
     for g in opt._groups:
-        assert all(leaf.rule is g.rule for leaf in g.leaves)
-    _train(model, opt, steps=1)  # state is made at the first gradient
+        assert len(g.leaves) == len(g.params) and all(leaf.rule is g.rule for leaf in g.leaves)
     assert opt.optimiser_state["head"]["weight"] is opt.optimiser_state["embed"]["weight"]
 
 
@@ -327,7 +327,7 @@ def test_a_parameter_in_two_groups_is_an_error():
     opt = Optimizer([model.pos], optimisers.Adam())
     with pytest.raises(ValueError, match="group 1, parameter 0 is the same tensor as group 0"):
         opt.add_param_group({"params": [model.pos]})
-    assert len(opt.param_groups) == 1 and len(opt._model) == 1
+    assert len(opt.param_groups) == 1 and len(opt._params) == 1
 
 
 def test_a_rule_is_required():

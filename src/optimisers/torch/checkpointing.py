@@ -16,7 +16,7 @@ from optimisers.core.rule import Rule
 from optimisers.core.state import Leaf, State
 from optimisers.core.tree import format_path
 from optimisers.torch.hyperparameters import group_entries
-from optimisers.torch.lazy_state import set_state
+from optimisers.torch.lazy_state import trainable
 
 _ROOT = format_path(())  # how the library's state_dict names a lone Leaf's place
 
@@ -28,12 +28,6 @@ def _split_extra_state(saved_state: Mapping) -> tuple[dict, dict]:
     for key, value in saved_state.items():
         (params if isinstance(key, int) and not isinstance(key, bool) else extra)[key] = value
     return params, extra
-
-
-def _take_loaded(leaf: Leaf, new: Leaf) -> None:
-    """`leaf` takes the state and frozen flag of `new`, the Leaf a checkpoint was loaded into."""
-    set_state(leaf, new.state, owned=new._owns)  # converted copies: the engine may keep them
-    leaf.frozen = new.frozen
 
 
 def _flattened(saved_state: Mapping) -> dict:
@@ -58,8 +52,8 @@ class Checkpointing:
 
     # --- one parameter's entry (also what `state[p]` reads and writes) ----------------------------
 
-    def _entry(self, position: int, leaf) -> dict:
-        """Parameter `position`'s entry of `state_dict()["state"]`."""
+    def _entry(self, p, leaf) -> dict:
+        """Parameter `p`'s entry of `state_dict()["state"]`."""
         prefix = _ROOT + "/"
         return {k.removeprefix(prefix): v for k, v in library_state_dict(leaf).items() if k != FORMAT_KEY}
 
@@ -67,23 +61,24 @@ class Checkpointing:
         """Whether a Leaf with state has an entry in `state_dict()` and `optimizer.state`."""
         return True
 
-    def _template(self, position: int):
-        """A Leaf with state shaped as `position`'s will be, for a checkpoint to load into."""
-        leaf = self._leaf_at[position]
-        if position in self._flat.tree:
+    def _template(self, p) -> Leaf:
+        """A Leaf with state shaped as parameter `p`'s is or will be, for a checkpoint to load into."""
+        leaf = self._leaf(p)
+        if leaf is not None:
             return leaf
+        rule = self._group_of(p).rule
         with torch.no_grad():
-            return leaf._successor(leaf.rule, leaf.rule.init(self._engine_view(self._model[position])))
+            return Leaf(rule, rule.init(self._engine_view(p)))
 
-    def _load_entry(self, position: int, entry: Mapping) -> None:
+    def _load_entry(self, p, entry: Mapping) -> None:
         flat = {FORMAT_KEY: FORMAT, **{f"{_ROOT}/{k}": v for k, v in entry.items()}}
+        where = f"parameter {self._position_of.get(id(p), '(removed)')}"
         try:
-            new = library_load_state_dict(self._template(position), flat, hyperparameters="state").tree
+            new = library_load_state_dict(self._template(p), flat, hyperparameters="state").tree
         except CheckpointError as e:
-            raise CheckpointError(str(e).replace(_ROOT, f"parameter {position}")) from None
-        _take_loaded(self._leaf_at[position], new)
-        if position not in self._flat.tree:
-            self._ready([position])
+            raise CheckpointError(str(e).replace(_ROOT, where)) from None
+        self._adopt(p, new)
+        self._changed()
 
     # --- the whole optimizer ----------------------------------------------------------------------
 
@@ -94,13 +89,23 @@ class Checkpointing:
         Holds the state's own tensors (not copies), as torch.optim does."""
         for hook in self._optimizer_state_dict_pre_hooks.values():
             hook(self)
-        state = {p: self._entry(p, leaf) for p, leaf in self._flat.tree.items() if self._shows(leaf)}
+        self._follow_edits()
+        if len(self._stepped) != len(self._leaf_of):
+            raise KeyError(
+                "a parameter removed from param_groups still has state, which a state dict cannot "
+                "number (torch.optim raises here too): `del optimizer.state[p]` drops it"
+            )
+        state = {i: self._entry(self._params[i], leaf) for i, leaf in self._flat_items() if self._shows(leaf)}
         out = {"state": {**state, **self._extra_state}, "param_groups": self._saved_groups()}
         for hook in self._optimizer_state_dict_post_hooks.values():
             result = hook(self, out)
             if result is not None:
                 out = result
         return out
+
+    def _flat_items(self) -> list:
+        """`(position, Leaf)` of the listed parameters that have state."""
+        return list(zip(self._stepped, self._flat.tree.values()))
 
     def _saved_groups(self) -> list[dict]:
         """`param_groups` as a checkpoint keeps them: tensors as positions (a tensor listed again,
@@ -133,10 +138,13 @@ class Checkpointing:
                 state_dict = result
         if not isinstance(state_dict, Mapping) or not {"state", "param_groups"} <= set(state_dict):
             raise CheckpointError(f"expected {expected}, with 'state' and 'param_groups'")
+        self._follow_edits()
         self._check_groups(state_dict["param_groups"])
         saved_state, extra = _split_extra_state(state_dict["state"])
         self.param_groups[:] = self._load_checked(state_dict["param_groups"], saved_state)
         self._extra_state = extra
+        for g in self._groups:
+            g.follow(g.params)
         self._changed()
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
@@ -144,21 +152,17 @@ class Checkpointing:
     def _load_checked(self, saved_groups, saved_state: Mapping) -> list[dict]:
         flat = _flattened(saved_state)
         positions = self._checkpoint_positions(saved_state)
-        template = State({position: self._template(position) for position in sorted(positions)})
+        template = State({i: self._template(self._params[i]) for i in sorted(positions)})
         loaded = library_load_state_dict(template, flat)  # checks everything; changes nothing
         new_groups = [self._restored_group(saved, now) for saved, now in zip(saved_groups, self.param_groups)]
-        self._forget([p for p in self._flat.tree if p not in loaded.tree])
-        for position, new in loaded.tree.items():
-            leaf = self._leaf_at[position]
-            leaf.rule = new.rule
-            _take_loaded(leaf, new)
-        self._ready([p for p in loaded.tree if p not in self._flat.tree])
-        ready = {id(leaf) for leaf in self._flat.tree.values()}
+        self._leaf_of.clear()  # torch's load replaces the state: parameters not in it have none
+        for i, leaf in loaded.tree.items():
+            self._adopt(self._params[i], leaf)
         for g, entries in zip(self._groups, new_groups):
             g.entries = entries
-            # the group's rule is the one its loaded Leafs got (they share it), else unchanged
-            loaded_rules = (leaf.rule for leaf in g.leaves if leaf is not None and id(leaf) in ready)
-            g.use_rule(next(loaded_rules, g.rule))
+            # the group's rule is the one its loaded Leafs got, else unchanged
+            loaded_rules = (loaded.tree[i].rule for i in g.positions if i in loaded.tree)
+            g.rule = next(loaded_rules, g.rule)
             g.seen = group_entries(g.rule)
         return new_groups
 
@@ -189,10 +193,11 @@ class Checkpointing:
     def _checkpoint_positions(self, state: Mapping) -> list[int]:
         positions = []
         for position in state:
-            if not isinstance(position, int) or position not in self._leaf_at:
+            listed = isinstance(position, int) and 0 <= position < len(self._params)
+            if not (listed and trainable(self._params[position])):
                 raise CheckpointError(
                     f"the checkpoint has state for parameter {position!r}, but this optimizer's "
-                    f"parameters are numbered 0 to {len(self._model) - 1}"
+                    f"parameters are numbered 0 to {len(self._params) - 1}"
                 )
             positions.append(position)
         return positions

@@ -16,7 +16,7 @@ from optimisers.torch.hyperparameters import (
     check_switches,
 )
 from optimisers.torch.optimizer import Optimizer
-from optimisers.torch.param_groups import ParamGroup, check_group_dict, group_tensors, setup_leaves
+from optimisers.torch.param_groups import ParamGroup, check_group_dict, group_tensors
 from optimisers.torch.torch_format import TorchStateDict
 
 # the library's names of hyperparameters, and "rule": in a drop-in's group they would set nothing
@@ -48,13 +48,13 @@ def check_torch_switches(h: Mapping, where: str) -> None:
     check_switches(h, where)
 
 
-def _check_fused(g: ParamGroup, grads: dict) -> None:
+def _check_fused(g: ParamGroup, grads: list) -> None:
     """torch.optim's check of the parameters of a `fused=True` group, at the step."""
     from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
     devices = _get_fused_kernels_supported_devices()
     for position, p in zip(g.positions, g.params):
-        if position in grads and not (p.is_floating_point() and p.device.type in devices):
+        if grads[position] is not None and not (p.is_floating_point() and p.device.type in devices):
             raise RuntimeError(
                 "`fused=True` requires all the params to be floating point Tensors of supported "
                 f"devices: {devices} but {p.dtype} and {p.device.type}"
@@ -136,13 +136,21 @@ class DropIn(TorchStateDict, Optimizer):
         h = {k: group.get(k, v) for k, v in self._hyper.items()}
         rule = self._built(h, where)
         params, names = group_tensors(group["params"], where)
-        leaves = setup_leaves(rule, [self._engine_view(p) for p in params])
+        self._check_params(params, names, where)
         # any other key is carried, as torch.optim carries it (a scheduler's, a user's note)
         carried = {k: v for k, v in group.items() if k not in h and k not in NOT_HYPERPARAMETERS}
         entries = {"params": params, **h, **carried}
         if names is not None:
             entries["param_names"] = names
-        return ParamGroup(entries, params, leaves, rule, dict(h), any(p.is_complex() for p in params))
+        return ParamGroup(entries, params, rule, dict(h))
+
+    def _check_params(self, params: list, names, where: str) -> None:
+        """The class's own refusals of a group's tensors (Muon: vectors)."""
+
+    def _listed(self, params, where: str) -> list:
+        params = group_tensors(params, where)[0]
+        self._check_params(params, None, where)
+        return params
 
     def _refused(self, key) -> bool:
         """A key that sets nothing here although it looks as if it would: the library's own
@@ -180,16 +188,16 @@ class DropIn(TorchStateDict, Optimizer):
             return  # an inf or nan in the scaled gradients: no step
         super()._step()
 
-    def _gradients(self, grads: dict) -> dict:
+    def _gradients(self, grads: list) -> list:
         """What torch does to a gradient before its formula, in its order: `maximize` negates it,
         non-decoupled `weight_decay` adds `weight_decay·p`, a complex one is viewed as reals
         (a sparse one, where the class takes it, made dense; `grad_scale`, where set, divided out).
-        The dict handed in is left as it is: a step may hand in the one it found before."""
+        The list handed in is left as it is."""
         if self._sparse:
-            grads = {i: g if g.layout is torch.strided else g.to_dense() for i, g in grads.items()}
+            grads = [g if g is None or g.layout is torch.strided else g.to_dense() for g in grads]
         scale = getattr(self, "grad_scale", None)
         if scale is not None:
-            grads = {i: grad / scale for i, grad in grads.items()}
+            grads = [None if grad is None else grad / scale for grad in grads]
         for g in self._groups:
             h = g.seen
             if h.get("fused"):
@@ -202,11 +210,11 @@ class DropIn(TorchStateDict, Optimizer):
         return grads
 
 
-def _prepared(grads: dict, g: ParamGroup, maximize, decay) -> dict:
-    """`grads` with group `g`'s gradients as torch prepares them (a new dict)."""
-    grads = dict(grads)
+def _prepared(grads: list, g: ParamGroup, maximize, decay) -> list:
+    """`grads` with group `g`'s gradients as torch prepares them (a new list)."""
+    grads = list(grads)
     for position, p in zip(g.positions, g.params):
-        grad = grads.get(position)
+        grad = grads[position]
         if grad is None:
             continue
         if maximize:

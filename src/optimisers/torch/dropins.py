@@ -326,11 +326,9 @@ class Adafactor(DropIn):
         lr, decay = as_number(h, "lr"), as_number(h, "weight_decay")
         return _Adafactor(lr, h["beta2_decay"], tuple(h["eps"]), h["d"], decay)
 
-    def _make_group(self, group, where):
-        built = super()._make_group(group, where)
-        if built.has_complex:
+    def _check_params(self, params, names, where):
+        if any(p.is_complex() for p in params):
             raise RuntimeError(f"{where}: Adafactor does not support complex parameters")
-        return built
 
     def _layout_for(self, h, p):
         return ("row_var", "col_var", STEP) if is_factored(p) else ("variance", STEP)
@@ -379,10 +377,8 @@ class Muon(DropIn):
     def _layout(self, h):
         return ("momentum_buffer",)
 
-    def _make_group(self, group, where):
-        made = super()._make_group(group, where)
-        names = made.entries.get("param_names") or [None] * len(made.params)
-        for i, (p, name) in enumerate(zip(made.params, names)):
+    def _check_params(self, params, names, where):
+        for i, (p, name) in enumerate(zip(params, names or [None] * len(params))):
             what = f"{where}, parameter {i}" + (f" ({name})" if name else "")
             if p.ndim < 2:
                 raise ValueError(
@@ -392,4 +388,3 @@ class Muon(DropIn):
                 )
             if p.is_complex():
                 raise ValueError(f"{what}: Muon does not support complex parameters")
-        return made

@@ -1,41 +1,44 @@
-"""Per-parameter state made at the first gradient, as torch.optim does, and torch's view of it.
+"""Which parameters an optimizer steps and which have state, kept as torch.optim keeps them.
 
-`LazyState` keeps the positions (a parameter's number in `param_groups`, as torch.optim counts)
-and which of them have state: only those are stepped by `update_`, appear in `state_dict()` and
-take memory. `StateView` is `optimizer.state`: torch's `state[p]`.
+A parameter's number ("position") is its place in `param_groups`, counted as torch.optim counts.
+Its state is made at its first gradient, by `optimisers.setup` (over one buffer where parameters
+fill one), and kept by the tensor itself: a parameter removed from its group's `"params"` keeps
+its state (torch's `state[p]`) and takes it up again when it is listed again. `StateView` is
+`optimizer.state`.
 """
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Mapping, MutableMapping
 
 import torch
 
 from optimisers.core.state import Leaf, State
-from optimisers.engine import plan
-from optimisers.engine.initial_state import initial_states
-
-# optimizer -> (a bulk check, the gradients it found): what a step found, kept while no parameter
-# gains or loses state (`_changed` lets go of it), so that a later step finding the same gradients
-# knows that each of their parameters has state (`optimisers.torch.stepping`)
-HELD_GRADIENTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+from optimisers.verbs.setup import setup
 
 
-def set_state(leaf: Leaf, state, *, owned: bool) -> None:
-    """Give `leaf` its rule's `state`. `owned`: the arrays are the Leaf's alone (made or copied
-    for it), so the update engine may keep them as its buffers instead of copying them."""
-    leaf.state = state
-    leaf._owns = owned
+def owned_leaf(rule, state) -> Leaf:
+    """A Leaf holding `state`, arrays made or copied for it alone, which the update engine may
+    therefore keep as its buffers instead of copying them."""
+    leaf = Leaf(rule, state)
+    if hasattr(leaf, "_owns"):
+        leaf._owns = True
+    return leaf
 
 
-def prune(node, ready: set):
-    """The part of a state tree whose Leafs have state (tied places keep their shared Leaf)."""
-    if isinstance(node, Leaf):
-        return node if id(node) in ready else None
+def trainable(p) -> bool:
+    """Can a rule train tensor `p` (a floating or complex one)?"""
+    return p.is_floating_point() or p.is_complex()
+
+
+def _shown(tree, leaf_of_placeholder):
+    """A module's tree of placeholders with the Leafs that have state in their places (a tie keeps
+    one Leaf at both places); None where nothing has state."""
+    if isinstance(tree, Leaf):
+        return leaf_of_placeholder(tree)
     out = {}
-    for k, child in node.items():
-        sub = prune(child, ready)
+    for k, child in tree.items():
+        sub = _shown(child, leaf_of_placeholder)
         if sub is not None:
             out[k] = sub
     return out or None
@@ -45,28 +48,89 @@ class LazyState:
     """The part of `Optimizer` that keeps track of parameters and of which have state."""
 
     def _start_tracking(self) -> None:
-        self._flat = State({})  # position -> Leaf, for parameters with state: what update_ steps
-        self._live: dict = {}  # position -> tensor, for the same parameters: the model update_ sees
-        self._leaf_of: dict[int, tuple] = {}  # id(tensor) -> (tensor, Leaf, position)
-        self._leaf_at: dict[int, Leaf] = {}  # position -> Leaf (with state or not yet)
-        self._model: dict = {}  # position -> tensor, every parameter
-        # the positions and tensors of every parameter a rule can train, in position order
-        self._trained_at: list[int] = []
-        self._trained: list = []
-        self._module_tree = None  # a module's whole state tree (Leafs without state included)
+        self._groups: list = []  # a ParamGroup per param group
+        self._leaf_of: dict[int, tuple] = {}  # id(tensor) -> (tensor, its Leaf, its group): has state
+        self._params: list = []  # position -> tensor
+        self._position_of: dict[int, int] = {}  # id(tensor) -> position
+        self._module_tree = None  # (a module) its tree of placeholders (see `groups_of_module`)
         self._extra_state: dict = {}  # `state[key]` for keys that are not parameters (hooks' notes)
-        self.optimiser_state: State = self._flat
+        self._changed()
 
-    def _track(self, group) -> None:
-        """Number the parameters of a new param group after those already there."""
-        group.first = len(self._model)
-        for position, p, leaf in zip(group.positions, group.params, group.leaves):
-            self._model[position] = p
-            if leaf is not None:
-                self._leaf_at[position] = leaf
-                self._leaf_of[id(p)] = (p, leaf, position)
-                self._trained_at.append(position)
-                self._trained.append(p)
+    def _leaf(self, p):
+        found = self._leaf_of.get(id(p))
+        return None if found is None else found[1]
+
+    def _changed(self) -> None:
+        """After the groups' parameters changed, or parameters gained or lost state: number the
+        parameters, give each group's Leafs its rule, and make what `update_` steps anew (a new
+        State: the engine plans it afresh)."""
+        self._params = []
+        for g in self._groups:
+            g.first = len(self._params)
+            g.leaves = [self._leaf(p) for p in g.params]
+            for p, leaf in zip(g.params, g.leaves):
+                if leaf is not None:
+                    leaf.rule = g.rule
+                    self._leaf_of[id(p)] = (p, leaf, g)
+            self._params += g.params
+        self._position_of = {id(p): i for i, p in enumerate(self._params)}
+        # what update_ steps: the parameters with state, in position order, numbered 0, 1, ...
+        self._stepped = [i for i, p in enumerate(self._params) if id(p) in self._leaf_of]
+        self._live = [self._params[i] for i in self._stepped]
+        leaves = [self._leaf(p) for p in self._live]
+        self._flat = State(dict(enumerate(leaves)))
+        # parameters that may get state at their first gradient
+        self._waiting = [i for i, p in enumerate(self._params) if id(p) not in self._leaf_of and trainable(p)]
+        self._frozen: list[int] = []  # places of `_live` stepped through a detached view
+        self._complex = any(g.has_complex for g in self._groups)
+        if self._module_tree is None:
+            self.optimiser_state = State(dict(zip(self._stepped, leaves)))
+        else:
+            tree, keys, pairs = self._module_tree
+            tensor_of = {id(h): p for h, p in pairs}
+            self.optimiser_state = State(_shown(tree, lambda h: self._leaf(tensor_of[id(h)])) or {}, keys)
+
+    def _make_states(self, params: list) -> None:
+        """Make the state of `params` (at their first gradient) by `setup`: over one buffer where
+        they fill one."""
+        rule_at = {i: g.rule for g in self._groups for i in g.positions}
+        views = {self._position_of[id(p)]: self._engine_view(p).detach() for p in params}
+        try:
+            with torch.no_grad():
+                made = setup(lambda path, x: rule_at[path[0]], views).tree
+        except (TypeError, ValueError) as e:  # a rule that refuses a parameter: named by its position
+            if type(e) in (TypeError, ValueError) and str(e).startswith("the parameter at "):
+                raise type(e)("parameter " + str(e).removeprefix("the parameter at ")) from None
+            raise
+        for i, leaf in made.items():
+            self._adopt(self._params[i], leaf)
+        self._changed()
+
+    def _forget(self, params) -> None:
+        """Drop the state of these parameters: it is made afresh at their next gradient."""
+        for p in params:
+            self._leaf_of.pop(id(p), None)
+        self._changed()
+
+    def _adopt(self, p, leaf) -> None:
+        """`leaf` (with state, e.g. loaded from a checkpoint) becomes parameter `p`'s."""
+        self._leaf_of[id(p)] = (p, leaf, None)
+
+    def _group_of(self, p):
+        """The group that parameter `p` is in (for a parameter removed from its group that has
+        state: the group it was in)."""
+        found = self._leaf_of.get(id(p))
+        if found is not None and found[2] is not None and id(p) not in self._position_of:
+            return found[2]
+        return self._groups[self._group_index(self._position_of[id(p)])]
+
+    def _group_index(self, position: int) -> int:
+        return next(k for k, g in enumerate(self._groups) if position < g.first + len(g.params))
+
+    def _with_state(self) -> list:
+        """The parameters with state, listed ones in position order, then removed ones."""
+        listed = [self._params[i] for i in self._stepped]
+        return listed + [t for t, _, _ in self._leaf_of.values() if id(t) not in self._position_of]
 
     @property
     def state(self):
@@ -84,118 +148,73 @@ class LazyState:
                 f"optimizer.state must be a mapping from parameter to state, got {type(value).__name__}"
             )
         entries = list(value.items())
-        self._forget(list(self._flat.tree))
+        self._leaf_of.clear()
         self._extra_state = {}
+        self._changed()
         for p, entry in entries:
             self.state[p] = entry
-
-    def _ready(self, positions) -> None:
-        """Positions whose Leafs just got state join what update_ steps, in position order."""
-        for position in positions:
-            self._flat.tree[position] = self._leaf_at[position]
-            self._live[position] = self._engine_view(self._model[position])
-        self._flat.tree = dict(sorted(self._flat.tree.items()))
-        self._live = dict(sorted(self._live.items()))
-        self._changed()
-
-    def _initialise(self, grads: dict) -> list[int]:
-        """Make the state of parameters that have their first gradient; returns their positions."""
-        have = self._flat.tree
-        if grads.keys() <= have.keys():
-            return []
-        born = [i for i in grads if i not in have]
-        with torch.no_grad():  # all made before any is kept (over one buffer where they fill one)
-            items = [(self._leaf_at[i].rule, self._engine_view(self._model[i]), i) for i in born]
-            made = dict(zip(born, initial_states(items, lambda rule, x, i: self._first_state(i))))
-        for i, state in made.items():
-            set_state(self._leaf_at[i], state, owned=True)  # fresh arrays: the engine keeps them
-        self._ready(born)
-        return born
-
-    def _first_state(self, position: int):
-        """The rule's initial state for the parameter at `position`; a parameter the rule
-        refuses (a vector for Muon) is reported with its position."""
-        try:
-            return self._leaf_at[position].rule.init(self._engine_view(self._model[position]))
-        except (TypeError, ValueError) as e:
-            if type(e) not in (TypeError, ValueError):
-                raise  # a subclass may not take a message alone
-            raise type(e)(f"parameter {position}: {e}") from None
-
-    def _forget(self, positions) -> None:
-        """Drop the state of these parameters: it is made afresh at their next gradient."""
-        for position in positions:
-            self._flat.tree.pop(position, None)
-            self._live.pop(position, None)
-            self._leaf_at[position].state = None
-        self._changed()
-
-    def _changed(self) -> None:
-        """After parameters gained or lost state: the engine plans again, and a module's
-        `optimiser_state` shows the Leafs that have state now."""
-        plan.forget(self._flat)
-        HELD_GRADIENTS.pop(self, None)
-        if self._module_tree is not None:
-            ready = {id(leaf) for leaf in self._flat.tree.values()}
-            self.optimiser_state.tree = prune(self._module_tree, ready) or {}
-            plan.forget(self.optimiser_state)
 
 
 class StateView(MutableMapping):
     """`optimizer.state` as torch code reads it: `state[p]` is parameter `p`'s entry of
     `state_dict()["state"]`, built on each read (an empty dict for a parameter that has had no
     gradient yet, as torch's lazy state gives); `state[p] = entry` loads such an entry into
-    `p`'s Leaf, checked first, keeping the current hyperparameters (ZeroRedundancyOptimizer
+    `p`'s state, checked first, keeping the current hyperparameters (ZeroRedundancyOptimizer
     restores its shards this way); `del state[p]` and `state.clear()` drop state, which is made
-    afresh at the next gradient, as in torch. A key that is not a tensor (a hook's note, as
-    torch's own tests write) holds any value, and goes into `state_dict()["state"]` as it is."""
+    afresh at the next gradient, as in torch. A parameter removed from its group keeps its entry,
+    as in torch. A key that is not a tensor (a hook's note, as torch's own tests write) holds any
+    value, and goes into `state_dict()["state"]` as it is."""
 
     def __init__(self, optimizer):
         self._optimizer = optimizer
 
-    def _position(self, p) -> int:
-        found = self._optimizer._leaf_of.get(id(p))
-        if found is None or found[0] is not p:
-            raise KeyError(p)
-        return found[2]
+    def _known(self, p) -> bool:
+        o = self._optimizer
+        if id(p) not in o._position_of:
+            o._follow_edits()  # a parameter listed since the last step
+        return id(p) in o._position_of or id(p) in o._leaf_of
 
     def __getitem__(self, p):
+        o = self._optimizer
         if not isinstance(p, torch.Tensor):
-            return self._optimizer._extra_state[p]
-        position = self._position(p)
-        leaf = self._optimizer._flat.tree.get(position)
-        return {} if leaf is None else self._optimizer._entry(position, leaf)
+            return o._extra_state[p]
+        leaf = o._leaf(p)
+        if leaf is None and not self._known(p):
+            raise KeyError(p)
+        return {} if leaf is None else o._entry(p, leaf)
 
     def __setitem__(self, p, entry):
+        o = self._optimizer
         if not isinstance(p, torch.Tensor):
-            self._optimizer._extra_state[p] = entry
-            return
-        self._optimizer._load_entry(self._position(p), entry)
+            o._extra_state[p] = entry
+        elif not self._known(p):
+            raise KeyError(p)
+        else:
+            o._load_entry(p, entry)
 
     def __delitem__(self, p):
+        o = self._optimizer
         if not isinstance(p, torch.Tensor):
-            del self._optimizer._extra_state[p]
-            return
-        position = self._position(p)
-        if position not in self._optimizer._flat.tree:
+            del o._extra_state[p]
+        elif o._leaf(p) is None:
             raise KeyError(p)
-        self._optimizer._forget([position])
+        else:
+            o._forget([p])
 
     def __contains__(self, p) -> bool:
+        o = self._optimizer
         if not isinstance(p, torch.Tensor):
-            return p in self._optimizer._extra_state
-        try:
-            return self._position(p) in self._optimizer._flat.tree
-        except KeyError:
-            return False
+            return p in o._extra_state
+        leaf = o._leaf(p)
+        return leaf is not None and o._shows(leaf)
 
     def clear(self) -> None:
-        self._optimizer._forget(list(self._optimizer._flat.tree))
+        self._optimizer._forget(self._optimizer._with_state())
         self._optimizer._extra_state.clear()
 
     def _shown(self) -> list:
-        model, tree = self._optimizer._model, self._optimizer._flat.tree
-        return [model[i] for i, leaf in list(tree.items()) if self._optimizer._shows(leaf)]
+        o = self._optimizer
+        return [p for p in o._with_state() if o._shows(o._leaf(p))]
 
     def __iter__(self):
         return iter([*self._shown(), *self._optimizer._extra_state])

@@ -25,8 +25,6 @@ import torch
 from torch import nn
 
 from optimisers.core.rule import Rule
-from optimisers.core.state import State
-from optimisers.engine import plan
 from optimisers.torch.checkpointing import Checkpointing
 from optimisers.torch.hyperparameters import adjusted_rule, unknown_key_error
 from optimisers.torch.lazy_state import LazyState
@@ -35,6 +33,7 @@ from optimisers.torch.param_groups import (
     check_distinct,
     check_rule,
     group_of_dict,
+    group_tensors,
     groups_of_module,
 )
 from optimisers.torch.stepping import Stepping
@@ -70,12 +69,11 @@ class Optimizer(Stepping, LazyState, Checkpointing, torch.optim.Optimizer):
 
     def __init__(self, params, rule=None, **hyperparameters):
         _check_rule_argument(rule)
-        self._groups: list[ParamGroup] = []
         self._overrides = dict(hyperparameters)
         self._base_rule = rule
         self._start_tracking()
         groups = self._initial_groups(params, rule)
-        check_distinct(groups)
+        check_distinct([g.params for g in groups], ["param_names" in g.entries for g in groups])
         # torch's __init__ passes each group dict to add_param_group, which takes the group built here
         self._pending = {id(g.entries): g for g in groups}
         super().__init__([g.entries for g in groups], self._defaults(groups))
@@ -104,20 +102,20 @@ class Optimizer(Stepping, LazyState, Checkpointing, torch.optim.Optimizer):
         the rest). A failed call changes nothing."""
         g = getattr(self, "_pending", {}).get(id(param_group))
         if g is None:
+            self._follow_edits()
             g = self._make_group(param_group, f"group {len(self.param_groups)}")
-            check_distinct(self._groups + [g])
-        self._track(g)
+            groups = [*self._groups, g]
+            check_distinct([h.params for h in groups], ["param_names" in h.entries for h in groups])
         self._groups.append(g)
         self.param_groups.append(g.entries)
+        self._changed()
 
     # --- what a subclass with torch.optim's signature changes ---------------------------------------
 
     def _groups_of_module(self, module, rule) -> list[ParamGroup]:
         if rule is None:
             check_rule(None, "Optimizer(module, rule)")
-        groups, state = groups_of_module(module, rule, self._overrides)
-        self._module_tree = state.tree
-        self.optimiser_state = State({}, state._keys)
+        groups, self._module_tree = groups_of_module(module, rule, self._overrides)
         return groups
 
     def _make_group(self, group, where: str) -> ParamGroup:
@@ -142,11 +140,22 @@ class Optimizer(Stepping, LazyState, Checkpointing, torch.optim.Optimizer):
         """What the update engine trains for parameter `p`."""
         return p
 
-    def _gradients(self, grads: dict) -> dict:
-        """The gradients the rules see: negated in groups with `maximize` (in a new dict: the one
-        handed in is left as it is)."""
-        maximized = [i for g in self._groups if g.entries.get("maximize") for i in g.positions if i in grads]
-        return {**grads, **{i: -grads[i] for i in maximized}} if maximized else grads
+    def _listed(self, params, where: str) -> list:
+        """The tensors of a group's edited `"params"` list, checked as a new group's are."""
+        return group_tensors(params, where)[0]
+
+    def _gradients(self, grads: list) -> list:
+        """The gradients the rules see, by position: negated in groups with `maximize` (in a new
+        list: the one handed in is left as it is)."""
+        maximized = [g for g in self._groups if g.entries.get("maximize")]
+        if not maximized:
+            return grads
+        grads = list(grads)
+        for g in maximized:
+            for i in g.positions:
+                if grads[i] is not None:
+                    grads[i] = -grads[i]
+        return grads
 
     # --- copies (deepcopy, pickle) ----------------------------------------------------------------
 
@@ -156,15 +165,13 @@ class Optimizer(Stepping, LazyState, Checkpointing, torch.optim.Optimizer):
         d.update(
             {k: v for k, v in self.__dict__.items() if k.startswith("_") and k not in d and "hook" not in k}
         )
-        d["optimiser_state"] = self.optimiser_state
         return d
 
     def __setstate__(self, state):
         super().__setstate__(state)
-        # a copy holds new tensors: find each one's Leaf by its new identity
-        self._leaf_of = {id(self._model[i]): (self._model[i], leaf, i) for i, leaf in self._leaf_at.items()}
-        self._live = {i: self._engine_view(self._model[i]) for i in self._flat.tree}
-        plan.forget(self._flat)  # the update engine plans its groups again
+        # a copy holds new tensors: find each one's state by its new identity
+        self._leaf_of = {id(p): (p, leaf, g) for p, leaf, g in self._leaf_of.values()}
+        self._changed()
 
 
 def _check_rule_argument(rule) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import operator
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -30,23 +31,45 @@ from optimisers.verbs.destructure import trainables
 from optimisers.verbs.setup import rule_chooser, setup
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class ParamGroup:
     """One param group as the adapter keeps it: its dict (`entries`, the object in
-    `param_groups`), its tensors and their Leafs (None for a tensor that can never be trained,
-    e.g. an integer one), its rule, and the entries last synced into the rule (`seen`)."""
+    `param_groups`), its tensors as last followed (`params`; the user edits the list in
+    `entries`), its rule, the entries last synced into the rule (`seen`), and the Leafs of its
+    tensors that have state (`leaves`, None for one that has none)."""
 
     entries: dict
     params: list
-    leaves: list
     rule: Any
     seen: dict
     has_complex: bool = False  # a drop-in class trains complex parameters as real views
     first: int = 0  # the position (number in `param_groups`, as torch counts) of its first tensor
+    leaves: list = dataclasses.field(default_factory=list)
+
+    def __post_init__(self):
+        self.follow(self.params)
 
     @property
     def positions(self) -> range:
         return range(self.first, self.first + len(self.params))
+
+    def follow(self, params: list) -> None:
+        """Take `params` as the group's tensors, and the list in `entries` as it is now (a new
+        list where it is `params` itself: the user's edits of it must not edit `params`)."""
+        self.params = params
+        self.has_complex = any(p.is_complex() for p in params)
+        listed = self.entries.get("params")
+        if listed is None or listed is params:
+            listed = self.entries["params"] = list(params)
+        self._listed = tuple(listed) if isinstance(listed, (list, tuple)) else None
+
+    def edited(self, where: str) -> bool:
+        """Has the user edited the `"params"` list (or put another in its place) since?"""
+        listed = self.entries.get("params")
+        if listed is None:
+            raise KeyError(f"{where} lost its 'params' entry")
+        known = self._listed
+        return known is None or len(listed) != len(known) or not all(map(operator.is_, listed, known))
 
     def use_rule(self, rule) -> None:
         """Make `rule` the group's: one rule object for all its Leafs."""
@@ -93,12 +116,12 @@ class ParamGroup:
                 self.entries[k] = v
 
 
-def check_distinct(groups: list[ParamGroup]) -> None:
-    """Each tensor in one group only, and names for every group's parameters or for none (torch's
-    checks, in its words, with the places named)."""
+def check_distinct(lists: list[list], named: list[bool] | None = None) -> None:
+    """Each tensor in one group only (of the groups' tensor `lists`), and names for every
+    group's parameters or for none (torch's checks, in its words, with the places named)."""
     where: dict[int, str] = {}
-    for i, g in enumerate(groups):
-        for j, p in enumerate(g.params):
+    for i, params in enumerate(lists):
+        for j, p in enumerate(params):
             here = f"group {i}, parameter {j}"
             if id(p) in where:
                 raise ValueError(
@@ -106,12 +129,12 @@ def check_distinct(groups: list[ParamGroup]) -> None:
                     f"tensor as {where[id(p)]} (a tied weight is one tensor: list it once)"
                 )
             where[id(p)] = here
-    named = ["param_names" in g.entries for g in groups if g.params]
+    named = [n for n, params in zip(named or [], lists) if params]
     if any(named) and not all(named):
         which = "with" if named[-1] else "without"
         raise ValueError(
             "all optimizer param groups should be with/without names. cannot add param group "
-            f"{which} names to the optimizer (group {len(groups) - 1})"
+            f"{which} names to the optimizer (group {len(lists) - 1})"
         )
 
 
@@ -190,38 +213,34 @@ def _setup_without_state(rule, model) -> State:
     return state
 
 
-def setup_leaves(rule, params) -> list:
-    """One Leaf per tensor, state not made yet. A frozen parameter is set up through a detached
-    view: it may be unfrozen later."""
-    model = [p.detach() if isinstance(p, nn.Parameter) and not p.requires_grad else p for p in params]
-    tree = _setup_without_state(rule, model).tree
-    return [tree.get(i) if isinstance(tree, dict) else None for i in range(len(params))]
-
-
 # --- groups from a module or from group dicts -------------------------------------------------------
 
 
-def groups_of_module(module, rule, overrides: dict) -> tuple[list[ParamGroup], State]:
-    """Groups for a module: `setup` makes the Leafs (ties, paths, rule functions); parameters
-    whose rules are equal form one group, which then shares one rule object."""
+def groups_of_module(module, rule, overrides: dict) -> tuple[list[ParamGroup], tuple]:
+    """Groups for a module: `setup` chooses each parameter's rule (paths, ties, rule functions)
+    with placeholder Leafs; parameters whose rules are equal form one group, which then shares
+    one rule object. Returns the groups and `(the placeholders' tree, its keys, [(placeholder,
+    tensor)])`, from which `optimiser_state` shows the module's tree."""
     state = _setup_without_state(rule, module)
     groups: list[ParamGroup] = []
+    names: dict[int, list] = {}
+    pairs = []
     for path, p in trainables(module, path=True):
         leaf = state.tree
         for k in path:
             leaf = leaf[k]
+        pairs.append((leaf, p))
         g = _group_with_rule(groups, leaf.rule)
         g.params.append(p)
-        g.leaves.append(leaf)
-        g.entries.setdefault("param_names", []).append(format_path(path))
+        names.setdefault(id(g), []).append(format_path(path))
     if not groups:
         raise ValueError("the module has no trainable parameters (requires_grad=True)")
     for i, g in enumerate(groups):
-        g.use_rule(adjusted_rule(g.rule, overrides, f"group {i}") if overrides else g.rule)
+        g.rule = adjusted_rule(g.rule, overrides, f"group {i}") if overrides else g.rule
         g.seen = group_entries(g.rule)
-        names = g.entries.pop("param_names")
-        g.entries = {"params": g.params, **g.seen, **adapter_entries(overrides), "param_names": names}
-    return groups, state
+        g.entries = {"params": g.params, **g.seen, **adapter_entries(overrides), "param_names": names[id(g)]}
+        g.follow(g.params)
+    return groups, (state.tree, state._keys, pairs)
 
 
 def _group_with_rule(groups: list[ParamGroup], rule) -> ParamGroup:
@@ -233,7 +252,7 @@ def _group_with_rule(groups: list[ParamGroup], rule) -> ParamGroup:
             equal = g.rule is rule
         if equal:
             return g
-    g = ParamGroup({}, [], [], copy.copy(rule), {})
+    g = ParamGroup({}, [], copy.copy(rule), {})
     groups.append(g)
     return g
 
@@ -263,4 +282,4 @@ def group_of_dict(group: Mapping, base, overrides: dict, where: str) -> ParamGro
     entries = {"params": params, **seen, **carried}
     if names is not None:
         entries["param_names"] = names
-    return ParamGroup(entries, params, setup_leaves(rule, params), rule, seen)
+    return ParamGroup(entries, params, rule, seen)

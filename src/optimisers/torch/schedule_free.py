@@ -61,13 +61,13 @@ class _ScheduleFreeDropIn(DropIn):
         self._switch(True, lambda b1: 1 - b1)
 
     def _switch(self, train: bool, weight) -> None:
+        self._follow_edits()
         for g in self._groups:
             if bool(g.entries["train_mode"]) != train:
                 w = weight(self._b1(g.entries))
-                for position in g.positions:
-                    leaf = self._flat.tree.get(position)
+                for p, leaf in zip(g.params, g.leaves):
                     if leaf is not None:  # parameters with state (a gradient seen), as the package's
-                        p = self._engine_view(self._model[position])
+                        p = self._engine_view(p)
                         p.lerp_(leaf.state[0].to(p.device), w)
                 self._show(g, train_mode=train)
 

@@ -1,23 +1,24 @@
-"""`Optimizer.step` and `zero_grad`: a step syncs changed group entries into the rules, makes the
-state of parameters at their first gradient and hands the gradients to `optimisers.update_`; a
-step that fails changes nothing."""
+"""`Optimizer.step` and `zero_grad`. A step reads the groups as torch.optim does, at every step:
+changed entries go into the rules, an edited `"params"` list is followed, each parameter's
+`.grad` is read (None: skipped), a parameter's first gradient makes its state, and the gradients
+go to `optimisers.update_`. A step that fails changes nothing."""
 
 from __future__ import annotations
 
 import operator
-from itertools import repeat
 
 import torch
-from torch import nn
 
 from optimisers.torch.flat import has_flat_grads, zero_flat_grads_
 from optimisers.torch.hyperparameters import check_switches
-from optimisers.torch.param_groups import ParamGroup
+from optimisers.torch.param_groups import ParamGroup, check_distinct
 from optimisers.verbs.update import update_
+
+_GRAD = operator.attrgetter("grad")
 
 
 class Stepping:
-    """The part of `Optimizer` that steps. It uses the subclass hooks `_gradients`,
+    """The part of `Optimizer` that steps. It uses the subclass hooks `_gradients`, `_listed`,
     `_refused_keys`, `_unknown_key` and `_resync` (see `Optimizer`)."""
 
     def step(self, closure=None):
@@ -32,13 +33,15 @@ class Stepping:
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """torch.optim's, except that gradients that are views of a flat buffer (made by
-        `optimisers.torch.flatten_`) are zeroed in place and kept, whatever `set_to_none` says."""
+        """torch.optim's, except that the gradients of trainable parameters that are views of a
+        flat buffer (made by `optimisers.torch.flatten_`) are zeroed in place and kept, whatever
+        `set_to_none` says."""
         params = [p for g in self.param_groups for p in g["params"]]
-        rest = zero_flat_grads_(params) if has_flat_grads() else params
+        rest = zero_flat_grads_([p for p in params if p.requires_grad]) if has_flat_grads() else params
         if len(rest) == len(params):
             super().zero_grad(set_to_none)
             return
+        rest += [p for p in params if not p.requires_grad]  # a frozen one's view: as torch does
         for p in rest:
             if set_to_none:
                 p.grad = None
@@ -51,13 +54,17 @@ class Stepping:
 
     def _step(self):
         undo = self._sync()
-        born: list[int] = []
+        born: list = []
         try:
-            grads, held = _gradients_now(self)
-            if grads:
-                grads = self._gradients(grads)
-                born = [] if held else self._initialise(grads)
-                update_(self._flat, self._stepped_model(held), grads)
+            self._follow_edits()
+            grads = list(map(_GRAD, self._params))
+            born = [self._params[i] for i in self._waiting if grads[i] is not None]
+            if born:
+                self._make_states(born)
+            grads = self._gradients(grads)
+            if len(self._stepped) != len(grads):
+                grads = [grads[i] for i in self._stepped]
+            self._update(grads)
         except BaseException:  # a failed step changes nothing
             if born:
                 self._forget(born)
@@ -65,8 +72,32 @@ class Stepping:
                 g.restore(record)
             raise
 
+    def _update(self, grads: list) -> None:
+        """`update_` of the parameters with state. A parameter frozen by the user after its state
+        was made (torch.optim steps it while its `.grad` is not None) is stepped through a detached
+        view: `update_` refuses a frozen parameter, and changes nothing when it does."""
+        live = self._live
+        if self._complex:
+            live = [self._engine_view(p) for p in live]
+        if self._frozen:
+            self._frozen = [k for k in self._frozen if not self._live[k].requires_grad]
+            live = _detached(live, self._frozen)
+        try:
+            update_(self._flat, live, grads)
+        except Exception:
+            frozen = [k for k, p in enumerate(self._live) if not p.requires_grad and k not in self._frozen]
+            if not frozen:
+                raise
+            self._frozen += frozen
+            update_(self._flat, _detached(live, frozen), grads)
+
     def _sync(self) -> list[tuple[ParamGroup, tuple]]:
         """Apply changed group entries to the rules; returns what to restore if the step fails."""
+        if len(self.param_groups) != len(self._groups):
+            raise RuntimeError(
+                f"the optimizer has {len(self._groups)} param groups, param_groups "
+                f"{len(self.param_groups)}: add a group with add_param_group"
+            )
         plans = []
         for i, (entries, g) in enumerate(zip(self.param_groups, self._groups)):
             where = f"param_groups[{i}]"
@@ -81,17 +112,18 @@ class Stepping:
         # every group checked: only now change any
         return [(g, g.apply(changed, rule)) for g, changed, rule in plans]
 
-    def _stepped_model(self, held: bool) -> dict:
-        """The tensors `update_` steps (`held`: each of them requires grad). A parameter frozen by
-        the user after its state was made is stepped through a detached view (its `.grad` may be
-        left from before)."""
-        model = self._live
-        if held or all(map(_REQUIRES_GRAD, model.values())):  # (the usual case)
-            return model
-        frozen = [i for i, p in model.items() if not p.requires_grad and isinstance(p, nn.Parameter)]
-        if frozen:
-            model = {**model, **{i: model[i].detach() for i in frozen}}
-        return model
+    def _follow_edits(self) -> None:
+        """Follow each group's `"params"` list as it is now (torch.optim reads it at every step):
+        a tensor added gets state at its first gradient, one removed is no longer stepped and
+        keeps its state (`state[p]`), as in torch.optim."""
+        edited = [(i, g) for i, g in enumerate(self._groups) if g.edited(f"param_groups[{i}]")]
+        if not edited:
+            return
+        listed = {i: self._listed(g.entries["params"], f"param_groups[{i}]") for i, g in edited}
+        check_distinct([listed.get(i, g.params) for i, g in enumerate(self._groups)])
+        for i, g in edited:
+            g.follow(listed[i])
+        self._changed()
 
     def train(self):
         """For trainers that call it (rules here have no train/eval modes): does nothing."""
@@ -100,20 +132,11 @@ class Stepping:
         """For trainers that call it (rules here have no train/eval modes): does nothing."""
 
 
-def _gradients_now(optimizer) -> tuple[dict, bool]:
-    """`({position: p.grad}, held)`: each parameter's `.grad` as it is now (`held`: False)."""
-    return _gradients_at(optimizer._trained_at, optimizer._trained), False
-
-
-def _gradients_at(positions, params) -> dict:
-    """`{position: p.grad}` of the parameters that have one (read in one pass of C)."""
-    grads = list(map(_GRAD, params))
-    if any(map(operator.is_, grads, repeat(None))):
-        return {i: g for i, g in zip(positions, grads) if g is not None}
-    return dict(zip(positions, grads))
-
-
-_GRAD, _REQUIRES_GRAD = operator.attrgetter("grad"), operator.attrgetter("requires_grad")
+def _detached(live: list, places: list) -> list:
+    live = list(live)
+    for k in places:
+        live[k] = live[k].detach()
+    return live
 
 
 # Under torch.compile the step runs eagerly, as the library's update does (see optimisers.core.eager):

@@ -11,7 +11,7 @@ from typing import Any, ClassVar
 import torch
 
 from optimisers.checkpoints.state_dict import CheckpointError
-from optimisers.torch.lazy_state import set_state
+from optimisers.torch.lazy_state import owned_leaf
 from optimisers.torch.param_groups import ParamGroup
 
 # names in a drop-in class's `_layout`, beside torch's names of state tensors:
@@ -64,35 +64,25 @@ class TorchStateFormat:
         torch's SGD without momentum keeps none)."""
         return not (leaf.state is None or (isinstance(leaf.state, tuple) and not leaf.state))
 
-    def _group_index(self, position: int) -> int:
-        for i, g in enumerate(self._groups):
-            if position in g.positions:
-                return i
-        raise KeyError(position)
-
-    def _group_of(self, position: int) -> ParamGroup:
-        return self._groups[self._group_index(position)]
-
-    def _entry(self, position: int, leaf) -> dict:
+    def _entry(self, p, leaf) -> dict:
         """`state[p]` with torch's keys: the rule's state arrays (complex again for a complex
         parameter) and "step" as torch keeps it."""
         state = leaf.state
         parts = (state,) if self._one_part else state if isinstance(state, tuple) else ()
-        complex_ = self._model[position].is_complex()
         out: dict = {}
-        for name, part in zip(self._layout_for(self._group_of(position).seen, self._model[position]), parts):
+        for name, part in zip(self._layout_for(self._group_of(p).seen, p), parts):
             if name == NOT_SHOWN:
                 continue
             if name == STEP or name in SCALAR_STATE:
                 out[name] = torch.tensor(float(part), dtype=torch.float32)
             else:
-                out[name] = torch.view_as_complex(part) if complex_ else part
+                out[name] = torch.view_as_complex(part) if p.is_complex() else part
         return out
 
     def _decode(self, position: int, h: dict, entry, problems: list) -> Any:
-        """The rule's state for parameter `position` from torch's `entry` (under group
+        """The rule's state for the parameter at `position` from torch's `entry` (under group
         hyperparameters `h`); what does not fit goes to `problems`."""
-        p = self._model[position]
+        p = self._params[position]
         layout = self._layout_for(h, p)
         where = f"parameter {position}"
         try:
@@ -125,13 +115,17 @@ class TorchStateFormat:
                 "amsgrad, momentum or centered?)"
             )
 
-    def _load_entry(self, position: int, entry: Mapping) -> None:
+    def _load_entry(self, p, entry: Mapping) -> None:
         problems: list[str] = []
-        state = self._decode(position, self._group_of(position).seen, entry, problems)
+        g = self._group_of(p)
+        position = self._position_of.get(id(p))
+        if position is None:  # a parameter removed from its group: not numbered
+            raise KeyError("a parameter removed from param_groups takes no state: list it again first")
+        state = self._decode(position, g.seen, entry, problems)
         if problems:
             raise CheckpointError("; ".join(problems))
-        set_state(self._leaf_at[position], state, owned=True)  # decoded copies: the engine keeps them
-        self._ready([position])  # (again, if it had state: the engine plans anew)
+        self._adopt(p, owned_leaf(g.rule, state))  # decoded copies: the engine keeps them
+        self._changed()
 
 
 class TorchStateDict(TorchStateFormat):
@@ -151,15 +145,14 @@ class TorchStateDict(TorchStateFormat):
         states = self._saved_states(saved_state, hypers, problems)
         if problems:
             raise CheckpointError("the checkpoint does not fit this optimizer:\n  " + "\n  ".join(problems))
-        # everything checked: load
-        self._forget([p for p in self._flat.tree if p not in states])
+        # everything checked: load (torch's load replaces the state: parameters not in it have none)
         new_groups = [
             self._adopt_saved_group(saved, g, h, rule)
             for saved, g, h, rule in zip(saved_groups, self._groups, hypers, rules)
         ]
+        self._leaf_of.clear()
         for position, state in states.items():
-            set_state(self._leaf_at[position], state, owned=True)  # decoded copies: the engine keeps them
-        self._ready([p for p in states if p not in self._flat.tree])
+            self._adopt(self._params[position], owned_leaf(None, state))  # decoded copies: kept
         return new_groups
 
     def _saved_hyperparameters(self, saved_groups, problems: list) -> tuple[list, list]:
@@ -202,6 +195,5 @@ class TorchStateDict(TorchStateFormat):
         names = g.entries.get("param_names", saved.get("param_names"))
         if names is not None:
             entries["param_names"] = names
-        g.entries, g.seen = entries, dict(h)
-        g.use_rule(rule)
+        g.entries, g.seen, g.rule = entries, dict(h), rule
         return entries
