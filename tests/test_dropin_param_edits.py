@@ -136,10 +136,19 @@ def _replace_the_group_dict(o, ps, extra):
     o.param_groups[0] = {**o.param_groups[0], "params": [extra[0], *ps[1:]]}
 
 
+def _new_lr(o, ps, extra):
+    o.param_groups[0]["lr"] = 3e-2
+
+
 EDITS = {
     "a tensor appended": [(2, _append)],
     "a tensor removed": [(2, _remove)],
     "a tensor removed, then listed again": [(2, _remove_and_list_again), (4, _remove_and_list_again)],
+    "a tensor removed, lr changed, listed again": [
+        (2, _remove_and_list_again),
+        (3, _new_lr),
+        (4, _remove_and_list_again),
+    ],
     "the list replaced": [(3, _replace_the_list)],
     "a tensor inserted at the front": [(1, _insert_at_the_front)],
     "a tensor moved to a new group": [(3, _move_to_a_new_group)],

@@ -69,7 +69,7 @@ class LazyState:
             g.first = len(self._params)
             g.leaves = [self._leaf(p) for p in g.params]
             for p, leaf in zip(g.params, g.leaves):
-                if leaf is not None:
+                if leaf is not None:  # (one rule object per group: the engine steps them together)
                     leaf.rule = g.rule
                     self._leaf_of[id(p)] = (p, leaf, g)
             self._params += g.params

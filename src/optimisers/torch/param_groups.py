@@ -59,9 +59,9 @@ class ParamGroup:
         self.params = params
         self.has_complex = any(p.is_complex() for p in params)
         listed = self.entries.get("params")
-        if listed is None or listed is params:
+        if listed is params or not isinstance(listed, (list, tuple)):  # (a tensor, a generator)
             listed = self.entries["params"] = list(params)
-        self._listed = tuple(listed) if isinstance(listed, (list, tuple)) else None
+        self._listed = tuple(listed)
 
     def edited(self, where: str) -> bool:
         """Has the user edited the `"params"` list (or put another in its place) since?"""
@@ -69,7 +69,9 @@ class ParamGroup:
         if listed is None:
             raise KeyError(f"{where} lost its 'params' entry")
         known = self._listed
-        return known is None or len(listed) != len(known) or not all(map(operator.is_, listed, known))
+        if not isinstance(listed, (list, tuple)):
+            return True
+        return len(listed) != len(known) or not all(map(operator.is_, listed, known))
 
     def use_rule(self, rule) -> None:
         """Make `rule` the group's: one rule object for all its Leafs."""

@@ -152,7 +152,8 @@ class TorchStateDict(TorchStateFormat):
         ]
         self._leaf_of.clear()
         for position, state in states.items():
-            self._adopt(self._params[position], owned_leaf(None, state))  # decoded copies: kept
+            rule = self._groups[self._group_index(position)].rule
+            self._adopt(self._params[position], owned_leaf(rule, state))  # decoded copies: kept
         return new_groups
 
     def _saved_hyperparameters(self, saved_groups, problems: list) -> tuple[list, list]:
