@@ -44,23 +44,19 @@ CHANGES = {  # what a training loop can do to flattened parameters between steps
     "the state reset": lambda ps, o: _reset_state(o),
 }
 
-# changes the update engine's checks after `flatten_` miss (issue 37: the engine's to fix)
-ENGINE_GAPS = {
-    "a gradient transposed in place": pytest.mark.xfail(reason="the engine's span check misses t_()")
-}
-
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(
-    "change", [pytest.param(c, marks=ENGINE_GAPS[c]) if c in ENGINE_GAPS else c for c in CHANGES]
-)
+@pytest.mark.parametrize("change", list(CHANGES))
 def test_each_change_of_the_gradients_steps_as_torch_optim_steps_it(change, dtype):
     torch.manual_seed(0)
     ours = [nn.Parameter(torch.randn(s).to(dtype)) for s in [(8, 8), (64,), (64,), (2, 32), (64,), (128,)]]
     theirs = [nn.Parameter(p.detach().clone()) for p in ours]
     ot.flatten_(ours)
     o = ot.Adam(ours, lr=1e-2)
-    t = torch.optim.Adam(theirs, lr=1e-2, fused=True)
+    # torch's fused kernel pairs a gradient laid out apart from its parameter with it element by
+    # element in memory, not by index: a transposed gradient is compared with its for-loop Adam
+    fused = change != "a gradient transposed in place"
+    t = torch.optim.Adam(theirs, lr=1e-2, fused=fused, foreach=False if not fused else None)
     for step in range(5):
         g = torch.Generator().manual_seed(step)
         for p, q in zip(ours, theirs):
@@ -74,7 +70,11 @@ def test_each_change_of_the_gradients_steps_as_torch_optim_steps_it(change, dtyp
         o.step()
         t.step()
         for p, q in zip(ours, theirs, strict=True):
-            assert torch.equal(p, q)
+            if fused:
+                assert torch.equal(p, q)
+            else:
+                tight = dtype == torch.float32  # (bfloat16: torch rounds each operation, we once)
+                torch.testing.assert_close(p, q, rtol=1e-6 if tight else 1e-2, atol=1e-6 if tight else 1e-3)
 
 
 @pytest.mark.parametrize(
