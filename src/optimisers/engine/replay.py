@@ -123,12 +123,11 @@ def _compiled(nodes):
                      f"else N{i}.gradients(n{i}, g{i})")
         if r.leaf_keys:
             kids = f"n{i}" if r.seq or r.type is dict else f"k{i}"
-            at = [f"L{i}_{j}" for j in range(len(r.leaf_keys))]
-            names.update(zip(at, r.leaf_keys))
-            names[f"NONES{i}"] = r.nones
-            lines.append(f"    xs += ({''.join(f'{kids}[{a}], ' for a in at)})")
-            given = "".join(f"get{i}({a}), " for a in at)
-            lines.append(f"    gs += NONES{i} if get{i} is None else ({given})")
+            names[f"L{i}"], names[f"NONES{i}"] = r.leaf_keys, r.nones
+            whole = r.seq and r.leaf_keys == list(range(r.child_keys))  # (every entry a place)
+            lines.append(f"    xs += {kids}" if whole else f"    xs += map({kids}.__getitem__, L{i})")
+            given = f"g{i} if type(g{i}) in SEQ else " if whole else ""
+            lines.append(f"    gs += NONES{i} if get{i} is None else {given}map(get{i}, L{i})")
     lines.append("    return xs, gs, keys, values")
     exec(compile("\n".join(lines), "<the route's walk>", "exec"), names)  # noqa: S102 - our own code
     return names.pop("walk")  # (its globals are `names`: kept there, it would be a reference cycle)
