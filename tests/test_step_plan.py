@@ -225,3 +225,22 @@ def test_every_kind_of_container_replays_with_updates_numbers(replays):
         for x, y in zip(opt.trainables(model), opt.trainables(reference), strict=True):
             np.testing.assert_array_equal(x, y)
     assert replays[1:4] == [True] * 3 and replays[4] is False and replays[6:] == [True] * 2
+
+
+def test_a_module_gradient_giving_a_tensor_twice_is_refused_on_replayed_steps(replays):
+    """`gather` refuses a module's gradient dict that gives one tensor under two names (autograd
+    already summed a tie's places into it); a replayed step refuses it the same way, and nothing
+    moves."""
+    model = nn.Module()
+    model.w1 = nn.Parameter(torch.randn(4))
+    model.w2 = model.w1  # the tie, twice in one module
+    model.b = nn.Parameter(torch.randn(4))
+    state = opt.setup(opt.Adam(1e-2), model)
+    for _ in range(3):
+        state, model = opt.update_(state, model, {"w1": torch.randn(4), "b": torch.randn(4)})
+    assert replays[-1] is True
+    g = torch.randn(4)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match="twice"):
+        opt.update_(state, model, {"w1": g, "w2": g, "b": torch.randn(4)})
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))

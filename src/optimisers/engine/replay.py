@@ -56,16 +56,15 @@ class _Node:
 
     def gradients(self, node, grad):
         """The gradient of each child of `node` in `grad` (in a form the walk does not read where
-        it is), as a function of its key: as `gather` reads it. A module's dict is read where it
-        is where it gives each tensor once (`gather` refuses one given twice)."""
-        if type(grad) is dict and grad.keys() <= self.child_keys and not self.seq and _apart(grad):
-            return grad.get
+        it is), as a function of its key: as `gather` reads it."""
         return _grad_children(node, self.kind, dict(self.kind.children(node)), grad, ()).get
 
 
-def _apart(grad) -> bool:
-    """Does a module's gradient dict give each tensor once? (`gather` refuses one given twice.)"""
-    given = [g for g in grad.values() if g is not None]
+def _apart(gs) -> bool:
+    """Is each gradient given once? (`gather` refuses one given twice in a module's dict: where
+    the route reads such dicts where they are, a step that gives one twice anywhere goes the
+    general way.)"""
+    given = [g for g in gs if g is not None]
     return len(set(map(id, given))) == len(given)
 
 
@@ -116,8 +115,8 @@ def _compiled(nodes):
             lines.append(f"    if n{i}.keys() != C{i}: raise Off")
         else:
             lines.append(f"    k{i} = N{i}.children(n{i})")
-        fast = "type(g{i}) is dict and g{i}.keys() <= C{i}" if r.type is dict else (
-            "type(g{i}) in SEQ and len(g{i}) == C{i}" if r.seq else "False")
+        fast = "type(g{i}) in SEQ and len(g{i}) == C{i}" if r.seq else (
+            "type(g{i}) is dict and g{i}.keys() <= C{i}")
         getter = "__getitem__" if r.seq else "get"
         lines.append(f"    get{i} = None if g{i} is None else g{i}.{getter} if {fast.format(i=i)} "
                      f"else N{i}.gradients(n{i}, g{i})")
@@ -146,6 +145,7 @@ class Route:
         _record(tree, model, 0, None, self.nodes, ranks, (xs, self.keys, values))
         self.same_xs, self.same_values = SameObjects(xs), SameObjects(values)
         self.walk = None  # written at the first step that follows the route (`_compiled`)
+        self.modules = any(r.kind.grad_children is not None for r in self.nodes)  # (see `_apart`)
         member = {id(leaf): (g, m) for g, group in enumerate(groups) for m, leaf in enumerate(group.leaves)}
         places = [(i, k) for i, r in enumerate(self.nodes) for k in r.leaf_keys]
         first: list[list] = [[None] * len(group.leaves) for group in groups]
@@ -183,6 +183,8 @@ class Route:
                 self.walk = _compiled(self.nodes)
             xs, gs, keys, values = self.walk(model, grads)
             if not (keys == self.keys and self.same_values(values) and self.same_xs(xs)):
+                raise _Off
+            if self.modules and not _apart(gs):
                 raise _Off
             return [_ready(group, pick, tied, xs, gs) for group, pick, tied in self.groups]
         except Exception:  # noqa: BLE001 - any difference: the general path reports it
