@@ -25,7 +25,10 @@ def rand(*shape, seed=0, dtype=jnp.float32):
 
 
 def bits(tree):
-    """Leaves as bytes, so -0.0 and 0.0 (and NaN payloads) count as different."""
+    """Leaves as bytes, so -0.0 and 0.0 (and NaN payloads) count as different. A transform's
+    state is compared as the plain State it holds (its pytree is laid out as optax's)."""
+    if isinstance(tree, opt.State):
+        tree = opt.State(tree.tree)
     return [np.asarray(x).tobytes() for x in jax.tree.leaves(tree)]
 
 
@@ -108,6 +111,8 @@ def _assert_same(ours, expected, rule):
     if not sets_values(rule):
         assert bits(ours) == bits(expected)
         return
+    if isinstance(ours, opt.State):
+        ours, expected = opt.State(ours.tree), opt.State(expected.tree)
     for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(expected), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
@@ -310,3 +315,166 @@ def test_optax_module_is_lazy():
     done = subprocess.run([sys.executable, "-W", "error", "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert "has no attribute 'nothing_here'" in done.stdout
+
+
+# --- optax's layout of the state: params-shaped trees, dtypes -----------------------------------
+
+
+def test_the_state_shows_each_state_array_shaped_like_the_params():
+    model = tied_model()
+    tx = transform(opt.Adam(0.05))
+    state = tx.init(model)
+    assert isinstance(state, opt.optax.TransformState) and isinstance(state, opt.State)
+    mu = optax.tree.get(state, "mu")
+    assert jax.tree.structure(mu, is_leaf=lambda x: isinstance(x, optax.MaskedNode)) == jax.tree.structure(
+        jax.tree.map(lambda _: 0, model)
+    )
+    assert mu["embed"] is mu["unembed"]  # the tie: one array at both places
+    assert isinstance(mu["count"], optax.MaskedNode)  # an integer array has no state
+    assert mu["mlp"][0].shape == (4, 4) and optax.tree.get(state, "nu")["mlp"][1].shape == (4,)
+    assert optax.tree.get(transform(opt.Nesterov(0.1)).init(model), "trace")["embed"].shape == (4, 5)
+
+
+def test_tree_map_params_maps_the_params_shaped_trees_and_keeps_a_working_state():
+    model = tied_model()
+    model.pop("count")
+    tx = transform(opt.AdamW(0.05, lambd=0.1))
+    state = tx.init(model)
+    same = optax.tree_utils.tree_map_params(tx, lambda v: v, state)
+    assert bits(same) == bits(state) and jax.tree.structure(same) == jax.tree.structure(state)
+    # the sharding recipe: one spec per parameter, mapped onto the optimiser state
+    specs = jax.tree.map(lambda x: f"spec{x.ndim}", model)
+    state_specs = optax.tree_utils.tree_map_params(
+        tx, lambda _, spec: spec, state, specs, transform_non_params=lambda _: "replicated"
+    )
+    assert state_specs._views["mu"] == specs and state_specs._views["nu"] == specs
+    assert state_specs._core == "replicated"
+    # the identity-mapped state trains as the original
+    grads = jax.grad(tied_loss)(model)
+    u1, _ = tx.update(grads, same, model)
+    u2, _ = tx.update(grads, state, model)
+    assert bits(u1) == bits(u2)
+
+
+def test_tree_map_params_with_a_rule_function_and_a_stateless_rule():
+    model = {"w": rand(3, seed=1), "b": rand(2, seed=2)}
+    for tx in (transform(lambda path, x: opt.Adam(0.1)), transform(opt.Descent(0.1))):
+        state = tx.init(model)
+        mapped = optax.tree_utils.tree_map_params(tx, lambda v: v, state)
+        assert bits(mapped) == bits(state)
+    assert optax.tree.get(transform(lambda path, x: opt.Adam(0.1)).init(model), "mu") is None
+
+
+def test_ties_show_the_same_moments_at_each_place_under_jit():
+    model = tied_model()
+    model.pop("count")
+    tx = transform(opt.Adam(0.05))
+
+    @jax.jit
+    def step(state, model):
+        updates, state = tx.update(jax.grad(tied_loss)(model), state, model)
+        return state, optax.apply_updates(model, updates)
+
+    state = tx.init(model)
+    for _ in range(3):
+        state, model = step(state, model)
+    for name in ("mu", "nu"):
+        view = optax.tree.get(state, name)
+        np.testing.assert_array_equal(view["embed"], view["unembed"])
+    assert state["embed"] is state["unembed"]  # one Leaf inside
+    np.testing.assert_array_equal(state["embed"].state[0], optax.tree.get(state, "mu")["embed"])
+    assert state["embed"].state[2] == 3
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize(
+    "rule", [opt.Adam(0.05), opt.Momentum(0.05), opt.Lion(0.01), opt.MixedPrecision(opt.Adam(0.05))],
+    ids=["Adam", "Momentum", "Lion", "MixedPrecision"],
+)
+def test_updates_in_the_params_dtype_and_state_dtypes_stable_under_cond_and_scan(rule, dtype):
+    model = {"w": rand(3, 4, seed=4, dtype=dtype), "b": rand(4, seed=5, dtype=dtype)}
+    tx = transform(rule)
+    state = tx.init(model)
+    grads = jax.tree.map(lambda x: (x * 0.1).astype(x.dtype), model)
+    updates, new_state = jax.jit(tx.update)(grads, state, model)
+    assert all(u.dtype == dtype for u in jax.tree.leaves(updates))
+
+    def kinds(tree):
+        return [(x.shape, x.dtype, getattr(x, "weak_type", False)) for x in jax.tree.leaves(tree)]
+
+    assert jax.tree.structure(new_state) == jax.tree.structure(state)
+    assert kinds(new_state) == kinds(state)
+
+    @jax.jit
+    def scanned(model, state):
+        def body(carry, _):
+            model, state = carry
+            updates, new = tx.update(grads, state, model)
+            keep = jnp.asarray(True)
+            updates, state = jax.lax.cond(keep, lambda: (updates, new), lambda: (model, state))
+            return (optax.apply_updates(model, updates), state), None
+
+        return jax.lax.scan(body, (model, state), length=3)[0]
+
+    model2, state2 = scanned(model, state)
+    assert kinds(state2) == kinds(state) and kinds(model2) == kinds(model)
+
+
+def test_narrow_params_get_what_update_gives():
+    # a float16/bfloat16 parameter's step is float32: its update is `new - x` in the parameter's
+    # dtype, exact while the step is smaller than the parameter (see the module docstring)
+    rng = np.random.default_rng(7)
+    model = {"w": jnp.asarray(rng.uniform(1, 2, (3, 4)), jnp.bfloat16)}
+    tx = transform(opt.Adam(1e-2))
+    state, ref_state, ref = tx.init(model), opt.setup(opt.Adam(1e-2), model), model
+    for _ in range(4):
+        grads = {"w": jnp.asarray(rng.standard_normal((3, 4)), jnp.bfloat16)}
+        updates, state = tx.update(grads, state, model)
+        assert updates["w"].dtype == jnp.bfloat16
+        model = optax.apply_updates(model, updates)
+        ref_state, ref = opt.update(ref_state, ref, grads)
+        assert bits(model) == bits(ref)
+    assert bits(state) == bits(ref_state)
+
+
+@pytest.mark.parametrize("params_dtype", [jnp.bfloat16, jnp.float32])
+def test_explicit_state_dtypes_on_the_rule_and_on_transform(params_dtype):
+    model = {"w": rand(3, 4, seed=8, dtype=params_dtype)}
+    grads = jax.tree.map(lambda x: (x * 0.5).astype(x.dtype), model)
+    for tx, name in (
+        (transform(opt.Adam(0.05, mu_dtype=jnp.bfloat16)), "mu"),
+        (transform(opt.AdamW(0.05, mu_dtype="bfloat16")), "mu"),
+        (transform(opt.Adam(0.05), state_dtypes={"mu": jnp.bfloat16}), "mu"),
+        (transform(opt.Momentum(0.05, accumulator_dtype=jnp.bfloat16)), "trace"),
+        (transform(opt.Nesterov(0.05), state_dtypes={"trace": "bfloat16"}), "trace"),
+    ):
+        state = tx.init(model)
+        assert optax.tree.get(state, name)["w"].dtype == jnp.bfloat16
+        updates, new = jax.jit(tx.update)(grads, state, model)
+        assert optax.tree.get(new, name)["w"].dtype == jnp.bfloat16
+        assert updates["w"].dtype == params_dtype
+        if name == "mu":
+            assert optax.tree.get(new, "nu")["w"].dtype == params_dtype
+
+
+def test_state_dtypes_names_what_the_rule_keeps():
+    with pytest.raises(ValueError, match=r"'trace'.*state arrays by name: 'mu', 'nu'"):
+        transform(opt.Adam(), state_dtypes={"trace": jnp.bfloat16})
+    with pytest.raises(TypeError, match="not a dtype"):
+        transform(opt.Adam(), state_dtypes={"mu": "no such dtype"})
+
+
+def test_adjust_gives_a_state_that_updates_as_before():
+    # adjust makes a plain State; update hands back the kind of state it was given
+    model = {"w": rand(3, seed=1)}
+    tx = transform(opt.Adam(0.1))
+    state = tx.init(model)
+    adjusted = opt.adjust(state, 0.01)
+    assert type(adjusted) is opt.State
+    _, new = tx.update({"w": jnp.ones(3)}, adjusted, model)
+    assert type(new) is opt.State
+    _, new = tx.update({"w": jnp.ones(3)}, state, model)
+    assert isinstance(new, opt.optax.TransformState)
+    opt.freeze_(new["w"])  # changes the built tree: what JAX sees follows
+    updates, _ = jax.jit(tx.update)({"w": jnp.ones(3)}, new, model)
+    assert bits(updates) == bits(jax.tree.map(lambda x: -jnp.zeros_like(x), model))

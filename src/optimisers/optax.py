@@ -15,15 +15,23 @@ parameter's dtype; `Lookahead` at its synchronisations): its update is `new - x`
 lemma), which any step smaller than the parameter satisfies; otherwise it is `new` to within a
 rounding of the update.
 
-The optax state is the `State` that `setup` returns: it carries the ties and the hyperparameters
-as pytree leaves, so it can go through `jax.jit`, and `optimisers.adjust(state, eta)` changes the
-learning rate without recompiling. Importing this module imports jax and optax; `import
+For a float16/bfloat16 parameter the rule's step is float32 (its maths runs in float32): the
+update is then `new - x` in the parameter's dtype, `new` being the parameter `optimisers.update`
+gives, so that optax gets updates in the params' dtype; exact in the same cases.
+
+The optax state is a `TransformState`: the `State` that `setup` returns (it carries the ties and
+the hyperparameters as pytree leaves, so it can go through `jax.jit`, and
+`optimisers.adjust(state, eta)` changes the learning rate without recompiling), laid out for JAX
+as optax lays out its states: each per-element state array as a tree shaped like the params,
+under optax's name (`"mu"`), so that `optax.tree_utils.tree_map_params` and `optax.tree.get`
+work on it. Importing this module imports jax and optax; `import
 optimisers` does not import it (it is reached as `optimisers.optax` on first use).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import numbers
 import sys
 
@@ -33,16 +41,44 @@ import numpy as np
 import optax as _optax
 
 from optimisers.core import rule as _rule
-from optimisers.core.rule import NewValue, Rule
+from optimisers.core.rule import NewValue, Rule, Scheduled
 from optimisers.core.state import Leaf, State, flatten_state, map_leaves, unflatten_state
 from optimisers.core.tree import kind_of, walked
+from optimisers.rules import (
+    ADOPT,
+    LAMB,
+    LARS,
+    AdaBelief,
+    AdaDelta,
+    AdaGrad,
+    Adam,
+    AdaMax,
+    AdamW,
+    AdEMAMix,
+    AMSGrad,
+    Lion,
+    Lookahead,
+    MixedPrecision,
+    Momentum,
+    Muon,
+    NAdam,
+    Nesterov,
+    OAdam,
+    OptimiserChain,
+    RAdam,
+    RMSProp,
+    Rprop,
+    ScheduleFreeAdamW,
+    ScheduleFreeSGD,
+    SkipNonFinite,
+)
 from optimisers.verbs.setup import rule_chooser, setup
 from optimisers.verbs.update import rebuild, stepped
 
-__all__ = ["transform"]
+__all__ = ["transform", "TransformState"]
 
 
-def transform(rule) -> _optax.GradientTransformationExtraArgs:
+def transform(rule, *, state_dtypes=None) -> _optax.GradientTransformationExtraArgs:
     """An optax `GradientTransformationExtraArgs` that runs `rule` (an `optimisers.Rule`, or a
     function `(path, x) -> Rule` as `setup` takes) with tied weights handled.
 
@@ -64,28 +100,43 @@ def transform(rule) -> _optax.GradientTransformationExtraArgs:
       required. Under `jax.jit` the state says what is tied: tied places get the summed gradient
       and the same update. Extra keyword arguments (from `optax.chain`) are ignored.
 
-    The state is an `optimisers.State`, so `optimisers.adjust(state, 1e-4)` changes the learning
-    rate (inside `optax.chain`, adjust the chain's entry for this transformation). A
-    transformation built for an update without having made a state with its own `init` applies
-    the hyperparameters that `rule` holds as JAX arrays instead of the State's: that is how
-    `optax.inject_hyperparams(lambda learning_rate:
-    transform(Adam(learning_rate)))(learning_rate=schedule)` hands over each step's value, with a
-    new transformation at every step (traced under `jit`, so nothing compiles again). Change such
-    a value where it comes from (inject_hyperparams' `state.hyperparams`), not with `adjust`. A
-    transformation kept for the whole run (`nnx.Optimizer`'s, a `TrainState`'s) hands its values
-    to the states its `init` makes, as starting values that `adjust` changes.
+    * `state_dtypes`: a dtype for state arrays by their optax name (`{"mu": jnp.bfloat16}`, as
+      optax's `mu_dtype`; `{"trace": ...}` for momentum's, optax's `accumulator_dtype`): they are
+      made in it and stored back in it after each update, the maths running in the promoted
+      dtype. The names are those of `TransformState`'s params-shaped trees (docs/optax.md).
+
+    The state is a `TransformState`, an `optimisers.State` laid out for JAX as optax's states are
+    (see its docstring); `update` returns the kind of State it is given (`adjust` returns a plain
+    State). `optimisers.adjust(state, 1e-4)` changes the learning rate (inside `optax.chain`,
+    adjust the chain's entry for this transformation). A transformation built for an update
+    without having made a state with its own `init` applies the hyperparameters that `rule` holds
+    as JAX arrays instead of the State's: that is how `optax.inject_hyperparams(lambda
+    learning_rate: transform(Adam(learning_rate)))(learning_rate=schedule)` hands over each step's
+    value, with a new transformation at every step (traced under `jit`, so nothing compiles
+    again). Change such a value where it comes from (inject_hyperparams' `state.hyperparams`), not
+    with `adjust`. A transformation kept for the whole run (`nnx.Optimizer`'s, a `TrainState`'s)
+    hands its values to the states its `init` makes, as starting values that `adjust` changes.
     """
     rule_chooser(rule)  # a State, an optax transformation, a class: fail now
     live = _LiveHyperparameters(rule)
+    live.dtypes = _checked_dtypes(rule, state_dtypes)
+    # a function choosing rules per parameter cannot say before it sees the params which state
+    # arrays each has: its states keep them inside (no params-shaped views)
+    views = isinstance(rule, Rule)
 
     def init_fn(params):
+        if _is_params_placeholder(params):
+            # optax.tree_utils.tree_map_params: the state's structure, with `params` where a
+            # params-shaped tree is
+            names = _layout(rule).names if views else ()
+            return TransformState._of(_NOT_PARAMS, {name: params for name in names}, views)
         variables, params = params, _values_of(params)
         _check_leaves(params, "init")
-        state = setup(rule, params)  # under jit as eagerly: see the docstring
+        state = _in_dtypes(setup(rule, params), live.dtypes, fresh=True)  # under jit as eagerly
         live.made_states = True
         if variables is not params:
             _annotate_sharded(state, variables, params)
-        return state
+        return TransformState._split(state, params, views)
 
     def update_fn(updates, state, params=None, **extra_args):
         del extra_args
@@ -108,6 +159,7 @@ def _update(live, updates, state, params):
             "(updates, state, params)"
         )
     params, grads = _values_of(params), _values_of(updates)
+    given = state
     state = live.applied(state, params)
     new_state, results = stepped(state, params, (grads,), "transform(...).update")
     made: dict = {}
@@ -130,17 +182,29 @@ def _update(live, updates, state, params):
             _check_leaves(params, "update")  # an unfiltered Equinox module: say where
         return _no_move(p)
 
+    new_state = _in_dtypes(new_state, live.dtypes)
+    if isinstance(given, TransformState):
+        new_state = TransformState._split(new_state, params, given._views_on)
     return jax.tree.map(unmoved, rebuilt, params), new_state
 
 
 def _optax_update(step, x):
-    """The update optax adds to `x` for a rule's `step` (`x_new = x - step`)."""
+    """The update optax adds to `x` for a rule's `step` (`x_new = x - step`), in `x`'s dtype."""
     if step is None:
         return _no_move(x)
     if isinstance(step, NewValue):
         return jnp.asarray(step.value, dtype=x.dtype) - x
-    # a rule may step by a scalar: optax expects updates shaped like params
-    return jnp.broadcast_to(jnp.negative(step), x.shape)
+    step = jnp.asarray(step)
+    if step.dtype == x.dtype:
+        # a rule may step by a scalar: optax expects updates shaped like params
+        return jnp.broadcast_to(jnp.negative(step), x.shape)
+    # a step in another dtype (float32 for a float16/bfloat16 parameter, whose maths runs in
+    # float32): the update is the parameter `optimisers.update` gives (`x - step` rounded to
+    # x's dtype) less `x`, in x's dtype, as for a new value
+    new = x - step
+    if new.dtype != x.dtype:
+        new = new.astype(x.dtype)
+    return jnp.broadcast_to(new - x, x.shape)
 
 
 def _no_move(x):
@@ -346,3 +410,474 @@ def _first_places(tree, model):
         return all(k in children and visit(sub, children[k], path + (k,)) for k, sub in snode.items())
 
     return places if walked(visit, tree, model, ()) else None
+
+
+# --- the state in optax's layout: a params-shaped tree per state array ---------------------------
+
+
+class TransformState(State):
+    """The state `transform(rule).init` returns: an `optimisers.State` (index it, `adjust` it,
+    `freeze_` it, save it with `state_dict`), laid out for JAX as optax lays out its own states.
+
+    Its pytree children are `"state"`, the State without the arrays below, and `"params"`, a dict
+    from a name to a tree shaped like the params: each state array that a rule keeps per
+    parameter element (Adam's moments `"mu"` and `"nu"`, momentum's `"trace"`), at every place
+    of its parameter. So `optax.tree_utils.tree_map_params` maps over them (the sharding recipe),
+    `optax.tree.get(state, "mu")` finds them, and a tied array's places all show its one state
+    (the places hold the same arrays; the state stays one `Leaf`, read from the first place).
+    A place the state does not cover (an integer array) holds `optax.MaskedNode()`. The names
+    are optax's where optax has such a state (see docs/optax.md); a rule function
+    (`transform(lambda path, x: ...)`) keeps every array in `"state"`.
+    """
+
+    __slots__ = ("_core", "_views", "_views_on", "_made_from")
+
+    @classmethod
+    def _of(cls, core, views: dict, views_on: bool) -> TransformState:
+        """The state with these children; its tree is built when first asked for."""
+        state = cls.__new__(cls)
+        state._core, state._views, state._views_on = core, views, views_on
+        state._tree, state._keys, state._made_from = None, getattr(core, "_keys", None), None
+        state._build = functools.partial(_merged_tree, core, views)
+        return state
+
+    @classmethod
+    def _split(cls, state: State, params, views_on: bool, template=None) -> TransformState:
+        """`state` (a State of the model `params`) in this layout; `template`: the views of
+        another state of the model, in place of `params`."""
+        if not views_on:
+            return cls._of(State(state.tree, state._keys), {}, False)
+        shape = _MaskedTemplate(params) if template is None else _TemplateOf(template)
+        core, views = _split_views(state.tree, shape)
+        return cls._of(State(core, state._keys), views, True)
+
+    def _relaid(self, state: State) -> TransformState:
+        """`state`, a plain State of the same model (loaded from a checkpoint), in this layout."""
+        _, views = self._children()
+        return TransformState._split(state, None, self._views_on, views)
+
+    def _children(self):
+        """`(core, views)`: as made while the tree has not been built; once it has (`state["w"]`,
+        `adjust_`, `freeze_` may change it), from the tree."""
+        if self._build is not None:
+            return self._core, self._views
+        tree = self.tree
+        if self._made_from is not None and self._made_from.fits(tree):
+            return self._core, self._views  # (the same objects: jit's flatten of them is kept)
+        if not self._views_on:
+            self._core, self._views = State(tree, self._keys), {}
+        else:
+            core, self._views = _split_views(tree, _TemplateOf(self._views))
+            self._core = State(core, self._keys)
+        self._made_from = _Snapshot(tree)
+        return self._core, self._views
+
+
+class _Snapshot:
+    """What a built tree's children were made from: the Leaf edits so far (any Leaf's rule,
+    state or frozen flag set) and each dict of the tree with its keys and values, held (so that
+    identity stays meaningful) and compared by identity."""
+
+    __slots__ = ("edits", "dicts")
+
+    def __init__(self, tree):
+        self.edits = Leaf.edits
+        self.dicts: list = []
+
+        def visit(node):
+            if isinstance(node, dict):
+                self.dicts.append((node, tuple(node), tuple(node.values())))
+                for child in node.values():
+                    visit(child)
+            else:
+                self.dicts.append((node, (), ()))
+
+        walked(visit, tree)
+
+    def fits(self, tree) -> bool:
+        if Leaf.edits != self.edits or not self.dicts or self.dicts[0][0] is not tree:
+            return False
+        for node, keys, values in self.dicts:
+            if isinstance(node, dict) and (
+                len(node) != len(keys)
+                or any(a is not b for a, b in zip(node, keys))
+                or any(a is not b for a, b in zip(node.values(), values))
+            ):
+                return False
+        return True
+
+
+def _transform_state_flatten_with_keys(state):
+    if not _FLAX_REGISTERED:
+        _register_flax_serialization()
+    core, views = state._children()
+    key = jax.tree_util.DictKey
+    return [(key("state"), core), (key("params"), views)], state._views_on
+
+
+def _transform_state_flatten(state):
+    core, views = state._children()
+    return [core, views], state._views_on
+
+
+def _transform_state_unflatten(views_on, children):
+    core, views = children
+    return TransformState._of(core, views, views_on)
+
+
+jax.tree_util.register_pytree_with_keys(
+    TransformState,
+    _transform_state_flatten_with_keys,
+    _transform_state_unflatten,
+    _transform_state_flatten,
+)
+
+
+# --- flax.serialization: a TransformState is stored as the State it holds -----------------------
+
+_FLAX_REGISTERED = False
+
+
+def _register_flax_serialization() -> None:
+    """Teach `flax.serialization` (msgpack checkpoints of a `TrainState`) the TransformState, if
+    Flax is imported: it is stored as the plain State it holds (each tied array's state once, as
+    before this layout), and restored into the target's layout."""
+    global _FLAX_REGISTERED
+    serialization = sys.modules.get("flax.serialization")
+    if serialization is None or not hasattr(serialization, "register_serialization_state"):
+        return
+    _FLAX_REGISTERED = True
+
+    def to_dict(state):
+        return serialization.to_state_dict(State(state.tree, state._keys))
+
+    def from_dict(target, saved):
+        restored = serialization.from_state_dict(State(target.tree, target._keys), saved)
+        _, views = target._children()
+        return TransformState._split(restored, None, target._views_on, views)
+
+    serialization.register_serialization_state(TransformState, to_dict, from_dict, override=True)
+
+
+class _InView:
+    """In a Leaf's state inside a `TransformState`'s `"state"`: the array that was here is in the
+    params-shaped tree `name`, at the Leaf's places. A pytree without leaves."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name):
+        self.name = name
+
+    def __eq__(self, other):
+        return type(other) is _InView and other.name == self.name
+
+    def __hash__(self):
+        return hash((_InView, self.name))
+
+    def __repr__(self):
+        return f"<in params[{self.name!r}]>"
+
+
+jax.tree_util.register_pytree_node(_InView, lambda m: ((), m.name), lambda name, _: _InView(name))
+
+
+class _NotParams:
+    """The `"state"` child of the state `init` makes for `tree_map_params` (a leaf there: the
+    whole `"state"` of the real state is not params-shaped)."""
+
+    def __repr__(self):
+        return "<not params>"
+
+
+_NOT_PARAMS = _NotParams()
+
+
+def _is_params_placeholder(params) -> bool:
+    """optax's stand-in for the params in `tree_map_params` (a private class of optax's)."""
+    return type(params).__name__ == "_ParamsPlaceholder" and type(params).__module__.startswith("optax")
+
+
+# --- which state arrays are params-shaped, and their names -------------------------------------
+
+
+class _Layout:
+    """Where a rule's state keeps params-shaped arrays: `spec`, the structure of its state
+    (`flatten_state`), and `(index, name)` for each such part. Decided from the rule alone (the
+    same for every parameter), so that `tree_map_params` can know the names before it sees params."""
+
+    __slots__ = ("spec", "parts", "names")
+
+    def __init__(self, spec, parts):
+        self.spec, self.parts = spec, tuple(parts)
+        self.names = tuple(name for _, name in self.parts)
+
+
+_NO_VIEWS = _Layout(None, ())
+# arrays of these shapes stand for a parameter: a part shaped like each of them, in the state of
+# every one the rule takes, is an array shaped like the parameter
+_PROBES = ((5,), (4, 3), (2, 3, 4))
+
+
+def _layout(rule) -> _Layout:
+    key = _structure_key(rule)
+    try:
+        return _LAYOUTS[key]
+    except KeyError:
+        pass
+    except TypeError:  # an unhashable static field: asked again each time
+        return _found_layout(rule)
+    found = _LAYOUTS[key] = _found_layout(rule)
+    return found
+
+
+_LAYOUTS: dict = {}
+
+
+def _structure_key(value):
+    """What decides the structure of a rule's state: its class and its fields but the numbers
+    (traced under `jit`), schedules as schedules."""
+    if isinstance(value, Rule) and dataclasses.is_dataclass(value):
+        return (type(value),) + tuple(
+            (f.name, _structure_key(getattr(value, f.name))) for f in dataclasses.fields(value)
+        )
+    if isinstance(value, (tuple, list)):
+        return (type(value),) + tuple(_structure_key(v) for v in value)
+    if isinstance(value, (bool, str, type(None), np.dtype, type)):
+        return value
+    if _rule._is_schedule(value):
+        return "schedule"
+    if isinstance(value, (numbers.Number, jax.Array, np.ndarray, np.generic)) or _rule._is_held(value):
+        return "number"
+    return value  # hashable (a dtype object) or not (then the layout is not kept)
+
+
+def _found_layout(rule) -> _Layout:
+    specs, shaped = [], []
+    for shape in _PROBES:
+        try:
+            abstract = jax.eval_shape(rule.init, jax.ShapeDtypeStruct(shape, jnp.float32))
+        except Exception:  # noqa: BLE001 - a rule for some shapes only (Muon: matrices)
+            continue
+        parts: list = []
+        specs.append(flatten_state(abstract, parts))
+        shaped.append([getattr(p, "shape", None) == shape for p in parts])
+    if not specs or any(spec != specs[0] for spec in specs):
+        return _NO_VIEWS
+    names = _part_names(rule, specs[0])
+    chosen, taken = [], set()
+    for i, name in enumerate(names):
+        if name is None or not all(s[i] for s in shaped):
+            continue
+        unique, n = name, 1
+        while unique in taken:
+            n += 1
+            unique = f"{name}_{n}"
+        taken.add(unique)
+        chosen.append((i, unique))
+    return _Layout(specs[0], chosen) if chosen else _NO_VIEWS
+
+
+# optax's names for the arrays of its states, for the rules that have an optax counterpart, in
+# the order of the rule's own state (`(m, v, t)`: t is a counter, never params-shaped)
+_OPTAX_NAMES = {
+    Momentum: ("trace",),
+    Nesterov: ("trace",),
+    LARS: ("trace",),
+    Lion: ("mu",),
+    Muon: ("mu",),
+    Adam: ("mu", "nu"),
+    AdamW: ("mu", "nu"),
+    RAdam: ("mu", "nu"),
+    NAdam: ("mu", "nu"),
+    AdaMax: ("mu", "nu"),
+    AdaBelief: ("mu", "nu"),
+    ADOPT: ("mu", "nu"),
+    LAMB: ("mu", "nu"),
+    AMSGrad: ("mu", "nu", "nu_max"),
+    OAdam: ("mu", "nu", "previous_direction"),
+    AdEMAMix: ("m1", "m2", "nu"),
+    AdaGrad: ("sum_of_squares",),
+    RMSProp: ("nu", "mu"),  # (s, c), c when centred
+    AdaDelta: ("e_g", "e_x"),
+    Rprop: ("prev_updates", "step_sizes"),
+    ScheduleFreeAdamW: ("z", "nu"),
+    ScheduleFreeSGD: ("z",),
+}
+
+
+def _part_names(rule, spec) -> list:
+    """A name (or None) for each part of a state of structure `spec` of `rule`."""
+    if spec is not None and spec[0] is Scheduled:  # (count, the rule's own state)
+        return [None, *_part_names(rule, spec[1][1])]
+    count = _count_parts(spec)
+    if isinstance(rule, OptimiserChain) and spec is not None and len(spec[1]) == len(rule.rules):
+        return [n for r, sub in zip(rule.rules, spec[1]) for n in _part_names(r, sub)]
+    inner = getattr(rule, "rule", None)
+    if isinstance(inner, Rule) and spec is not None and spec[0] is tuple:
+        subs = spec[1]
+        if isinstance(rule, MixedPrecision) and len(subs) == 2:  # (master, inner)
+            return ["master", *_part_names(inner, subs[1])]
+        if isinstance(rule, Lookahead) and len(subs) == 3:  # (slow, inner, n)
+            return ["slow", *_part_names(inner, subs[1]), None]
+        if isinstance(rule, SkipNonFinite) and len(subs) == 2:  # (inner, skipped)
+            return [*_part_names(inner, subs[0]), None]
+    known = _OPTAX_NAMES.get(type(rule))
+    if known is not None and (spec is None or spec[0] is tuple):  # the rest: counters
+        return [*known[:count], *[None] * (count - len(known))]
+    base = type(rule).__name__.lower()
+    return [f"{base}_{i}" for i in range(count)]
+
+
+def _count_parts(spec) -> int:
+    return 1 if spec is None else sum(_count_parts(s) for s in spec[1])
+
+
+# --- between the tree and (core, views) ---------------------------------------------------------
+
+
+class _MaskedTemplate:
+    """The model's structure, every leaf a `MaskedNode` until a Leaf's array takes its place."""
+
+    def __init__(self, params):
+        self.params = params
+
+    def tree(self):
+        return jax.tree.map(lambda _: _optax.MaskedNode(), self.params)
+
+
+class _TemplateOf:
+    """The model's structure as the views of another state of it show it (any of them: they are
+    shaped alike; the places a Leaf covers get its arrays, the others hold a MaskedNode)."""
+
+    def __init__(self, views):
+        self.views = views
+
+    def tree(self):
+        return next(iter(self.views.values()))
+
+
+def _split_views(tree, template):
+    """`(core tree, views)`: each Leaf's params-shaped arrays moved out of its state into the
+    views (an `_InView` left in their place), every place of the Leaf holding them."""
+    layouts: dict = {}
+    moved: dict = {}  # id(Leaf) -> {name: array}
+
+    def strip(leaf):
+        rule = leaf.rule
+        layout = layouts.get(id(rule))
+        if layout is None:
+            layout = layouts[id(rule)] = _layout(rule)
+        if not layout.parts:
+            return leaf
+        parts: list = []
+        spec = flatten_state(leaf.state, parts)
+        if spec != layout.spec:
+            return leaf  # a state of another structure than its rule makes: kept whole
+        own = {}
+        for i, name in layout.parts:
+            own[name] = parts[i]
+            parts[i] = _InView(name)
+        moved[id(leaf)] = own
+        return leaf._successor(rule, unflatten_state(spec, iter(parts)))
+
+    core = map_leaves(strip, tree)
+    names = sorted({name for layout in layouts.values() for name in layout.names})
+    views = {}
+    if names:
+        base = template.tree()
+        for name in names:
+
+            def place(leaf, x, name=name):
+                own = moved.get(id(leaf))
+                return own[name] if own is not None and name in own else _optax.MaskedNode()
+
+            views[name] = rebuild(tree, base, place)
+    return core, views
+
+
+def _merged_tree(core, views):
+    """The state tree of a `TransformState`: its core's Leafs with their arrays back from the
+    views, each read at the Leaf's first place."""
+    if not isinstance(core, State):
+        raise TypeError(
+            f"this TransformState holds {core!r} in place of its state (made by a tree map that "
+            "replaced the state's arrays, e.g. with sharding specs); it is not a state to update"
+        )
+    tree = core.tree
+    if not views:
+        return tree
+    found = {name: _first_places(tree, view) for name, view in views.items()}
+
+    def filled(leaf):
+        parts: list = []
+        spec = flatten_state(leaf.state, parts)
+        if not any(isinstance(p, _InView) for p in parts):
+            return leaf
+        parts = [found[p.name][id(leaf)][1] if isinstance(p, _InView) else p for p in parts]
+        return leaf._successor(leaf.rule, unflatten_state(spec, iter(parts)))
+
+    return map_leaves(filled, tree)
+
+
+# --- explicit state dtypes ---------------------------------------------------------------------
+
+
+def _checked_dtypes(rule, state_dtypes) -> dict:
+    """`state_dtypes` as `{name: dtype}`; a name that `rule`'s state does not have is an error
+    (for a rule function, asked of each rule it chooses, at `init`)."""
+    if not state_dtypes:
+        return {}
+    if not isinstance(state_dtypes, dict):
+        raise TypeError(
+            f"transform: state_dtypes takes a dict from a state array's name to a dtype, e.g. "
+            f'{{"mu": jnp.bfloat16}}; got {state_dtypes!r}'
+        )
+    dtypes = {}
+    for name, dtype in state_dtypes.items():
+        try:
+            dtypes[name] = jnp.dtype(dtype)
+        except TypeError:
+            raise TypeError(f"transform: state_dtypes[{name!r}] is {dtype!r}, not a dtype") from None
+    if isinstance(rule, Rule):
+        _check_names(rule, dtypes)
+    return dtypes
+
+
+def _check_names(rule, dtypes) -> None:
+    names = _layout(rule).names
+    unknown = [n for n in dtypes if n not in names]
+    if unknown:
+        has = ", ".join(map(repr, names)) or "none"
+        raise ValueError(
+            f"transform: state_dtypes names {', '.join(map(repr, unknown))}, which {rule!r} does not "
+            f"keep per parameter element; its state arrays by name: {has}"
+        )
+
+
+def _in_dtypes(state: State, dtypes: dict, fresh: bool = False) -> State:
+    """`state` with its arrays named in `dtypes` in those dtypes (`fresh`: made by `init`)."""
+    if not dtypes:
+        return state
+    checked: set = set()
+
+    def cast(leaf):
+        layout = _layout(leaf.rule)
+        if id(leaf.rule) not in checked:
+            _check_names(leaf.rule, dtypes)
+            checked.add(id(leaf.rule))
+        parts: list = []
+        spec = flatten_state(leaf.state, parts)
+        if spec != layout.spec:
+            return leaf
+        changed = False
+        for i, name in layout.parts:
+            dtype = dtypes.get(name)
+            if dtype is not None and parts[i].dtype != dtype:
+                # a fresh state's zeros are made real first: a real dtype for a complex parameter
+                # then discards nothing (later, astype warns as NumPy does)
+                part = jnp.real(parts[i]) if fresh and jnp.iscomplexobj(parts[i]) else parts[i]
+                parts[i] = part.astype(dtype)
+                changed = True
+        return leaf._successor(leaf.rule, unflatten_state(spec, iter(parts))) if changed else leaf
+
+    return State(map_leaves(cast, state.tree), state._keys)

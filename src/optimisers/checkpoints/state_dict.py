@@ -140,7 +140,15 @@ class _Spec(NamedTuple):
 
 
 def _rule_fields(rule) -> list[str]:
-    return [f.name for f in dataclasses.fields(rule) if f.init] if dataclasses.is_dataclass(rule) else []
+    """The fields a rule's text holds: an explicit state dtype (`Adam(mu_dtype=...)`) only when
+    given, so that a rule without one has the text it had before rules took them."""
+    if not dataclasses.is_dataclass(rule):
+        return []
+    return [
+        f.name
+        for f in dataclasses.fields(rule)
+        if f.init and not (f.metadata.get("state_dtype") and getattr(rule, f.name) is None)
+    ]
 
 
 def _is_described(x) -> bool:
@@ -757,7 +765,11 @@ def _build(state, tree, leaf_at: dict, plans: dict, rules: dict, hyperparameters
         new_state = _rebuild_state(leaf.state, f"{name}/state", converted)
         new_leaf[id(leaf)] = new = leaf._successor(rule, new_state)
         new.frozen, new._owns = frozen, True  # the checkpoint's; its arrays were made just now
-    return State(map_leaves(lambda leaf: new_leaf[id(leaf)], tree), getattr(state, "_keys", None))
+    loaded = State(map_leaves(lambda leaf: new_leaf[id(leaf)], tree), getattr(state, "_keys", None))
+    # a State laid out for another library (optimisers.optax's TransformState) lays the loaded
+    # one out as it is laid out
+    relaid = getattr(state, "_relaid", None)
+    return relaid(loaded) if relaid is not None else loaded
 
 
 __all__ = ["CheckpointError", "load_state_dict", "state_dict"]

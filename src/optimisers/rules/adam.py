@@ -6,7 +6,7 @@ The conventions every rule here follows are in `optimisers.rules`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from optimisers import ops
 from optimisers.core.rule import check_range, concrete
@@ -19,6 +19,7 @@ from optimisers.rules.common import (
     real_only,
     real_zeros,
 )
+from optimisers.rules.sgd import STATE_DTYPE, check_state_dtype, repr_without, stored_in, zeros_in
 
 __all__ = [
     "Adam",
@@ -48,8 +49,8 @@ class AdamArgs(NamedTuple):
 
 
 def _adam_args(rule, kernel, decay, decoupled) -> AdamArgs | None:
-    if kernel != "adam":
-        return None
+    if kernel != "adam" or rule.mu_dtype is not None:
+        return None  # (the kernels keep m in the parameter's dtype)
     values = [concrete(v) for v in (rule.eta, *rule.beta, rule.epsilon, decay)]
     if None in values:
         return None  # a schedule or a traced value: the rule's own apply evaluates it
@@ -77,12 +78,32 @@ class Adam(_AdamFamily):
     betas=beta, eps=epsilon)`; optax: `optax.adam(eta, b1, b2, eps)`. On PyTorch tensors
     (CPU/CUDA, float64 down to bfloat16) both `update` and `update_` run torch's own fused Adam
     kernel (same maths, its rounding).
+
+    `mu_dtype` (keyword only): the dtype of `m`, None for the parameter's (optax's `mu_dtype`;
+    bfloat16 halves its memory for float32 parameters). The step is computed from `m` before it
+    is stored in that dtype, as optax does; without the fused kernels.
     """
+
+    mu_dtype: Any = field(default=None, kw_only=True, metadata=STATE_DTYPE)
+
+    def validate(self):
+        super().validate()
+        check_state_dtype(self, "mu_dtype")
+
+    def __repr__(self):
+        return repr_without(self, "mu_dtype")
+
+    def hyperparameters(self) -> tuple[str, ...]:
+        return tuple(n for n in super().hyperparameters() if n != "mu_dtype")
+
+    def init(self, x):
+        m, v, t = super().init(x)
+        return (m if self.mu_dtype is None else zeros_in(x, self.mu_dtype)), v, t
 
     def apply(self, state, x, dx):
         m, v, t, bc1, bc2 = adam_moments(x, dx, state, self.beta)
         eta, eps = ops.scalar(self.eta, x), ops.epsilon(self.epsilon, x)
-        return (m, v, t), adam_direction(m, v, bc1, bc2, eta, eps)
+        return (stored_in(m, self.mu_dtype), v, t), adam_direction(m, v, bc1, bc2, eta, eps)
 
     def kernel_args(self, kernel):
         return _adam_args(self, kernel, 0.0, False)
@@ -251,6 +272,7 @@ class AdamW(Moments):
     weight_decay=lambd)` (default 1e-4). Both are `couple=True`. Optimisers.jl casts ε without the
     float16 floor here; we apply the floor as in every other rule. With `couple=True`, on
     PyTorch tensors (CPU/CUDA, float64 down to bfloat16) both update paths run torch's fused AdamW kernel.
+    `mu_dtype` (keyword only): the dtype of `m`, as for `Adam`.
     """
 
     eta: float = 0.001
@@ -258,13 +280,28 @@ class AdamW(Moments):
     lambd: float = 0.0
     epsilon: float = 1e-8
     couple: bool = field(default=True, kw_only=True)
+    mu_dtype: Any = field(default=None, kw_only=True, metadata=STATE_DTYPE)
+
+    def validate(self):
+        super().validate()
+        check_state_dtype(self, "mu_dtype")
+
+    def __repr__(self):
+        return repr_without(self, "mu_dtype")
+
+    def hyperparameters(self) -> tuple[str, ...]:
+        return tuple(n for n in super().hyperparameters() if n != "mu_dtype")
+
+    def init(self, x):
+        m, v, t = super().init(x)
+        return (m if self.mu_dtype is None else zeros_in(x, self.mu_dtype)), v, t
 
     def apply(self, state, x, dx):
         m, v, t, bc1, bc2 = adam_moments(x, dx, state, self.beta)
         eta, lambd = cast(x, self.eta, self.lambd)
         eps = ops.epsilon(self.epsilon, x)
         decay = eta * lambd if self.couple else lambd
-        return (m, v, t), adam_direction(m, v, bc1, bc2, eta, eps) + decay * x
+        return (stored_in(m, self.mu_dtype), v, t), adam_direction(m, v, bc1, bc2, eta, eps) + decay * x
 
     def kernel_args(self, kernel):
         return _adam_args(self, kernel, self.lambd, True) if self.couple else None
