@@ -252,3 +252,17 @@ def test_same_objects_is_identity_of_every_item_in_order(compiled, monkeypatch):
         assert same(ys) is expected, name
     xs.append(1)  # (it keeps its own list: the caller's may change)
     assert same(xs[:5]) and not same(xs)
+
+
+def test_addresses_read_in_one_pass_are_numpys_own():
+    """`addresses` (read in one compiled pass where numba reads NumPy's headers) gives each
+    array's data pointer as NumPy's attributes give it: views, reversed, empty, 0-d, a subclass."""
+    grid = np.arange(60, dtype=np.float32).reshape(3, 4, 5)
+
+    class Sub(np.ndarray):
+        pass
+
+    arrays = [grid, grid[1:, ::-1, 2], grid[:, :0], np.float32(2.0) * np.ones(()), grid.T, grid[2].view(Sub)]
+    expected = [a.__array_interface__["data"][0] for a in arrays]
+    assert numpy_backend.addresses(arrays) == expected
+    assert numpy_backend.addresses(arrays[:-1]) == expected[:-1]

@@ -34,7 +34,8 @@ def fit_as_they_are(gs, xs, dtype, device):
 
 
 def addresses(xs) -> list:
-    return [x.__array_interface__["data"][0] for x in xs]
+    found = numpy_kernels.data_pointers(xs) if type(xs) is list else None
+    return found if found is not None else [x.__array_interface__["data"][0] for x in xs]
 
 
 def flat_span(xs):

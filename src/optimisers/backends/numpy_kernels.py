@@ -314,6 +314,14 @@ _WRITEABLE = 0x400  # NumPy's flag (ndarraytypes.h)
 _KNOWN: tuple = ([], np.zeros(0, np.int64), np.zeros((0, 2), np.int64))
 
 
+def data_pointers(arrays):
+    """Where each of the `arrays` (a list) starts, read in one compiled pass; None where numba
+    does not read them or an item is not exactly an ndarray."""
+    reader = _reader()
+    found = None if reader is None else _layouts(reader, arrays, shapes=False)
+    return None if found is None else found[0][:, 1].tolist()
+
+
 def _layouts(reader, arrays, shapes: bool):
     """`(rows, shapes, reach, dtypes)` of the list `arrays` (`readers_numba.layouts`; `shapes`
     only where asked for), and the dtypes they hold; None where an item is not exactly an
