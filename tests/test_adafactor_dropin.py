@@ -233,7 +233,17 @@ def test_bad_hyperparameters_are_refused_as_torch_refuses_them(kw, message):
         ot.Adafactor(make_gpt().parameters(), **kw)
 
 
-def test_complex_parameters_are_refused():
+def test_complex_parameters_are_refused_at_the_step_changing_nothing():
+    # as torch.optim.Adafactor: taken when made, refused at the step where one has a gradient
+    w = torch.nn.Parameter(torch.randn(3, 2))
     z = torch.nn.Parameter(torch.randn(3, 2, dtype=torch.complex64))
-    with pytest.raises(RuntimeError, match="complex"):
-        ot.Adafactor([z])
+    opt = ot.Adafactor([{"params": [w]}, {"params": [z]}])
+    w.grad, z.grad = torch.randn_like(w), torch.randn_like(z)
+    before = w.detach().clone()
+    refused = r"param_groups\[1\], parameter 0: Adafactor does not support complex"
+    with pytest.raises(RuntimeError, match=refused):
+        opt.step()
+    assert torch.equal(w.detach(), before) and not opt.state
+    z.grad = None
+    opt.step()
+    assert not torch.equal(w.detach(), before) and z not in opt.state

@@ -473,3 +473,28 @@ def test_a_copied_optimizer_finds_its_parameters_state_and_trains_like_the_origi
     _train(ours, opt, steps=2)
     _train(twin_model, twin_opt, steps=2)
     _assert_same(ours, twin_model, exact=True)
+
+
+@pytest.mark.parametrize("cls", [ot.Adam, ot.AdamW])
+def test_tensor_lr_and_betas_with_foreach_are_refused_as_torch_refuses_them(cls):
+    w = torch.nn.Parameter(torch.randn(3, 2))
+    lr, betas = torch.tensor(1e-2), (torch.tensor(0.9), torch.tensor(0.99))
+    refused = "lr as a Tensor is not supported for capturable=False and foreach=True"
+    with pytest.raises(ValueError, match=refused):
+        cls([w], lr=lr, foreach=True)
+    with pytest.raises(ValueError, match=r"betas\[0\] as a Tensor is not supported .* foreach=True"):
+        cls([w], betas=betas, foreach=True)
+    cls([w], lr=lr, betas=betas)  # without foreach: taken, as torch takes them
+    cls([w], lr=lr, betas=betas, foreach=False)
+    # a tensor lr given to a foreach group later: torch refuses it at the step, changing nothing
+    opt = cls([w], lr=1e-2, foreach=True)
+    w.grad = torch.randn_like(w)
+    opt.step()
+    before = w.detach().clone()
+    opt.param_groups[0]["lr"] = lr
+    with pytest.raises(RuntimeError, match=refused):
+        opt.step()
+    assert torch.equal(w.detach(), before)
+    opt.param_groups[0]["lr"] = 1e-2
+    opt.step()
+    assert not torch.equal(w.detach(), before)

@@ -180,7 +180,7 @@ def test_resumes_from_a_torch_optim_muon_checkpoint_and_back():
     assert worst_difference(resumed, back, before) < 1e-4
 
 
-def test_vectors_and_complex_parameters_are_refused_when_made():
+def test_parameters_not_2d_are_refused_when_made():
     model = make_gpt()
     with pytest.raises(
         ValueError, match=r"group 0, parameter 2 \(norm1.weight\): Muon only supports .* AdamW"
@@ -192,9 +192,27 @@ def test_vectors_and_complex_parameters_are_refused_when_made():
     with pytest.raises(ValueError, match=r"group 1, parameter 0: .*shape \(8,\)"):
         opt.add_param_group({"params": [model.proj.bias]})
     assert len(opt.param_groups) == 1
-    with pytest.raises(ValueError, match="complex"):
-        ot.Muon([torch.nn.Parameter(torch.zeros(3, 3, dtype=torch.complex64))])
+    with pytest.raises(ValueError, match=r"Muon only supports 2D parameters .*shape \(2, 3, 4\)"):
+        ot.Muon([torch.nn.Parameter(torch.zeros(2, 3, 4))])  # as torch: 2-D only
     with pytest.raises(ValueError, match="Adjust learning rate function spectral is not supported"):
         ot.Muon([model.qkv.weight], adjust_lr_fn="spectral")
     with pytest.raises(ValueError, match="Invalid lr value"):
         ot.Muon([model.qkv.weight], lr=-1.0)
+
+
+def test_complex_parameters_are_refused_at_the_step_changing_nothing():
+    # as torch.optim.Muon: taken when made, refused at the step where one has a gradient
+    w = torch.nn.Parameter(torch.randn(3, 2))
+    z = torch.nn.Parameter(torch.randn(3, 3, dtype=torch.complex64))
+    opt = ot.Muon([w, z], lr=1e-2)
+    w.grad = torch.randn_like(w)
+    opt.step()  # z has no gradient: stepped as torch steps it
+    before, state = w.detach().clone(), {k: v.clone() for k, v in opt.state[w].items()}
+    w.grad, z.grad = torch.randn_like(w), torch.randn_like(z)
+    with pytest.raises(RuntimeError, match=r"parameter 1: Muon does not support complex parameters"):
+        opt.step()
+    assert torch.equal(w.detach(), before) and z not in opt.state
+    assert all(torch.equal(opt.state[w][k], v) for k, v in state.items())
+    z.grad = None
+    opt.step()
+    assert not torch.equal(w.detach(), before)

@@ -43,15 +43,8 @@ pytestmark = pytest.mark.slow
 NO_DROP_IN = {"ASGD", "LBFGS", "SparseAdam"}
 
 # error inputs of optim_db (by `desc`, as optim_db writes it) that a drop-in does not refuse as
-# torch does, with why; strict xfails, so one that starts to pass is reported
-NOT_REFUSED = {
-    "lr as Tensor doesn't work with foreach & not capturable": "takes a tensor lr with foreach=True",
-    r"betas\[0\] as a Tensor is not supported for capturable=False and foreach=True": (
-        "takes tensor betas with foreach=True"
-    ),
-    "only support 2D parameters": "Muon also trains 3-D and 4-D parameters, as matrices",
-    "does not support complex parameters": "Muon and Adafactor refuse them when made, not at the step",
-}
+# torch does, with why; strict xfails, so one that starts to pass is reported (none, now)
+NOT_REFUSED: dict[str, str] = {}
 
 # the drop-ins whose formula differs from torch's class by design (docs/torch-optimizer.md): their
 # displacement from the start is compared in norm, to this relative tolerance

@@ -66,6 +66,7 @@ class DropIn(TorchStateDict, Optimizer):
 
     _l2: ClassVar[bool] = True  # "weight_decay" is added to the gradient (unless decoupled)
     _sparse: ClassVar[bool] = False  # takes sparse gradients (densified), as torch's class does
+    _takes_complex: ClassVar[bool] = True  # else complex parameters are refused at the step
 
     def __init__(self, params, hyper: dict):
         if isinstance(params, torch.nn.Module):
@@ -186,7 +187,24 @@ class DropIn(TorchStateDict, Optimizer):
         found_inf = getattr(self, "found_inf", None)  # set by GradScaler (or by hand), as torch reads it
         if found_inf is not None and bool(found_inf):
             return  # an inf or nan in the scaled gradients: no step
+        if not self._takes_complex:
+            self._refuse_complex()
         super()._step()
+
+    def _refuse_complex(self) -> None:
+        """torch's refusal, at the step, of a complex parameter with a gradient (in the groups as
+        they are now, as torch reads them), before anything changes."""
+        for i, group in enumerate(self.param_groups):
+            params = group.get("params", ())
+            names = group.get("param_names") or [None] * len(params)
+            for k, (p, name) in enumerate(zip(params, names)):
+                if isinstance(p, torch.Tensor) and p.is_complex() and p.grad is not None:
+                    what = f"param_groups[{i}], parameter {k}" + (f" ({name})" if name else "")
+                    raise RuntimeError(
+                        f"{what}: {type(self).__name__} does not support complex parameters "
+                        f"(this one is {p.dtype}); give it to another optimizer, or train its real "
+                        "view (torch.view_as_real)"
+                    )
 
     def _gradients(self, grads: list) -> list:
         """What torch does to a gradient before its formula, in its order: `maximize` negates it,

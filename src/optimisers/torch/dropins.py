@@ -12,6 +12,8 @@ state format) is `DropIn`, in `dropin_base` and `torch_format`.
 
 from __future__ import annotations
 
+import torch
+
 from optimisers.rules.adafactor import Adafactor as _Adafactor
 from optimisers.rules.adafactor import is_factored
 from optimisers.rules.adam import Adam as _Adam
@@ -88,6 +90,15 @@ class Adam(DropIn):
             decoupled_weight_decay=decoupled_weight_decay,
         ))  # fmt: skip
 
+    def _check(self, h, where):
+        super()._check(h, where)
+        _refuse_foreach_tensors(h, where, ValueError)
+
+    def _resync(self, g, changed, where):
+        # torch checks a tensor lr of a foreach group again at the step, with a RuntimeError
+        _refuse_foreach_tensors({**g.seen, **changed}, where, RuntimeError, ("lr",))
+        return super()._resync(g, changed, where)
+
     def _structure(self, h):
         return (bool(h["amsgrad"]),)
 
@@ -103,6 +114,22 @@ class Adam(DropIn):
         if h["amsgrad"]:
             return ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", STEP)
         return ("exp_avg", "exp_avg_sq", STEP)
+
+
+def _refuse_foreach_tensors(h, where, error, keys=("lr", "betas")) -> None:
+    """torch.optim.Adam's refusal, with `foreach=True` (and capturable off: always, here), of a
+    tensor `lr` or tensor `betas`: its foreach kernels take neither."""
+    if not h.get("foreach"):
+        return
+    named = [("lr", h.get("lr"))] if "lr" in keys else []
+    if "betas" in keys and isinstance(h.get("betas"), (tuple, list)):
+        named += [(f"betas[{i}]", b) for i, b in enumerate(h["betas"])]
+    for name, v in named:
+        if isinstance(v, torch.Tensor):
+            raise error(
+                f"{where}: {name} as a Tensor is not supported for capturable=False and foreach=True "
+                f"(got {name}={v!r}); give it as a float, or leave foreach unset"
+            )
 
 
 class AdamW(Adam):
@@ -287,11 +314,12 @@ class Rprop(DropIn):
 class Adafactor(DropIn):
     """torch.optim.Adafactor, trained by this library: its `Adafactor` rule (factors of the last
     two dimensions for parameters of two or more, `state[p]` keys "row_var" and "col_var" shaped
-    as torch's; "variance" for vectors and scalars). Like torch, it refuses complex parameters;
-    unlike torch, when the optimizer is made rather than at the first step. `foreach` is carried
-    along (the library groups the work its own way)."""
+    as torch's; "variance" for vectors and scalars). Like torch, it refuses complex parameters at
+    the step (a failed step changes nothing). `foreach` is carried along (the library groups the
+    work its own way)."""
 
     _l2 = False  # its weight decay is decoupled (lr·weight_decay·p), inside the rule
+    _takes_complex = False  # refused at the step, as torch does
 
     def __init__(
         self, params, lr=1e-2, beta2_decay=-0.8, eps=(None, 1e-3), d=1.0, weight_decay=0.0, *,
@@ -326,10 +354,6 @@ class Adafactor(DropIn):
         lr, decay = as_number(h, "lr"), as_number(h, "weight_decay")
         return _Adafactor(lr, h["beta2_decay"], tuple(h["eps"]), h["d"], decay)
 
-    def _check_params(self, params, names, where):
-        if any(p.is_complex() for p in params):
-            raise RuntimeError(f"{where}: Adafactor does not support complex parameters")
-
     def _layout_for(self, h, p):
         return ("row_var", "col_var", STEP) if is_factored(p) else ("variance", STEP)
 
@@ -345,13 +369,13 @@ class Muon(DropIn):
     """torch.optim.Muon, trained by this library's `Muon` (the same formula: momentum average,
     Nesterov, Newton–Schulz, `adjust_lr_fn` as `scale`, decay `lr·weight_decay·p`). torch runs
     Newton–Schulz in bfloat16, this class in float32 (the parameter's dtype if wider), so its
-    steps differ from torch's by 1-3%, and are the more accurate. Like torch it refuses
-    parameters of fewer than 2 dimensions when it is made (route those to AdamW); unlike torch it
-    also takes 3-D and 4-D ones, as the matrices (shape[0], the rest). Complex parameters are
-    refused when it is made (torch refuses them at the first step)."""
+    steps differ from torch's by 1-3%, and are the more accurate. Like torch it takes 2-D
+    parameters only, refusing others when it is made (route those to AdamW), and refuses complex
+    parameters at the step."""
 
     _l2 = False  # the decay is the rule's own, decoupled
     _one_part = True  # the rule's state is the momentum buffer alone
+    _takes_complex = False  # refused at the step, as torch does
 
     def __init__(
         self, params, lr=1e-3, weight_decay=0.1, momentum=0.95, nesterov=True,
@@ -380,11 +404,9 @@ class Muon(DropIn):
     def _check_params(self, params, names, where):
         for i, (p, name) in enumerate(zip(params, names or [None] * len(params))):
             what = f"{where}, parameter {i}" + (f" ({name})" if name else "")
-            if p.ndim < 2:
+            if p.ndim != 2:
                 raise ValueError(
-                    f"{what}: Muon only supports parameters of at least 2 dimensions (matrices), got "
-                    f"one of shape {tuple(p.shape)}; give biases, normalisation weights (and, as "
+                    f"{what}: Muon only supports 2D parameters (matrices), got one of shape "
+                    f"{tuple(p.shape)}; give biases, normalisation weights, convolution kernels (and, as "
                     "advised, embeddings and the output head) to another optimizer such as AdamW"
                 )
-            if p.is_complex():
-                raise ValueError(f"{what}: Muon does not support complex parameters")
