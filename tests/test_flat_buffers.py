@@ -7,7 +7,6 @@ the span path, and fall back to the general path on every change a user can make
 
 from __future__ import annotations
 
-import collections
 import copy
 
 import numpy as np
@@ -252,7 +251,6 @@ from torch import nn  # noqa: E402
 
 import optimisers.backends.torch as torch_backend  # noqa: E402
 from optimisers.torch import SGD as DropInSGD  # noqa: E402
-from optimisers.torch import Adam as DropInAdam  # noqa: E402
 from optimisers.torch import AdamW as DropInAdamW  # noqa: E402
 from optimisers.torch import FlatBuffers, flatten_  # noqa: E402
 
@@ -510,71 +508,3 @@ def test_torch_span_sees_each_change_as_separate_tensors_do(change, bulk, dtype,
             assert replays[4::2] == [True, True] and len(_span_groups(state)) == 1
 
 
-def _drop_grad(p):
-    p.grad = None
-
-
-def _reset_state(o):
-    o.state = collections.defaultdict(dict)  # (as torch's own code resets it)
-
-
-DROP_IN_CHANGES = {  # what a training loop can do to flattened parameters between steps
-    "a gradient dropped": lambda ps, o: _drop_grad(ps[1]),
-    "a gradient replaced": lambda ps, o: setattr(ps[2], "grad", ps[2].grad.clone() * 3),
-    "gradients swapped": lambda ps, o: _swap(ps[1], ps[2], "grad"),
-    "a gradient's data swapped": lambda ps, o: setattr(ps[3].grad, "data", ps[3].grad.data.clone() * 2),
-    "a parameter frozen": lambda ps, o: ps[4].requires_grad_(False),
-    "every gradient dropped (zero_grad)": lambda ps, o: [_drop_grad(p) for p in ps],
-    "the state reset": lambda ps, o: _reset_state(o),
-}
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("change", list(DROP_IN_CHANGES))
-def test_drop_in_on_flat_buffers_sees_each_change_of_its_gradients(change, dtype):
-    """Each change a training loop can make to flattened parameters' gradients steps as
-    torch.optim's fused Adam steps it (sizes multiples of 64 elements; in float32 and
-    bfloat16)."""
-    torch.manual_seed(0)
-    ours = [nn.Parameter(torch.randn(s).to(dtype)) for s in [(8, 8), (64,), (64,), (2, 32), (64,), (128,)]]
-    theirs = [nn.Parameter(p.detach().clone()) for p in ours]
-    flatten_(ours)
-    o = DropInAdam(ours, lr=1e-2)
-    t = torch.optim.Adam(theirs, lr=1e-2, fused=True)
-    for step in range(5):
-        g = torch.Generator().manual_seed(step)
-        for p, q in zip(ours, theirs):
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            q.grad = torch.randn(p.shape, generator=g).to(dtype)
-            p.grad.copy_(q.grad)
-        if step == 3:
-            DROP_IN_CHANGES[change](ours, o)
-            DROP_IN_CHANGES[change](theirs, t)
-        o.step()
-        t.step()
-        for p, q in zip(ours, theirs, strict=True):
-            assert torch.equal(p, q)
-
-
-@pytest.mark.parametrize(
-    "options", [{"maximize": True}, {"weight_decay": 0.1}, {"maximize": True, "weight_decay": 1.0}]
-)
-def test_drop_in_on_flat_buffers_prepares_held_gradients_anew_each_step(options):
-    """`maximize` and L2 `weight_decay` make new gradients from the ones a step finds, leaving
-    the gradient views as they were, so each step negates and decays the gradients once, as
-    torch.optim does."""
-    torch.manual_seed(0)
-    ours = [nn.Parameter(torch.randn(s)) for s in [(8, 8), (64,), (2, 32)]]
-    theirs = [nn.Parameter(p.detach().clone()) for p in ours]
-    flatten_(ours)
-    o, t = DropInAdam(ours, lr=1e-2, **options), torch.optim.Adam(theirs, lr=1e-2, fused=True, **options)
-    for step in range(6):
-        g = torch.Generator().manual_seed(step)
-        for p, q in zip(ours, theirs):
-            q.grad = torch.randn(p.shape, generator=g)
-            p.grad.copy_(q.grad)
-        o.step()
-        t.step()
-        for p, q in zip(ours, theirs, strict=True):
-            assert torch.equal(p, q)
