@@ -18,6 +18,7 @@ from __future__ import annotations
 import builtins
 import copy as _copy
 import functools
+import operator
 import sys
 from collections.abc import Callable, Mapping
 from typing import NamedTuple
@@ -909,7 +910,8 @@ def _why_not_child(m, key):
     return None
 
 
-MODULE = NodeKind("module", _module_children, _module_rebuild, _module_grad_children, _why_not_child)
+MODULE = NodeKind("module", _module_children, _module_rebuild, _module_grad_children, _why_not_child,
+                  operator.attrgetter("_parameters", "_modules"))
 
 
 def node_kind(obj):

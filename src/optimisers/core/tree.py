@@ -25,6 +25,8 @@ class NodeKind(NamedTuple):
     type), returning a dict from key to gradient or `None` when it does not recognise `grad`.
     `why_not_child(node, key)`, when given, explains a key the state has but `children` lacks (a
     torch parameter frozen with `requires_grad_(False)` after setup), for the error message.
+    `fields(node)`, when given, is the tuple of dicts that hold the node's children where they are
+    (a module's parameters and submodules), which a replayed step reads without calling `children`.
     """
 
     name: str
@@ -32,6 +34,7 @@ class NodeKind(NamedTuple):
     rebuild: Callable[[Any, dict], Any]
     grad_children: Callable | None = None
     why_not_child: Callable | None = None  # (node, key) -> why `key` is not a child now, or None
+    fields: Callable | None = None  # node -> the dicts holding its children
 
 
 # --- the built-in kinds ------------------------------------------------------------------------

@@ -36,7 +36,8 @@ _SEQUENCES = (list, tuple)
 class _Node:
     """A container of the state tree (`snode`, its `keys`) and what the model had there."""
 
-    __slots__ = ("parent", "key", "snode", "type", "kind", "seq", "child_keys", "leaf_keys", "nones")
+    __slots__ = ("parent", "key", "snode", "type", "kind", "seq", "child_keys", "leaf_keys", "nones",
+                 "fields", "field_of")
 
     def __init__(self, parent, key, snode, node, children):
         self.parent, self.key, self.snode = parent, key, snode
@@ -45,6 +46,7 @@ class _Node:
         self.child_keys = len(node) if self.seq else frozenset(children)
         self.leaf_keys = [k for k, sub in snode.items() if type(sub) is Leaf]
         self.nones = [None] * len(self.leaf_keys)
+        self.fields, self.field_of = _fields(self.kind, node, children)
 
     def children(self, node):
         """`node`'s children by key (a node other than a list, tuple or dict), if they are the
@@ -58,6 +60,19 @@ class _Node:
         """The gradient of each child of `node` in `grad` (in a form the walk does not read where
         it is), as a function of its key: as `gather` reads it."""
         return _grad_children(node, self.kind, dict(self.kind.children(node)), grad, ()).get
+
+
+def _fields(kind, node, children):
+    """The key sets of the dicts holding `node`'s children (`NodeKind.fields`) and, for each child,
+    the dict it is in, where those dicts hold exactly the children (a module with a frozen
+    parameter or a `None` slot is read through `children` instead); else `(None, None)`."""
+    if kind.fields is None:
+        return None, None
+    dicts = kind.fields(node)
+    field_of = {k: j for j, d in enumerate(dicts) for k in d}
+    if field_of.keys() != children.keys() or any(dicts[j][k] is not children[k] for k, j in field_of.items()):
+        return None, None
+    return [frozenset(d) for d in dicts], field_of
 
 
 def _apart(gs) -> bool:
@@ -105,7 +120,10 @@ def _compiled(nodes):
             p = r.parent
             names[f"K{i}"] = r.key
             parent = nodes[p]
-            lines.append(f"    n{i} = {'n' if parent.seq or parent.type is dict else 'k'}{p}[K{i}]")
+            if parent.fields is not None:
+                lines.append(f"    n{i} = f{p}[{parent.field_of[r.key]}][K{i}]")
+            else:
+                lines.append(f"    n{i} = {'n' if parent.seq or parent.type is dict else 'k'}{p}[K{i}]")
             lines.append(f"    g{i} = None if get{p} is None else get{p}(K{i})")
         lines.append(f"    if type(n{i}) is not T{i}: raise Off")
         lines.append(f"    keys.append(len(S{i})); keys += S{i}; values += S{i}.values()")
@@ -113,6 +131,12 @@ def _compiled(nodes):
             lines.append(f"    if len(n{i}) != C{i}: raise Off")
         elif r.type is dict:
             lines.append(f"    if n{i}.keys() != C{i}: raise Off")
+        elif r.fields is not None:  # the dicts holding its children, read where they are
+            names[f"F{i}"] = r.kind.fields
+            lines.append(f"    f{i} = F{i}(n{i})")
+            for j, keys in enumerate(r.fields):
+                names[f"FK{i}_{j}"] = keys
+                lines.append(f"    if f{i}[{j}].keys() != FK{i}_{j}: raise Off")
         else:
             lines.append(f"    k{i} = N{i}.children(n{i})")
         fast = "type(g{i}) in SEQ and len(g{i}) == C{i}" if r.seq else (
@@ -122,6 +146,9 @@ def _compiled(nodes):
                      f"else N{i}.gradients(n{i}, g{i})")
         if r.leaf_keys:
             kids = f"n{i}" if r.seq or r.type is dict else f"k{i}"
+            if r.fields is not None:
+                held_in = {r.field_of[k] for k in r.leaf_keys}
+                kids = f"f{i}[{held_in.pop()}]" if len(held_in) == 1 else f"N{i}.children(n{i})"
             names[f"L{i}"], names[f"NONES{i}"] = r.leaf_keys, r.nones
             whole = r.seq and r.leaf_keys == list(range(r.child_keys))  # (every entry a place)
             lines.append(f"    xs += {kids}" if whole else f"    xs += map({kids}.__getitem__, L{i})")

@@ -27,29 +27,23 @@ def grads(model):
     seen: set[int] = set()
 
     def visit(node, path):
-        if is_param(node):
-            if id(node) in seen:
-                return None
-            seen.add(id(node))
-            is_leaf = getattr(node, "is_leaf", None)
-            if is_leaf is None:
-                raise TypeError(
-                    f"grads reads PyTorch .grad fields, but the parameter at {format_path(path)} "
-                    f"is a {type(node).__module__}.{type(node).__name__}, which has none; build "
-                    "the gradient tree yourself for it"
-                )
-            # .grad of a non-leaf is only kept after retain_grad(); even asking for it warns
-            if not (is_leaf or node.retains_grad):
-                return None
-            return node.grad
         kind = kind_of(node)
-        if kind is None:
+        if kind is not None:
+            pairs = [(k, visit(child, path + (k,))) for k, child in trainable_children(node, kind)]
+            if type(node) is list:
+                return [g for _, g in pairs]
+            return tuple(g for _, g in pairs) if type(node) is tuple else dict(pairs)
+        if not is_param(node) or id(node) in seen:
             return None
-        pairs = [(k, visit(child, path + (k,))) for k, child in trainable_children(node, kind)]
-        if type(node) is list:
-            return [g for _, g in pairs]
-        if type(node) is tuple:
-            return tuple(g for _, g in pairs)
-        return dict(pairs)
+        seen.add(id(node))
+        is_leaf = getattr(node, "is_leaf", None)
+        if is_leaf is None:
+            raise TypeError(
+                f"grads reads PyTorch .grad fields, but the parameter at {format_path(path)} "
+                f"is a {type(node).__module__}.{type(node).__name__}, which has none; build "
+                "the gradient tree yourself for it"
+            )
+        # .grad of a non-leaf is only kept after retain_grad(); even asking for it warns
+        return node.grad if is_leaf or node.retains_grad else None
 
     return walked(visit, model, ())
