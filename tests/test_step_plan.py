@@ -244,3 +244,54 @@ def test_a_module_gradient_giving_a_tensor_twice_is_refused_on_replayed_steps(re
     with pytest.raises(ValueError, match="twice"):
         opt.update_(state, model, {"w1": g, "w2": g, "b": torch.randn(4)})
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+
+
+def _new_weight(model):
+    model[0].weight = nn.Parameter(model[0].weight.detach() + 1)
+
+
+def _frozen_bias(model):
+    model[1].bias.requires_grad_(False)
+
+
+def _new_layer(model):
+    model.append(nn.Linear(4, 4))
+
+
+def _no_bias(model):
+    model[1].bias = None
+
+
+@pytest.mark.parametrize(
+    "change, error",
+    [(_new_weight, None), (_frozen_bias, r"1\.bias.*freeze_"), (_new_layer, r"2\.weight"), (_no_bias, r"'bias' at 1")],
+    ids=["replaced-parameter", "frozen", "added-layer", "removed-parameter"],
+)
+def test_a_module_changed_between_replayed_steps_is_seen(change, error, replays):
+    """A replayed step reads a module's parameter and submodule dicts where they are: a
+    parameter replaced, frozen or removed, or a layer added, between replayed steps is seen (the
+    replaced one is stepped as `update` steps it; the others refused naming the place, as on a
+    first step, and nothing moves)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    state = opt.setup(opt.Adam(1e-2), model)
+
+    def grads(m):
+        return {k: {n: torch.ones_like(p) for n, p in layer.named_parameters() if p.requires_grad}
+                for k, layer in m.named_children()}
+
+    for _ in range(3):
+        state, model = opt.update_(state, model, grads(model))
+    assert replays[-1] is True
+    change(model)
+    if error is None:
+        ref_state, reference = copy.deepcopy((state, model))
+        state, model = opt.update_(state, model, grads(model))
+        ref_state, reference = opt.update(ref_state, reference, grads(reference))
+        for x, y in zip(model.parameters(), reference.parameters(), strict=True):
+            assert torch.equal(x, y)
+        return
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises((KeyError, ValueError), match=error):
+        opt.update_(state, model, grads(model))
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
