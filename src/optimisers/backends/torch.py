@@ -246,6 +246,7 @@ class _Snapshot(NamedTuple):
     where: list  # each parameter's data pointer
     spans: ByteRanges  # the parameters' bytes
     reach: np.ndarray  # the bytes each gradient spans
+    grads_at: list  # [the gradients' data pointers, as the last check read them]
 
 
 def snapshot(xs, gs):
@@ -259,13 +260,14 @@ def snapshot(xs, gs):
     where = addresses(xs)
     spans = ByteRanges(where, np.add(where, _reach(xs)))
     token = _Snapshot(SameObjects(xs), (_tensor_guard() or _attribute_guard)([*xs, *gs]), where, spans,
-                      np.asarray(_reach(gs), np.int64))
+                      np.asarray(_reach(gs), np.int64), [None])
     return token if _apart(token, gs) else None
 
 
 def _apart(token, gs) -> bool:
-    """Does no gradient reach into a parameter's bytes?"""
-    starts = np.fromiter(map(_DATA_PTR, gs), np.int64, len(gs))
+    """Does no gradient reach into a parameter's bytes? (The pointers read are kept for the
+    step's span: `gradients_at`.)"""
+    token.grads_at[0] = starts = np.fromiter(map(_DATA_PTR, gs), np.int64, len(gs))
     return not token.spans.reached(starts, starts + token.reach).any()
 
 
@@ -279,6 +281,11 @@ def unchanged(token, xs, gs) -> bool:
     if not (token.same(xs) and token.guard([*xs, *gs]) and addresses(xs) == token.where):
         return False
     return _apart(token, gs)
+
+
+def gradients_at(token):
+    """The gradients' data pointers that the last `unchanged` of `token` read."""
+    return token.grads_at[0]
 
 
 def fit_as_they_are(gs, xs, dtype, device) -> list:

@@ -54,7 +54,10 @@ class Group(GroupLayout):
         """Can `xs` and `gs` (as for `snapshot`) step as the snapshotted ones did?"""
         if self.token is None or not self.b.unchanged(self.token, xs, gs):
             return False
-        return self.span is None or self.span.intact()
+        if self.span is None:
+            return True
+        at = getattr(self.b, "gradients_at", None)
+        return self.span.intact() and self.span.expect(gs, None if at is None else at(self.token))
 
     def own_sums(self, dxs) -> list:
         """The members whose gradient this step is their summed-gradient buffer (tied)."""

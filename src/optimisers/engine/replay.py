@@ -216,6 +216,9 @@ class Route:
             return [_ready(group, pick, tied, xs, gs) for group, pick, tied in self.groups]
         except Exception:  # noqa: BLE001 - any difference: the general path reports it
             self.stale = True
+            for group, _, _ in self.groups:
+                if group.span is not None:
+                    group.span.now = None  # (a view `expect` found is for a replayed step only)
             return None
 
 
