@@ -264,7 +264,8 @@ def _no_bias(model):
 
 @pytest.mark.parametrize(
     "change, error",
-    [(_new_weight, None), (_frozen_bias, r"1\.bias.*freeze_"), (_new_layer, r"2\.weight"), (_no_bias, r"'bias' at 1")],
+    [(_new_weight, None), (_frozen_bias, r"1\.bias.*freeze_"), (_new_layer, r"2\.weight"),
+     (_no_bias, r"'bias' at 1")],
     ids=["replaced-parameter", "frozen", "added-layer", "removed-parameter"],
 )
 def test_a_module_changed_between_replayed_steps_is_seen(change, error, replays):
