@@ -83,37 +83,39 @@ def _apart(gs) -> bool:
     return len(set(map(id, given))) == len(given)
 
 
-def _record(snode, node, parent, key, nodes, ranks, found):
+def _record(snode, node, parent, key, nodes, ranks, xs):
     """Append the `_Node`s of `snode` and its sub-trees to `nodes` (depth first); to `ranks` each
     place's position in the order `gather` visits places (a tie's first place, and the order its
-    gradients are summed in, are those of `gather`); and to `found` what the walk reads (`xs`,
-    `keys`, `values`), as it will read them."""
+    gradients are summed in, are those of `gather`); and to `xs` the parameters the walk reads."""
     children = dict(kind_of(node).children(node))
     here = _Node(parent, key, snode, node, children)
     index = len(nodes)
     nodes.append(here)
-    xs, keys, values = found
-    keys += [len(snode), *snode]
-    values += snode.values()
     xs += [children[k] for k in here.leaf_keys]
     for k, sub in snode.items():
         if type(sub) is Leaf:
             ranks[(index, k)] = len(ranks)
         elif sub:
-            _record(sub, children[k], index, k, nodes, ranks, found)
+            _record(sub, children[k], index, k, nodes, ranks, xs)
+
+
+def _copied(snode) -> dict:
+    """A copy of the state tree's containers (its Leafs the same objects): a later step compares
+    the tree with it in one `==`, which compares Leafs by identity."""
+    return {k: _copied(v) if type(v) is dict else v for k, v in snode.items()}
 
 
 def _compiled(nodes):
     """The route's walk as one Python function of `(model, grads)`, written out node by node (a
     loop over nodes cost more per container than the work itself): each place's parameter and
-    gradient, and the keys and values of every state container, in the route's order; `_Off`
-    where the model differs from the route (the caller compares the state's keys and values).
+    gradient in the route's order; `_Off` where the model differs from the route (the caller
+    compares the state tree with its copy).
     Lists, tuples and dicts, and dicts of gradients, are read where they are; any other node
     through its `_Node` (`children`, `gradients`)."""
     names: dict = {"Off": _Off, "SEQ": _SEQUENCES}
-    lines = ["def walk(model, grads):", "    xs = []; gs = []; keys = []; values = []"]
+    lines = ["def walk(model, grads):", "    xs = []; gs = []"]
     for i, r in enumerate(nodes):
-        names.update({f"N{i}": r, f"S{i}": r.snode, f"T{i}": r.type, f"C{i}": r.child_keys})
+        names.update({f"N{i}": r, f"T{i}": r.type, f"C{i}": r.child_keys})
         if i == 0:
             lines.append("    n0 = model; g0 = grads")
         else:
@@ -126,7 +128,6 @@ def _compiled(nodes):
                 lines.append(f"    n{i} = {'n' if parent.seq or parent.type is dict else 'k'}{p}[K{i}]")
             lines.append(f"    g{i} = None if get{p} is None else get{p}(K{i})")
         lines.append(f"    if type(n{i}) is not T{i}: raise Off")
-        lines.append(f"    keys.append(len(S{i})); keys += S{i}; values += S{i}.values()")
         if r.seq:
             lines.append(f"    if len(n{i}) != C{i}: raise Off")
         elif r.type is dict:
@@ -154,7 +155,7 @@ def _compiled(nodes):
             lines.append(f"    xs += {kids}" if whole else f"    xs += map({kids}.__getitem__, L{i})")
             given = f"g{i} if type(g{i}) in SEQ else " if whole else ""
             lines.append(f"    gs += NONES{i} if get{i} is None else {given}map(get{i}, L{i})")
-    lines.append("    return xs, gs, keys, values")
+    lines.append("    return xs, gs")
     exec(compile("\n".join(lines), "<the route's walk>", "exec"), names)  # noqa: S102 - our own code
     return names.pop("walk")  # (its globals are `names`: kept there, it would be a reference cycle)
 
@@ -167,10 +168,8 @@ class Route:
         self.nodes: list[_Node] = []
         ranks: dict = {}
         xs: list = []
-        values: list = []
-        self.keys: list = []
-        _record(tree, model, 0, None, self.nodes, ranks, (xs, self.keys, values))
-        self.same_xs, self.same_values = SameObjects(xs), SameObjects(values)
+        _record(tree, model, 0, None, self.nodes, ranks, xs)
+        self.same_xs, self.copy = SameObjects(xs), _copied(tree)
         self.walk = None  # written at the first step that follows the route (`_compiled`)
         self.modules = any(r.kind.grad_children is not None for r in self.nodes)  # (see `_apart`)
         member = {id(leaf): (g, m) for g, group in enumerate(groups) for m, leaf in enumerate(group.leaves)}
@@ -208,8 +207,8 @@ class Route:
         try:
             if self.walk is None:
                 self.walk = _compiled(self.nodes)
-            xs, gs, keys, values = self.walk(model, grads)
-            if not (keys == self.keys and self.same_values(values) and self.same_xs(xs)):
+            xs, gs = self.walk(model, grads)
+            if not (self.tree == self.copy and self.same_xs(xs)):
                 raise _Off
             if self.modules and not _apart(gs):
                 raise _Off
