@@ -36,8 +36,8 @@ _SEQUENCES = (list, tuple)
 class _Node:
     """A container of the state tree (`snode`, its `keys`) and what the model had there."""
 
-    __slots__ = ("parent", "key", "snode", "type", "kind", "seq", "child_keys", "leaf_keys", "nones",
-                 "fields", "field_of")
+    __slots__ = ("parent", "key", "snode", "type", "kind", "seq", "child_keys", "leaf_keys", "fields",
+                 "field_of")
 
     def __init__(self, parent, key, snode, node, children):
         self.parent, self.key, self.snode = parent, key, snode
@@ -45,7 +45,6 @@ class _Node:
         self.seq = type(node) in _SEQUENCES  # its children and gradients are read by position
         self.child_keys = len(node) if self.seq else frozenset(children)
         self.leaf_keys = [k for k, sub in snode.items() if type(sub) is Leaf]
-        self.nones = [None] * len(self.leaf_keys)
         self.fields, self.field_of = _fields(self.kind, node, children)
 
     def children(self, node):
@@ -113,51 +112,64 @@ def _compiled(nodes):
     Lists, tuples and dicts, and dicts of gradients, are read where they are; any other node
     through its `_Node` (`children`, `gradients`)."""
     names: dict = {"Off": _Off, "SEQ": _SEQUENCES}
+    shared: dict = {}
+
+    def one(value) -> str:  # one global for each distinct type, key set, accessor
+        if value not in shared:
+            shared[value] = names_key = f"V{len(shared)}"
+            names[names_key] = value
+        return shared[value]
+
     lines = ["def walk(model, grads):", "    xs = []; gs = []"]
     for i, r in enumerate(nodes):
-        names.update({f"N{i}": r, f"T{i}": r.type, f"C{i}": r.child_keys})
+        names[f"N{i}"] = r
+        t, c = one(r.type), r.child_keys if r.seq else one(r.child_keys)
         if i == 0:
             lines.append("    n0 = model; g0 = grads")
         else:
-            p = r.parent
-            names[f"K{i}"] = r.key
-            parent = nodes[p]
+            p, parent = r.parent, nodes[r.parent]
+            key = _literal(r.key, names, f"K{i}")
             if parent.fields is not None:
-                lines.append(f"    n{i} = f{p}[{parent.field_of[r.key]}][K{i}]")
+                lines.append(f"    n{i} = f{p}[{parent.field_of[r.key]}][{key}]")
             else:
-                lines.append(f"    n{i} = {'n' if parent.seq or parent.type is dict else 'k'}{p}[K{i}]")
-            lines.append(f"    g{i} = None if get{p} is None else get{p}(K{i})")
-        lines.append(f"    if type(n{i}) is not T{i}: raise Off")
+                lines.append(f"    n{i} = {'n' if parent.seq or parent.type is dict else 'k'}{p}[{key}]")
+            lines.append(f"    g{i} = None if get{p} is None else get{p}({key})")
+        lines.append(f"    if type(n{i}) is not {t}: raise Off")
         if r.seq:
-            lines.append(f"    if len(n{i}) != C{i}: raise Off")
+            lines.append(f"    if len(n{i}) != {c}: raise Off")
         elif r.type is dict:
-            lines.append(f"    if n{i}.keys() != C{i}: raise Off")
+            lines.append(f"    if n{i}.keys() != {c}: raise Off")
         elif r.fields is not None:  # the dicts holding its children, read where they are
-            names[f"F{i}"] = r.kind.fields
-            lines.append(f"    f{i} = F{i}(n{i})")
+            lines.append(f"    f{i} = {one(r.kind.fields)}(n{i})")
             for j, keys in enumerate(r.fields):
-                names[f"FK{i}_{j}"] = keys
-                lines.append(f"    if f{i}[{j}].keys() != FK{i}_{j}: raise Off")
+                lines.append(f"    if f{i}[{j}].keys() != {one(keys)}: raise Off")
         else:
             lines.append(f"    k{i} = N{i}.children(n{i})")
-        fast = "type(g{i}) in SEQ and len(g{i}) == C{i}" if r.seq else (
-            "type(g{i}) is dict and g{i}.keys() <= C{i}")
+        fast = f"type(g{i}) in SEQ and len(g{i}) == {c}" if r.seq else f"type(g{i}) is dict and g{i}.keys() <= {c}"
         getter = "__getitem__" if r.seq else "get"
-        lines.append(f"    get{i} = None if g{i} is None else g{i}.{getter} if {fast.format(i=i)} "
-                     f"else N{i}.gradients(n{i}, g{i})")
+        lines.append(f"    get{i} = None if g{i} is None else g{i}.{getter} if {fast} else N{i}.gradients(n{i}, g{i})")
         if r.leaf_keys:
             kids = f"n{i}" if r.seq or r.type is dict else f"k{i}"
             if r.fields is not None:
                 held_in = {r.field_of[k] for k in r.leaf_keys}
                 kids = f"f{i}[{held_in.pop()}]" if len(held_in) == 1 else f"N{i}.children(n{i})"
-            names[f"L{i}"], names[f"NONES{i}"] = r.leaf_keys, r.nones
+            keys = _literal(tuple(r.leaf_keys), names, f"L{i}")
             whole = r.seq and r.leaf_keys == list(range(r.child_keys))  # (every entry a place)
-            lines.append(f"    xs += {kids}" if whole else f"    xs += map({kids}.__getitem__, L{i})")
+            lines.append(f"    xs += {kids}" if whole else f"    xs += map({kids}.__getitem__, {keys})")
             given = f"g{i} if type(g{i}) in SEQ else " if whole else ""
-            lines.append(f"    gs += NONES{i} if get{i} is None else {given}map(get{i}, L{i})")
+            lines.append(f"    gs += {(None,) * len(r.leaf_keys)} if get{i} is None else {given}map(get{i}, {keys})")
     lines.append("    return xs, gs")
     exec(compile("\n".join(lines), "<the route's walk>", "exec"), names)  # noqa: S102 - our own code
     return names.pop("walk")  # (its globals are `names`: kept there, it would be a reference cycle)
+
+
+def _literal(key, names, name) -> str:
+    """`key` written into the walk's code: an int or str (or a tuple of them) as itself (a
+    constant of the code, read faster than a global), anything else as the global `name`."""
+    if type(key) in (int, str) or type(key) is tuple and all(type(k) in (int, str) for k in key):
+        return repr(key)
+    names[name] = key
+    return name
 
 
 class Route:
