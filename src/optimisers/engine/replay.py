@@ -145,9 +145,11 @@ def _compiled(nodes):
                 lines.append(f"    if f{i}[{j}].keys() != {one(keys)}: raise Off")
         else:
             lines.append(f"    k{i} = N{i}.children(n{i})")
-        fast = f"type(g{i}) in SEQ and len(g{i}) == {c}" if r.seq else f"type(g{i}) is dict and g{i}.keys() <= {c}"
+        fast = f"type(g{i}) in SEQ and len(g{i}) == {c}" if r.seq else (
+            f"type(g{i}) is dict and g{i}.keys() <= {c}")
         getter = "__getitem__" if r.seq else "get"
-        lines.append(f"    get{i} = None if g{i} is None else g{i}.{getter} if {fast} else N{i}.gradients(n{i}, g{i})")
+        lines.append(f"    get{i} = None if g{i} is None else g{i}.{getter} if {fast} "
+                     f"else N{i}.gradients(n{i}, g{i})")
         if r.leaf_keys:
             kids = f"n{i}" if r.seq or r.type is dict else f"k{i}"
             if r.fields is not None:
@@ -157,7 +159,8 @@ def _compiled(nodes):
             whole = r.seq and r.leaf_keys == list(range(r.child_keys))  # (every entry a place)
             lines.append(f"    xs += {kids}" if whole else f"    xs += map({kids}.__getitem__, {keys})")
             given = f"g{i} if type(g{i}) in SEQ else " if whole else ""
-            lines.append(f"    gs += {(None,) * len(r.leaf_keys)} if get{i} is None else {given}map(get{i}, {keys})")
+            nones = (None,) * len(r.leaf_keys)
+            lines.append(f"    gs += {nones} if get{i} is None else {given}map(get{i}, {keys})")
     lines.append("    return xs, gs")
     exec(compile("\n".join(lines), "<the route's walk>", "exec"), names)  # noqa: S102 - our own code
     return names.pop("walk")  # (its globals are `names`: kept there, it would be a reference cycle)
