@@ -14,11 +14,6 @@ from optimisers.engine.group import Group, eligible
 PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def forget(state) -> None:
-    """Plan `state`'s groups anew at its next update_."""
-    PLANS.pop(state, None)
-
-
 def _as_initialised(leaf, x, parts=None) -> bool:
     """Are the state's arrays in the dtypes and on the device that `rule.init` gives this
     parameter now? Not after a parameter was converted (a torch module's `.double()`): the rule's
