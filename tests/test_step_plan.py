@@ -189,6 +189,42 @@ def test_flat_storage_freed_and_reloaded_elsewhere_keeps_training(replays):
     assert replays[-2:] == [True, True]
 
 
+
+@pytest.mark.parametrize("size", ["same", "other"])
+def test_gradient_storage_freed_and_reloaded_keeps_training(size, replays):
+    """After `flatten_`, the flat gradient storage freed with `resize_(0)` and allocated again (at
+    the same address or elsewhere), the gradients still views of it: later steps read them where
+    they are now, with torch.optim's numbers."""
+    torch.manual_seed(0)
+    shapes = [(32, 32), (32,), (16, 32)]
+    ours = [nn.Parameter(torch.randn(s)) for s in shapes]
+    theirs = [nn.Parameter(p.detach().clone()) for p in ours]
+    (buffers,) = flatten_(ours)
+    state = opt.setup(opt.Adam(1e-2), ours)
+    reference = torch.optim.Adam(theirs, lr=1e-2)
+    storage = buffers.grads.untyped_storage()
+    for step in range(7):
+        if step == 3:
+            nbytes = storage.nbytes()
+            storage.resize_(0)
+            if size == "other":
+                keep = torch.empty(nbytes // 4)  # (the freed block taken, so the storage moves)
+            storage.resize_(nbytes)
+        g = torch.Generator().manual_seed(step)
+        for p, q in zip(ours, theirs):
+            gq = torch.randn(p.shape, generator=g)
+            with torch.no_grad():
+                p.grad.copy_(gq)
+            q.grad = gq.clone()
+        state, ours = opt.update_(state, ours, [p.grad for p in ours])
+        reference.step()
+        for p, q in zip(ours, theirs, strict=True):
+            torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+    assert replays[-2:] == [True, True]
+    if size == "other":
+        del keep
+
+
 class _Pair(NamedTuple):
     w: np.ndarray
     b: np.ndarray

@@ -22,7 +22,7 @@ class Span:
     def __init__(self, b, flat):
         self.b, self.flat = b, flat
         self.token = b.snapshot([flat], [])
-        self.grads = None  # (the gradients last found to be views of one buffer, where, that view)
+        self.grads = None  # (the gradients last found to be views of one buffer, that view: `_keep`)
         self.pieces = None  # the same for `gradient_pieces`
         self.now = None  # this replayed step's gradient view, found by `expect` (used once)
 
@@ -50,14 +50,25 @@ class Span:
         found, n = self.grads, len(self.grads[1]) if self.grads else 0
         self.now = None
         if found is not None and at is not None and found[0](gs[:n]) and np.array_equal(at[:n], found[1]):
-            self.now = found[2]
+            self.now = found[2] if self._alive(found) else None
         return True
 
     def _found(self, found, dxs):
-        """`found`'s view where `dxs` are the gradients it was made of, where they were."""
-        if found is None or not found[0](dxs):
+        """`found`'s result where `dxs` are the gradients it was made of, where they were, and its
+        views where they were (a storage freed by `resize_(0)` moves them)."""
+        if found is None or not found[0](dxs) or not np.array_equal(self.b.addresses(dxs), found[1]):
             return None
-        return found[2] if np.array_equal(self.b.addresses(dxs), found[1]) else None
+        return found[2] if self._alive(found) else None
+
+    def _alive(self, found) -> bool:
+        return self.b.addresses(found[3]) == found[4]
+
+    def _keep(self, dxs, result):
+        """What `_found` compares with: the gradients and where they are, `result`, its views and
+        where they are."""
+        views = [v for *_, v in result] if type(result) is list else [result]
+        b = self.b
+        return SameObjects(dxs), np.asarray(b.addresses(dxs), np.int64), result, views, b.addresses(views)
 
     def gradient(self, dxs, group):
         """The gradients `dxs` as one 1-D array in the span's order: a view of the flat buffer
@@ -69,7 +80,7 @@ class Span:
             return flat
         flat = b.flat_span(dxs) if dxs[0].dtype == group.dtype else None
         if flat is not None and [g.shape for g in dxs] == group.shapes:
-            self.grads = SameObjects(dxs), np.asarray(b.addresses(dxs), np.int64), flat
+            self.grads = self._keep(dxs, flat)
             return flat
         flat = b.empty_flat(group.offsets[-1], self.flat)
         b.join_into(flat, dxs, group.orders)
@@ -95,7 +106,7 @@ class Span:
             if j < len(dxs):
                 pieces.append((offsets[j], offsets[j + 1], b.flat_in(dxs[j], group.orders[j])))
             i = j + 1
-        self.pieces = SameObjects(dxs), np.asarray(b.addresses(dxs), np.int64), pieces
+        self.pieces = self._keep(dxs, pieces)
         return pieces
 
 
