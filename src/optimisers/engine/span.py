@@ -49,26 +49,26 @@ class Span:
         buffer, where they were, that view is this step's (`gradient`). Always True."""
         found, n = self.grads, len(self.grads[1]) if self.grads else 0
         self.now = None
-        if found is not None and at is not None and found[0](gs[:n]) and np.array_equal(at[:n], found[1]):
+        if found is not None and at is not None and found[0](gs[:n]) and np.array_equal(at[:n], found[5]):
             self.now = found[2] if self._alive(found) else None
         return True
 
     def _found(self, found, dxs):
         """`found`'s result where `dxs` are the gradients it was made of, where they were, and its
         views where they were (a storage freed by `resize_(0)` moves them)."""
-        if found is None or not found[0](dxs) or not np.array_equal(self.b.addresses(dxs), found[1]):
+        if found is None or not found[0](dxs) or self.b.addresses(dxs) != found[1]:
             return None
         return found[2] if self._alive(found) else None
 
-    def _alive(self, found) -> bool:
+    def _alive(self, found) -> bool:  # (the views where they were)
         return self.b.addresses(found[3]) == found[4]
 
     def _keep(self, dxs, result):
-        """What `_found` compares with: the gradients and where they are, `result`, its views and
-        where they are."""
+        """What `_found` and `expect` compare with: the gradients and where they are, `result`, its
+        views and where they are, and where the gradients are as an array."""
         views = [v for *_, v in result] if type(result) is list else [result]
-        b = self.b
-        return SameObjects(dxs), np.asarray(b.addresses(dxs), np.int64), result, views, b.addresses(views)
+        at = self.b.addresses(dxs)
+        return SameObjects(dxs), at, result, views, self.b.addresses(views), np.asarray(at, np.int64)
 
     def gradient(self, dxs, group):
         """The gradients `dxs` as one 1-D array in the span's order: a view of the flat buffer
