@@ -259,6 +259,25 @@ def _group_with_rule(groups: list[ParamGroup], rule) -> ParamGroup:
     return g
 
 
+def initial_groups(params, policy) -> list:
+    """The groups of an optimizer's `params` argument (a module, tensors or group dicts)."""
+    if isinstance(params, torch.Tensor):
+        raise TypeError(  # torch.optim's words
+            "params argument given to the optimizer should be an iterable of Tensors or dicts "
+            f"(or a module), but got {torch.typename(params)}"
+        )
+    if isinstance(params, nn.Module):
+        return policy.module_groups(params)
+    if policy.rule is not None and not isinstance(policy.rule, Rule):
+        raise TypeError("a rule function (path, x) -> Rule needs paths: pass the module itself as params")
+    raw = list(params)
+    if not raw:
+        raise ValueError("optimizer got an empty parameter list")
+    if not isinstance(raw[0], Mapping):
+        raw = [{"params": raw}]
+    return [policy.make(g, f"group {i}") for i, g in enumerate(raw)]
+
+
 def group_of_dict(group: Mapping, base, overrides: dict, where: str) -> ParamGroup:
     """A group from torch.optim's group dict: its "rule" (else `base`) adjusted by its entries
     and the optimizer's keyword arguments `overrides`."""
@@ -281,7 +300,14 @@ def group_of_dict(group: Mapping, base, overrides: dict, where: str) -> ParamGro
     rule = adjusted_rule(rule, {k: v for k, v in {**overrides, **keys}.items() if k not in carried}, where)
     rule = copy.copy(rule)  # one rule object per group: adjusting one group leaves the others alone
     seen = group_entries(rule)
-    entries = {"params": params, **seen, **carried}
+    return ParamGroup(group_dict(params, names, seen, carried), params, rule, seen)
+
+
+def group_dict(params: list, names, *parts: Mapping) -> dict:
+    """A group's dict: `"params"`, the entries of `parts` in order, and `"param_names"` if given."""
+    entries = {"params": params}
+    for part in parts:
+        entries.update(part)
     if names is not None:
         entries["param_names"] = names
-    return ParamGroup(entries, params, rule, seen)
+    return entries
