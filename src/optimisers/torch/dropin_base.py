@@ -10,10 +10,18 @@ from typing import ClassVar
 
 import torch
 
-from optimisers.torch.hyperparameters import ALIASES, NOT_HYPERPARAMETERS, SCHEDULER_KEYS, check_switches
+from optimisers.torch.checkpointing import TorchFormat
 from optimisers.torch.optimizer import Optimizer
-from optimisers.torch.param_groups import ParamGroup, check_group_dict, group_dict, group_tensors
-from optimisers.torch.torch_format import TorchFormat
+from optimisers.torch.param_groups import (
+    ALIASES,
+    NOT_HYPERPARAMETERS,
+    SCHEDULER_KEYS,
+    ParamGroup,
+    check_group_dict,
+    check_switches,
+    group_dict,
+    group_tensors,
+)
 
 # the library's names of hyperparameters, and "rule": in a drop-in's group they would set nothing
 LIBRARY_NAMES = ("rule", "eta", *ALIASES)

@@ -30,6 +30,7 @@ from optimisers.rules.torch_named import (
     TorchRprop,
     TorchSGD,
 )
+from optimisers.torch.checkpointing import NOT_SHOWN, STEP
 from optimisers.torch.dropin_base import (
     DropIn,
     as_number,
@@ -38,7 +39,6 @@ from optimisers.torch.dropin_base import (
     described,
     torch_args,
 )
-from optimisers.torch.torch_format import NOT_SHOWN, STEP
 
 __all__ = [
     "SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadelta", "Adamax", "NAdam", "RAdam", "Rprop",
@@ -54,10 +54,8 @@ class SGD(DropIn):
 
     _sparse = True
 
-    def __init__(
-        self, params, lr=1e-3, momentum=0, dampening=0, weight_decay=0, nesterov=False, *,
-        maximize=False, foreach=None, differentiable=False, fused=None,
-    ):  # fmt: skip
+    def __init__(self, params, lr=1e-3, momentum=0, dampening=0, weight_decay=0, nesterov=False, *,
+                 maximize=False, foreach=None, differentiable=False, fused=None):  # fmt: skip
         if nesterov and (momentum <= 0 or dampening != 0):
             raise ValueError("Nesterov momentum requires a momentum and zero dampening")
         super().__init__(params, torch_args(locals()))
@@ -84,11 +82,9 @@ class Adam(DropIn):
     _foreach_scalars = True  # torch's foreach kernels take neither a tensor lr nor tensor betas
     ORDER = "lr betas eps weight_decay amsgrad maximize foreach capturable differentiable fused"
 
-    def __init__(
-        self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0, amsgrad=False, *,
-        foreach=None, maximize=False, capturable=False, differentiable=False, fused=None,
-        decoupled_weight_decay=False,
-    ):  # fmt: skip
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0, amsgrad=False, *,
+                 foreach=None, maximize=False, capturable=False, differentiable=False, fused=None,
+                 decoupled_weight_decay=False):  # fmt: skip
         super().__init__(params, torch_args(locals(), self.ORDER + " decoupled_weight_decay"))
 
     def _structure(self, h):
@@ -113,10 +109,9 @@ class AdamW(Adam):
     runs torch's fused kernel on float32/float64 tensors: bit for bit
     `torch.optim.AdamW(fused=True)`."""
 
-    def __init__(
-        self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
-        maximize=False, foreach=None, capturable=False, differentiable=False, fused=None,
-    ):  # fmt: skip
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
+                 amsgrad=False, *, maximize=False, foreach=None, capturable=False,
+                 differentiable=False, fused=None):  # fmt: skip
         DropIn.__init__(self, params, torch_args(locals(), Adam.ORDER, decoupled_weight_decay=True))
 
 
@@ -124,13 +119,10 @@ class RMSprop(DropIn):
     """torch.optim.RMSprop, trained by this library with torch's formula (`alpha`, `centered`,
     `momentum`)."""
 
-    def __init__(
-        self, params, lr=1e-2, alpha=0.99, eps=1e-8, weight_decay=0, momentum=0, centered=False,
-        capturable=False, foreach=None, maximize=False, differentiable=False,
-    ):  # fmt: skip
-        super().__init__(params, torch_args(
-            locals(), "lr momentum alpha eps centered weight_decay capturable foreach maximize differentiable"
-        ))
+    def __init__(self, params, lr=1e-2, alpha=0.99, eps=1e-8, weight_decay=0, momentum=0, centered=False,
+                 capturable=False, foreach=None, maximize=False, differentiable=False):  # fmt: skip
+        super().__init__(params, torch_args(locals(), "lr momentum alpha eps centered weight_decay "
+                                            "capturable foreach maximize differentiable"))
 
     def _structure(self, h):
         return (bool(h["centered"]), as_number(h, "momentum") > 0)
@@ -151,15 +143,10 @@ class Adagrad(DropIn):
 
     _sparse = True
 
-    def __init__(
-        self, params, lr=1e-2, lr_decay=0, weight_decay=0, initial_accumulator_value=0, eps=1e-10,
-        foreach=None, *, maximize=False, differentiable=False, fused=None,
-    ):  # fmt: skip
-        super().__init__(params, torch_args(
-            locals(),
-            "lr lr_decay eps weight_decay "
-            "initial_accumulator_value foreach maximize differentiable fused",
-        ))
+    def __init__(self, params, lr=1e-2, lr_decay=0, weight_decay=0, initial_accumulator_value=0, eps=1e-10,
+                 foreach=None, *, maximize=False, differentiable=False, fused=None):  # fmt: skip
+        order = "lr lr_decay eps weight_decay initial_accumulator_value foreach maximize differentiable fused"
+        super().__init__(params, torch_args(locals(), order))
 
     def _structure(self, h):
         return (h["initial_accumulator_value"],)  # the state starts there: a change would not apply
@@ -173,13 +160,10 @@ class Adagrad(DropIn):
 class Adadelta(DropIn):
     """torch.optim.Adadelta, trained by this library with torch's formula (with `lr`)."""
 
-    def __init__(
-        self, params, lr=1.0, rho=0.9, eps=1e-6, weight_decay=0, foreach=None, *, capturable=False,
-        maximize=False, differentiable=False,
-    ):  # fmt: skip
-        super().__init__(params, torch_args(
-            locals(), "lr rho eps weight_decay maximize capturable foreach differentiable"
-        ))
+    def __init__(self, params, lr=1.0, rho=0.9, eps=1e-6, weight_decay=0, foreach=None, *, capturable=False,
+                 maximize=False, differentiable=False):  # fmt: skip
+        super().__init__(params, torch_args(locals(), "lr rho eps weight_decay maximize capturable foreach "
+                                            "differentiable"))
 
     def _rule(self, h):
         return TorchAdadelta(h["lr"], h["rho"], h["eps"])
@@ -190,10 +174,8 @@ class Adadelta(DropIn):
 class Adamax(DropIn):
     """torch.optim.Adamax, trained by this library with torch's formula (ε inside the maximum)."""
 
-    def __init__(
-        self, params, lr=2e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0, foreach=None, *,
-        maximize=False, differentiable=False, capturable=False,
-    ):  # fmt: skip
+    def __init__(self, params, lr=2e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0, foreach=None, *,
+                 maximize=False, differentiable=False, capturable=False):  # fmt: skip
         super().__init__(params, torch_args(locals()))
 
     def _rule(self, h):
@@ -206,16 +188,11 @@ class NAdam(DropIn):
     """torch.optim.NAdam, trained by this library with torch's formula (momentum schedule
     `momentum_decay`, `decoupled_weight_decay`)."""
 
-    def __init__(
-        self, params, lr=2e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0, momentum_decay=4e-3,
-        decoupled_weight_decay=False, *, foreach=None, maximize=False, capturable=False,
-        differentiable=False,
-    ):  # fmt: skip
-        super().__init__(params, torch_args(
-            locals(),
-            "lr betas eps weight_decay momentum_decay "
-            "decoupled_weight_decay maximize foreach capturable differentiable",
-        ))
+    def __init__(self, params, lr=2e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0, momentum_decay=4e-3,
+                 decoupled_weight_decay=False, *, foreach=None, maximize=False, capturable=False,
+                 differentiable=False):  # fmt: skip
+        order = "lr betas eps weight_decay momentum_decay decoupled_weight_decay maximize foreach capturable"
+        super().__init__(params, torch_args(locals(), order + " differentiable"))
 
     def _rule(self, h):
         decay = h["weight_decay"] if decoupled(h) else 0.0
@@ -228,15 +205,11 @@ class RAdam(DropIn):
     """torch.optim.RAdam, trained by this library with torch's formula (rectified from ρ > 5,
     `decoupled_weight_decay`)."""
 
-    def __init__(
-        self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0, decoupled_weight_decay=False,
-        *, foreach=None, maximize=False, capturable=False, differentiable=False,
-    ):  # fmt: skip
-        super().__init__(params, torch_args(
-            locals(),
-            "lr betas eps weight_decay "
-            "maximize foreach capturable decoupled_weight_decay differentiable",
-        ))
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0,
+                 decoupled_weight_decay=False, *, foreach=None, maximize=False, capturable=False,
+                 differentiable=False):  # fmt: skip
+        super().__init__(params, torch_args(locals(), "lr betas eps weight_decay maximize foreach capturable "
+                                            "decoupled_weight_decay differentiable"))
 
     def _rule(self, h):
         decay = h["weight_decay"] if decoupled(h) else 0.0
@@ -251,13 +224,10 @@ class Rprop(DropIn):
 
     _l2 = False  # torch's Rprop has no weight decay
 
-    def __init__(
-        self, params, lr=1e-2, etas=(0.5, 1.2), step_sizes=(1e-6, 50), *, capturable=False, foreach=None,
-        maximize=False, differentiable=False,
-    ):  # fmt: skip
-        super().__init__(params, torch_args(
-            locals(), "lr etas step_sizes foreach maximize differentiable capturable"
-        ))
+    def __init__(self, params, lr=1e-2, etas=(0.5, 1.2), step_sizes=(1e-6, 50), *, capturable=False,
+                 foreach=None, maximize=False, differentiable=False):  # fmt: skip
+        super().__init__(params, torch_args(locals(), "lr etas step_sizes foreach maximize differentiable "
+                                            "capturable"))
 
     def _check(self, h, where):
         super()._check(h, where)
@@ -281,10 +251,8 @@ class Adafactor(DropIn):
     _l2 = False  # its weight decay is decoupled (lr·weight_decay·p), inside the rule
     _takes_complex = False  # refused at the step, as torch does
 
-    def __init__(
-        self, params, lr=1e-2, beta2_decay=-0.8, eps=(None, 1e-3), d=1.0, weight_decay=0.0, *,
-        foreach=None, maximize=False,
-    ):  # fmt: skip
+    def __init__(self, params, lr=1e-2, beta2_decay=-0.8, eps=(None, 1e-3), d=1.0, weight_decay=0.0, *,
+                 foreach=None, maximize=False):  # fmt: skip
         super().__init__(params, torch_args(locals()))
 
     def _check(self, h, where):
@@ -327,10 +295,8 @@ class Muon(DropIn):
     _one_part = True  # the rule's state is the momentum buffer alone
     _takes_complex = False  # refused at the step, as torch does
 
-    def __init__(
-        self, params, lr=1e-3, weight_decay=0.1, momentum=0.95, nesterov=True,
-        ns_coefficients=NS_COEFFICIENTS, eps=1e-7, ns_steps=5, adjust_lr_fn=None,
-    ):  # fmt: skip
+    def __init__(self, params, lr=1e-3, weight_decay=0.1, momentum=0.95, nesterov=True,
+                 ns_coefficients=NS_COEFFICIENTS, eps=1e-7, ns_steps=5, adjust_lr_fn=None):  # fmt: skip
         super().__init__(params, torch_args(locals()))
 
     def _check(self, h, where):

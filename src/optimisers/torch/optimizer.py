@@ -1,16 +1,13 @@
 """`optimisers.torch.Optimizer`: any rule of this library as a `torch.optim.Optimizer`. torch.optim's
 classes by name (`optimisers.torch.AdamW`, `SGD`, ...) are defined in `dropins` on top of it.
 
-The class is a thin shell that hands each job to a helper: its policy (`RulePolicy` here, a
-drop-in class's `TorchPolicy`: how group dicts become rules and what a gradient goes through),
-its `Book` (`lazy_state`: the groups, the parameters by position, which have state; torch's
-`state[p]` is a `StateView` of it), its format (`checkpointing.LibraryFormat`, a drop-in's
-`TorchFormat`), and the functions of `stepping` and `checkpointing`. Each trained tensor has one
-`Leaf`, made by `optimisers.setup` at its first gradient (so ties, paths and per-parameter rule
-functions work as everywhere else); a step hands the `.grad` fields to `optimisers.update_`.
-
-Imported only on demand (`optimisers.torch` or `import optimisers.torch`): `import optimisers`
-never imports torch.
+The class is a thin shell that hands each job to a helper: its policy (`param_groups.RulePolicy`,
+a drop-in's `TorchPolicy`: how group dicts become rules, what a gradient goes through), its `Book`
+(`lazy_state`: groups, parameters by position, which have state; `state[p]` is a `StateView` of
+it), its format (`checkpointing.LibraryFormat`, a drop-in's `TorchFormat`), and the functions of
+`stepping` and `checkpointing`. Each trained tensor has one `Leaf`, made by `optimisers.setup` at
+its first gradient; a step hands the `.grad` fields to `optimisers.update_`. `import optimisers`
+never imports torch: this module is imported on demand.
 """
 
 from __future__ import annotations
@@ -19,77 +16,11 @@ from collections.abc import Mapping
 
 import torch
 
-from optimisers.core.rule import Rule
 from optimisers.torch import checkpointing, stepping
-from optimisers.torch.hyperparameters import adjusted_rule, unknown_key_error
 from optimisers.torch.lazy_state import Book, StateView
-from optimisers.torch.param_groups import check_rule, group_of_dict, group_tensors, groups_of_module
+from optimisers.torch.param_groups import RulePolicy
 
 __all__ = ["Optimizer"]
-
-
-class RulePolicy:
-    """How `Optimizer(params, rule)` makes its groups (from its rule and keyword arguments) and
-    syncs their entries into their rules (`Rule.adjust`); the gradients go to the rules as they
-    are, negated in groups with `maximize`."""
-
-    def __init__(self, optimizer, rule, overrides: dict):
-        if rule is not None and not (isinstance(rule, Rule) or callable(rule)):
-            raise TypeError(
-                "Optimizer expects an optimisers.Rule (e.g. optimisers.AdamW(1e-3)) as its rule, "
-                f"got {rule!r}"
-            )
-        if isinstance(rule, type):
-            check_rule(rule, "Optimizer")
-        self.opt, self.rule, self.overrides = optimizer, rule, dict(overrides)
-
-    def module_groups(self, module) -> list:
-        if self.rule is None:
-            check_rule(None, "Optimizer(module, rule)")
-        groups, self.opt._book.module_tree = groups_of_module(module, self.rule, self.overrides)
-        return groups
-
-    def make(self, group, where: str):
-        base = self.rule if isinstance(self.rule, Rule) else None
-        return group_of_dict(group, base, self.overrides, where)
-
-    def defaults(self, groups) -> dict:
-        return dict(groups[0].seen)
-
-    def resync(self, g, changed: dict, where: str):
-        """The rule of group `g` with the changed entries applied."""
-        return adjusted_rule(g.rule, changed, where)
-
-    def check_keys(self, g, i: int) -> None:
-        """Refuse keys added to group `g` (number `i`) since that set nothing."""
-        unknown = g.unknown_keys()
-        if unknown:
-            raise unknown_key_error(g.rule, g.seen, unknown[0], f"param_groups[{i}]")
-
-    def listed(self, params, where: str) -> list:
-        """The tensors of a group's edited `"params"` list, checked as a new group's are."""
-        return group_tensors(params, where)[0]
-
-    def engine_view(self, p):
-        """What the update engine trains for parameter `p`."""
-        return p
-
-    def ready(self) -> bool:
-        """Whether the step goes ahead."""
-        return True
-
-    def gradients(self, groups, grads: list) -> list:
-        """The gradients the rules see, by position: negated in groups with `maximize` (in a new
-        list: the one handed in is left as it is)."""
-        maximized = [g for g in groups if g.entries.get("maximize")]
-        if not maximized:
-            return grads
-        grads = list(grads)
-        for g in maximized:
-            for i in g.positions:
-                if grads[i] is not None:
-                    grads[i] = -grads[i]
-        return grads
 
 
 class Optimizer(torch.optim.Optimizer):

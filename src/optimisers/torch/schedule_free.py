@@ -22,8 +22,8 @@ from __future__ import annotations
 import torch
 
 from optimisers.rules.schedule_free import ScheduleFreeAdamW, ScheduleFreeSGD
+from optimisers.torch.checkpointing import NOT_SHOWN, TorchFormat
 from optimisers.torch.dropin_base import DropIn, as_number, torch_args
-from optimisers.torch.torch_format import NOT_SHOWN, TorchFormat
 
 __all__ = ["AdamWScheduleFree", "SGDScheduleFree"]
 
@@ -124,10 +124,8 @@ class AdamWScheduleFree(_ScheduleFreeDropIn):
     signature, defaults, group keys and `state[p]` keys "z" and "exp_avg_sq"; `.train()` and
     `.eval()` switch the parameters between `y` and the average `x`)."""
 
-    def __init__(
-        self, params, lr=0.0025, betas=(0.9, 0.999), eps=1e-8, weight_decay=0, warmup_steps=0, r=0.0,
-        weight_lr_power=2.0, foreach=_DEFAULT_FOREACH,
-    ):  # fmt: skip
+    def __init__(self, params, lr=0.0025, betas=(0.9, 0.999), eps=1e-8, weight_decay=0, warmup_steps=0, r=0.0,
+                 weight_lr_power=2.0, foreach=_DEFAULT_FOREACH):  # fmt: skip
         super().__init__(params, torch_args(locals(), "lr betas eps r k warmup_steps " + _LATER, **_COUNTERS))
 
     def _rule(self, h):
@@ -144,10 +142,8 @@ class SGDScheduleFree(_ScheduleFreeDropIn):
     signature, defaults, group keys and `state[p]` key "z"; `.train()` and `.eval()` switch the
     parameters between `y` and the average `x`)."""
 
-    def __init__(
-        self, params, lr=1.0, momentum=0.9, weight_decay=0, warmup_steps=0, r=0.0, weight_lr_power=2,
-        foreach=_DEFAULT_FOREACH,
-    ):  # fmt: skip
+    def __init__(self, params, lr=1.0, momentum=0.9, weight_decay=0, warmup_steps=0, r=0.0, weight_lr_power=2,
+                 foreach=_DEFAULT_FOREACH):  # fmt: skip
         super().__init__(params, torch_args(locals(), "lr momentum r k warmup_steps " + _LATER, **_COUNTERS))
 
     def _check(self, h, where):

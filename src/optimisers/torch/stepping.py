@@ -11,7 +11,7 @@ import operator
 import torch
 
 from optimisers.torch.flat import has_flat_grads, zero_flat_grads_
-from optimisers.torch.hyperparameters import check_switches
+from optimisers.torch.param_groups import check_switches
 from optimisers.verbs.update import update_
 
 _GRAD = operator.attrgetter("grad")
