@@ -29,11 +29,10 @@ class Optimizer(torch.optim.Optimizer):
         opt = optimisers.torch.Optimizer(model, optimisers.AdamW(1e-3, lambd=0.01))
         loss.backward(); opt.step(); opt.zero_grad()
 
-    `params` is what torch.optim takes (tensors, `(name, tensor)` pairs, group dicts) or a module
-    (ties kept; `rule` may be a function `(path, x) -> Rule`). Group keys (`"lr"`, torch's names,
-    the rule's, `"rule"`, `"maximize"`) and keyword arguments set the rules' hyperparameters, and
-    a change takes effect at the next `step()`. State is made at a parameter's first gradient;
-    `optimiser_state` is the library's `State` (see docs/torch-optimizer.md)."""
+    `params`: what torch.optim takes, or a module (ties kept; `rule` may be a function `(path, x)
+    -> Rule`). Group keys (`"lr"`, torch's names, the rule's, `"rule"`, `"maximize"`) and keyword
+    arguments set hyperparameters; a change takes effect at the next `step()`. State is made at a
+    parameter's first gradient; `optimiser_state` is the library's `State` (docs/torch-optimizer.md)."""
 
     _Policy = RulePolicy  # (a drop-in class: TorchPolicy)
     _Format = checkpointing.LibraryFormat
@@ -54,12 +53,18 @@ class Optimizer(torch.optim.Optimizer):
     def step(self, closure=None):
         """One step on every parameter that has a `.grad` (a first gradient makes its state).
         `closure`, if given, re-evaluates the model and returns the loss, which is returned."""
-        return stepping.step(self, closure)
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        stepping.eager_step(self)
+        return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """torch.optim's, except that gradients that are views of a flat buffer (`flatten_`) are
         zeroed in place and kept, whatever `set_to_none` says."""
-        stepping.zero_grad(self, set_to_none)
+        if not stepping.zeroed_flat_grads(self, set_to_none):  # (torch's here: one frame for torch.compile)
+            super().zero_grad(set_to_none)
 
     def state_dict(self) -> dict:
         """torch.optim's layout, `{"state": {position: entry}, "param_groups": [...]}`, holding
@@ -73,14 +78,8 @@ class Optimizer(torch.optim.Optimizer):
         lists every difference), then loaded. Parameters not in it have no state after it."""
         checkpointing.load_state_dict(self, state_dict)
 
-    @property
-    def state(self):
-        """torch's `state[p]`: parameter `p`'s entry of `state_dict()["state"]` (a `StateView`)."""
-        return StateView(self)
-
-    @state.setter
-    def state(self, value):
-        self._book.reset_state(value)
+    # torch's `state[p]`: parameter `p`'s entry of `state_dict()["state"]` (a `StateView`)
+    state = property(StateView, lambda self, value: self._book.reset_state(value))
 
     def __getstate__(self):  # (copies) torch's, and the helpers
         d = super().__getstate__()

@@ -17,21 +17,13 @@ from optimisers.verbs.update import update_
 _GRAD = operator.attrgetter("grad")
 
 
-def step(optimizer, closure=None):
-    loss = None
-    if closure is not None:
-        with torch.enable_grad():
-            loss = closure()
-    _eager_step(optimizer)
-    return loss
-
-
-def zero_grad(optimizer, set_to_none: bool) -> None:
+def zeroed_flat_grads(optimizer, set_to_none: bool) -> bool:
+    """`zero_grad` where some gradients are views of a flat buffer: those are zeroed in place and
+    kept, the rest set as torch sets them. False, having done nothing, where none is."""
     params = [p for g in optimizer.param_groups for p in g["params"]]
     rest = zero_flat_grads_([p for p in params if p.requires_grad]) if has_flat_grads() else params
     if len(rest) == len(params):
-        torch.optim.Optimizer.zero_grad(optimizer, set_to_none)
-        return
+        return False
     rest += [p for p in params if not p.requires_grad]  # a frozen one's view: as torch does
     for p in rest:
         if set_to_none:
@@ -42,13 +34,14 @@ def zero_grad(optimizer, set_to_none: bool) -> None:
             else:
                 p.grad.requires_grad_(False)
             p.grad.zero_()
+    return True
 
 
 # Under torch.compile the step runs eagerly, as the library's update does (see optimisers.core.eager):
 # its Python bookkeeping (group entries, state made at a first gradient) traced by dynamo would
 # become guards that fail from one step to the next.
 @torch.compiler.disable(recursive=True)
-def _eager_step(optimizer) -> None:
+def eager_step(optimizer) -> None:
     book, policy = optimizer._book, optimizer._policy
     if not policy.ready():
         return
