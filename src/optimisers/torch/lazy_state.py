@@ -50,7 +50,7 @@ class Book:
         self.opt = optimizer
         self.groups: list = []
         self.leaf_of: dict[int, tuple] = {}
-        self.module_tree = None  # (a module) its tree of placeholders (see `groups_of_module`)
+        self.module_tree = None  # (a module) its tree of placeholders (see `RulePolicy.module_groups`)
         self.extra_state: dict = {}  # `state[key]` for keys that are not parameters (hooks' notes)
         self.pending: dict = {}  # id(group dict) -> the group built for it, which torch's __init__ adds
         self.changed()
@@ -239,14 +239,12 @@ class StateView(MutableMapping):
         self._book.forget(self._book.with_state())
         self._book.extra_state.clear()
 
-    def _shown(self) -> list:
-        return [p for p in self._book.with_state() if self._format.shows(self._book.leaf(p))]
-
     def __iter__(self):
-        return iter([*self._shown(), *self._book.extra_state])
+        shown = [p for p in self._book.with_state() if self._format.shows(self._book.leaf(p))]
+        return iter([*shown, *self._book.extra_state])
 
     def __len__(self):
-        return len(self._shown()) + len(self._book.extra_state)
+        return len(list(iter(self)))
 
     def __repr__(self):
         return f"<optimiser state of {len(self)} parameters>"
