@@ -29,7 +29,7 @@ def state_dict(optimizer) -> dict:
     book, entry_of = optimizer._book, optimizer._format
     for hook in optimizer._optimizer_state_dict_pre_hooks.values():
         hook(optimizer)
-    book.follow_edits()
+    book.follow_edits(optimizer._policy)
     if len(book.stepped) != len(book.leaf_of):
         raise KeyError(
             "a parameter removed from param_groups still has state, which a state dict cannot "
@@ -69,7 +69,7 @@ def load_state_dict(optimizer, state_dict) -> None:
     if not isinstance(state_dict, Mapping) or not {"state", "param_groups"} <= set(state_dict):
         raise CheckpointError(f"expected {optimizer._format.expected}, with 'state' and 'param_groups'")
     book = optimizer._book
-    book.follow_edits()
+    book.follow_edits(optimizer._policy)
     saved_groups, param_groups = state_dict["param_groups"], optimizer.param_groups
     if len(saved_groups) != len(param_groups):
         raise CheckpointError(
@@ -116,8 +116,8 @@ class LibraryFormat:
 
     expected = "the dict from Optimizer.state_dict()"
 
-    def __init__(self, optimizer):
-        self.book = optimizer._book
+    def __init__(self, optimizer):  # (made when used: see Optimizer._format)
+        self.opt, self.book = optimizer, optimizer._book
 
     def shows(self, leaf) -> bool:
         """Whether a Leaf with state has an entry in `state_dict()` and `optimizer.state`."""
@@ -135,7 +135,7 @@ class LibraryFormat:
             return leaf
         rule = self.book.group_of(p).rule
         with torch.no_grad():
-            return Leaf(rule, rule.init(self.book.opt._policy.engine_view(p)))
+            return Leaf(rule, rule.init(self.opt._policy.engine_view(p)))
 
     def load_entry(self, p, entry: Mapping) -> None:
         flat = {FORMAT_KEY: FORMAT, **{f"{_ROOT}/{k}": v for k, v in entry.items()}}
@@ -153,7 +153,7 @@ class LibraryFormat:
         positions = checkpoint_positions(book, saved_state)
         template = State({i: self._template(book.params[i]) for i in sorted(positions)})
         loaded = library_load_state_dict(template, flat)  # checks everything; changes nothing
-        new_groups = [_restored_group(saved, now) for saved, now in zip(saved_groups, book.opt.param_groups)]
+        new_groups = [_restored_group(saved, now) for saved, now in zip(saved_groups, self.opt.param_groups)]
         book.leaf_of.clear()  # torch's load replaces the state: parameters not in it have none
         for i, leaf in loaded.tree.items():
             book.adopt(book.params[i], leaf)

@@ -120,7 +120,7 @@ class TorchPolicy:
 
     rule = None  # (the class makes each group's rule)
 
-    def __init__(self, optimizer, rule, overrides):
+    def __init__(self, optimizer):  # (made when used: see Optimizer._policy)
         self.opt, self.name, self.hyper = optimizer, type(optimizer).__name__, optimizer._hyper
 
     def built(self, h: dict, where: str):

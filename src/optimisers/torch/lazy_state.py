@@ -44,10 +44,10 @@ def _shown(tree, leaf_of_placeholder):
 class Book:
     """An optimizer's groups (`ParamGroup`s), its parameters by position and their states:
     `leaf_of` maps `id(tensor)` to `(tensor, its Leaf, its group)` for each tensor with state;
-    `flat` is what `update_` steps (the listed parameters with state, numbered 0, 1, ...)."""
+    `flat` is what `update_` steps (the listed parameters with state, numbered 0, 1, ...). It
+    holds no reference to its optimizer (no reference cycle: an optimizer is freed when unused)."""
 
-    def __init__(self, optimizer):
-        self.opt = optimizer
+    def __init__(self):
         self.groups: list = []
         self.leaf_of: dict[int, tuple] = {}
         self.module_tree = None  # (a module) its tree of placeholders (see `RulePolicy.module_groups`)
@@ -82,17 +82,17 @@ class Book:
         self.frozen: list[int] = []  # places of `live` stepped through a detached view
         self.complex = any(g.has_complex for g in self.groups)
         if self.module_tree is None:
-            self.opt.optimiser_state = State(dict(zip(self.stepped, leaves)))
+            self.optimiser_state = State(dict(zip(self.stepped, leaves)))
         else:
             tree, keys, pairs = self.module_tree
             tensor_of = {id(h): p for h, p in pairs}
-            self.opt.optimiser_state = State(_shown(tree, lambda h: self.leaf(tensor_of[id(h)])) or {}, keys)
+            self.optimiser_state = State(_shown(tree, lambda h: self.leaf(tensor_of[id(h)])) or {}, keys)
 
-    def make_states(self, params: list) -> None:
+    def make_states(self, params: list, policy) -> None:
         """Make the state of `params` (at their first gradient) by `setup`: over one buffer where
         they fill one."""
         rule_at = {i: g.rule for g in self.groups for i in g.positions}
-        views = {self.position_of[id(p)]: self.opt._policy.engine_view(p).detach() for p in params}
+        views = {self.position_of[id(p)]: policy.engine_view(p).detach() for p in params}
         try:
             with torch.no_grad():
                 made = setup(lambda path, x: rule_at[path[0]], views).tree
@@ -129,42 +129,42 @@ class Book:
         """The parameters with state, listed ones in position order, then removed ones."""
         return self.live + [t for t, _, _ in self.leaf_of.values() if id(t) not in self.position_of]
 
-    def follow_edits(self) -> None:
+    def follow_edits(self, policy) -> None:
         """Follow each group's `"params"` list as it is now (torch.optim reads it at every step):
         a tensor added gets state at its first gradient, one removed is no longer stepped and
         keeps its state (`state[p]`), as in torch.optim."""
         edited = [(i, g) for i, g in enumerate(self.groups) if g.edited(f"param_groups[{i}]")]
         if not edited:
             return
-        listed = {i: self.opt._policy.listed(g.entries["params"], f"param_groups[{i}]") for i, g in edited}
+        listed = {i: policy.listed(g.entries["params"], f"param_groups[{i}]") for i, g in edited}
         check_distinct([listed.get(i, g.params) for i, g in enumerate(self.groups)])
         for i, g in edited:
             g.follow(listed[i])
         self.changed()
 
-    def start(self, params) -> list:
+    def start(self, params, policy) -> list:
         """The groups of the optimizer's `params` argument, checked, kept for torch's __init__ to
         add (it hands each group dict to add_param_group)."""
-        groups = initial_groups(params, self.opt._policy)
+        groups, self.module_tree = initial_groups(params, policy)
         check_distinct([g.params for g in groups], ["param_names" in g.entries for g in groups])
         self.pending = {id(g.entries): g for g in groups}
         return groups
 
-    def add_group(self, param_group) -> None:
+    def add_group(self, param_group, param_groups: list, policy) -> None:
         g = self.pending.get(id(param_group))
         if g is None:
-            self.follow_edits()
-            g = self.opt._policy.make(param_group, f"group {len(self.groups)}")
+            self.follow_edits(policy)
+            g = policy.make(param_group, f"group {len(self.groups)}")
             groups = [*self.groups, g]
             check_distinct([h.params for h in groups], ["param_names" in h.entries for h in groups])
         self.groups.append(g)
-        self.opt.param_groups.append(g.entries)
+        param_groups.append(g.entries)
         self.changed()
 
-    def reset_state(self, value) -> None:
+    def reset_state(self, value, view) -> None:
         """`optimizer.state = value`: torch.optim.Optimizer.__init__ assigns an empty dict, and
         code that resets the state assigns one too (no state, made afresh at the next gradient)."""
-        if isinstance(value, StateView) and value._optimizer is self.opt:
+        if isinstance(value, StateView) and value._book is self:
             return
         if not isinstance(value, Mapping):
             raise TypeError(
@@ -174,7 +174,6 @@ class Book:
         self.leaf_of.clear()
         self.extra_state = {}
         self.changed()
-        view = StateView(self.opt)
         for p, entry in entries:
             view[p] = entry
 
@@ -202,7 +201,7 @@ class StateView(MutableMapping):
     def _known(self, p) -> bool:
         book = self._book
         if id(p) not in book.position_of:
-            book.follow_edits()  # a parameter listed since the last step
+            book.follow_edits(self._optimizer._policy)  # a parameter listed since the last step
         return id(p) in book.position_of or id(p) in book.leaf_of
 
     def __getitem__(self, p):

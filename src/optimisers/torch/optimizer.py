@@ -5,9 +5,10 @@ The class is a thin shell that hands each job to a helper: its policy (`param_gr
 a drop-in's `TorchPolicy`: how group dicts become rules, what a gradient goes through), its `Book`
 (`lazy_state`: groups, parameters by position, which have state; `state[p]` is a `StateView` of
 it), its format (`checkpointing.LibraryFormat`, a drop-in's `TorchFormat`), and the functions of
-`stepping` and `checkpointing`. Each trained tensor has one `Leaf`, made by `optimisers.setup` at
-its first gradient; a step hands the `.grad` fields to `optimisers.update_`. `import optimisers`
-never imports torch: this module is imported on demand.
+`stepping` and `checkpointing`. The book holds the state; the policy and the format are views of
+the optimizer made when used, so that nothing it holds refers back to it (a reference cycle would
+keep its tensors until the garbage collector runs). Each trained tensor has one `Leaf`, made by
+`optimisers.setup` at its first gradient; a step hands the `.grad` fields to `optimisers.update_`.
 """
 
 from __future__ import annotations
@@ -34,21 +35,24 @@ class Optimizer(torch.optim.Optimizer):
     arguments set hyperparameters; a change takes effect at the next `step()`. State is made at a
     parameter's first gradient; `optimiser_state` is the library's `State` (docs/torch-optimizer.md)."""
 
-    _Policy = RulePolicy  # (a drop-in class: TorchPolicy)
-    _Format = checkpointing.LibraryFormat
+    _Policy, _Format = RulePolicy, checkpointing.LibraryFormat  # (a drop-in's: TorchPolicy, TorchFormat)
+    # views of the optimizer, made when used: no helper refers back to it (no reference cycle)
+    _policy = property(lambda self: self._Policy(self))
+    _format = property(lambda self: self._Format(self))
+    optimiser_state = property(lambda self: self._book.optimiser_state, doc="The library's `State`.")
 
     def __init__(self, params, rule=None, **hyperparameters):
-        self._policy = self._Policy(self, rule, hyperparameters)
-        self._book = Book(self)
-        self._groups, self._format = self._book.groups, self._Format(self)
-        groups = self._book.start(params)  # checked, for torch's __init__ to add
+        RulePolicy.check(rule)
+        self._base_rule, self._overrides, self._book = rule, hyperparameters, Book()
+        self._groups = self._book.groups
+        groups = self._book.start(params, self._policy)  # checked, for torch's __init__ to add
         super().__init__([g.entries for g in groups], self._policy.defaults(groups))
         self._book.pending = {}
 
     def add_param_group(self, param_group: dict) -> None:
         """Add a group as torch.optim does: a dict with "params" and hyperparameters (the
         optimizer's give the rest). A failed call changes nothing."""
-        self._book.add_group(param_group)
+        self._book.add_group(param_group, self.param_groups, self._policy)
 
     def step(self, closure=None):
         """One step on every parameter that has a `.grad` (a first gradient makes its state).
@@ -79,7 +83,7 @@ class Optimizer(torch.optim.Optimizer):
         checkpointing.load_state_dict(self, state_dict)
 
     # torch's `state[p]`: parameter `p`'s entry of `state_dict()["state"]` (a `StateView`)
-    state = property(StateView, lambda self, value: self._book.reset_state(value))
+    state = property(StateView, lambda self, value: self._book.reset_state(value, StateView(self)))
 
     def __getstate__(self):  # (copies) torch's, and the helpers
         d = super().__getstate__()

@@ -364,8 +364,9 @@ def _group_with_rule(groups: list[ParamGroup], rule) -> ParamGroup:
     return g
 
 
-def initial_groups(params, policy) -> list:
-    """The groups of an optimizer's `params` argument (a module, tensors or group dicts)."""
+def initial_groups(params, policy) -> tuple[list, tuple | None]:
+    """The groups of an optimizer's `params` argument (a module, tensors or group dicts), and the
+    module's tree of placeholders (see `RulePolicy.module_groups`), if it is a module."""
     if isinstance(params, torch.Tensor):
         raise TypeError(  # torch.optim's words
             "params argument given to the optimizer should be an iterable of Tensors or dicts "
@@ -380,7 +381,7 @@ def initial_groups(params, policy) -> list:
         raise ValueError("optimizer got an empty parameter list")
     if not isinstance(raw[0], Mapping):
         raw = [{"params": raw}]
-    return [policy.make(g, f"group {i}") for i, g in enumerate(raw)]
+    return [policy.make(g, f"group {i}") for i, g in enumerate(raw)], None
 
 
 def group_dict(params: list, names, *parts: Mapping) -> dict:
@@ -398,7 +399,12 @@ class RulePolicy:
     syncs their entries into their rules (`Rule.adjust`); the gradients go to the rules as they
     are, negated in groups with `maximize`."""
 
-    def __init__(self, optimizer, rule, overrides: dict):
+    def __init__(self, optimizer):  # (made when used: see Optimizer._policy)
+        self.rule, self.overrides = optimizer._base_rule, optimizer._overrides
+
+    @staticmethod
+    def check(rule) -> None:
+        """Refuse what `Optimizer(params, rule)` cannot take as its rule."""
         if rule is not None and not (isinstance(rule, Rule) or callable(rule)):
             raise TypeError(
                 "Optimizer expects an optimisers.Rule (e.g. optimisers.AdamW(1e-3)) as its rule, "
@@ -406,12 +412,11 @@ class RulePolicy:
             )
         if isinstance(rule, type):
             check_rule(rule, "Optimizer")
-        self.opt, self.rule, self.overrides = optimizer, rule, dict(overrides)
 
-    def module_groups(self, module) -> list[ParamGroup]:
+    def module_groups(self, module) -> tuple[list[ParamGroup], tuple]:
         """Groups for a module: `setup` chooses each parameter's rule (paths, ties, rule functions)
         with placeholder Leafs; parameters whose rules are equal form one group, which then shares
-        one rule object. The book keeps `(the placeholders' tree, its keys, [(placeholder,
+        one rule object. Returns them and `(the placeholders' tree, its keys, [(placeholder,
         tensor)])`, from which `optimiser_state` shows the module's tree."""
         if self.rule is None:
             check_rule(None, "Optimizer(module, rule)")
@@ -434,8 +439,7 @@ class RulePolicy:
             g.seen = group_entries(g.rule)
             g.entries = group_dict(g.params, names[id(g)], g.seen, adapter_entries(self.overrides))
             g.follow(g.params)
-        self.opt._book.module_tree = (state.tree, state._keys, pairs)
-        return groups
+        return groups, (state.tree, state._keys, pairs)
 
     def make(self, group: Mapping, where: str) -> ParamGroup:
         """A group from torch.optim's group dict: its "rule" (else the optimizer's) adjusted by its

@@ -53,7 +53,7 @@ def _show(g, **entries) -> None:
 @torch.no_grad()
 def _switch(optimizer, train: bool, weight) -> None:
     """Move each group not in the mode asked for: `p ← lerp(p, z, weight(β₁))`."""
-    optimizer._book.follow_edits()
+    optimizer._book.follow_edits(optimizer._policy)
     for g in optimizer._book.groups:
         if bool(g.entries["train_mode"]) != train:
             w = weight(_b1(g.entries))
@@ -94,8 +94,7 @@ class ScheduleFreeFormat(TorchFormat):
 
 
 class _ScheduleFreeDropIn(DropIn):
-    """What both classes share: train/eval modes, the counters shown in the groups after each
-    step, and their state format."""
+    """What both classes share: train/eval modes, counters shown after each step, state format."""
 
     _Format = ScheduleFreeFormat
     _l2 = False  # the weight decay is the rule's own, at y

@@ -48,11 +48,11 @@ def eager_step(optimizer) -> None:
     undo = _sync(optimizer)
     born: list = []
     try:
-        book.follow_edits()
+        book.follow_edits(policy)
         grads = list(map(_GRAD, book.params))
         born = [book.params[i] for i in book.waiting if grads[i] is not None]
         if born:
-            book.make_states(born)
+            book.make_states(born, policy)
         grads = policy.gradients(book.groups, grads)
         if len(book.stepped) != len(grads):
             grads = [grads[i] for i in book.stepped]
