@@ -46,9 +46,8 @@ def state_dict(optimizer) -> dict:
 
 
 def _saved_groups(param_groups) -> list[dict]:
-    """`param_groups` as a checkpoint keeps them: tensors as positions (a tensor listed again,
-    as in a group appended twice, keeps its first number, as torch.optim numbers them), rules
-    as text."""
+    """`param_groups` as a checkpoint keeps them: rules as text, tensors as positions (a tensor
+    listed again keeps its first number, as torch.optim numbers them)."""
     groups, numbers = [], {}
     for entries in param_groups:
         saved = {k: encode_rule(v) if isinstance(v, Rule) else v for k, v in entries.items() if k != "params"}

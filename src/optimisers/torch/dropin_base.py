@@ -52,8 +52,7 @@ def _scalar(v):
 
 
 def check_torch_switches(h: Mapping, where: str) -> None:
-    """torch.optim's checks of its implementation switches and of a tensor `lr`, in its words,
-    then this library's refusal of `capturable` and `differentiable`."""
+    """torch.optim's checks of its switches and of a tensor `lr`, in its words, then this library's."""
     if h.get("fused") and h.get("foreach"):
         raise RuntimeError(f"{where}: `fused` and `foreach` cannot be `True` together.")
     if h.get("fused") and h.get("differentiable"):
@@ -132,8 +131,7 @@ class TorchPolicy:
             raise type(e)(f"{where}: {e}") from None
 
     def is_group_key(self, key) -> bool:
-        """A key a group of this class always may hold: torch's hyperparameters, the names and
-        the lr schedulers' keys."""
+        """A key a group may always hold: torch's hyperparameters, the names, the schedulers' keys."""
         return key in self.hyper or key in NOT_HYPERPARAMETERS or key in SCHEDULER_KEYS
 
     def defaults(self, groups) -> dict:

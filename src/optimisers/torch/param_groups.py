@@ -327,9 +327,8 @@ def group_tensors(raw, where: str) -> tuple[list, list | None]:
 
 @dataclasses.dataclass(frozen=True)
 class _Deferred(Rule):
-    """Stands in for a parameter's rule while `setup` walks the model: no state yet. Like
-    torch.optim, the adapter makes a parameter's state at its first gradient, so a frozen
-    backbone or a parameter that never gets a gradient costs no memory."""
+    """Stands in for a parameter's rule while `setup` walks the model: its state is made at its
+    first gradient, as torch.optim makes it (a frozen backbone costs no memory)."""
 
     rule: Any = None
 
