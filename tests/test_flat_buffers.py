@@ -312,7 +312,7 @@ def test_adamw_on_flat_buffers_equals_torch_fused_per_tensor():
             optimizer.step()
         for p, q in zip(ours.parameters(), theirs.parameters()):
             assert torch.equal(p, q)
-    assert len(_span_groups(o._flat)) == 1
+    assert len(_span_groups(o._book.flat)) == 1
     assert ours.head.weight is ours.embed.weight
 
 
@@ -347,7 +347,7 @@ def test_adapter_makes_a_span_state_flat():
     o = DropInAdamW(model.parameters())
     _loss(model, 0).backward()
     o.step()
-    (group,) = _span_groups(o._flat)
+    (group,) = _span_groups(o._book.flat)
     states = [o.state[p] for p in model.parameters()]
     storage = group.packed[0].untyped_storage().data_ptr()
     assert all(s["exp_avg"].untyped_storage().data_ptr() == storage for s in states)
@@ -374,7 +374,7 @@ def test_sgd_on_flat_buffers_equals_sgd_per_tensor():
         for p, q, r in zip(ours.parameters(), separate.parameters(), theirs.parameters()):
             assert torch.equal(p, q)
             torch.testing.assert_close(p, r, rtol=1e-5, atol=1e-5)
-    assert len(_span_groups(pairs[0][1]._flat)) == 1 and not _span_groups(pairs[1][1]._flat)
+    assert len(_span_groups(pairs[0][1]._book.flat)) == 1 and not _span_groups(pairs[1][1]._book.flat)
 
 
 def test_zero_grad_keeps_the_views():
@@ -451,7 +451,7 @@ def test_flatten_an_optimizer_makes_buffers_per_param_group():
     assert [b.members for b in buffers] == [decay, rest]
     _loss(model, 0).backward()
     o.step()
-    assert len(_span_groups(o._flat)) == 2  # each group's rule steps its own buffer
+    assert len(_span_groups(o._book.flat)) == 2  # each group's rule steps its own buffer
 
 
 def _swap(a, b, name):

@@ -238,7 +238,7 @@ def test_frozen_and_gradless_parameters_get_no_state_until_their_first_gradient(
     assert set(opt.state_dict()["state"]) == _with_state(torch_opt)
     assert _state_bytes(opt, ours) == _state_bytes(torch_opt, ref)
     assert ours.embed.weight not in opt.state and opt.state[ours.embed.weight] == {}
-    total = sum(v.numel() for leaf in opt._flat.tree.values() for v in leaf.state[:2])
+    total = sum(v.numel() for leaf in opt._book.flat.tree.values() for v in leaf.state[:2])
     assert total == 2 * sum(p.numel() for n, p in ours.named_parameters() if n.startswith(("mlp", "norm")))
     # unfrozen: the state appears at the first gradient, exactly as torch's does
     for model in (ours, ref):

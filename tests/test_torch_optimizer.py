@@ -327,7 +327,7 @@ def test_a_parameter_in_two_groups_is_an_error():
     opt = Optimizer([model.pos], optimisers.Adam())
     with pytest.raises(ValueError, match="group 1, parameter 0 is the same tensor as group 0"):
         opt.add_param_group({"params": [model.pos]})
-    assert len(opt.param_groups) == 1 and len(opt._params) == 1
+    assert len(opt.param_groups) == 1 and len(opt._book.params) == 1
 
 
 def test_a_rule_is_required():

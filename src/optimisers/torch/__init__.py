@@ -27,21 +27,6 @@ from optimisers.torch.optimizer import Optimizer
 from optimisers.torch.schedule_free import AdamWScheduleFree, SGDScheduleFree
 
 __all__ = [
-    "Optimizer",
-    "flatten_",
-    "FlatBuffers",
-    "SGD",
-    "Adam",
-    "AdamW",
-    "RMSprop",
-    "Adagrad",
-    "Adadelta",
-    "Adamax",
-    "NAdam",
-    "RAdam",
-    "Rprop",
-    "Adafactor",
-    "AdamWScheduleFree",
-    "SGDScheduleFree",
-    "Muon",
-]
+    "Optimizer", "flatten_", "FlatBuffers", "SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadelta",
+    "Adamax", "NAdam", "RAdam", "Rprop", "Adafactor", "AdamWScheduleFree", "SGDScheduleFree", "Muon",
+]  # fmt: skip

@@ -12,8 +12,6 @@ state format) is `DropIn`, in `dropin_base` and `torch_format`.
 
 from __future__ import annotations
 
-import torch
-
 from optimisers.rules.adafactor import Adafactor as _Adafactor
 from optimisers.rules.adafactor import is_factored
 from optimisers.rules.adam import Adam as _Adam
@@ -32,8 +30,15 @@ from optimisers.rules.torch_named import (
     TorchRprop,
     TorchSGD,
 )
-from optimisers.torch.dropin_base import DropIn, as_number, check_torch_switches
-from optimisers.torch.torch_format import NOT_SHOWN, STEP
+from optimisers.torch.checkpointing import NOT_SHOWN, STEP
+from optimisers.torch.dropin_base import (
+    DropIn,
+    as_number,
+    check_torch_switches,
+    decoupled,
+    described,
+    torch_args,
+)
 
 __all__ = [
     "SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadelta", "Adamax", "NAdam", "RAdam", "Rprop",
@@ -49,16 +54,11 @@ class SGD(DropIn):
 
     _sparse = True
 
-    def __init__(
-        self, params, lr=1e-3, momentum=0, dampening=0, weight_decay=0, nesterov=False, *,
-        maximize=False, foreach=None, differentiable=False, fused=None,
-    ):  # fmt: skip
+    def __init__(self, params, lr=1e-3, momentum=0, dampening=0, weight_decay=0, nesterov=False, *,
+                 maximize=False, foreach=None, differentiable=False, fused=None):  # fmt: skip
         if nesterov and (momentum <= 0 or dampening != 0):
             raise ValueError("Nesterov momentum requires a momentum and zero dampening")
-        super().__init__(params, dict(
-            lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov,
-            maximize=maximize, foreach=foreach, differentiable=differentiable, fused=fused,
-        ))  # fmt: skip
+        super().__init__(params, torch_args(locals()))
 
     def _structure(self, h):
         return (as_number(h, "momentum") > 0,)
@@ -79,34 +79,22 @@ class Adam(DropIn):
     (`AdamW` with `decoupled_weight_decay=True`), which runs torch's fused kernel on float32/float64
     tensors: bit for bit `torch.optim.Adam(fused=True)`."""
 
-    def __init__(
-        self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0, amsgrad=False, *,
-        foreach=None, maximize=False, capturable=False, differentiable=False, fused=None,
-        decoupled_weight_decay=False,
-    ):  # fmt: skip
-        super().__init__(params, dict(
-            lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
-            foreach=foreach, capturable=capturable, differentiable=differentiable, fused=fused,
-            decoupled_weight_decay=decoupled_weight_decay,
-        ))  # fmt: skip
+    _foreach_scalars = True  # torch's foreach kernels take neither a tensor lr nor tensor betas
+    ORDER = "lr betas eps weight_decay amsgrad maximize foreach capturable differentiable fused"
 
-    def _check(self, h, where):
-        super()._check(h, where)
-        _refuse_foreach_tensors(h, where, ValueError)
-
-    def _resync(self, g, changed, where):
-        # torch checks a tensor lr of a foreach group again at the step, with a RuntimeError
-        _refuse_foreach_tensors({**g.seen, **changed}, where, RuntimeError, ("lr",))
-        return super()._resync(g, changed, where)
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0, amsgrad=False, *,
+                 foreach=None, maximize=False, capturable=False, differentiable=False, fused=None,
+                 decoupled_weight_decay=False):  # fmt: skip
+        super().__init__(params, torch_args(locals(), self.ORDER + " decoupled_weight_decay"))
 
     def _structure(self, h):
         return (bool(h["amsgrad"]),)
 
     def _rule(self, h):
-        decay = h["weight_decay"] if self._decoupled(h) else 0.0
+        decay = h["weight_decay"] if decoupled(h) else 0.0
         if h["amsgrad"]:
             return TorchAMSGrad(h["lr"], tuple(h["betas"]), h["eps"], decay)
-        if self._decoupled(h):
+        if decoupled(h):
             return _AdamW(h["lr"], tuple(h["betas"]), decay, h["eps"])
         return _Adam(h["lr"], tuple(h["betas"]), h["eps"])
 
@@ -116,50 +104,25 @@ class Adam(DropIn):
         return ("exp_avg", "exp_avg_sq", STEP)
 
 
-def _refuse_foreach_tensors(h, where, error, keys=("lr", "betas")) -> None:
-    """torch.optim.Adam's refusal, with `foreach=True` (and capturable off: always, here), of a
-    tensor `lr` or tensor `betas`: its foreach kernels take neither."""
-    if not h.get("foreach"):
-        return
-    named = [("lr", h.get("lr"))] if "lr" in keys else []
-    if "betas" in keys and isinstance(h.get("betas"), (tuple, list)):
-        named += [(f"betas[{i}]", b) for i, b in enumerate(h["betas"])]
-    for name, v in named:
-        if isinstance(v, torch.Tensor):
-            raise error(
-                f"{where}: {name} as a Tensor is not supported for capturable=False and foreach=True "
-                f"(got {name}={v!r}); give it as a float, or leave foreach unset"
-            )
-
-
 class AdamW(Adam):
     """torch.optim.AdamW, trained by this library: the library's `AdamW` (decay `lr·λ·p`), which
     runs torch's fused kernel on float32/float64 tensors: bit for bit
     `torch.optim.AdamW(fused=True)`."""
 
-    def __init__(
-        self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
-        maximize=False, foreach=None, capturable=False, differentiable=False, fused=None,
-    ):  # fmt: skip
-        DropIn.__init__(self, params, dict(
-            lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
-            foreach=foreach, capturable=capturable, differentiable=differentiable, fused=fused,
-            decoupled_weight_decay=True,
-        ))  # fmt: skip
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
+                 amsgrad=False, *, maximize=False, foreach=None, capturable=False,
+                 differentiable=False, fused=None):  # fmt: skip
+        DropIn.__init__(self, params, torch_args(locals(), Adam.ORDER, decoupled_weight_decay=True))
 
 
 class RMSprop(DropIn):
     """torch.optim.RMSprop, trained by this library with torch's formula (`alpha`, `centered`,
     `momentum`)."""
 
-    def __init__(
-        self, params, lr=1e-2, alpha=0.99, eps=1e-8, weight_decay=0, momentum=0, centered=False,
-        capturable=False, foreach=None, maximize=False, differentiable=False,
-    ):  # fmt: skip
-        super().__init__(params, dict(
-            lr=lr, momentum=momentum, alpha=alpha, eps=eps, centered=centered, weight_decay=weight_decay,
-            capturable=capturable, foreach=foreach, maximize=maximize, differentiable=differentiable,
-        ))  # fmt: skip
+    def __init__(self, params, lr=1e-2, alpha=0.99, eps=1e-8, weight_decay=0, momentum=0, centered=False,
+                 capturable=False, foreach=None, maximize=False, differentiable=False):  # fmt: skip
+        super().__init__(params, torch_args(locals(), "lr momentum alpha eps centered weight_decay "
+                                            "capturable foreach maximize differentiable"))
 
     def _structure(self, h):
         return (bool(h["centered"]), as_number(h, "momentum") > 0)
@@ -180,15 +143,10 @@ class Adagrad(DropIn):
 
     _sparse = True
 
-    def __init__(
-        self, params, lr=1e-2, lr_decay=0, weight_decay=0, initial_accumulator_value=0, eps=1e-10,
-        foreach=None, *, maximize=False, differentiable=False, fused=None,
-    ):  # fmt: skip
-        super().__init__(params, dict(
-            lr=lr, lr_decay=lr_decay, eps=eps, weight_decay=weight_decay,
-            initial_accumulator_value=initial_accumulator_value, foreach=foreach, maximize=maximize,
-            differentiable=differentiable, fused=fused,
-        ))  # fmt: skip
+    def __init__(self, params, lr=1e-2, lr_decay=0, weight_decay=0, initial_accumulator_value=0, eps=1e-10,
+                 foreach=None, *, maximize=False, differentiable=False, fused=None):  # fmt: skip
+        order = "lr lr_decay eps weight_decay initial_accumulator_value foreach maximize differentiable fused"
+        super().__init__(params, torch_args(locals(), order))
 
     def _structure(self, h):
         return (h["initial_accumulator_value"],)  # the state starts there: a change would not apply
@@ -196,91 +154,68 @@ class Adagrad(DropIn):
     def _rule(self, h):
         return TorchAdagrad(h["lr"], h["lr_decay"], h["eps"], h["initial_accumulator_value"])
 
-    def _layout(self, h):
-        return ("sum", STEP)
+    _layout = ("sum", STEP)
 
 
 class Adadelta(DropIn):
     """torch.optim.Adadelta, trained by this library with torch's formula (with `lr`)."""
 
-    def __init__(
-        self, params, lr=1.0, rho=0.9, eps=1e-6, weight_decay=0, foreach=None, *, capturable=False,
-        maximize=False, differentiable=False,
-    ):  # fmt: skip
-        super().__init__(params, dict(
-            lr=lr, rho=rho, eps=eps, weight_decay=weight_decay, maximize=maximize, capturable=capturable,
-            foreach=foreach, differentiable=differentiable,
-        ))  # fmt: skip
+    def __init__(self, params, lr=1.0, rho=0.9, eps=1e-6, weight_decay=0, foreach=None, *, capturable=False,
+                 maximize=False, differentiable=False):  # fmt: skip
+        super().__init__(params, torch_args(locals(), "lr rho eps weight_decay maximize capturable foreach "
+                                            "differentiable"))
 
     def _rule(self, h):
         return TorchAdadelta(h["lr"], h["rho"], h["eps"])
 
-    def _layout(self, h):
-        return ("square_avg", "acc_delta", STEP)
+    _layout = ("square_avg", "acc_delta", STEP)
 
 
 class Adamax(DropIn):
     """torch.optim.Adamax, trained by this library with torch's formula (ε inside the maximum)."""
 
-    def __init__(
-        self, params, lr=2e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0, foreach=None, *,
-        maximize=False, differentiable=False, capturable=False,
-    ):  # fmt: skip
-        super().__init__(params, dict(
-            lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=foreach, maximize=maximize,
-            differentiable=differentiable, capturable=capturable,
-        ))  # fmt: skip
+    def __init__(self, params, lr=2e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0, foreach=None, *,
+                 maximize=False, differentiable=False, capturable=False):  # fmt: skip
+        super().__init__(params, torch_args(locals()))
 
     def _rule(self, h):
         return TorchAdamax(h["lr"], tuple(h["betas"]), h["eps"])
 
-    def _layout(self, h):
-        return ("exp_avg", "exp_inf", STEP)
+    _layout = ("exp_avg", "exp_inf", STEP)
 
 
 class NAdam(DropIn):
     """torch.optim.NAdam, trained by this library with torch's formula (momentum schedule
     `momentum_decay`, `decoupled_weight_decay`)."""
 
-    def __init__(
-        self, params, lr=2e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0, momentum_decay=4e-3,
-        decoupled_weight_decay=False, *, foreach=None, maximize=False, capturable=False,
-        differentiable=False,
-    ):  # fmt: skip
-        super().__init__(params, dict(
-            lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, momentum_decay=momentum_decay,
-            decoupled_weight_decay=decoupled_weight_decay, maximize=maximize, foreach=foreach,
-            capturable=capturable, differentiable=differentiable,
-        ))  # fmt: skip
+    def __init__(self, params, lr=2e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0, momentum_decay=4e-3,
+                 decoupled_weight_decay=False, *, foreach=None, maximize=False, capturable=False,
+                 differentiable=False):  # fmt: skip
+        order = "lr betas eps weight_decay momentum_decay decoupled_weight_decay maximize foreach capturable"
+        super().__init__(params, torch_args(locals(), order + " differentiable"))
 
     def _rule(self, h):
-        decay = h["weight_decay"] if self._decoupled(h) else 0.0
+        decay = h["weight_decay"] if decoupled(h) else 0.0
         return TorchNAdam(h["lr"], tuple(h["betas"]), h["eps"], h["momentum_decay"], decay)
 
-    def _layout(self, h):
-        return ("exp_avg", "exp_avg_sq", "mu_product", STEP)
+    _layout = ("exp_avg", "exp_avg_sq", "mu_product", STEP)
 
 
 class RAdam(DropIn):
     """torch.optim.RAdam, trained by this library with torch's formula (rectified from ρ > 5,
     `decoupled_weight_decay`)."""
 
-    def __init__(
-        self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0, decoupled_weight_decay=False,
-        *, foreach=None, maximize=False, capturable=False, differentiable=False,
-    ):  # fmt: skip
-        super().__init__(params, dict(
-            lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, maximize=maximize, foreach=foreach,
-            capturable=capturable, decoupled_weight_decay=decoupled_weight_decay,
-            differentiable=differentiable,
-        ))  # fmt: skip
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0,
+                 decoupled_weight_decay=False, *, foreach=None, maximize=False, capturable=False,
+                 differentiable=False):  # fmt: skip
+        super().__init__(params, torch_args(locals(), "lr betas eps weight_decay maximize foreach capturable "
+                                            "decoupled_weight_decay differentiable"))
 
     def _rule(self, h):
-        decay = h["weight_decay"] if self._decoupled(h) else 0.0
+        decay = h["weight_decay"] if decoupled(h) else 0.0
         return TorchRAdam(h["lr"], tuple(h["betas"]), h["eps"], decay)
 
-    def _layout(self, h):
-        return ("exp_avg", "exp_avg_sq", STEP)
+    _layout = ("exp_avg", "exp_avg_sq", STEP)
 
 
 class Rprop(DropIn):
@@ -289,14 +224,10 @@ class Rprop(DropIn):
 
     _l2 = False  # torch's Rprop has no weight decay
 
-    def __init__(
-        self, params, lr=1e-2, etas=(0.5, 1.2), step_sizes=(1e-6, 50), *, capturable=False, foreach=None,
-        maximize=False, differentiable=False,
-    ):  # fmt: skip
-        super().__init__(params, dict(
-            lr=lr, etas=etas, step_sizes=step_sizes, foreach=foreach, maximize=maximize,
-            differentiable=differentiable, capturable=capturable,
-        ))  # fmt: skip
+    def __init__(self, params, lr=1e-2, etas=(0.5, 1.2), step_sizes=(1e-6, 50), *, capturable=False,
+                 foreach=None, maximize=False, differentiable=False):  # fmt: skip
+        super().__init__(params, torch_args(locals(), "lr etas step_sizes foreach maximize differentiable "
+                                            "capturable"))
 
     def _check(self, h, where):
         super()._check(h, where)
@@ -307,8 +238,7 @@ class Rprop(DropIn):
     def _rule(self, h):
         return TorchRprop(h["lr"], tuple(h["etas"]), tuple(float(s) for s in h["step_sizes"]))
 
-    def _layout(self, h):
-        return ("prev", "step_size", STEP)
+    _layout = ("prev", "step_size", STEP)
 
 
 class Adafactor(DropIn):
@@ -321,14 +251,9 @@ class Adafactor(DropIn):
     _l2 = False  # its weight decay is decoupled (lr·weight_decay·p), inside the rule
     _takes_complex = False  # refused at the step, as torch does
 
-    def __init__(
-        self, params, lr=1e-2, beta2_decay=-0.8, eps=(None, 1e-3), d=1.0, weight_decay=0.0, *,
-        foreach=None, maximize=False,
-    ):  # fmt: skip
-        super().__init__(params, dict(
-            lr=lr, beta2_decay=beta2_decay, eps=eps, d=d, weight_decay=weight_decay, foreach=foreach,
-            maximize=maximize,
-        ))  # fmt: skip
+    def __init__(self, params, lr=1e-2, beta2_decay=-0.8, eps=(None, 1e-3), d=1.0, weight_decay=0.0, *,
+                 foreach=None, maximize=False):  # fmt: skip
+        super().__init__(params, torch_args(locals()))
 
     def _check(self, h, where):
         # torch.optim.Adafactor's own checks, in its words (eps is a pair, so not the base's)
@@ -357,13 +282,6 @@ class Adafactor(DropIn):
     def _layout_for(self, h, p):
         return ("row_var", "col_var", STEP) if is_factored(p) else ("variance", STEP)
 
-    def _part_shape(self, name, p):
-        if name == "row_var":
-            return (*p.shape[:-1], 1)
-        if name == "col_var":
-            return (*p.shape[:-2], 1, p.shape[-1])
-        return p.shape
-
 
 class Muon(DropIn):
     """torch.optim.Muon, trained by this library's `Muon` (the same formula: momentum average,
@@ -377,14 +295,9 @@ class Muon(DropIn):
     _one_part = True  # the rule's state is the momentum buffer alone
     _takes_complex = False  # refused at the step, as torch does
 
-    def __init__(
-        self, params, lr=1e-3, weight_decay=0.1, momentum=0.95, nesterov=True,
-        ns_coefficients=NS_COEFFICIENTS, eps=1e-7, ns_steps=5, adjust_lr_fn=None,
-    ):  # fmt: skip
-        super().__init__(params, dict(
-            lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
-            ns_coefficients=ns_coefficients, eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn,
-        ))  # fmt: skip
+    def __init__(self, params, lr=1e-3, weight_decay=0.1, momentum=0.95, nesterov=True,
+                 ns_coefficients=NS_COEFFICIENTS, eps=1e-7, ns_steps=5, adjust_lr_fn=None):  # fmt: skip
+        super().__init__(params, torch_args(locals()))
 
     def _check(self, h, where):
         super()._check(h, where)
@@ -398,15 +311,13 @@ class Muon(DropIn):
             scale=h["adjust_lr_fn"] or "original",
         )  # fmt: skip
 
-    def _layout(self, h):
-        return ("momentum_buffer",)
+    _layout = ("momentum_buffer",)
 
     def _check_params(self, params, names, where):
         for i, (p, name) in enumerate(zip(params, names or [None] * len(params))):
-            what = f"{where}, parameter {i}" + (f" ({name})" if name else "")
             if p.ndim != 2:
                 raise ValueError(
-                    f"{what}: Muon only supports 2D parameters (matrices), got one of shape "
-                    f"{tuple(p.shape)}; give biases, normalisation weights, convolution kernels (and, as "
-                    "advised, embeddings and the output head) to another optimizer such as AdamW"
+                    f"{described(where, i, name)}: Muon only supports 2D parameters (matrices), got one "
+                    f"of shape {tuple(p.shape)}; give biases, normalisation weights, convolution kernels "
+                    "(and, as advised, embeddings and the output head) to another optimizer such as AdamW"
                 )

@@ -4,27 +4,10 @@
     opt = optimisers.torch.AdamW(model.parameters(), lr=1e-3)
     loss.backward(); opt.step(); opt.zero_grad()    # backward() adds into the flat gradient
 
-Each trainable parameter's data is moved into one 1-D buffer per (dtype, device), back to back,
-and its `.grad` becomes a view of a flat gradient buffer of the same layout (as Megatron's
-parameter and gradient buffers and DDP's `gradient_as_bucket_view` do). The engine of
-`update_` finds such parameters (`optimisers.engine.span`) and steps the buffer as one
-array: one fused kernel for Adam/AdamW, a few chunks for any other elementwise rule, however
-many tensors the model has. The parameters stay the same `nn.Parameter` objects, so a module,
-its ties and an optimizer built on it see no difference.
-
-Decisions, where torch.optim has no counterpart:
-- A parameter that gets no gradient in a backward keeps a zero gradient (its view), so it steps
-  with zeros, as under DDP's gradient views; freeze it (`requires_grad_(False)`) to leave it out.
-- `optimizer.zero_grad()` of this library zeroes the views in place and keeps them, whatever
-  `set_to_none` says; `model.zero_grad()` (torch's, `set_to_none=True`) drops them: backward then
-  makes separate gradients, which the engine joins in one call per step (correct, less fast).
-- Only parameters that are trainable, dense, contiguous and not DTensors are moved (a DTensor
-  shard belongs to FSDP2); the rest stay as they are. Parameters that share memory with another
-  parameter are refused, since moving them would part them.
-- Adam and AdamW through torch's fused kernel on one flat tensor equal that kernel on each
-  tensor bit for bit where every tensor's size is a multiple of 64 elements; elsewhere the last
-  few elements of a tensor may differ in the last bit (the kernel rounds a tensor's tail on a
-  scalar path). Other rules give the same numbers as without `flatten_`.
+The engine of `update_` finds such parameters (`optimisers.engine.span`) and steps each buffer
+as one array. What torch.optim has no counterpart for (a moved parameter always has a gradient,
+`zero_grad` keeps the views, which parameters are moved, bit-equality of fused Adam) is written
+down in docs/torch-optimizer.md, "Flat buffers".
 """
 
 from __future__ import annotations

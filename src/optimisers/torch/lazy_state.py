@@ -1,10 +1,10 @@
-"""Which parameters an optimizer steps and which have state, kept as torch.optim keeps them.
+"""Which parameters an optimizer steps and which have state (`Book`), and torch's `state[p]`
+(`StateView`).
 
 A parameter's number ("position") is its place in `param_groups`, counted as torch.optim counts.
 Its state is made at its first gradient, by `optimisers.setup` (over one buffer where parameters
 fill one), and kept by the tensor itself: a parameter removed from its group's `"params"` keeps
-its state (torch's `state[p]`) and takes it up again when it is listed again. `StateView` is
-`optimizer.state`.
+its state (torch's `state[p]`) and takes it up again when it is listed again.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from collections.abc import Mapping, MutableMapping
 import torch
 
 from optimisers.core.state import Leaf, State
+from optimisers.torch.param_groups import check_distinct, initial_groups
 from optimisers.verbs.setup import setup
 
 
@@ -36,65 +37,62 @@ def _shown(tree, leaf_of_placeholder):
     one Leaf at both places); None where nothing has state."""
     if isinstance(tree, Leaf):
         return leaf_of_placeholder(tree)
-    out = {}
-    for k, child in tree.items():
-        sub = _shown(child, leaf_of_placeholder)
-        if sub is not None:
-            out[k] = sub
+    out = {k: sub for k, child in tree.items() if (sub := _shown(child, leaf_of_placeholder)) is not None}
     return out or None
 
 
-class LazyState:
-    """The part of `Optimizer` that keeps track of parameters and of which have state."""
+class Book:
+    """An optimizer's groups (`ParamGroup`s), its parameters by position and their states:
+    `leaf_of` maps `id(tensor)` to `(tensor, its Leaf, its group)` for each tensor with state;
+    `flat` is what `update_` steps (the listed parameters with state, numbered 0, 1, ...). It
+    holds no reference to its optimizer (no reference cycle: an optimizer is freed when unused)."""
 
-    def _start_tracking(self) -> None:
-        self._groups: list = []  # a ParamGroup per param group
-        self._leaf_of: dict[int, tuple] = {}  # id(tensor) -> (tensor, its Leaf, its group): has state
-        self._params: list = []  # position -> tensor
-        self._position_of: dict[int, int] = {}  # id(tensor) -> position
-        self._module_tree = None  # (a module) its tree of placeholders (see `groups_of_module`)
-        self._extra_state: dict = {}  # `state[key]` for keys that are not parameters (hooks' notes)
-        self._changed()
+    def __init__(self):
+        self.groups: list = []
+        self.leaf_of: dict[int, tuple] = {}
+        self.module_tree = None  # (a module) its tree of placeholders (see `RulePolicy.module_groups`)
+        self.extra_state: dict = {}  # `state[key]` for keys that are not parameters (hooks' notes)
+        self.pending: dict = {}  # id(group dict) -> the group built for it, which torch's __init__ adds
+        self.changed()
 
-    def _leaf(self, p):
-        found = self._leaf_of.get(id(p))
+    def leaf(self, p):
+        found = self.leaf_of.get(id(p))
         return None if found is None else found[1]
 
-    def _changed(self) -> None:
+    def changed(self) -> None:
         """After the groups' parameters changed, or parameters gained or lost state: number the
         parameters, give each group's Leafs its rule, and make what `update_` steps anew (a new
         State: the engine plans it afresh)."""
-        self._params = []
-        for g in self._groups:
-            g.first = len(self._params)
-            g.leaves = [self._leaf(p) for p in g.params]
+        self.params = []
+        for g in self.groups:
+            g.first = len(self.params)
+            g.leaves = [self.leaf(p) for p in g.params]
             for p, leaf in zip(g.params, g.leaves):
                 if leaf is not None:  # (one rule object per group: the engine steps them together)
                     leaf.rule = g.rule
-                    self._leaf_of[id(p)] = (p, leaf, g)
-            self._params += g.params
-        self._position_of = {id(p): i for i, p in enumerate(self._params)}
-        # what update_ steps: the parameters with state, in position order, numbered 0, 1, ...
-        self._stepped = [i for i, p in enumerate(self._params) if id(p) in self._leaf_of]
-        self._live = [self._params[i] for i in self._stepped]
-        leaves = [self._leaf(p) for p in self._live]
-        self._flat = State(dict(enumerate(leaves)))
+                    self.leaf_of[id(p)] = (p, leaf, g)
+            self.params += g.params
+        self.position_of = {id(p): i for i, p in enumerate(self.params)}
+        self.stepped = [i for i, p in enumerate(self.params) if id(p) in self.leaf_of]
+        self.live = [self.params[i] for i in self.stepped]
+        leaves = [self.leaf(p) for p in self.live]
+        self.flat = State(dict(enumerate(leaves)))
         # parameters that may get state at their first gradient
-        self._waiting = [i for i, p in enumerate(self._params) if id(p) not in self._leaf_of and trainable(p)]
-        self._frozen: list[int] = []  # places of `_live` stepped through a detached view
-        self._complex = any(g.has_complex for g in self._groups)
-        if self._module_tree is None:
-            self.optimiser_state = State(dict(zip(self._stepped, leaves)))
+        self.waiting = [i for i, p in enumerate(self.params) if id(p) not in self.leaf_of and trainable(p)]
+        self.frozen: list[int] = []  # places of `live` stepped through a detached view
+        self.complex = any(g.has_complex for g in self.groups)
+        if self.module_tree is None:
+            self.optimiser_state = State(dict(zip(self.stepped, leaves)))
         else:
-            tree, keys, pairs = self._module_tree
+            tree, keys, pairs = self.module_tree
             tensor_of = {id(h): p for h, p in pairs}
-            self.optimiser_state = State(_shown(tree, lambda h: self._leaf(tensor_of[id(h)])) or {}, keys)
+            self.optimiser_state = State(_shown(tree, lambda h: self.leaf(tensor_of[id(h)])) or {}, keys)
 
-    def _make_states(self, params: list) -> None:
+    def make_states(self, params: list, policy) -> None:
         """Make the state of `params` (at their first gradient) by `setup`: over one buffer where
         they fill one."""
-        rule_at = {i: g.rule for g in self._groups for i in g.positions}
-        views = {self._position_of[id(p)]: self._engine_view(p).detach() for p in params}
+        rule_at = {i: g.rule for g in self.groups for i in g.positions}
+        views = {self.position_of[id(p)]: policy.engine_view(p).detach() for p in params}
         try:
             with torch.no_grad():
                 made = setup(lambda path, x: rule_at[path[0]], views).tree
@@ -103,56 +101,87 @@ class LazyState:
                 raise type(e)("parameter " + str(e).removeprefix("the parameter at ")) from None
             raise
         for i, leaf in made.items():
-            self._adopt(self._params[i], leaf)
-        self._changed()
+            self.adopt(self.params[i], leaf)
+        self.changed()
 
-    def _forget(self, params) -> None:
+    def forget(self, params) -> None:
         """Drop the state of these parameters: it is made afresh at their next gradient."""
         for p in params:
-            self._leaf_of.pop(id(p), None)
-        self._changed()
+            self.leaf_of.pop(id(p), None)
+        self.changed()
 
-    def _adopt(self, p, leaf) -> None:
+    def adopt(self, p, leaf) -> None:
         """`leaf` (with state, e.g. loaded from a checkpoint) becomes parameter `p`'s."""
-        self._leaf_of[id(p)] = (p, leaf, None)
+        self.leaf_of[id(p)] = (p, leaf, None)
 
-    def _group_of(self, p):
+    def group_of(self, p):
         """The group that parameter `p` is in (for a parameter removed from its group that has
         state: the group it was in)."""
-        found = self._leaf_of.get(id(p))
-        if found is not None and found[2] is not None and id(p) not in self._position_of:
+        found = self.leaf_of.get(id(p))
+        if found is not None and found[2] is not None and id(p) not in self.position_of:
             return found[2]
-        return self._groups[self._group_index(self._position_of[id(p)])]
+        return self.groups[self.group_index(self.position_of[id(p)])]
 
-    def _group_index(self, position: int) -> int:
-        return next(k for k, g in enumerate(self._groups) if position < g.first + len(g.params))
+    def group_index(self, position: int) -> int:
+        return next(k for k, g in enumerate(self.groups) if position < g.first + len(g.params))
 
-    def _with_state(self) -> list:
+    def with_state(self) -> list:
         """The parameters with state, listed ones in position order, then removed ones."""
-        listed = [self._params[i] for i in self._stepped]
-        return listed + [t for t, _, _ in self._leaf_of.values() if id(t) not in self._position_of]
+        return self.live + [t for t, _, _ in self.leaf_of.values() if id(t) not in self.position_of]
 
-    @property
-    def state(self):
-        """torch's per-parameter state: `state[p]` for parameter `p` (see `StateView`)."""
-        return StateView(self)
+    def follow_edits(self, policy) -> None:
+        """Follow each group's `"params"` list as it is now (torch.optim reads it at every step):
+        a tensor added gets state at its first gradient, one removed is no longer stepped and
+        keeps its state (`state[p]`), as in torch.optim."""
+        edited = [(i, g) for i, g in enumerate(self.groups) if g.edited(f"param_groups[{i}]")]
+        if not edited:
+            return
+        listed = {i: policy.listed(g.entries["params"], f"param_groups[{i}]") for i, g in edited}
+        check_distinct([listed.get(i, g.params) for i, g in enumerate(self.groups)])
+        for i, g in edited:
+            g.follow(listed[i])
+        self.changed()
 
-    @state.setter
-    def state(self, value):
-        # torch.optim.Optimizer.__init__ assigns an empty dict; code that resets the state
-        # assigns one too: both mean "no state", made afresh at the next gradient
-        if isinstance(value, StateView) and value._optimizer is self:
+    def start(self, params, policy) -> list:
+        """The groups of the optimizer's `params` argument, checked, kept for torch's __init__ to
+        add (it hands each group dict to add_param_group)."""
+        groups, self.module_tree = initial_groups(params, policy)
+        check_distinct([g.params for g in groups], ["param_names" in g.entries for g in groups])
+        self.pending = {id(g.entries): g for g in groups}
+        return groups
+
+    def add_group(self, param_group, param_groups: list, policy) -> None:
+        g = self.pending.get(id(param_group))
+        if g is None:
+            self.follow_edits(policy)
+            g = policy.make(param_group, f"group {len(self.groups)}")
+            groups = [*self.groups, g]
+            check_distinct([h.params for h in groups], ["param_names" in h.entries for h in groups])
+        self.groups.append(g)
+        param_groups.append(g.entries)
+        self.changed()
+
+    def reset_state(self, value, view) -> None:
+        """`optimizer.state = value`: torch.optim.Optimizer.__init__ assigns an empty dict, and
+        code that resets the state assigns one too (no state, made afresh at the next gradient)."""
+        if isinstance(value, StateView) and value._book is self:
             return
         if not isinstance(value, Mapping):
             raise TypeError(
                 f"optimizer.state must be a mapping from parameter to state, got {type(value).__name__}"
             )
         entries = list(value.items())
-        self._leaf_of.clear()
-        self._extra_state = {}
-        self._changed()
+        self.leaf_of.clear()
+        self.extra_state = {}
+        self.changed()
         for p, entry in entries:
-            self.state[p] = entry
+            view[p] = entry
+
+    def rekey(self) -> None:
+        """After a copy (deepcopy, pickle), which holds new tensors: find each one's state by its
+        new identity."""
+        self.leaf_of = {id(p): (p, leaf, g) for p, leaf, g in self.leaf_of.values()}
+        self.changed()
 
 
 class StateView(MutableMapping):
@@ -167,60 +196,54 @@ class StateView(MutableMapping):
 
     def __init__(self, optimizer):
         self._optimizer = optimizer
+        self._book, self._format = optimizer._book, optimizer._format
 
     def _known(self, p) -> bool:
-        o = self._optimizer
-        if id(p) not in o._position_of:
-            o._follow_edits()  # a parameter listed since the last step
-        return id(p) in o._position_of or id(p) in o._leaf_of
+        book = self._book
+        if id(p) not in book.position_of:
+            book.follow_edits(self._optimizer._policy)  # a parameter listed since the last step
+        return id(p) in book.position_of or id(p) in book.leaf_of
 
     def __getitem__(self, p):
-        o = self._optimizer
         if not isinstance(p, torch.Tensor):
-            return o._extra_state[p]
-        leaf = o._leaf(p)
+            return self._book.extra_state[p]
+        leaf = self._book.leaf(p)
         if leaf is None and not self._known(p):
             raise KeyError(p)
-        return {} if leaf is None else o._entry(p, leaf)
+        return {} if leaf is None else self._format.entry(p, leaf)
 
     def __setitem__(self, p, entry):
-        o = self._optimizer
         if not isinstance(p, torch.Tensor):
-            o._extra_state[p] = entry
+            self._book.extra_state[p] = entry
         elif not self._known(p):
             raise KeyError(p)
         else:
-            o._load_entry(p, entry)
+            self._format.load_entry(p, entry)
 
     def __delitem__(self, p):
-        o = self._optimizer
         if not isinstance(p, torch.Tensor):
-            del o._extra_state[p]
-        elif o._leaf(p) is None:
+            del self._book.extra_state[p]
+        elif self._book.leaf(p) is None:
             raise KeyError(p)
         else:
-            o._forget([p])
+            self._book.forget([p])
 
     def __contains__(self, p) -> bool:
-        o = self._optimizer
         if not isinstance(p, torch.Tensor):
-            return p in o._extra_state
-        leaf = o._leaf(p)
-        return leaf is not None and o._shows(leaf)
+            return p in self._book.extra_state
+        leaf = self._book.leaf(p)
+        return leaf is not None and self._format.shows(leaf)
 
     def clear(self) -> None:
-        self._optimizer._forget(self._optimizer._with_state())
-        self._optimizer._extra_state.clear()
-
-    def _shown(self) -> list:
-        o = self._optimizer
-        return [p for p in o._with_state() if o._shows(o._leaf(p))]
+        self._book.forget(self._book.with_state())
+        self._book.extra_state.clear()
 
     def __iter__(self):
-        return iter([*self._shown(), *self._optimizer._extra_state])
+        shown = [p for p in self._book.with_state() if self._format.shows(self._book.leaf(p))]
+        return iter([*shown, *self._book.extra_state])
 
     def __len__(self):
-        return len(self._shown()) + len(self._optimizer._extra_state)
+        return len(list(iter(self)))
 
     def __repr__(self):
         return f"<optimiser state of {len(self)} parameters>"

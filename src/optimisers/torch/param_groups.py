@@ -1,5 +1,6 @@
-"""Param groups: what the adapter keeps for each (`ParamGroup`), how one is built from a module or
-from torch.optim's group dict, and how changed entries of its dict reach its rule."""
+"""Param groups: a group's keys against a rule's hyperparameters (the names torch.optim and this
+library each use, the entries that show a rule, the rule that changed entries ask for), what the
+adapter keeps for each group (`ParamGroup`), and how one is built from a module or a group dict."""
 
 from __future__ import annotations
 
@@ -16,19 +17,150 @@ from torch import nn
 from optimisers.core.rule import Rule
 from optimisers.core.state import State
 from optimisers.core.tree import format_path
-from optimisers.torch.hyperparameters import (
-    ALIASES,
-    MISSING,
-    NOT_HYPERPARAMETERS,
-    adapter_entries,
-    adjusted_rule,
-    check_switches,
-    group_entries,
-    is_adapter_key,
-    same_value,
-)
 from optimisers.verbs.destructure import trainables
 from optimisers.verbs.setup import rule_chooser, setup
+
+# torch.optim's names for hyperparameters this library spells differently: where the rule has the
+# field they mean the same, a group shows both names, kept equal (as "beta" and "betas")
+ALIASES = {"beta": "betas", "lambd": "weight_decay", "epsilon": "eps"}
+# torch's names that get a hint instead of a bare "unknown key" (the maths differs: torch's
+# momentum keeps the learning rate out of the velocity)
+TORCH_NAMES = {"weight_decay": "lambd", "eps": "epsilon", "momentum": "rho", "alpha": "rho"}
+# torch.optim's implementation switches: accepted and carried (this adapter has one engine);
+# "capturable" and "differentiable" ask for what it does not do, so True is refused
+SWITCHES = ("foreach", "fused", "capturable", "differentiable")
+ADAPTER_KEYS = ("maximize",) + SWITCHES
+# what torch's lr schedulers keep in a group besides "lr"; carried along untouched
+SCHEDULER_KEYS = ("initial_lr", "max_lr", "min_lr", "base_momentum", "max_momentum", "swa_lr")
+NOT_HYPERPARAMETERS = ("params", "param_names", "rule")  # group entries that set no rule field
+MISSING = object()
+
+# group key -> the rule's field: "lr" is `eta`, and torch's aliases name the library's fields
+_RULE_NAMES = {"lr": "eta", **{torch_name: name for name, torch_name in ALIASES.items()}}
+
+
+def rule_name(key: str) -> str:
+    """The rule field that group key `key` sets."""
+    return _RULE_NAMES.get(key, key)
+
+
+def is_adapter_key(key: str) -> bool:
+    """A key the adapter acts on ("maximize") or carries (torch's switches, schedulers' keys)."""
+    return key in ADAPTER_KEYS or key in SCHEDULER_KEYS
+
+
+def adapter_entries(group: Mapping) -> dict:
+    """The entries of `group` that set no rule field but stay in the group (see `is_adapter_key`)."""
+    return {k: v for k, v in group.items() if is_adapter_key(k)}
+
+
+def check_switches(entries: Mapping, where: str) -> None:
+    for key in ("capturable", "differentiable"):
+        if entries.get(key):
+            raise ValueError(
+                f"{where}: {key}=True is not supported (the update runs outside autograd and outside "
+                "CUDA graph capture); leave it False"
+            )
+
+
+def rule_value(rule, name):
+    """Hyperparameter `name` of `rule`: its own field, else the first member rule's (a chain,
+    MixedPrecision); `MISSING` when no field holds it. A wrapper whose `hyperparameters()` are its
+    inner rule's (`Lookahead`, whose own `alpha` `adjust` does not reach) shows the inner rule's."""
+    if not dataclasses.is_dataclass(rule):
+        return MISSING
+    own = tuple(f.name for f in dataclasses.fields(rule))
+    if name in own and not isinstance(getattr(rule, name), Rule):
+        inner = MISSING if rule.hyperparameters() == own else _inner_value(rule, name)
+        return getattr(rule, name) if inner is MISSING else inner
+    return _inner_value(rule, name)
+
+
+def _inner_value(rule, name):
+    """Hyperparameter `name` of the first rule that `rule` holds that has it."""
+    for f in dataclasses.fields(rule):
+        held = getattr(rule, f.name)
+        for sub in held if isinstance(held, tuple) else (held,):
+            if isinstance(sub, Rule) and name in sub.hyperparameters():
+                found = rule_value(sub, name)
+                if found is not MISSING:
+                    return found
+    return MISSING
+
+
+def is_plain(v) -> bool:
+    """A value a group dict may hold and `torch.load(weights_only=True)` reads back."""
+    if isinstance(v, tuple):
+        return all(is_plain(e) for e in v)
+    return v is None or isinstance(v, (bool, int, float, str, torch.Tensor))
+
+
+def group_entries(rule) -> dict:
+    """The group entries that show `rule`'s hyperparameters: `"lr"` for `eta`, every other
+    hyperparameter by its name, and `"betas"` beside a two-number `beta` (torch's name, which
+    OneCycleLR and CyclicLR look for to cycle the momentum)."""
+    out: dict = {}
+    for name in rule.hyperparameters():
+        v = rule_value(rule, name)
+        if v is MISSING or not is_plain(v):
+            continue
+        out["lr" if name == "eta" else name] = v
+        alias = ALIASES.get(name)
+        if alias is not None and (name != "beta" or (isinstance(v, tuple) and len(v) == 2)):
+            out[alias] = v
+    return out
+
+
+def same_value(a, b) -> bool:
+    """Whether a group entry still holds what it held (a new tensor object counts as a change)."""
+    if a is b:
+        return True
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return False  # comparing a tensor's values would sync the device
+    try:
+        return type(a) is type(b) and bool(a == b)
+    except Exception:
+        return False
+
+
+def adjusted_rule(rule, changes: dict, where: str):
+    """`rule` with the group entries `changes` applied (`"lr"` -> `eta`, and torch's `"betas"`,
+    `"weight_decay"`, `"eps"` -> `beta`, `lambd`, `epsilon`); errors name `where` and the key."""
+    hyper: dict = {}
+    for key, v in changes.items():
+        name = rule_name(key)
+        if name in hyper and not same_value(hyper[name], v):
+            raise ValueError(f"{where}: {key!r} and {name!r} give different values ({v!r}, {hyper[name]!r})")
+        hyper[name] = v
+    _check_known(rule, changes, where)
+    try:
+        return rule.adjust(**hyper)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"{where}: {e}") from None
+
+
+def _check_known(rule, changes: dict, where: str) -> None:
+    names = rule.hyperparameters()
+    for key in changes:
+        if rule_name(key) in names:
+            continue
+        hint = f" (this library's name: {TORCH_NAMES[key]!r})" if key in TORCH_NAMES else ""
+        if key in ALIASES.values():
+            hint = f" (torch's name for {rule_name(key)!r}, which this rule does not have)"
+        raise ValueError(
+            f"{where}: unknown key {key!r}{hint}; {type(rule).__name__} takes 'lr' and "
+            f"{', '.join(repr(n) for n in names if n != 'eta') or 'nothing else'}"
+        )
+
+
+def unknown_key_error(rule, known, key: str, where: str) -> ValueError:
+    """The error for group key `key`, added after construction, that no field of `rule` has: a
+    typo ("lamda") or torch's name would otherwise be ignored without a word."""
+    if key in TORCH_NAMES:
+        hint = f"this library calls it {TORCH_NAMES[key]!r}"
+    else:
+        hint = "its keys: " + ", ".join(repr(k) for k in known)
+    return ValueError(f"{where} has key {key!r}, which {type(rule).__name__} does not take; {hint}")
 
 
 @dataclasses.dataclass(eq=False)
@@ -195,9 +327,8 @@ def group_tensors(raw, where: str) -> tuple[list, list | None]:
 
 @dataclasses.dataclass(frozen=True)
 class _Deferred(Rule):
-    """Stands in for a parameter's rule while `setup` walks the model: no state yet. Like
-    torch.optim, the adapter makes a parameter's state at its first gradient, so a frozen
-    backbone or a parameter that never gets a gradient costs no memory."""
+    """Stands in for a parameter's rule while `setup` walks the model: its state is made at its
+    first gradient, as torch.optim makes it (a frozen backbone costs no memory)."""
 
     rule: Any = None
 
@@ -218,33 +349,6 @@ def _setup_without_state(rule, model) -> State:
 # --- groups from a module or from group dicts -------------------------------------------------------
 
 
-def groups_of_module(module, rule, overrides: dict) -> tuple[list[ParamGroup], tuple]:
-    """Groups for a module: `setup` chooses each parameter's rule (paths, ties, rule functions)
-    with placeholder Leafs; parameters whose rules are equal form one group, which then shares
-    one rule object. Returns the groups and `(the placeholders' tree, its keys, [(placeholder,
-    tensor)])`, from which `optimiser_state` shows the module's tree."""
-    state = _setup_without_state(rule, module)
-    groups: list[ParamGroup] = []
-    names: dict[int, list] = {}
-    pairs = []
-    for path, p in trainables(module, path=True):
-        leaf = state.tree
-        for k in path:
-            leaf = leaf[k]
-        pairs.append((leaf, p))
-        g = _group_with_rule(groups, leaf.rule)
-        g.params.append(p)
-        names.setdefault(id(g), []).append(format_path(path))
-    if not groups:
-        raise ValueError("the module has no trainable parameters (requires_grad=True)")
-    for i, g in enumerate(groups):
-        g.rule = adjusted_rule(g.rule, overrides, f"group {i}") if overrides else g.rule
-        g.seen = group_entries(g.rule)
-        g.entries = {"params": g.params, **g.seen, **adapter_entries(overrides), "param_names": names[id(g)]}
-        g.follow(g.params)
-    return groups, (state.tree, state._keys, pairs)
-
-
 def _group_with_rule(groups: list[ParamGroup], rule) -> ParamGroup:
     """The group whose rule equals `rule`, a new one (appended) if none does."""
     for g in groups:
@@ -259,29 +363,143 @@ def _group_with_rule(groups: list[ParamGroup], rule) -> ParamGroup:
     return g
 
 
-def group_of_dict(group: Mapping, base, overrides: dict, where: str) -> ParamGroup:
-    """A group from torch.optim's group dict: its "rule" (else `base`) adjusted by its entries
-    and the optimizer's keyword arguments `overrides`."""
-    check_group_dict(group, where)
-    rule = group.get("rule", base)
-    if rule is None:
-        raise TypeError(
-            f"{where}: no rule; pass one, e.g. optimisers.torch.Optimizer(params, optimisers.AdamW(1e-3)), "
-            "or use the class with torch.optim's signature, e.g. optimisers.torch.AdamW(params, lr=1e-3)"
+def initial_groups(params, policy) -> tuple[list, tuple | None]:
+    """The groups of an optimizer's `params` argument (a module, tensors or group dicts), and the
+    module's tree of placeholders (see `RulePolicy.module_groups`), if it is a module."""
+    if isinstance(params, torch.Tensor):
+        raise TypeError(  # torch.optim's words
+            "params argument given to the optimizer should be an iterable of Tensors or dicts "
+            f"(or a module), but got {torch.typename(params)}"
         )
-    check_rule(rule, f"{where}: 'rule'" if "rule" in group else where)
-    params, names = group_tensors(group["params"], where)
-    carried = adapter_entries({**overrides, **group})
-    check_switches(carried, where)
-    keys = {k: v for k, v in group.items() if k not in NOT_HYPERPARAMETERS and k not in carried}
-    if "eta" in keys:  # the library's own name for the learning rate: stored as "lr"
-        if "lr" in keys and not same_value(keys["lr"], keys["eta"]):
-            raise ValueError(f"{where}: 'lr' and 'eta' give different learning rates")
-        keys["lr"] = keys.pop("eta")
-    rule = adjusted_rule(rule, {k: v for k, v in {**overrides, **keys}.items() if k not in carried}, where)
-    rule = copy.copy(rule)  # one rule object per group: adjusting one group leaves the others alone
-    seen = group_entries(rule)
-    entries = {"params": params, **seen, **carried}
+    if isinstance(params, nn.Module):
+        return policy.module_groups(params)
+    if policy.rule is not None and not isinstance(policy.rule, Rule):
+        raise TypeError("a rule function (path, x) -> Rule needs paths: pass the module itself as params")
+    raw = list(params)
+    if not raw:
+        raise ValueError("optimizer got an empty parameter list")
+    if not isinstance(raw[0], Mapping):
+        raw = [{"params": raw}]
+    return [policy.make(g, f"group {i}") for i, g in enumerate(raw)], None
+
+
+def group_dict(params: list, names, *parts: Mapping) -> dict:
+    """A group's dict: `"params"`, the entries of `parts` in order, and `"param_names"` if given."""
+    entries = {"params": params}
+    for part in parts:
+        entries.update(part)
     if names is not None:
         entries["param_names"] = names
-    return ParamGroup(entries, params, rule, seen)
+    return entries
+
+
+class RulePolicy:
+    """How `Optimizer(params, rule)` makes its groups (from its rule and keyword arguments) and
+    syncs their entries into their rules (`Rule.adjust`); the gradients go to the rules as they
+    are, negated in groups with `maximize`."""
+
+    def __init__(self, optimizer):  # (made when used: see Optimizer._policy)
+        self.rule, self.overrides = optimizer._base_rule, optimizer._overrides
+
+    @staticmethod
+    def check(rule) -> None:
+        """Refuse what `Optimizer(params, rule)` cannot take as its rule."""
+        if rule is not None and not (isinstance(rule, Rule) or callable(rule)):
+            raise TypeError(
+                "Optimizer expects an optimisers.Rule (e.g. optimisers.AdamW(1e-3)) as its rule, "
+                f"got {rule!r}"
+            )
+        if isinstance(rule, type):
+            check_rule(rule, "Optimizer")
+
+    def module_groups(self, module) -> tuple[list[ParamGroup], tuple]:
+        """Groups for a module: `setup` chooses each parameter's rule (paths, ties, rule functions)
+        with placeholder Leafs; parameters whose rules are equal form one group, which then shares
+        one rule object. Returns them and `(the placeholders' tree, its keys, [(placeholder,
+        tensor)])`, from which `optimiser_state` shows the module's tree."""
+        if self.rule is None:
+            check_rule(None, "Optimizer(module, rule)")
+        state = _setup_without_state(self.rule, module)
+        groups: list[ParamGroup] = []
+        names: dict[int, list] = {}
+        pairs = []
+        for path, p in trainables(module, path=True):
+            leaf = state.tree
+            for k in path:
+                leaf = leaf[k]
+            pairs.append((leaf, p))
+            g = _group_with_rule(groups, leaf.rule)
+            g.params.append(p)
+            names.setdefault(id(g), []).append(format_path(path))
+        if not groups:
+            raise ValueError("the module has no trainable parameters (requires_grad=True)")
+        for i, g in enumerate(groups):
+            g.rule = adjusted_rule(g.rule, self.overrides, f"group {i}") if self.overrides else g.rule
+            g.seen = group_entries(g.rule)
+            g.entries = group_dict(g.params, names[id(g)], g.seen, adapter_entries(self.overrides))
+            g.follow(g.params)
+        return groups, (state.tree, state._keys, pairs)
+
+    def make(self, group: Mapping, where: str) -> ParamGroup:
+        """A group from torch.optim's group dict: its "rule" (else the optimizer's) adjusted by its
+        entries and the optimizer's keyword arguments."""
+        check_group_dict(group, where)
+        rule = group.get("rule", self.rule if isinstance(self.rule, Rule) else None)
+        if rule is None:
+            raise TypeError(
+                f"{where}: no rule; pass one, e.g. optimisers.torch.Optimizer(params, "
+                "optimisers.AdamW(1e-3)), or use the class with torch.optim's signature, e.g. "
+                "optimisers.torch.AdamW(params, lr=1e-3)"
+            )
+        check_rule(rule, f"{where}: 'rule'" if "rule" in group else where)
+        params, names = group_tensors(group["params"], where)
+        carried = adapter_entries({**self.overrides, **group})
+        check_switches(carried, where)
+        keys = {k: v for k, v in group.items() if k not in NOT_HYPERPARAMETERS and k not in carried}
+        if "eta" in keys:  # the library's own name for the learning rate: stored as "lr"
+            if "lr" in keys and not same_value(keys["lr"], keys["eta"]):
+                raise ValueError(f"{where}: 'lr' and 'eta' give different learning rates")
+            keys["lr"] = keys.pop("eta")
+        keys = {k: v for k, v in {**self.overrides, **keys}.items() if k not in carried}
+        rule = adjusted_rule(rule, keys, where)
+        rule = copy.copy(rule)  # one rule object per group: adjusting one group leaves the others alone
+        seen = group_entries(rule)
+        return ParamGroup(group_dict(params, names, seen, carried), params, rule, seen)
+
+    def defaults(self, groups) -> dict:
+        return dict(groups[0].seen)
+
+    def resync(self, g, changed: dict, where: str):
+        """The rule of group `g` with the changed entries applied."""
+        return adjusted_rule(g.rule, changed, where)
+
+    def check_keys(self, g, i: int) -> None:
+        """Refuse keys added to group `g` (number `i`) since that set nothing."""
+        unknown = g.unknown_keys()
+        if unknown:
+            raise unknown_key_error(g.rule, g.seen, unknown[0], f"param_groups[{i}]")
+
+    def listed(self, params, where: str) -> list:
+        """The tensors of a group's edited `"params"` list, checked as a new group's are."""
+        return group_tensors(params, where)[0]
+
+    def engine_view(self, p):
+        """What the update engine trains for parameter `p`."""
+        return p
+
+    def ready(self) -> bool:
+        """Whether the step goes ahead."""
+        return True
+
+    def gradients(self, groups, grads: list) -> list:
+        """The gradients the rules see, by position: negated in groups with `maximize` (in a new
+        list: the one handed in is left as it is)."""
+        maximized = [g for g in groups if g.entries.get("maximize")]
+        if not maximized:
+            return grads
+        grads = list(grads)
+        for g in maximized:
+            for i in g.positions:
+                if grads[i] is not None:
+                    grads[i] = -grads[i]
+        return grads
