@@ -18,8 +18,9 @@ from optimisers.rules.common import (
     cast,
     real_only,
     real_zeros,
+    state_dtype,
+    stored_in,
 )
-from optimisers.rules.sgd import STATE_DTYPE, check_state_dtype, repr_without, stored_in, zeros_in
 
 __all__ = [
     "Adam",
@@ -84,21 +85,7 @@ class Adam(_AdamFamily):
     is stored in that dtype, as optax does; without the fused kernels.
     """
 
-    mu_dtype: Any = field(default=None, kw_only=True, metadata=STATE_DTYPE)
-
-    def validate(self):
-        super().validate()
-        check_state_dtype(self, "mu_dtype")
-
-    def __repr__(self):
-        return repr_without(self, "mu_dtype")
-
-    def hyperparameters(self) -> tuple[str, ...]:
-        return tuple(n for n in super().hyperparameters() if n != "mu_dtype")
-
-    def init(self, x):
-        m, v, t = super().init(x)
-        return (m if self.mu_dtype is None else zeros_in(x, self.mu_dtype)), v, t
+    mu_dtype: Any = state_dtype()
 
     def apply(self, state, x, dx):
         m, v, t, bc1, bc2 = adam_moments(x, dx, state, self.beta)
@@ -280,21 +267,7 @@ class AdamW(Moments):
     lambd: float = 0.0
     epsilon: float = 1e-8
     couple: bool = field(default=True, kw_only=True)
-    mu_dtype: Any = field(default=None, kw_only=True, metadata=STATE_DTYPE)
-
-    def validate(self):
-        super().validate()
-        check_state_dtype(self, "mu_dtype")
-
-    def __repr__(self):
-        return repr_without(self, "mu_dtype")
-
-    def hyperparameters(self) -> tuple[str, ...]:
-        return tuple(n for n in super().hyperparameters() if n != "mu_dtype")
-
-    def init(self, x):
-        m, v, t = super().init(x)
-        return (m if self.mu_dtype is None else zeros_in(x, self.mu_dtype)), v, t
+    mu_dtype: Any = state_dtype()
 
     def apply(self, state, x, dx):
         m, v, t, bc1, bc2 = adam_moments(x, dx, state, self.beta)
