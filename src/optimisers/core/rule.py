@@ -100,32 +100,17 @@ def _check_finite(rule, name: str, value) -> None:
 
 class Rule:
     """Base class of optimisation rules: a frozen dataclass of hyperparameters, each checked
-    against the type of its default (docs/custom-rules.md), with `validate()` for rule-specific
-    checks. Override `init` and `apply` (and, optionally, `eval_value`):
-
-        @dataclasses.dataclass(frozen=True)
-        class SignDescent(Rule):
-            eta: float = 0.01
-
-            def apply(self, state, x, dx):
-                return state, ops.scalar(self.eta, x) * ops.sign(dx)
-    """
+    against the type of its default, with `validate()` for a rule's own checks; override `init`
+    and `apply` (and optionally `eval_value`). docs/custom-rules.md shows how."""
 
     # What the update engine may ask of a rule (docs/custom-rules.md says when each holds):
-    #: each element's step depends on it alone, given scalar state whose next value ignores the
-    #: arrays: the rule may run on chunks of packed parameters, and Leafs may share counters
-    elementwise: ClassVar[bool] = False
-    #: `apply` (`apply_scaled` for a scaled chain) cannot raise on inputs the update checked;
-    #: without it `update_` runs every chunk once without writing first
-    never_raises: ClassVar[bool] = False
-    #: the step is `gradient_factor(dx) · dx`, one factor for the whole array (`ClipNorm`)
-    scales_gradient: ClassVar[bool] = False
+    elementwise: ClassVar[bool] = False  #: each element stepped alone, given scalar state
+    never_raises: ClassVar[bool] = False  #: `apply` cannot raise on inputs the update checked
+    scales_gradient: ClassVar[bool] = False  #: the step is `gradient_factor(dx) · dx` (ClipNorm)
     #: a `scales_gradient` rule, then elementwise ones: factors first, `apply_scaled` by chunks
     scaled_elementwise: ClassVar[bool] = False
-    #: `apply_stacked` steps parameters stacked along a first axis (`optimisers.engine.stacked`)
-    stacks: ClassVar[bool] = False
-    #: fields that may be infinite (ClipNorm's `p = inf`); every other number must be finite
-    infinite_ok: ClassVar[tuple[str, ...]] = ()
+    stacks: ClassVar[bool] = False  #: `apply_stacked` steps parameters stacked on a first axis
+    infinite_ok: ClassVar[tuple[str, ...]] = ()  #: fields that may be infinite (ClipNorm's `p`)
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -163,15 +148,14 @@ class Rule:
         return adjusted(self, hyper)
 
     def with_counters(self, state):
-        """`state` with a step count for each schedule `adjust` gave after `setup`; rules that hold
-        other rules' states override it to reach those."""
+        """`state` with a step count for each schedule that `adjust` gave after `setup`."""
         return Scheduled(0, state) if type(state) is not Scheduled and scheduled_fields(self) else state
 
     def update(self, *args, **kwargs):
         """Raises TypeError: a rule is not an optax transformation (the error says how to wrap it)."""
         raise TypeError(_not_a_transformation(self))
 
-    def gradient_factor(self, dx):
+    def gradient_factor(self, dx):  # for a rule that scales_gradient
         raise NotImplementedError(f"{type(self).__name__} does not scale the gradient by one factor")
 
     def gradient_factors(self, dxs):
@@ -185,8 +169,7 @@ class Rule:
         raise NotImplementedError(f"{type(self).__name__} does not stack")
 
     def kernel_args(self, kernel: str):
-        """The arguments of a backend's kernel `kernel` (in its `FAST_PATHS`) that computes exactly
-        this rule, or None (an overridden `apply` loses them)."""
+        """The arguments of a backend's kernel `kernel` (in its `FAST_PATHS`) for this rule, or None."""
         return None
 
 
