@@ -107,8 +107,7 @@ class Rule:
     elementwise: ClassVar[bool] = False  #: each element stepped alone, given scalar state
     never_raises: ClassVar[bool] = False  #: `apply` cannot raise on inputs the update checked
     scales_gradient: ClassVar[bool] = False  #: the step is `gradient_factor(dx) · dx` (ClipNorm)
-    #: a `scales_gradient` rule, then elementwise ones: factors first, `apply_scaled` by chunks
-    scaled_elementwise: ClassVar[bool] = False
+    scaled_elementwise: ClassVar[bool] = False  #: scales_gradient, then elementwise (a chain)
     stacks: ClassVar[bool] = False  #: `apply_stacked` steps parameters stacked on a first axis
     infinite_ok: ClassVar[tuple[str, ...]] = ()  #: fields that may be infinite (ClipNorm's `p`)
 
@@ -133,8 +132,7 @@ class Rule:
         raise NotImplementedError(f"{type(self).__name__} must define apply(state, x, dx)")
 
     def eval_value(self, state, x):
-        """The parameter's value at the rule's evaluation point (`optimisers.eval_params`): `x`
-        itself or an array of its shape, from the rule's own state (`Lookahead`'s slow weights)."""
+        """The parameter at the rule's evaluation point (`eval_params`; `Lookahead`'s slow weights)."""
         return x
 
     init._wrapped = eval_value._wrapped = True  # (checks its argument; has no state of its own)
@@ -151,8 +149,7 @@ class Rule:
         """`state` with a step count for each schedule that `adjust` gave after `setup`."""
         return Scheduled(0, state) if type(state) is not Scheduled and scheduled_fields(self) else state
 
-    def update(self, *args, **kwargs):
-        """Raises TypeError: a rule is not an optax transformation (the error says how to wrap it)."""
+    def update(self, *args, **kwargs):  # not optax's: the error says how to wrap a rule for optax
         raise TypeError(_not_a_transformation(self))
 
     def gradient_factor(self, dx):  # for a rule that scales_gradient

@@ -26,12 +26,12 @@ class OptimiserChain(Rule):
     """Apply several rules in sequence, each one's step being the next one's gradient:
     `OptimiserChain(ClipGrad(1.0), WeightDecay(), Adam())`.
 
-    State: a tuple with each member's state. If a member returns `None` (do not move, e.g.
-    `AccumGrad` between its updates), the chain stops there: the parameter does not move and the
-    remaining members keep their old state. `OptimiserChain()` subtracts the raw gradient.
-    Chains nest; `MixedPrecision` must wrap the whole chain, not be a member.
-    `hyperparameters()` is the union of the members' names, and `adjust(name=value)` changes every
-    member that has `name`. optax: `optax.chain(...)`; in PyTorch one writes the chain by hand.
+    State: a tuple of the members' states. A member that returns `None` (`AccumGrad` between its
+    updates) stops the chain: no move, and the members after it keep their state. Chains nest;
+    `MixedPrecision` wraps a chain, it is not a member. `hyperparameters()` is the union of the
+    members' names; `adjust(name=value)` changes every member that has `name`. optax:
+    `optax.chain(...)`; in PyTorch one writes the chain by hand. `OptimiserChain()` subtracts
+    the raw gradient.
     """
 
     rules: tuple
@@ -317,10 +317,9 @@ class Lookahead(_Wrapper):
     on which `rule` does not move (`AccumGrad`) does not count (optax counts every call).
     `optimisers.eval_params(state, model)` gives the model at the slow weights, to evaluate and save.
 
-    Defaults: `k=6, alpha=0.5` (k ≥ 1, α in [0, 1], a number, not a schedule). `hyperparameters()`
-    and `adjust` forward to `rule`. optax: `optax.lookahead(rule, sync_period=k, slow_step_size=
-    alpha)`, the same numbers up to rounding, trains `optax.LookaheadParams(fast, slow)` where this
-    keeps the slow weights in the state. PyTorch has no Lookahead.
+    Defaults: `k=6, alpha=0.5` (α a number). `hyperparameters()` and `adjust` forward to `rule`.
+    optax: `optax.lookahead(rule, sync_period=k, slow_step_size=alpha)`, up to rounding, on
+    `LookaheadParams(fast, slow)` where this keeps `slow` in the state. PyTorch has none.
     """
 
     rule: Rule
