@@ -19,6 +19,7 @@ import dataclasses
 import functools
 import numbers
 import sys
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -164,9 +165,7 @@ def _is_nnx_variable(x) -> bool:
 def _nnx_variable_like(variable, value):
     """A new NNX `Variable` like `variable` (kind, metadata, dtype, placement) holding `value`:
     what `adjust` puts where `nnx.Optimizer` holds a hyperparameter (nothing compiles again)."""
-    if isinstance(value, (bool, str)) or not (
-        isinstance(value, numbers.Number) or getattr(value, "shape", None) == ()
-    ):
+    if not _rule._is_number(value):
         raise TypeError(
             f"adjust: this hyperparameter is held by Flax NNX (nnx.Optimizer) as a "
             f"{type(variable).__name__} of a number; it takes a number, got {value!r}"
@@ -444,21 +443,11 @@ def _transform_state_flatten_with_keys(state):
     return [(key("state"), core), (key("params"), views)], state._views_on
 
 
-def _transform_state_flatten(state):
-    core, views = state._children()
-    return [core, views], state._views_on
-
-
-def _transform_state_unflatten(views_on, children):
-    core, views = children
-    return TransformState._of(core, views, views_on)
-
-
 jax.tree_util.register_pytree_with_keys(
     TransformState,
     _transform_state_flatten_with_keys,
-    _transform_state_unflatten,
-    _transform_state_flatten,
+    lambda views_on, children: TransformState._of(*children, views_on),
+    lambda state: (list(state._children()), state._views_on),
 )
 
 
@@ -521,16 +510,17 @@ def _is_params_placeholder(params) -> bool:
 # --- which state arrays are params-shaped, and their names -------------------------------------
 
 
-class _Layout:
+class _Layout(NamedTuple):
     """Where a rule's state keeps params-shaped arrays: `spec`, the structure of its state
     (`flatten_state`), and `(index, name)` for each such part. Decided from the rule alone (the
     same for every parameter), so that `tree_map_params` can know the names before it sees params."""
 
-    __slots__ = ("spec", "parts", "names")
+    spec: Any
+    parts: tuple
 
-    def __init__(self, spec, parts):
-        self.spec, self.parts = spec, tuple(parts)
-        self.names = tuple(name for _, name in self.parts)
+    @property
+    def names(self):
+        return tuple(name for _, name in self.parts)
 
 
 _NO_VIEWS = _Layout(None, ())
@@ -542,13 +532,12 @@ _PROBES = ((5,), (4, 3), (2, 3, 4))
 def _layout(rule) -> _Layout:
     key = _structure_key(rule)
     try:
-        return _LAYOUTS[key]
-    except KeyError:
-        pass
+        hash(key)
     except TypeError:  # an unhashable static field: asked again each time
         return _found_layout(rule)
-    found = _LAYOUTS[key] = _found_layout(rule)
-    return found
+    if key not in _LAYOUTS:
+        _LAYOUTS[key] = _found_layout(rule)
+    return _LAYOUTS[key]
 
 
 _LAYOUTS: dict = {}
@@ -595,7 +584,7 @@ def _found_layout(rule) -> _Layout:
             unique = f"{name}_{n}"
         taken.add(unique)
         chosen.append((i, unique))
-    return _Layout(specs[0], chosen) if chosen else _NO_VIEWS
+    return _Layout(specs[0], tuple(chosen)) if chosen else _NO_VIEWS
 
 
 # optax's names for the arrays of its states, for the rules that have an optax counterpart, in

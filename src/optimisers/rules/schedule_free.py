@@ -1,13 +1,7 @@
 """Schedule-free rules (Defazio et al., "The Road Less Scheduled", 2024): a constant learning rate
-with no decay schedule, and an average of the iterates to evaluate at.
-
-Three sequences: `z`, the base optimiser's iterates (kept in the state); `x`, a weighted average
-of the `z`s, where the model is evaluated and saved; and `y = (1−β₁)·z + β₁·x`, between the two,
-where the gradients are taken. The parameter that the library trains holds `y` (as the model's
-parameters do while the `schedulefree` package's optimisers are in train mode), so a rule returns
-the new `y`; `x` is not stored, it is recovered from `y` and `z` by `eval_value`
-(`optimisers.eval_params(state, model)` gives the model at `x`).
-
+with no decay schedule, and an average `x` of the base iterates `z` to evaluate at. The parameter
+holds `y = (1−β₁)·z + β₁·x`, where gradients are taken (as in the `schedulefree` package's train
+mode), so a rule returns the new `y`; `x` is recovered from `y` and `z` by `eval_value`.
 The conventions every rule here follows are in `optimisers.rules`.
 """
 
@@ -110,12 +104,9 @@ class ScheduleFreeAdamW(_ScheduleFree):
 
     Defaults: `eta=2.5e-3, beta=(0.9, 0.999), epsilon=1e-8, lambd=0.0, warmup=0, r=0.0,
     weight_lr_power=2.0` (β₁ in (0, 1], β₂ in [0, 1)). The `schedulefree` package's
-    `AdamWScheduleFree(lr=eta, betas=beta, eps=epsilon, weight_decay=lambd, warmup_steps=warmup,
-    r=r, weight_lr_power=weight_lr_power)` computes the same steps (it counts steps per param
-    group, we per parameter); `optimisers.torch.AdamWScheduleFree` is that class. optax:
-    `optax.contrib.schedule_free_adamw(eta, warmup_steps=None, b1, b2, eps, weight_decay=lambd,
-    weight_lr_power)` computes the same steps up to rounding when `warmup=0` and `r=0`; its
-    `schedule_free_eval_params` is `eval_params`.
+    `AdamWScheduleFree` (`optimisers.torch.AdamWScheduleFree`) computes the same steps; optax's
+    `optax.contrib.schedule_free_adamw` too, up to rounding, when `warmup=0` and `r=0` (docs/api.md
+    maps the names).
     """
 
     eta: float = 2.5e-3
@@ -154,13 +145,9 @@ class ScheduleFreeSGD(_ScheduleFree):
     Evaluate and save `x = (y − (1−β)·z)/β`: `optimisers.eval_params(state, model)`.
 
     Defaults: `eta=1.0, beta=0.9, lambd=0.0, warmup=0, r=0.0, weight_lr_power=2.0` (β in
-    (0, 1]). The `schedulefree` package: `SGDScheduleFree(lr=eta, momentum=beta,
-    weight_decay=lambd, warmup_steps=warmup, r=r, weight_lr_power=weight_lr_power)` computes the
-    same steps at every setting (counting steps per parameter where it counts per param group:
-    the same when every parameter gets a gradient at every step);
-    `optimisers.torch.SGDScheduleFree` is that class, trained by this library. optax:
-    `optax.contrib.schedule_free_sgd(eta, warmup_steps=None, b1=beta, weight_decay=lambd,
-    weight_lr_power)` when `warmup=0` and `r=0`, up to rounding.
+    (0, 1]). The `schedulefree` package's `SGDScheduleFree` (`optimisers.torch.SGDScheduleFree`)
+    computes the same steps; optax's `optax.contrib.schedule_free_sgd` too, up to rounding, when
+    `warmup=0` and `r=0` (docs/api.md maps the names).
     """
 
     eta: float = 1.0
