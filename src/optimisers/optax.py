@@ -208,15 +208,10 @@ def _annotate_sharded(state: State, variables, params) -> None:
 def _values_of(tree):
     """`tree` with each Flax NNX `Variable` replaced by its value (what `nnx.as_pure` does)."""
     variable = _nnx_variable_type()
-    if variable is None:
+    held = (lambda x: isinstance(x, variable)) if variable else None  # noqa: E731
+    if held is None or not any(map(held, jax.tree.leaves(tree, is_leaf=held))):
         return tree
-
-    def is_variable(x):
-        return isinstance(x, variable)
-
-    if not any(map(is_variable, jax.tree.leaves(tree, is_leaf=is_variable))):
-        return tree
-    return jax.tree.map(lambda v: v.get_value() if is_variable(v) else v, tree, is_leaf=is_variable)
+    return jax.tree.map(lambda v: v.get_value() if held(v) else v, tree, is_leaf=held)
 
 
 def _is_array(x) -> bool:
@@ -470,9 +465,7 @@ def _register_flax_serialization() -> None:
         return serialization.to_state_dict(State(state.tree, state._keys))
 
     def from_dict(target, saved):
-        restored = serialization.from_state_dict(State(target.tree, target._keys), saved)
-        _, views = target._children()
-        return TransformState._split(restored, None, target._views_on, views)
+        return target._relaid(serialization.from_state_dict(State(target.tree, target._keys), saved))
 
     serialization.register_serialization_state(TransformState, to_dict, from_dict, override=True)
 

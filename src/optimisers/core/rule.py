@@ -1,12 +1,8 @@
 """The rule contract: `Rule`, the base class of every optimisation rule.
 
-A rule holds hyperparameters only (a frozen dataclass, equal by value). `init(x)` makes the state for
-one parameter array, `apply(state, x, dx)` returns `(new_state, step)` and the interface subtracts the
-step: `x_new = x - step`. Rules never write to their inputs, so the same maths serves the pure and the
-in-place update and every backend. `step` may also be `None` (do not move the parameter this time) or
-`NewValue(v)` (set the parameter to `v`, used by `MixedPrecision` so its master copy is exact).
-A rule whose parameter is not its evaluation point (`Lookahead`'s slow weights) says where that is
-with `eval_value(state, x)`, which `optimisers.eval_params` asks.
+A rule holds hyperparameters only. `init(x)` makes the state for one parameter array, `apply(state,
+x, dx)` returns `(new_state, step)`, never writing to its inputs, and the interface sets `x_new = x -
+step`; a step may also be `None` (no move this time) or `NewValue(v)` (set the parameter to `v`).
 """
 
 from __future__ import annotations
@@ -41,6 +37,18 @@ def concrete(value):
         return float(value)
     except Exception:
         return None
+
+
+def is_complex(x) -> bool:
+    """Whether `x` (an array of any backend, or a Python number) has a complex dtype. Generic:
+    reads the dtype (`torch.dtype.is_complex`, else NumPy's dtype kind), so backends need nothing."""
+    if isinstance(x, complex):
+        return True
+    dtype = getattr(x, "dtype", None)
+    if dtype is None:
+        return False
+    flag = getattr(dtype, "is_complex", None)  # torch.dtype
+    return flag if isinstance(flag, bool) else np.dtype(dtype).kind == "c"
 
 
 def _is_number(value) -> bool:
@@ -110,6 +118,7 @@ class Rule:
     scaled_elementwise: ClassVar[bool] = False  #: scales_gradient, then elementwise (a chain)
     stacks: ClassVar[bool] = False  #: `apply_stacked` steps parameters stacked on a first axis
     infinite_ok: ClassVar[tuple[str, ...]] = ()  #: fields that may be infinite (ClipNorm's `p`)
+    real_only: ClassVar[bool] = False  #: `init` refuses complex parameters (the maths needs order)
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -348,6 +357,11 @@ def _check_one_array(rule, x) -> None:
         raise TypeError(
             f"{type(rule).__name__}.init(x) takes one parameter array, got a {type(x).__name__}. "
             + _not_a_transformation(rule)
+        )
+    if rule.real_only and is_complex(x):
+        raise TypeError(
+            f"{type(rule).__name__} is not defined for complex parameters (it uses the sign or the "
+            f"order of numbers); got an array of dtype {x.dtype}"
         )
 
 

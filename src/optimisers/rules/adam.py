@@ -16,7 +16,6 @@ from optimisers.rules.common import (
     adam_direction,
     adam_moments,
     cast,
-    real_only,
     real_zeros,
     state_dtype,
     stored_in,
@@ -326,12 +325,12 @@ class Lion(Elementwise):
 
     eta: float = 0.001
     beta: tuple = (0.9, 0.999)
+    real_only = True
 
     def validate(self):
         check_range(self, "beta", 0.0, 1.0)  # β = 1 is allowed: no bias correction divides by 1 − β
 
     def init(self, x):
-        real_only(self, x)
         return ops.zeros_like(x)
 
     def apply(self, state, x, dx):
@@ -357,10 +356,7 @@ class ADOPT(_AdamFamily):
 
     beta: tuple = (0.9, 0.9999)
     epsilon: float = 1e-6
-
-    def init(self, x):
-        real_only(self, x)
-        return super().init(x)
+    real_only = True
 
     def apply(self, state, x, dx):
         m, v, t = state

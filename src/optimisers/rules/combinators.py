@@ -16,7 +16,6 @@ import numpy as np
 from optimisers import ops
 from optimisers.core.rule import NewValue, Rule, check_range, concrete, has_schedules, scheduled_fields
 from optimisers.core.state import flatten_state, unflatten_state
-from optimisers.rules.common import real_only
 
 __all__ = ["OptimiserChain", "AccumGrad", "MixedPrecision", "SkipNonFinite", "Lookahead"]
 
@@ -209,6 +208,7 @@ class MixedPrecision(_Wrapper):
     rule: Rule
     dtype: Any = np.float32
     inner_at = 1  # (master, inner)
+    real_only = True
 
     def validate(self):
         super().validate()
@@ -222,7 +222,6 @@ class MixedPrecision(_Wrapper):
         return f"MixedPrecision({self.rule!r}, dtype={dtype})"
 
     def init(self, x):
-        real_only(self, x)
         master = ops.cast(x, self.dtype)
         return master, self.rule.init(master)
 

@@ -52,14 +52,6 @@ class Moments(Elementwise):
         return (m, *(ops.zeros_like(x) for _ in range(self.moments - 1)), 0)
 
 
-def real_only(rule: Rule, x) -> None:
-    if ops.is_complex(x):
-        raise TypeError(
-            f"{type(rule).__name__} is not defined for complex parameters (it uses the sign or the "
-            f"order of numbers); got an array of dtype {x.dtype}"
-        )
-
-
 def cast(x, *values):
     """Each value as a scalar of `x`'s dtype."""
     return tuple(ops.scalar(v, x) for v in values)

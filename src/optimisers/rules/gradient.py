@@ -11,7 +11,7 @@ from typing import ClassVar
 
 from optimisers import ops
 from optimisers.core.rule import Rule, concrete
-from optimisers.rules.common import Elementwise, real_only
+from optimisers.rules.common import Elementwise
 
 __all__ = ["WeightDecay", "SignDecay", "ClipGrad", "ClipNorm"]
 
@@ -46,10 +46,7 @@ class SignDecay(Elementwise):
     """
 
     lambd: float = 1e-3
-
-    def init(self, x):
-        real_only(self, x)
-        return None
+    real_only = True
 
     def apply(self, state, x, dx):
         return state, dx + ops.scalar(self.lambd, x) * ops.sign(x)
@@ -65,10 +62,7 @@ class ClipGrad(Elementwise):
 
     delta: float = 10.0
     infinite_ok: ClassVar[tuple[str, ...]] = ("delta",)  # no clipping
-
-    def init(self, x):
-        real_only(self, x)
-        return None
+    real_only = True
 
     def apply(self, state, x, dx):
         delta = ops.scalar(self.delta, x)

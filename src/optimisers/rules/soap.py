@@ -13,7 +13,7 @@ import numpy as np
 
 from optimisers import ops
 from optimisers.core.rule import Rule, check_range
-from optimisers.rules.common import at_least_float32, cast, nonnegative, real_only
+from optimisers.rules.common import at_least_float32, cast, nonnegative
 
 __all__ = ["SOAP"]
 
@@ -65,6 +65,7 @@ class SOAP(Rule):
     precondition_frequency: int = 10
     max_precond_dim: int = 10000
     precondition_1d: bool = field(default=False, kw_only=True)
+    real_only = True
 
     def validate(self):
         check_range(self, "beta", 0.0, 1.0, high_open=True)
@@ -73,7 +74,6 @@ class SOAP(Rule):
         check_range(self, "precondition_frequency", 1, np.inf)
 
     def init(self, x):
-        real_only(self, x)
         preconditioned = len(x.shape) != 1 or self.precondition_1d
         sizes = [n if preconditioned and n <= self.max_precond_dim else None for n in x.shape]
         # preconditioners and bases are distinct arrays: one buffer at two places of a state

@@ -90,13 +90,15 @@ def adjust_(tree, eta=None, **hyper):
 
 def freeze_(tree):
     """Mark every Leaf of a state (or part of one) frozen: updates skip it, its state is kept."""
-    for leaf in _leaves_of(tree, "freeze_"):
-        leaf.frozen = True
-    return tree
+    return _frozen(tree, True, "freeze_")
 
 
 def thaw_(tree):
     """Undo `freeze_`: the Leafs are updated again, from the state they had when frozen."""
-    for leaf in _leaves_of(tree, "thaw_"):
-        leaf.frozen = False
+    return _frozen(tree, False, "thaw_")
+
+
+def _frozen(tree, frozen: bool, name: str):
+    for leaf in _leaves_of(tree, name):
+        leaf.frozen = frozen
     return tree
