@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import numbers
+import operator
 import sys
 from typing import Any, NamedTuple
 
@@ -219,9 +220,7 @@ def _is_array(x) -> bool:
 
 
 def _check_leaves(params, call: str) -> None:
-    """optax transformations take a tree of arrays: anything else (an Equinox module's activation
-    function, a string) is refused at `init`, as optax's own `init` refuses it, and not at the
-    first update."""
+    """Refuse anything but arrays in `params` (an Equinox module's function), as optax's `init` does."""
     for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
         if not _is_array(x):
             raise TypeError(
@@ -401,33 +400,28 @@ class _Snapshot:
     """What a built tree's children were made from: the count of Leaf edits, and each dict of the
     tree with its keys and values, held (so identity stays meaningful) and compared by identity."""
 
-    __slots__ = ("edits", "dicts")
+    __slots__ = ("edits", "tree", "dicts")
 
     def __init__(self, tree):
-        self.edits = Leaf.edits
-        self.dicts: list = []
+        self.edits, self.tree, self.dicts = Leaf.edits, tree, []
 
         def visit(node):
             if isinstance(node, dict):
                 self.dicts.append((node, tuple(node), tuple(node.values())))
                 for child in node.values():
                     visit(child)
-            else:
-                self.dicts.append((node, (), ()))
 
         walked(visit, tree)
 
     def fits(self, tree) -> bool:
-        if Leaf.edits != self.edits or not self.dicts or self.dicts[0][0] is not tree:
+        if Leaf.edits != self.edits or self.tree is not tree:
             return False
-        for node, keys, values in self.dicts:
-            if isinstance(node, dict) and (
-                len(node) != len(keys)
-                or any(a is not b for a, b in zip(node, keys))
-                or any(a is not b for a, b in zip(node.values(), values))
-            ):
-                return False
-        return True
+        return all(
+            len(node) == len(keys)
+            and all(map(operator.is_, node, keys))
+            and all(map(operator.is_, node.values(), values))
+            for node, keys, values in self.dicts
+        )
 
 
 def _transform_state_flatten_with_keys(state):

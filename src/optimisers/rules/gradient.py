@@ -103,9 +103,7 @@ class ClipNorm(Rule):
             raise ValueError("ClipNorm: p must be a number, got nan")
 
     def gradient_factor(self, dx):
-        """`min(ω/‖dx‖, 1)`, a scalar of `dx`'s dtype: the step is `factor · dx`. The in-place
-        engine computes it over a parameter's whole gradient first, then steps the rest of a
-        chain in chunks (see `OptimiserChain.apply_scaled`)."""
+        """`min(ω/‖dx‖, 1)`, a scalar of `dx`'s dtype: the step is `factor · dx`."""
         n = ops.norm(dx, self.p)
         if self.throw and ops.isfinite(n) is False:
             raise ValueError(
@@ -118,9 +116,8 @@ class ClipNorm(Rule):
         return ops.scalar(omega / ops.maximum(n, omega), dx)
 
     def gradient_factors(self, dxs):
-        """`gradient_factor` of each of `dxs` (of one backend and dtype), the same numbers, as a
-        1-D array, with their norms taken together (`ops.norms`): the in-place engine's factors
-        for a group of many small parameters."""
+        """`gradient_factor` of each of `dxs` (of one backend and dtype) as a 1-D array, the norms
+        taken together (`ops.norms`)."""
         ns = ops.norms(dxs, self.p)
         if self.throw and ops.isfinite(ns) is False:
             return [self.gradient_factor(dx) for dx in dxs]  # raises, naming the norm

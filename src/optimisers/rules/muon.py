@@ -113,7 +113,6 @@ class Muon(Rule):
             raise TypeError(f"Muon is not defined for complex parameters; got an array of dtype {x.dtype}")
         return ops.zeros_like(x)
 
-    #: `apply_stacked` steps many parameters of one shape at once (`optimisers.engine.stacked`)
     stacks = True
 
     def apply(self, state, x, dx):
