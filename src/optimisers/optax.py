@@ -376,8 +376,7 @@ class TransformState(State):
 
     def _relaid(self, state: State) -> TransformState:
         """`state`, a plain State of the same model (loaded from a checkpoint), in this layout."""
-        _, views = self._children()
-        return TransformState._split(state, None, self._views_on, views)
+        return TransformState._split(state, None, self._views_on, self._children()[1])
 
     def _children(self):
         """`(core, views)`: as made while the tree has not been built; once it has (`state["w"]`,
@@ -387,12 +386,8 @@ class TransformState(State):
         tree = self.tree
         if self._made_from is not None and self._made_from.fits(tree):
             return self._core, self._views  # (the same objects: jit's flatten of them is kept)
-        if not self._views_on:
-            self._core, self._views = State(tree, self._keys), {}
-        else:
-            core, self._views = _split_views(tree, _like_views(self._views))
-            self._core = State(core, self._keys)
-        self._made_from = _Snapshot(tree)
+        split = TransformState._split(State(tree, self._keys), None, self._views_on, self._views)
+        self._core, self._views, self._made_from = split._core, split._views, _Snapshot(tree)
         return self._core, self._views
 
 
