@@ -1,7 +1,4 @@
-"""Adam and its relatives: first and second moments of the gradient.
-
-The conventions every rule here follows are in `optimisers.rules`.
-"""
+"""Adam and its relatives: first and second moments of the gradient."""
 
 from __future__ import annotations
 

@@ -1,7 +1,4 @@
-"""Rules that scale each element's step by its own gradient history (Adam's family aside).
-
-The conventions every rule here follows are in `optimisers.rules`.
-"""
+"""Rules that scale each element's step by its own gradient history (Adam's family aside)."""
 
 from __future__ import annotations
 

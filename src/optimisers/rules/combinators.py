@@ -1,8 +1,5 @@
 """Rules built from other rules: chains, accumulation, mixed precision, skipping bad steps,
-lookahead.
-
-The conventions every rule here follows are in `optimisers.rules`.
-"""
+lookahead."""
 
 from __future__ import annotations
 

@@ -1,7 +1,4 @@
-"""What several rules share: hyperparameter checks, casts, and Adam's moments.
-
-The conventions every rule here follows are in `optimisers.rules`.
-"""
+"""What several rules share: hyperparameter checks, casts, and Adam's moments."""
 
 from __future__ import annotations
 

@@ -1,7 +1,4 @@
-"""Rules that change the gradient before a step: decay and clipping.
-
-The conventions every rule here follows are in `optimisers.rules`.
-"""
+"""Rules that change the gradient before a step: decay and clipping."""
 
 from __future__ import annotations
 

@@ -1,7 +1,4 @@
-"""Gradient descent, with and without momentum.
-
-The conventions every rule here follows are in `optimisers.rules`.
-"""
+"""Gradient descent, with and without momentum."""
 
 from __future__ import annotations
 
