@@ -111,7 +111,7 @@ class Rule:
     against the type of its default, with `validate()` for a rule's own checks; override `init`
     and `apply` (and optionally `eval_value`). docs/custom-rules.md shows how."""
 
-    # What the update engine may ask of a rule (docs/custom-rules.md says when each holds):
+    # What the update engine may ask of a rule (docs/custom-rules.md, docs/safety.md say more):
     elementwise: ClassVar[bool] = False  #: each element stepped alone, given scalar state
     never_raises: ClassVar[bool] = False  #: `apply` cannot raise on inputs the update checked
     scales_gradient: ClassVar[bool] = False  #: the step is `gradient_factor(dx) · dx` (ClipNorm)
@@ -141,7 +141,7 @@ class Rule:
         raise NotImplementedError(f"{type(self).__name__} must define apply(state, x, dx)")
 
     def eval_value(self, state, x):
-        """The parameter at the rule's evaluation point (`eval_params`; `Lookahead`'s slow weights)."""
+        """The parameter at the rule's evaluation point (docs/evaluation-weights.md)."""
         return x
 
     init._wrapped = eval_value._wrapped = True  # (checks its argument; has no state of its own)
