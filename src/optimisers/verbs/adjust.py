@@ -90,15 +90,13 @@ def adjust_(tree, eta=None, **hyper):
 
 def freeze_(tree):
     """Mark every Leaf of a state (or part of one) frozen: updates skip it, its state is kept."""
-    return _frozen(tree, True, "freeze_")
+    for leaf in _leaves_of(tree, "freeze_"):
+        leaf.frozen = True
+    return tree
 
 
 def thaw_(tree):
     """Undo `freeze_`: the Leafs are updated again, from the state they had when frozen."""
-    return _frozen(tree, False, "thaw_")
-
-
-def _frozen(tree, frozen: bool, name: str):
-    for leaf in _leaves_of(tree, name):
-        leaf.frozen = frozen
+    for leaf in _leaves_of(tree, "thaw_"):
+        leaf.frozen = False
     return tree
