@@ -22,47 +22,13 @@ from __future__ import annotations
 import numpy as np
 
 from optimisers.core.dispatch import backend
-from optimisers.core.rule import concrete
+from optimisers.core.rule import concrete, is_complex
 
 __all__ = [
-    "abs",
-    "abs2",
-    "all_finite",
-    "argsort",
-    "astype",
-    "backend",
-    "cast",
-    "clip",
-    "concrete",
-    "cond",
-    "copy",
-    "dtype_epsilon",
-    "eigh",
-    "epsilon",
-    "full_like",
-    "is_complex",
-    "isfinite",
-    "matmul",
-    "matrix_transpose",
-    "maximum",
-    "mean",
-    "minimum",
-    "norm",
-    "qr",
-    "reshape",
-    "same_values",
-    "scalar",
-    "sign",
-    "sqrt",
-    "stack",
-    "sum",
-    "take",
-    "tensordot",
-    "where",
-    "zeros",
-    "zeros_like",
-    "GradientError",
-    "check_gradient_dtype",
+    "abs", "abs2", "all_finite", "argsort", "astype", "backend", "cast", "clip", "concrete", "cond", "copy",
+    "dtype_epsilon", "eigh", "epsilon", "full_like", "is_complex", "isfinite", "matmul", "matrix_transpose",
+    "maximum", "mean", "minimum", "norm", "qr", "reshape", "same_values", "scalar", "sign", "sqrt", "stack",
+    "sum", "take", "tensordot", "where", "zeros", "zeros_like", "GradientError", "check_gradient_dtype"
 ]
 
 
@@ -82,18 +48,6 @@ def epsilon(value, like):
 
 def zeros_like(x):
     return backend(x).zeros_like(x)
-
-
-def is_complex(x) -> bool:
-    """Whether `x` (an array of any backend, or a Python number) has a complex dtype. Generic:
-    reads the dtype (`torch.dtype.is_complex`, else NumPy's dtype kind), so backends need nothing."""
-    if isinstance(x, complex):
-        return True
-    dtype = getattr(x, "dtype", None)
-    if dtype is None:
-        return False
-    flag = getattr(dtype, "is_complex", None)  # torch.dtype
-    return flag if isinstance(flag, bool) else np.dtype(dtype).kind == "c"
 
 
 def full_like(x, value):

@@ -5,27 +5,12 @@
     updates, state = tx.update(grads, state, params)
     params = optax.apply_updates(params, updates)  # == optimisers.update(...)'s model, bit for bit
 
-optax adds updates to parameters, so the update handed back is `-step` for a rule's step
-`x_new = x - step`: IEEE arithmetic defines `x - s` as `x + (-s)`, so `apply_updates` gives
-exactly the parameter `optimisers.update` gives. A parameter that does not move gets `-0.0`,
-which keeps every value, negative zero included. The one inexact case is a rule that sets the
-parameter to a new value (`MixedPrecision`, whose step is its master copy rounded to the
-parameter's dtype; `Lookahead` at its synchronisations): its update is `new - x`, and
-`x + (new - x) == new` holds whenever `new` lies within a factor of two of `x` (Sterbenz's
-lemma), which any step smaller than the parameter satisfies; otherwise it is `new` to within a
-rounding of the update.
-
-For a float16/bfloat16 parameter the rule's step is float32 (its maths runs in float32): the
-update is then `new - x` in the parameter's dtype, `new` being the parameter `optimisers.update`
-gives, so that optax gets updates in the params' dtype; exact in the same cases.
-
-The optax state is a `TransformState`: the `State` that `setup` returns (it carries the ties and
-the hyperparameters as pytree leaves, so it can go through `jax.jit`, and
-`optimisers.adjust(state, eta)` changes the learning rate without recompiling), laid out for JAX
-as optax lays out its states: each per-element state array as a tree shaped like the params,
-under optax's name (`"mu"`), so that `optax.tree_utils.tree_map_params` and `optax.tree.get`
-work on it. Importing this module imports jax and optax; `import
-optimisers` does not import it (it is reached as `optimisers.optax` on first use).
+optax adds updates where a rule's step is subtracted, so the update is `-step` (IEEE arithmetic
+defines `x - s` as `x + (-s)`), `-0.0` where a parameter does not move, and `new - x` where a rule
+sets a new value or steps a float16/bfloat16 parameter in float32 (exact while `new` is within a
+factor of two of `x`). The state is a `TransformState`: the `State` that `setup` returns, laid
+out for JAX as optax's states (docs/optax.md says all this in full). Importing this module
+imports jax and optax; `import optimisers` does not import it.
 """
 
 from __future__ import annotations
@@ -33,45 +18,20 @@ from __future__ import annotations
 import dataclasses
 import functools
 import numbers
+import operator
 import sys
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax as _optax
 
+from optimisers import rules
 from optimisers.core import rule as _rule
 from optimisers.core.rule import NewValue, Rule, Scheduled
 from optimisers.core.state import Leaf, State, flatten_state, map_leaves, unflatten_state
 from optimisers.core.tree import kind_of, walked
-from optimisers.rules import (
-    ADOPT,
-    LAMB,
-    LARS,
-    AdaBelief,
-    AdaDelta,
-    AdaGrad,
-    Adam,
-    AdaMax,
-    AdamW,
-    AdEMAMix,
-    AMSGrad,
-    Lion,
-    Lookahead,
-    MixedPrecision,
-    Momentum,
-    Muon,
-    NAdam,
-    Nesterov,
-    OAdam,
-    OptimiserChain,
-    RAdam,
-    RMSProp,
-    Rprop,
-    ScheduleFreeAdamW,
-    ScheduleFreeSGD,
-    SkipNonFinite,
-)
 from optimisers.verbs.setup import rule_chooser, setup
 from optimisers.verbs.update import rebuild, stepped
 
@@ -80,42 +40,23 @@ __all__ = ["transform", "TransformState"]
 
 def transform(rule, *, state_dtypes=None) -> _optax.GradientTransformationExtraArgs:
     """An optax `GradientTransformationExtraArgs` that runs `rule` (an `optimisers.Rule`, or a
-    function `(path, x) -> Rule` as `setup` takes) with tied weights handled.
+    function `(path, x) -> Rule` as `setup` takes) with tied weights handled (docs/optax.md).
 
-    * `init(params)` is `optimisers.setup(rule, params)`: tied arrays (the same object at several
-      places) share one optimiser state. It works under `jax.jit`, `jax.eval_shape` and
-      `jax.vmap` as eagerly, ties found by identity among the arrays the traced function holds:
-      a model built inside the function keeps its ties, but JAX hands each argument leaf its own
-      tracer, so a tie between arguments is not seen: an eager update with that model refuses
-      the state, a jitted one trains the places apart. Close over the model instead
-      (`jax.jit(lambda: tx.init(params))()`): closed-over arrays keep their identity. NNX
-      `Variable`s (an `nnx.State`, as `nnx.Optimizer` hands it) are read as their values. A
-      leaf that is not an array (an Equinox module's function) is a `TypeError`. The State's
-      numbers (step counters, hyperparameters) stay as `setup` makes them, so that an eager
-      `update` computes exactly what an eager `optimisers.update` does; JAX sees them as 0-d
-      arrays (leaves), so Flax stores and updates them and `jit` traces them.
+    * `init(params)` is `optimisers.setup(rule, params)`, eagerly and under `jax.jit`,
+      `jax.eval_shape` and `jax.vmap` (there ties are found among the arrays the traced function
+      holds: close over the model, `jax.jit(lambda: tx.init(params))()`). NNX `Variable`s are read
+      as their values; a leaf that is not an array is a `TypeError`.
     * `update(updates, state, params)` returns `(updates, new_state)` such that
       `optax.apply_updates(params, updates)` is the model `optimisers.update(state, params,
-      updates)` returns, bit for bit (see the module docstring for `MixedPrecision`). `params` is
-      required. Under `jax.jit` the state says what is tied: tied places get the summed gradient
-      and the same update. Extra keyword arguments (from `optax.chain`) are ignored.
-
+      updates)` returns, bit for bit. `params` is required; extra keyword arguments are ignored.
+      It returns the kind of State it is given (`adjust` returns a plain State).
     * `state_dtypes`: a dtype for state arrays by their optax name (`{"mu": jnp.bfloat16}`, as
-      optax's `mu_dtype`; `{"trace": ...}` for momentum's, optax's `accumulator_dtype`): they are
-      made in it and stored back in it after each update, the maths running in the promoted
-      dtype. The names are those of `TransformState`'s params-shaped trees (docs/optax.md).
+      optax's `mu_dtype`; `{"trace": ...}` for momentum's): they are made and stored in it.
 
-    The state is a `TransformState`, an `optimisers.State` laid out for JAX as optax's states are
-    (see its docstring); `update` returns the kind of State it is given (`adjust` returns a plain
-    State). `optimisers.adjust(state, 1e-4)` changes the learning rate (inside `optax.chain`,
-    adjust the chain's entry for this transformation). A transformation built for an update
-    without having made a state with its own `init` applies the hyperparameters that `rule` holds
-    as JAX arrays instead of the State's: that is how `optax.inject_hyperparams(lambda
-    learning_rate: transform(Adam(learning_rate)))(learning_rate=schedule)` hands over each step's
-    value, with a new transformation at every step (traced under `jit`, so nothing compiles
-    again). Change such a value where it comes from (inject_hyperparams' `state.hyperparams`), not
-    with `adjust`. A transformation kept for the whole run (`nnx.Optimizer`'s, a `TrainState`'s)
-    hands its values to the states its `init` makes, as starting values that `adjust` changes.
+    `optimisers.adjust(state, 1e-4)` changes the learning rate. A transformation that made no
+    state with its own `init` applies the hyperparameters that `rule` holds as JAX arrays instead
+    of the State's: that is how `optax.inject_hyperparams(lambda learning_rate:
+    transform(Adam(learning_rate)))(learning_rate=schedule)` hands over each step's value.
     """
     rule_chooser(rule)  # a State, an optax transformation, a class: fail now
     live = _LiveHyperparameters(rule)
@@ -139,7 +80,6 @@ def transform(rule, *, state_dtypes=None) -> _optax.GradientTransformationExtraA
         return TransformState._split(state, params, views)
 
     def update_fn(updates, state, params=None, **extra_args):
-        del extra_args
         return _update(live, updates, state, params)
 
     return _optax.GradientTransformationExtraArgs(init_fn, update_fn)
@@ -224,12 +164,9 @@ def _is_nnx_variable(x) -> bool:
 
 
 def _nnx_variable_like(variable, value):
-    """A new NNX `Variable` like `variable` (its kind, metadata, dtype and placement) holding
-    `value`: what `adjust` puts where `nnx.Optimizer` holds a hyperparameter, so the optimiser's
-    next update writes into it as into the old one, and a jitted step does not compile again."""
-    if isinstance(value, (bool, str)) or not (
-        isinstance(value, numbers.Number) or getattr(value, "shape", None) == ()
-    ):
+    """A new NNX `Variable` like `variable` (kind, metadata, dtype, placement) holding `value`:
+    what `adjust` puts where `nnx.Optimizer` holds a hyperparameter (nothing compiles again)."""
+    if not _rule._is_number(value):
         raise TypeError(
             f"adjust: this hyperparameter is held by Flax NNX (nnx.Optimizer) as a "
             f"{type(variable).__name__} of a number; it takes a number, got {value!r}"
@@ -272,15 +209,10 @@ def _annotate_sharded(state: State, variables, params) -> None:
 def _values_of(tree):
     """`tree` with each Flax NNX `Variable` replaced by its value (what `nnx.as_pure` does)."""
     variable = _nnx_variable_type()
-    if variable is None:
+    held = (lambda x: isinstance(x, variable)) if variable else None  # noqa: E731
+    if held is None or not any(map(held, jax.tree.leaves(tree, is_leaf=held))):
         return tree
-
-    def is_variable(x):
-        return isinstance(x, variable)
-
-    if not any(map(is_variable, jax.tree.leaves(tree, is_leaf=is_variable))):
-        return tree
-    return jax.tree.map(lambda v: v.get_value() if is_variable(v) else v, tree, is_leaf=is_variable)
+    return jax.tree.map(lambda v: v.get_value() if held(v) else v, tree, is_leaf=held)
 
 
 def _is_array(x) -> bool:
@@ -288,9 +220,7 @@ def _is_array(x) -> bool:
 
 
 def _check_leaves(params, call: str) -> None:
-    """optax transformations take a tree of arrays: anything else (an Equinox module's activation
-    function, a string) is refused at `init`, as optax's own `init` refuses it, and not at the
-    first update."""
+    """Refuse anything but arrays in `params` (an Equinox module's function), as optax's `init` does."""
     for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
         if not _is_array(x):
             raise TypeError(
@@ -307,12 +237,10 @@ def _check_leaves(params, call: str) -> None:
 
 class _LiveHyperparameters:
     """The hyperparameters that `transform`'s rule holds as JAX arrays, which `update` applies in
-    place of the State's: `optax.inject_hyperparams` builds the transformation again at every step
-    with its current values (traced under `jit`) and calls only that one's `update`, so these are
-    the values it means. Hyperparameters given as Python numbers live in the State, where
-    `adjust` changes them; so do arrays of a transformation that made states with its own `init`
-    (one kept for the whole run): they were those states' starting values, and applying them at
-    every update would silently undo `adjust`."""
+    place of the State's: `optax.inject_hyperparams` builds a transformation with its current
+    values at every step and calls only its `update`. Not for a transformation that made states
+    with its own `init` (kept for the whole run): its values started those states, and applying
+    them again would undo `adjust`."""
 
     def __init__(self, rule):
         self.rule = rule
@@ -336,14 +264,14 @@ class _LiveHyperparameters:
                 self.any = any(map(_holds_arrays, chosen.values()))
                 if not self.any:
                     return state
-        rules: dict = {}
+        merged: dict = {}
 
         def with_live(leaf):
             fresh = self.rule if chosen is None else chosen[id(leaf)]
             key = (id(leaf.rule), id(fresh))
-            if key not in rules:
-                rules[key] = _merged(leaf.rule, fresh)
-            rule = rules[key]
+            if key not in merged:
+                merged[key] = _merged(leaf.rule, fresh)
+            rule = merged[key]
             return leaf if rule is leaf.rule else leaf._successor(rule, leaf.state)
 
         return State(map_leaves(with_live, state.tree), state._keys)
@@ -420,14 +348,9 @@ class TransformState(State):
     `freeze_` it, save it with `state_dict`), laid out for JAX as optax lays out its own states.
 
     Its pytree children are `"state"`, the State without the arrays below, and `"params"`, a dict
-    from a name to a tree shaped like the params: each state array that a rule keeps per
-    parameter element (Adam's moments `"mu"` and `"nu"`, momentum's `"trace"`), at every place
-    of its parameter. So `optax.tree_utils.tree_map_params` maps over them (the sharding recipe),
-    `optax.tree.get(state, "mu")` finds them, and a tied array's places all show its one state
-    (the places hold the same arrays; the state stays one `Leaf`, read from the first place).
-    A place the state does not cover (an integer array) holds `optax.MaskedNode()`. The names
-    are optax's where optax has such a state (see docs/optax.md); a rule function
-    (`transform(lambda path, x: ...)`) keeps every array in `"state"`.
+    from an optax name (Adam's `"mu"` and `"nu"`) to a tree shaped like the params holding each
+    state array kept per parameter element, at every place of its parameter (`optax.MaskedNode()`
+    where no Leaf is), for `optax.tree_utils.tree_map_params` and `optax.tree.get` (docs/optax.md).
     """
 
     __slots__ = ("_core", "_views", "_views_on", "_made_from")
@@ -447,14 +370,13 @@ class TransformState(State):
         another state of the model, in place of `params`."""
         if not views_on:
             return cls._of(State(state.tree, state._keys), {}, False)
-        shape = _MaskedTemplate(params) if template is None else _TemplateOf(template)
+        shape = _masked_like(params) if template is None else _like_views(template)
         core, views = _split_views(state.tree, shape)
         return cls._of(State(core, state._keys), views, True)
 
     def _relaid(self, state: State) -> TransformState:
         """`state`, a plain State of the same model (loaded from a checkpoint), in this layout."""
-        _, views = self._children()
-        return TransformState._split(state, None, self._views_on, views)
+        return TransformState._split(state, None, self._views_on, self._children()[1])
 
     def _children(self):
         """`(core, views)`: as made while the tree has not been built; once it has (`state["w"]`,
@@ -464,47 +386,37 @@ class TransformState(State):
         tree = self.tree
         if self._made_from is not None and self._made_from.fits(tree):
             return self._core, self._views  # (the same objects: jit's flatten of them is kept)
-        if not self._views_on:
-            self._core, self._views = State(tree, self._keys), {}
-        else:
-            core, self._views = _split_views(tree, _TemplateOf(self._views))
-            self._core = State(core, self._keys)
-        self._made_from = _Snapshot(tree)
+        split = TransformState._split(State(tree, self._keys), None, self._views_on, self._views)
+        self._core, self._views, self._made_from = split._core, split._views, _Snapshot(tree)
         return self._core, self._views
 
 
 class _Snapshot:
-    """What a built tree's children were made from: the Leaf edits so far (any Leaf's rule,
-    state or frozen flag set) and each dict of the tree with its keys and values, held (so that
-    identity stays meaningful) and compared by identity."""
+    """What a built tree's children were made from: the count of Leaf edits, and each dict of the
+    tree with its keys and values, held (so identity stays meaningful) and compared by identity."""
 
-    __slots__ = ("edits", "dicts")
+    __slots__ = ("edits", "tree", "dicts")
 
     def __init__(self, tree):
-        self.edits = Leaf.edits
-        self.dicts: list = []
+        self.edits, self.tree, self.dicts = Leaf.edits, tree, []
 
         def visit(node):
             if isinstance(node, dict):
                 self.dicts.append((node, tuple(node), tuple(node.values())))
                 for child in node.values():
                     visit(child)
-            else:
-                self.dicts.append((node, (), ()))
 
         walked(visit, tree)
 
     def fits(self, tree) -> bool:
-        if Leaf.edits != self.edits or not self.dicts or self.dicts[0][0] is not tree:
+        if Leaf.edits != self.edits or self.tree is not tree:
             return False
-        for node, keys, values in self.dicts:
-            if isinstance(node, dict) and (
-                len(node) != len(keys)
-                or any(a is not b for a, b in zip(node, keys))
-                or any(a is not b for a, b in zip(node.values(), values))
-            ):
-                return False
-        return True
+        return all(
+            len(node) == len(keys)
+            and all(map(operator.is_, node, keys))
+            and all(map(operator.is_, node.values(), values))
+            for node, keys, values in self.dicts
+        )
 
 
 def _transform_state_flatten_with_keys(state):
@@ -515,21 +427,11 @@ def _transform_state_flatten_with_keys(state):
     return [(key("state"), core), (key("params"), views)], state._views_on
 
 
-def _transform_state_flatten(state):
-    core, views = state._children()
-    return [core, views], state._views_on
-
-
-def _transform_state_unflatten(views_on, children):
-    core, views = children
-    return TransformState._of(core, views, views_on)
-
-
 jax.tree_util.register_pytree_with_keys(
     TransformState,
     _transform_state_flatten_with_keys,
-    _transform_state_unflatten,
-    _transform_state_flatten,
+    lambda views_on, children: TransformState._of(*children, views_on),
+    lambda state: (list(state._children()), state._views_on),
 )
 
 
@@ -552,27 +454,17 @@ def _register_flax_serialization() -> None:
         return serialization.to_state_dict(State(state.tree, state._keys))
 
     def from_dict(target, saved):
-        restored = serialization.from_state_dict(State(target.tree, target._keys), saved)
-        _, views = target._children()
-        return TransformState._split(restored, None, target._views_on, views)
+        return target._relaid(serialization.from_state_dict(State(target.tree, target._keys), saved))
 
     serialization.register_serialization_state(TransformState, to_dict, from_dict, override=True)
 
 
+@dataclasses.dataclass(frozen=True)
 class _InView:
     """In a Leaf's state inside a `TransformState`'s `"state"`: the array that was here is in the
     params-shaped tree `name`, at the Leaf's places. A pytree without leaves."""
 
-    __slots__ = ("name",)
-
-    def __init__(self, name):
-        self.name = name
-
-    def __eq__(self, other):
-        return type(other) is _InView and other.name == self.name
-
-    def __hash__(self):
-        return hash((_InView, self.name))
+    name: str
 
     def __repr__(self):
         return f"<in params[{self.name!r}]>"
@@ -600,16 +492,17 @@ def _is_params_placeholder(params) -> bool:
 # --- which state arrays are params-shaped, and their names -------------------------------------
 
 
-class _Layout:
+class _Layout(NamedTuple):
     """Where a rule's state keeps params-shaped arrays: `spec`, the structure of its state
     (`flatten_state`), and `(index, name)` for each such part. Decided from the rule alone (the
     same for every parameter), so that `tree_map_params` can know the names before it sees params."""
 
-    __slots__ = ("spec", "parts", "names")
+    spec: Any
+    parts: tuple
 
-    def __init__(self, spec, parts):
-        self.spec, self.parts = spec, tuple(parts)
-        self.names = tuple(name for _, name in self.parts)
+    @property
+    def names(self):
+        return tuple(name for _, name in self.parts)
 
 
 _NO_VIEWS = _Layout(None, ())
@@ -621,13 +514,12 @@ _PROBES = ((5,), (4, 3), (2, 3, 4))
 def _layout(rule) -> _Layout:
     key = _structure_key(rule)
     try:
-        return _LAYOUTS[key]
-    except KeyError:
-        pass
+        hash(key)
     except TypeError:  # an unhashable static field: asked again each time
         return _found_layout(rule)
-    found = _LAYOUTS[key] = _found_layout(rule)
-    return found
+    if key not in _LAYOUTS:
+        _LAYOUTS[key] = _found_layout(rule)
+    return _LAYOUTS[key]
 
 
 _LAYOUTS: dict = {}
@@ -674,34 +566,34 @@ def _found_layout(rule) -> _Layout:
             unique = f"{name}_{n}"
         taken.add(unique)
         chosen.append((i, unique))
-    return _Layout(specs[0], chosen) if chosen else _NO_VIEWS
+    return _Layout(specs[0], tuple(chosen)) if chosen else _NO_VIEWS
 
 
 # optax's names for the arrays of its states, for the rules that have an optax counterpart, in
 # the order of the rule's own state (`(m, v, t)`: t is a counter, never params-shaped)
 _OPTAX_NAMES = {
-    Momentum: ("trace",),
-    Nesterov: ("trace",),
-    LARS: ("trace",),
-    Lion: ("mu",),
-    Muon: ("mu",),
-    Adam: ("mu", "nu"),
-    AdamW: ("mu", "nu"),
-    RAdam: ("mu", "nu"),
-    NAdam: ("mu", "nu"),
-    AdaMax: ("mu", "nu"),
-    AdaBelief: ("mu", "nu"),
-    ADOPT: ("mu", "nu"),
-    LAMB: ("mu", "nu"),
-    AMSGrad: ("mu", "nu", "nu_max"),
-    OAdam: ("mu", "nu", "previous_direction"),
-    AdEMAMix: ("m1", "m2", "nu"),
-    AdaGrad: ("sum_of_squares",),
-    RMSProp: ("nu", "mu"),  # (s, c), c when centred
-    AdaDelta: ("e_g", "e_x"),
-    Rprop: ("prev_updates", "step_sizes"),
-    ScheduleFreeAdamW: ("z", "nu"),
-    ScheduleFreeSGD: ("z",),
+    rules.Momentum: ("trace",),
+    rules.Nesterov: ("trace",),
+    rules.LARS: ("trace",),
+    rules.Lion: ("mu",),
+    rules.Muon: ("mu",),
+    rules.Adam: ("mu", "nu"),
+    rules.AdamW: ("mu", "nu"),
+    rules.RAdam: ("mu", "nu"),
+    rules.NAdam: ("mu", "nu"),
+    rules.AdaMax: ("mu", "nu"),
+    rules.AdaBelief: ("mu", "nu"),
+    rules.ADOPT: ("mu", "nu"),
+    rules.LAMB: ("mu", "nu"),
+    rules.AMSGrad: ("mu", "nu", "nu_max"),
+    rules.OAdam: ("mu", "nu", "previous_direction"),
+    rules.AdEMAMix: ("m1", "m2", "nu"),
+    rules.AdaGrad: ("sum_of_squares",),
+    rules.RMSProp: ("nu", "mu"),  # (s, c), c when centred
+    rules.AdaDelta: ("e_g", "e_x"),
+    rules.Rprop: ("prev_updates", "step_sizes"),
+    rules.ScheduleFreeAdamW: ("z", "nu"),
+    rules.ScheduleFreeSGD: ("z",),
 }
 
 
@@ -710,16 +602,16 @@ def _part_names(rule, spec) -> list:
     if spec is not None and spec[0] is Scheduled:  # (count, the rule's own state)
         return [None, *_part_names(rule, spec[1][1])]
     count = _count_parts(spec)
-    if isinstance(rule, OptimiserChain) and spec is not None and len(spec[1]) == len(rule.rules):
+    if isinstance(rule, rules.OptimiserChain) and spec is not None and len(spec[1]) == len(rule.rules):
         return [n for r, sub in zip(rule.rules, spec[1]) for n in _part_names(r, sub)]
     inner = getattr(rule, "rule", None)
     if isinstance(inner, Rule) and spec is not None and spec[0] is tuple:
         subs = spec[1]
-        if isinstance(rule, MixedPrecision) and len(subs) == 2:  # (master, inner)
+        if isinstance(rule, rules.MixedPrecision) and len(subs) == 2:  # (master, inner)
             return ["master", *_part_names(inner, subs[1])]
-        if isinstance(rule, Lookahead) and len(subs) == 3:  # (slow, inner, n)
+        if isinstance(rule, rules.Lookahead) and len(subs) == 3:  # (slow, inner, n)
             return ["slow", *_part_names(inner, subs[1]), None]
-        if isinstance(rule, SkipNonFinite) and len(subs) == 2:  # (inner, skipped)
+        if isinstance(rule, rules.SkipNonFinite) and len(subs) == 2:  # (inner, skipped)
             return [*_part_names(inner, subs[0]), None]
     known = _OPTAX_NAMES.get(type(rule))
     if known is not None and (spec is None or spec[0] is tuple):  # the rest: counters
@@ -735,25 +627,15 @@ def _count_parts(spec) -> int:
 # --- between the tree and (core, views) ---------------------------------------------------------
 
 
-class _MaskedTemplate:
+def _masked_like(params):
     """The model's structure, every leaf a `MaskedNode` until a Leaf's array takes its place."""
-
-    def __init__(self, params):
-        self.params = params
-
-    def tree(self):
-        return jax.tree.map(lambda _: _optax.MaskedNode(), self.params)
+    return lambda: jax.tree.map(lambda _: _optax.MaskedNode(), params)
 
 
-class _TemplateOf:
-    """The model's structure as the views of another state of it show it (any of them: they are
-    shaped alike; the places a Leaf covers get its arrays, the others hold a MaskedNode)."""
-
-    def __init__(self, views):
-        self.views = views
-
-    def tree(self):
-        return next(iter(self.views.values()))
+def _like_views(views):
+    """The model's structure as another state's views show it (any of them: they are shaped
+    alike, a MaskedNode where no Leaf is)."""
+    return lambda: next(iter(views.values()))
 
 
 def _split_views(tree, template):
@@ -784,7 +666,7 @@ def _split_views(tree, template):
     names = sorted({name for layout in layouts.values() for name in layout.names})
     views = {}
     if names:
-        base = template.tree()
+        base = template()
         for name in names:
 
             def place(leaf, x, name=name):

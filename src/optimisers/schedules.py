@@ -15,22 +15,7 @@ default float dtype). The maths never branches in Python on the step's value, so
 `jax.jit(lambda state, step: ...adjust(state, eta=sched(step))...)` compiles once for all steps.
 `import optimisers.schedules` imports neither jax nor torch.
 
-Equivalents, with `b` the base learning rate of a PyTorch optimiser:
-
-- `Constant(v)`: optax `constant_schedule(v)`.
-- `Linear(s, e, n, begin=k)`: optax `linear_schedule(s, e, n, k)`; PyTorch `LinearLR(s/b, e/b, n)`
-  when k = 0.
-- `Cosine(p, n, final=f)`: optax `cosine_decay_schedule(p, n, alpha=f/p)`; PyTorch
-  `CosineAnnealingLR(n, eta_min=f)` up to step n.
-- `Cosine(p, n, f, warmup=w, start=s)`: optax `warmup_cosine_decay_schedule(s, p, w, n, f)`;
-  PyTorch `LambdaLR` with the same formula.
-- `StepDecay(v, n, gamma)`: PyTorch `StepLR(n, gamma)`; optax `exponential_decay(v, n, gamma,
-  staircase=True)`.
-- `Exponential(v, r, steps=n, begin=k, end=e)`: optax `exponential_decay(v, n, r, k,
-  end_value=e)`; PyTorch `ExponentialLR(r)` when n = 1, k = 0 and no end.
-- `PiecewiseConstant((a, b, c), (i, j))`: optax `piecewise_constant_schedule(a, {i: b/a, j: c/b})`;
-  PyTorch `MultiStepLR([i, j], gamma)` when b = a·gamma and c = b·gamma.
-- `Join((s1, s2), (k,))`: optax `join_schedules([s1, s2], [k])`; PyTorch `SequentialLR`.
+Each schedule's docstring gives its optax and PyTorch equivalents.
 """
 
 from __future__ import annotations

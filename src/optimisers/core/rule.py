@@ -1,12 +1,8 @@
 """The rule contract: `Rule`, the base class of every optimisation rule.
 
-A rule holds hyperparameters only (a frozen dataclass, equal by value). `init(x)` makes the state for
-one parameter array, `apply(state, x, dx)` returns `(new_state, step)` and the interface subtracts the
-step: `x_new = x - step`. Rules never write to their inputs, so the same maths serves the pure and the
-in-place update and every backend. `step` may also be `None` (do not move the parameter this time) or
-`NewValue(v)` (set the parameter to `v`, used by `MixedPrecision` so its master copy is exact).
-A rule whose parameter is not its evaluation point (`Lookahead`'s slow weights) says where that is
-with `eval_value(state, x)`, which `optimisers.eval_params` asks.
+A rule holds hyperparameters only. `init(x)` makes the state for one parameter array, `apply(state,
+x, dx)` returns `(new_state, step)`, never writing to its inputs, and the interface sets `x_new = x -
+step`; a step may also be `None` (no move this time) or `NewValue(v)` (set the parameter to `v`).
 """
 
 from __future__ import annotations
@@ -41,6 +37,18 @@ def concrete(value):
         return float(value)
     except Exception:
         return None
+
+
+def is_complex(x) -> bool:
+    """Whether `x` (an array of any backend, or a Python number) has a complex dtype. Generic:
+    reads the dtype (`torch.dtype.is_complex`, else NumPy's dtype kind), so backends need nothing."""
+    if isinstance(x, complex):
+        return True
+    dtype = getattr(x, "dtype", None)
+    if dtype is None:
+        return False
+    flag = getattr(dtype, "is_complex", None)  # torch.dtype
+    return flag if isinstance(flag, bool) else np.dtype(dtype).kind == "c"
 
 
 def _is_number(value) -> bool:
@@ -99,81 +107,22 @@ def _check_finite(rule, name: str, value) -> None:
 
 
 class Rule:
-    """Base class of optimisation rules.
+    """Base class of optimisation rules: a frozen dataclass of hyperparameters, each checked
+    against the type of its default, with `validate()` for a rule's own checks; override `init`
+    and `apply` (and optionally `eval_value`). docs/custom-rules.md shows how."""
 
-    Subclasses are frozen dataclasses whose fields are hyperparameters. Fields are checked against
-    the type of their default (a float field takes any real number, ints become floats; a tuple
-    field takes a tuple of the same length; a bool field takes a bool), `eta` may not be negative,
-    and `validate()` adds rule-specific checks. Override `init` and `apply` (and, optionally,
-    `eval_value`):
-
-        @dataclasses.dataclass(frozen=True)
-        class SignDescent(Rule):
-            eta: float = 0.01
-
-            def apply(self, state, x, dx):
-                return state, ops.scalar(self.eta, x) * ops.sign(dx)
-    """
-
-    #: True when `apply` treats every element independently, given scalar state shared by all
-    #: elements (step counters) whose next value does not depend on array values. Such rules may
-    #: be run on chunks of parameters packed together, which is how `update_` reaches memory
-    #: bandwidth, and Leafs sharing one may share their counters; leave False when in doubt.
-    elementwise: ClassVar[bool] = False
-
-    #: True when `apply` cannot raise for inputs that passed the update's checks (plain
-    #: arithmetic, as in every built-in elementwise rule). `update_` writes an engine group chunk
-    #: by chunk; for a rule without this promise it first runs `apply` on every chunk without
-    #: writing (twice the work), so that a rule raising on some chunk leaves nothing changed.
-    #: (For a `scaled_elementwise` rule: `apply_scaled`, its factors computed.)
-    never_raises: ClassVar[bool] = False
-
-    # --- what the update engine may ask of a rule, with the defaults -------------------------
-
-    #: True for a rule whose step is `gradient_factor(dx) · dx`, one factor for the whole array
-    #: (`ClipNorm`). As a chain's first member it lets the engine step the chain in chunks.
-    scales_gradient: ClassVar[bool] = False
-
-    #: True for a chain of a `scales_gradient` rule, then elementwise ones: the engine computes
-    #: each parameter's `gradient_factors` first, then runs `apply_scaled` chunk by chunk.
-    scaled_elementwise: ClassVar[bool] = False
-
-    #: True when `apply_stacked` is defined: `apply` over arrays with a leading axis of
-    #: parameters, giving each the numbers its own `apply` gives (`optimisers.engine.stacked`).
-    stacks: ClassVar[bool] = False
-
-    def gradient_factor(self, dx):
-        """For a rule that `scales_gradient`: the factor of the whole gradient `dx`."""
-        raise NotImplementedError(f"{type(self).__name__} does not scale the gradient by one factor")
-
-    def gradient_factors(self, dxs):
-        """`gradient_factor` of each of `dxs` (override to compute them together)."""
-        return [self.gradient_factor(dx) for dx in dxs]
-
-    def apply_scaled(self, state, x, dx, factor):
-        """`apply` given the factor of the whole gradient, of which `dx` may be a chunk."""
-        raise NotImplementedError(f"{type(self).__name__} is not scaled_elementwise")
-
-    def apply_stacked(self, state, x, dx):
-        raise NotImplementedError(f"{type(self).__name__} does not stack")
-
-    def kernel_args(self, kernel: str):
-        """The arguments of a backend's own kernel `kernel` (a name in its `FAST_PATHS`) that
-        computes exactly this rule, or None. A subclass that overrides `apply` loses them."""
-        return None
+    # What the update engine may ask of a rule (docs/custom-rules.md, docs/safety.md say more):
+    elementwise: ClassVar[bool] = False  #: each element stepped alone, given scalar state
+    never_raises: ClassVar[bool] = False  #: `apply` cannot raise on inputs the update checked
+    scales_gradient: ClassVar[bool] = False  #: the step is `gradient_factor(dx) · dx` (ClipNorm)
+    scaled_elementwise: ClassVar[bool] = False  #: scales_gradient, then elementwise (a chain)
+    stacks: ClassVar[bool] = False  #: `apply_stacked` steps parameters stacked on a first axis
+    infinite_ok: ClassVar[tuple[str, ...]] = ()  #: fields that may be infinite (ClipNorm's `p`)
+    real_only: ClassVar[bool] = False  #: `init` refuses complex parameters (the maths needs order)
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
-        for name, wrap in _WRAPPERS:
-            own = cls.__dict__.get(name)
-            if callable(own) and not getattr(own, "_wrapped", False):
-                setattr(cls, name, wrap(own))
-        if "apply" in cls.__dict__ and "kernel_args" not in cls.__dict__:
-            cls.kernel_args = Rule.kernel_args  # a kernel computes the apply it was matched to
-
-    #: Fields that may be infinite (ClipNorm's p = inf is the max-norm); for every other number,
-    #: an infinite value is refused like NaN: it would turn every parameter into inf or NaN.
-    infinite_ok: ClassVar[tuple[str, ...]] = ()
+        _wrap_methods(cls)
 
     def __post_init__(self):
         _check_fields(self)
@@ -187,54 +136,87 @@ class Rule:
         _check_one_array(self, x)
         return Scheduled(0, None) if scheduled_fields(self) else None
 
-    init._wrapped = True  # checks its argument itself
-
-    def update(self, *args, **kwargs):
-        """Not an optax method: a rule is not an optax `GradientTransformation`; wrap it with
-        `optimisers.optax.transform(rule)`. Raises TypeError, so that a bare rule handed to optax
-        or Flax fails at once with that hint."""
-        raise TypeError(_not_a_transformation(self))
-
     def apply(self, state, x, dx):
         """`(new_state, step)` for parameter `x` with gradient `dx`; `x_new = x - step`."""
         raise NotImplementedError(f"{type(self).__name__} must define apply(state, x, dx)")
 
     def eval_value(self, state, x):
-        """Optional: the parameter's value at the rule's evaluation point, for evaluating and
-        saving the model (`optimisers.eval_params`), given its state and the parameter `x` that
-        the updates train. The default is `x` itself; `Lookahead` returns its slow weights. Return
-        `x` itself, or an array of `x`'s shape (it may be part of the state: it is copied). Like
-        `apply`, it sees the rule's own state (without the step count of a schedule)."""
+        """The parameter at the rule's evaluation point (docs/evaluation-weights.md)."""
         return x
 
-    eval_value._wrapped = True  # has no state of its own to see
-
-    def with_counters(self, state):
-        """`state` with a step count for each schedule: a rule given a schedule by `adjust`
-        after `setup` counts its steps from then on. Rules that hold other rules' states (chains,
-        wrappers) override it to reach those."""
-        if type(state) is not Scheduled and scheduled_fields(self):
-            return Scheduled(0, state)
-        return state
+    init._wrapped = eval_value._wrapped = True  # (checks its argument; has no state of its own)
 
     def hyperparameters(self) -> tuple[str, ...]:
-        """The names `adjust` accepts for this rule."""
-        return tuple(f.name for f in dataclasses.fields(self))
+        """The names `adjust` accepts for this rule (an explicit state dtype is not one)."""
+        return tuple(f.name for f in dataclasses.fields(self) if not f.metadata.get("state_dtype"))
 
     def adjust(self, **hyper) -> Rule:
-        """A copy with the named hyperparameters replaced; names this rule lacks are ignored
-        (the tree-level `adjust` reports names that no rule in the tree has).
+        """A copy with the named hyperparameters replaced; names this rule lacks are ignored."""
+        return adjusted(self, hyper)
 
-        In a stacked state (an ensemble of states stacked along a first axis for `jax.vmap`)
-        every number is an array with one entry per member; such a rule takes an array of that
-        shape (one value per member) or a number (the same for every member)."""
-        names = self.hyperparameters()
-        own = {k: _held_like(getattr(self, k), v) for k, v in hyper.items() if k in names}
-        if not own:
-            return self
-        if any(map(_is_stacked, own.values())) or any(_is_stacked(getattr(self, k)) for k in own):
-            return _adjusted_stacked(self, own)
-        return dataclasses.replace(self, **own)
+    def with_counters(self, state):
+        """`state` with a step count for each schedule that `adjust` gave after `setup`."""
+        return Scheduled(0, state) if type(state) is not Scheduled and scheduled_fields(self) else state
+
+    def update(self, *args, **kwargs):  # not optax's: the error says how to wrap a rule for optax
+        raise TypeError(_not_a_transformation(self))
+
+    def gradient_factor(self, dx):  # for a rule that scales_gradient
+        raise NotImplementedError(f"{type(self).__name__} does not scale the gradient by one factor")
+
+    def gradient_factors(self, dxs):
+        return [self.gradient_factor(dx) for dx in dxs]
+
+    def apply_scaled(self, state, x, dx, factor):
+        """`apply` given the factor of the whole gradient, of which `dx` may be a chunk."""
+        raise NotImplementedError(f"{type(self).__name__} is not scaled_elementwise")
+
+    def apply_stacked(self, state, x, dx):
+        raise NotImplementedError(f"{type(self).__name__} does not stack")
+
+    def kernel_args(self, kernel: str):
+        """The arguments of a backend's kernel `kernel` (in its `FAST_PATHS`) for this rule, or None."""
+        return None
+
+
+def _wrap_methods(cls) -> None:
+    for name, wrap in _WRAPPERS:
+        own = cls.__dict__.get(name)
+        if callable(own) and not getattr(own, "_wrapped", False):
+            setattr(cls, name, wrap(own))
+    if "apply" in cls.__dict__ and "kernel_args" not in cls.__dict__:
+        cls.kernel_args = Rule.kernel_args  # a kernel computes the apply it was matched to
+    own = [v for v in cls.__dict__.values() if isinstance(v, dataclasses.Field)]
+    fields = [*getattr(cls, "__dataclass_fields__", {}).values(), *own]
+    if "__repr__" not in cls.__dict__ and any(f.metadata.get("state_dtype") for f in fields):
+        cls.__repr__ = _repr_without_unset_dtypes  # (the dataclass keeps a __repr__ of the class)
+
+
+def _repr_without_unset_dtypes(rule) -> str:
+    """The dataclass repr, an explicit state dtype shown only when given (reprs stay as before)."""
+    shown = [f for f in dataclasses.fields(rule) if f.repr]
+    shown = [f for f in shown if not (f.metadata.get("state_dtype") and getattr(rule, f.name) is None)]
+    return f"{type(rule).__name__}({', '.join(f'{f.name}={getattr(rule, f.name)!r}' for f in shown)})"
+
+
+def _check_state_dtype(rule: str, name: str, value) -> None:
+    """An explicit dtype for a state array (`Adam(mu_dtype=...)`): None (the parameter's), or a
+    floating or complex dtype: NumPy's or its name (`"bfloat16"`), or the backend's own."""
+    if value is None:
+        return
+    if getattr(value, "is_floating_point", None) is not None:  # torch.dtype
+        ok = value.is_floating_point or value.is_complex
+    else:
+        try:
+            dtype = np.dtype(value)
+            ok = dtype.kind in "fc" or dtype.name.startswith(("bfloat", "float"))
+        except TypeError:  # "bfloat16" before ml_dtypes is imported
+            ok = isinstance(value, str) and value.startswith(("bfloat", "float", "complex"))
+    if not ok:
+        raise TypeError(
+            f"{rule}: {name} must be None (the parameter's dtype) or a floating or complex dtype, "
+            f"got {value!r}"
+        )
 
 
 def _check_fields(rule: Rule) -> None:
@@ -249,9 +231,24 @@ def _check_fields(rule: Rule) -> None:
             object.__setattr__(rule, f.name, checked)
         if isinstance(default, (float, tuple)):
             _check_finite(rule, f.name, checked)
+        if f.metadata.get("state_dtype"):
+            _check_state_dtype(name, f.name, value)
     eta = concrete(getattr(rule, "eta", 0.0))
     if eta is not None and eta < 0:
         raise ValueError(f"{name}: the learning rate eta cannot be negative, got {eta}")
+
+
+def adjusted(rule: Rule, hyper: dict) -> Rule:
+    """`rule.adjust(**hyper)`. In a stacked state (states stacked along a first axis for
+    `jax.vmap`) a hyperparameter is an array of one value per member; it takes such an array or a
+    number (the same for every member)."""
+    names = rule.hyperparameters()
+    own = {k: _held_like(getattr(rule, k), v) for k, v in hyper.items() if k in names}
+    if not own:
+        return rule
+    if any(map(_is_stacked, own.values())) or any(_is_stacked(getattr(rule, k)) for k in own):
+        return _adjusted_stacked(rule, own)
+    return dataclasses.replace(rule, **own)
 
 
 def _entries(value):
@@ -360,6 +357,11 @@ def _check_one_array(rule, x) -> None:
         raise TypeError(
             f"{type(rule).__name__}.init(x) takes one parameter array, got a {type(x).__name__}. "
             + _not_a_transformation(rule)
+        )
+    if rule.real_only and is_complex(x):
+        raise TypeError(
+            f"{type(rule).__name__} is not defined for complex parameters (it uses the sign or the "
+            f"order of numbers); got an array of dtype {x.dtype}"
         )
 
 

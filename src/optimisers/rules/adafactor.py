@@ -66,17 +66,9 @@ class Adafactor(Rule):
 
     Defaults: `eta=0.01, beta2_decay=-0.8, epsilon=(None, 1e-3), d=1.0, lambd=0.0`, torch's.
     PyTorch: `torch.optim.Adafactor(lr=eta, beta2_decay, eps=epsilon, d, weight_decay=lambd)`
-    computes the same steps. optax: `optax.adafactor(learning_rate=eta,
-    min_dim_size_to_factor=1, decay_rate=-beta2_decay, decay_offset=0,
-    multiply_by_parameter_scale=True, clipping_threshold=d, momentum=None, eps=1e-30,
-    factored=True, weight_decay_rate=eta·lambd)` coincides while `1/√t ≥ η` (the first 10⁴
-    steps at η = 0.01; optax's `learning_rate` may be the schedule `min(η, 1/√(count+1))` to
-    coincide at every step), with `epsilon[1] = 1e-3` (optax fixes its parameter-scale floor
-    there), for vectors, matrices and arrays whose two largest dimensions are the last two
-    (optax factors its two largest dimensions, and only when the second largest is at least
-    `min_dim_size_to_factor`, 128 by default), and for gradients whose squares are far above ε₁
-    and 1e-30 (optax adds its eps to `|g|²`). optax computes β₂ₜ in float32, so float64 runs
-    agree to about 1e-9.
+    computes the same steps. optax: `optax.adafactor(learning_rate=eta, min_dim_size_to_factor=1,
+    decay_rate=-beta2_decay, momentum=None, ...)` coincides while `1/√t ≥ η`, for arrays whose
+    two largest dimensions are the last two (docs/api.md lists the settings and limits).
     """
 
     never_raises = True
@@ -88,15 +80,7 @@ class Adafactor(Rule):
     lambd: float = 0.0
 
     def validate(self):
-        e1 = self.epsilon[0]
-        if e1 is not None:
-            if isinstance(e1, bool) or not (isinstance(e1, numbers.Real) or getattr(e1, "shape", None) == ()):
-                raise TypeError(f"Adafactor: epsilon[0] must be None or a real number, got {e1!r}")
-            if isinstance(e1, numbers.Integral):  # a float, so that jit traces it like epsilon[1]
-                object.__setattr__(self, "epsilon", (float(e1), self.epsilon[1]))
-        check_range(self, "beta2_decay", -math.inf, 0.0)
-        check_range(self, "d", 1.0, math.inf)
-        nonnegative(self, "epsilon", "lambd")
+        _check_adafactor(self)
 
     def init(self, x):
         if is_factored(x):
@@ -112,18 +96,7 @@ class Adafactor(Rule):
         g2 = ops.abs2(dx)
         eps1 = ops.dtype_epsilon(x) if self.epsilon[0] is None else self.epsilon[0]
         keep, new = cast(g2, 1 - new, new)
-        if is_factored(x):
-            row, col = moments
-            row = keep * row + new * ops.mean(g2, axis=-1, keepdims=True)
-            col = keep * col + new * ops.mean(g2, axis=-2, keepdims=True)
-            floor = ops.maximum(ops.mean(row, axis=-2, keepdims=True), ops.epsilon(eps1, g2))
-            # √V̂ = √R·√(C/floor): the roots and the division on the small factors, so the full
-            # size sees one product (√max(V̂, ε₁²) = max(√V̂, ε₁), up to rounding)
-            root, moments = ops.sqrt(row) * ops.sqrt(col / floor), (row, col)
-        else:
-            (v,) = moments
-            v = keep * v + new * g2
-            root, moments = ops.sqrt(v), (v,)
+        root, moments = _second_moment(x, moments, g2, keep, new, eps1)
         u = dx / ops.maximum(root, ops.epsilon(eps1, g2))
         rms_x = _rms(x)
         eps2, rho, d, one = cast(rms_x, self.epsilon[1], _smaller(self.eta, t**-0.5), self.d, 1)
@@ -133,3 +106,29 @@ class Adafactor(Rule):
         if ops.concrete(self.lambd) != 0:  # (traced: always added)
             step = step + ops.scalar(self.eta * self.lambd, x) * x
         return (*moments, t), step
+
+
+def _check_adafactor(rule: Adafactor) -> None:
+    e1 = rule.epsilon[0]
+    if e1 is not None:
+        if isinstance(e1, bool) or not (isinstance(e1, numbers.Real) or getattr(e1, "shape", None) == ()):
+            raise TypeError(f"Adafactor: epsilon[0] must be None or a real number, got {e1!r}")
+        if isinstance(e1, numbers.Integral):  # a float, so that jit traces it like epsilon[1]
+            object.__setattr__(rule, "epsilon", (float(e1), rule.epsilon[1]))
+    check_range(rule, "beta2_decay", -math.inf, 0.0)
+    check_range(rule, "d", 1.0, math.inf)
+    nonnegative(rule, "epsilon", "lambd")
+
+
+def _second_moment(x, moments, g2, keep, new, eps1):
+    """`(√V̂, new moments)`: the factors `(R, C)` of a matrix, or the full `V` of a vector."""
+    if not is_factored(x):
+        v = keep * moments[0] + new * g2
+        return ops.sqrt(v), (v,)
+    row, col = moments
+    row = keep * row + new * ops.mean(g2, axis=-1, keepdims=True)
+    col = keep * col + new * ops.mean(g2, axis=-2, keepdims=True)
+    floor = ops.maximum(ops.mean(row, axis=-2, keepdims=True), ops.epsilon(eps1, g2))
+    # √V̂ = √R·√(C/floor): the roots and the division on the small factors, so the full size sees
+    # one product (√max(V̂, ε₁²) = max(√V̂, ε₁), up to rounding)
+    return ops.sqrt(row) * ops.sqrt(col / floor), (row, col)

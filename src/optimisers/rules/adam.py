@@ -1,7 +1,4 @@
-"""Adam and its relatives: first and second moments of the gradient.
-
-The conventions every rule here follows are in `optimisers.rules`.
-"""
+"""Adam and its relatives: first and second moments of the gradient."""
 
 from __future__ import annotations
 
@@ -16,10 +13,10 @@ from optimisers.rules.common import (
     adam_direction,
     adam_moments,
     cast,
-    real_only,
     real_zeros,
+    state_dtype,
+    stored_in,
 )
-from optimisers.rules.sgd import STATE_DTYPE, check_state_dtype, repr_without, stored_in, zeros_in
 
 __all__ = [
     "Adam",
@@ -84,21 +81,7 @@ class Adam(_AdamFamily):
     is stored in that dtype, as optax does; without the fused kernels.
     """
 
-    mu_dtype: Any = field(default=None, kw_only=True, metadata=STATE_DTYPE)
-
-    def validate(self):
-        super().validate()
-        check_state_dtype(self, "mu_dtype")
-
-    def __repr__(self):
-        return repr_without(self, "mu_dtype")
-
-    def hyperparameters(self) -> tuple[str, ...]:
-        return tuple(n for n in super().hyperparameters() if n != "mu_dtype")
-
-    def init(self, x):
-        m, v, t = super().init(x)
-        return (m if self.mu_dtype is None else zeros_in(x, self.mu_dtype)), v, t
+    mu_dtype: Any = state_dtype()
 
     def apply(self, state, x, dx):
         m, v, t, bc1, bc2 = adam_moments(x, dx, state, self.beta)
@@ -280,21 +263,7 @@ class AdamW(Moments):
     lambd: float = 0.0
     epsilon: float = 1e-8
     couple: bool = field(default=True, kw_only=True)
-    mu_dtype: Any = field(default=None, kw_only=True, metadata=STATE_DTYPE)
-
-    def validate(self):
-        super().validate()
-        check_state_dtype(self, "mu_dtype")
-
-    def __repr__(self):
-        return repr_without(self, "mu_dtype")
-
-    def hyperparameters(self) -> tuple[str, ...]:
-        return tuple(n for n in super().hyperparameters() if n != "mu_dtype")
-
-    def init(self, x):
-        m, v, t = super().init(x)
-        return (m if self.mu_dtype is None else zeros_in(x, self.mu_dtype)), v, t
+    mu_dtype: Any = state_dtype()
 
     def apply(self, state, x, dx):
         m, v, t, bc1, bc2 = adam_moments(x, dx, state, self.beta)
@@ -353,12 +322,12 @@ class Lion(Elementwise):
 
     eta: float = 0.001
     beta: tuple = (0.9, 0.999)
+    real_only = True
 
     def validate(self):
         check_range(self, "beta", 0.0, 1.0)  # β = 1 is allowed: no bias correction divides by 1 − β
 
     def init(self, x):
-        real_only(self, x)
         return ops.zeros_like(x)
 
     def apply(self, state, x, dx):
@@ -384,10 +353,7 @@ class ADOPT(_AdamFamily):
 
     beta: tuple = (0.9, 0.9999)
     epsilon: float = 1e-6
-
-    def init(self, x):
-        real_only(self, x)
-        return super().init(x)
+    real_only = True
 
     def apply(self, state, x, dx):
         m, v, t = state

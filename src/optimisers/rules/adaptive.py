@@ -1,7 +1,4 @@
-"""Rules that scale each element's step by its own gradient history (Adam's family aside).
-
-The conventions every rule here follows are in `optimisers.rules`.
-"""
+"""Rules that scale each element's step by its own gradient history (Adam's family aside)."""
 
 from __future__ import annotations
 
@@ -10,7 +7,7 @@ from typing import ClassVar
 
 from optimisers import ops
 from optimisers.core.rule import concrete
-from optimisers.rules.common import Elementwise, cast, real_only
+from optimisers.rules.common import Elementwise, cast
 
 __all__ = ["RMSProp", "Rprop", "AdaGrad", "AdaDelta"]
 
@@ -80,6 +77,7 @@ class Rprop(Elementwise):
     ell: tuple = (0.5, 1.2)
     gamma: tuple = (1e-6, 50.0)
     infinite_ok: ClassVar[tuple[str, ...]] = ("gamma",)  # no bound on the step size
+    real_only = True
 
     def validate(self):
         shrink, grow = (concrete(v) for v in self.ell)
@@ -94,7 +92,6 @@ class Rprop(Elementwise):
             raise ValueError(f"Rprop: gamma must be (smallest, largest) step, got {self.gamma}")
 
     def init(self, x):
-        real_only(self, x)
         return ops.zeros_like(x), ops.full_like(x, self.eta)
 
     def apply(self, state, x, dx):

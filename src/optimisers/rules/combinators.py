@@ -1,8 +1,5 @@
 """Rules built from other rules: chains, accumulation, mixed precision, skipping bad steps,
-lookahead.
-
-The conventions every rule here follows are in `optimisers.rules`.
-"""
+lookahead."""
 
 from __future__ import annotations
 
@@ -16,7 +13,6 @@ import numpy as np
 from optimisers import ops
 from optimisers.core.rule import NewValue, Rule, check_range, concrete, has_schedules, scheduled_fields
 from optimisers.core.state import flatten_state, unflatten_state
-from optimisers.rules.common import real_only
 
 __all__ = ["OptimiserChain", "AccumGrad", "MixedPrecision", "SkipNonFinite", "Lookahead"]
 
@@ -26,14 +22,12 @@ class OptimiserChain(Rule):
     """Apply several rules in sequence, each one's step being the next one's gradient:
     `OptimiserChain(ClipGrad(1.0), WeightDecay(), Adam())`.
 
-    State: a tuple with each member's state. If a member returns `None` (do not move, e.g.
-    `AccumGrad` between its updates), the chain stops there: the parameter does not move and the
-    remaining members keep their old state. `OptimiserChain()` subtracts the raw gradient.
-    Chains nest. `MixedPrecision` may not be a member: it must wrap the whole chain
-    (`MixedPrecision(OptimiserChain(...))`).
-
-    `hyperparameters()` is the union of the members' names, and `adjust(name=value)` changes every
-    member that has `name`. optax: `optax.chain(...)`; in PyTorch one writes the chain by hand.
+    State: a tuple of the members' states. A member that returns `None` (`AccumGrad` between its
+    updates) stops the chain: no move, and the members after it keep their state. Chains nest;
+    `MixedPrecision` wraps a chain, it is not a member. `hyperparameters()` is the union of the
+    members' names; `adjust(name=value)` changes every member that has `name`. optax:
+    `optax.chain(...)`; in PyTorch one writes the chain by hand. `OptimiserChain()` subtracts
+    the raw gradient.
     """
 
     rules: tuple
@@ -43,42 +37,21 @@ class OptimiserChain(Rule):
         self.__post_init__()
 
     def validate(self):
-        for i, rule in enumerate(self.rules):
-            if isinstance(rule, type) and issubclass(rule, Rule):
-                raise TypeError(
-                    f"OptimiserChain: member {i} is the class {rule.__name__}; pass an instance, "
-                    f"e.g. {rule.__name__}()"
-                )
-            if not isinstance(rule, Rule):
-                raise TypeError(f"OptimiserChain: member {i} is {rule!r}, not an optimisers.Rule")
-            if isinstance(rule, MixedPrecision):
-                raise TypeError(
-                    "OptimiserChain: MixedPrecision cannot be a member of a chain; wrap the chain "
-                    "instead: MixedPrecision(OptimiserChain(...))"
-                )
+        _check_members(self.rules)
 
-    @property
-    def elementwise(self):
-        return all(rule.elementwise for rule in self.rules)
+    elementwise = property(lambda self: all(rule.elementwise for rule in self.rules))
 
     @property
     def never_raises(self):
         # a scaled chain's first member has run already, in `gradient_factors`
-        rules = self.rules[1:] if self.scaled_elementwise else self.rules
-        return all(rule.never_raises for rule in rules)
+        return all(rule.never_raises for rule in self.rules[1 if self.scaled_elementwise else 0 :])
 
     @property
     def scaled_elementwise(self):
-        """A first member that scales the whole gradient by one factor (`ClipNorm`), then
-        elementwise members: `update_`'s engine computes the factor per parameter first and runs
-        `apply_scaled` in chunks."""
-        rules = self.rules
-        return (
-            len(rules) > 1
-            and rules[0].scales_gradient
-            and not has_schedules(rules[0])  # its factor is computed outside `apply`
-            and all(rule.elementwise for rule in rules[1:])
-        )
+        first, *rest = self.rules or (None,)
+        if not rest or not first.scales_gradient or has_schedules(first):  # (factor found outside apply)
+            return False
+        return all(r.elementwise for r in rest)
 
     def __repr__(self):
         return f"OptimiserChain({', '.join(repr(r) for r in self.rules)})"
@@ -88,9 +61,7 @@ class OptimiserChain(Rule):
 
     def adjust(self, **hyper):
         new = tuple(rule.adjust(**hyper) for rule in self.rules)
-        if all(a is b for a, b in zip(new, self.rules)):
-            return self
-        return OptimiserChain(*new)
+        return self if all(a is b for a, b in zip(new, self.rules)) else OptimiserChain(*new)
 
     def init(self, x):
         return tuple(rule.init(x) for rule in self.rules)
@@ -103,13 +74,10 @@ class OptimiserChain(Rule):
         return self.apply_scaled(state, x, dx, None)
 
     def gradient_factors(self, dxs):
-        """The first member's factors (for a `scaled_elementwise` chain)."""
         return self.rules[0].gradient_factors(dxs)
 
     def eval_value(self, state, x):
-        """Each member's evaluation point of the one before it (a `Lookahead` member gives its
-        slow weights; the others pass the value on)."""
-        for rule, s in zip(self.rules, state):
+        for rule, s in zip(self.rules, state):  # each member's evaluation point of the last's
             x = rule.eval_value(s, x)
         return x
 
@@ -117,20 +85,35 @@ class OptimiserChain(Rule):
         """`apply`, where a `factor` given is the first member's `gradient_factor` of the whole
         gradient (of which `dx` may be a chunk): exactly what that member's `apply` computes."""
         states = list(state)
-        last = len(self.rules) - 1
         for i, rule in enumerate(self.rules):
             if i == 0 and factor is not None:
                 dx = factor * dx  # as ClipNorm.apply: the state unchanged
                 continue
+            if isinstance(dx, NewValue):
+                raise TypeError(
+                    f"OptimiserChain: {type(self.rules[i - 1]).__name__} sets the parameter's "
+                    "value, so it must be the last member of a chain"
+                )
             states[i], dx = rule.apply(states[i], x, dx)
             if dx is None:
                 break
-            if isinstance(dx, NewValue) and i < last:
-                raise TypeError(
-                    f"OptimiserChain: {type(rule).__name__} sets the parameter's value, so it must "
-                    "be the last member of a chain"
-                )
         return tuple(states), dx
+
+
+def _check_members(rules) -> None:
+    for i, rule in enumerate(rules):
+        if isinstance(rule, type) and issubclass(rule, Rule):
+            raise TypeError(
+                f"OptimiserChain: member {i} is the class {rule.__name__}; pass an instance, "
+                f"e.g. {rule.__name__}()"
+            )
+        if not isinstance(rule, Rule):
+            raise TypeError(f"OptimiserChain: member {i} is {rule!r}, not an optimisers.Rule")
+        if isinstance(rule, MixedPrecision):
+            raise TypeError(
+                "OptimiserChain: MixedPrecision cannot be a member of a chain; wrap the chain "
+                "instead: MixedPrecision(OptimiserChain(...))"
+            )
 
 
 @dataclass(frozen=True)
@@ -174,19 +157,14 @@ class AccumGrad(Rule):
         return (acc, k), None
 
 
-def _dtype_name(dtype) -> str:
-    try:
-        return np.dtype(dtype).name
-    except TypeError:
-        return repr(dtype)
-
-
 class _Wrapper(Rule):
-    """A rule around another rule, its `rule` field, whose hyperparameters it shows as its own:
-    `hyperparameters()` and `adjust` forward to the inner rule. Its state is a tuple holding the
-    inner rule's state at `inner_at`."""
+    """A rule around its field `rule`, to which `hyperparameters()` and `adjust` forward; its state
+    holds the rule's at `inner_at`. Elementwise, and never raising, when its rule is."""
 
     inner_at = 0
+
+    elementwise = property(lambda self: self.rule.elementwise)
+    never_raises = property(lambda self: self.rule.never_raises)
 
     def validate(self):
         if not isinstance(self.rule, Rule):
@@ -208,21 +186,8 @@ class _Wrapper(Rule):
         return self.rule.eval_value(state[self.inner_at], x)
 
 
-class _ElementwiseWrapper(_Wrapper):
-    """A wrapper whose step of each element depends on that element alone whenever its rule's
-    does: it takes the rule's `elementwise` and `never_raises`."""
-
-    @property
-    def elementwise(self):
-        return self.rule.elementwise
-
-    @property
-    def never_raises(self):
-        return self.rule.never_raises
-
-
 @dataclass(frozen=True, repr=False)
-class MixedPrecision(_ElementwiseWrapper):
+class MixedPrecision(_Wrapper):
     """Keep a master copy of each parameter in a wider `dtype` (float32 by default) and let `rule`
     train it; the parameter (e.g. float16) is set to the master copy rounded to its own dtype
     after every step (Micikevicius et al., "Mixed Precision Training", 2018).
@@ -240,23 +205,20 @@ class MixedPrecision(_ElementwiseWrapper):
     rule: Rule
     dtype: Any = np.float32
     inner_at = 1  # (master, inner)
+    real_only = True
 
     def validate(self):
         super().validate()
-        try:
-            dtype = np.dtype(self.dtype)
-        except TypeError:
-            if getattr(self.dtype, "is_floating_point", False):  # torch.float32 and friends
-                return
-            raise TypeError(f"MixedPrecision: dtype must be a floating dtype, got {self.dtype!r}") from None
-        if not (dtype.kind == "f" or dtype.name.startswith(("bfloat", "float"))):
-            raise ValueError(f"MixedPrecision: dtype must be a real floating dtype, got {dtype}")
+        _check_float_dtype(self.dtype)
 
     def __repr__(self):
-        return f"MixedPrecision({self.rule!r}, dtype={_dtype_name(self.dtype)})"
+        try:
+            dtype = np.dtype(self.dtype).name
+        except TypeError:
+            dtype = repr(self.dtype)
+        return f"MixedPrecision({self.rule!r}, dtype={dtype})"
 
     def init(self, x):
-        real_only(self, x)
         master = ops.cast(x, self.dtype)
         return master, self.rule.init(master)
 
@@ -272,6 +234,17 @@ class MixedPrecision(_ElementwiseWrapper):
             return (master, inner), None
         master = ops.astype(step.value if isinstance(step, NewValue) else master - step, master)
         return (master, inner), NewValue(ops.astype(master, x))
+
+
+def _check_float_dtype(dtype) -> None:
+    try:
+        kind = np.dtype(dtype)
+    except TypeError:
+        if getattr(dtype, "is_floating_point", False):  # torch.float32 and friends
+            return
+        raise TypeError(f"MixedPrecision: dtype must be a floating dtype, got {dtype!r}") from None
+    if not (kind.kind == "f" or kind.name.startswith(("bfloat", "float"))):
+        raise ValueError(f"MixedPrecision: dtype must be a real floating dtype, got {kind}")
 
 
 @dataclass(frozen=True, repr=False)
@@ -290,6 +263,7 @@ class SkipNonFinite(_Wrapper):
     """
 
     rule: Rule
+    elementwise = never_raises = False  # the check is over the whole gradient
 
     def __repr__(self):
         return f"SkipNonFinite({self.rule!r})"
@@ -300,51 +274,48 @@ class SkipNonFinite(_Wrapper):
     def apply(self, state, x, dx):
         inner, skipped = state
         finite = ops.isfinite(dx)
-        if finite is True:
-            inner, step = self.rule.apply(inner, x, dx)
-            return (inner, skipped), step
         if finite is False:
             return (inner, skipped + 1), None
+        new, step = self.rule.apply(inner, x, dx)
+        if finite is True:
+            return (new, skipped), step
         # traced (under jax.jit): no Python branch on array values, so select between both
         ok = ops.all_finite(dx)
-        new_inner, step = self.rule.apply(inner, x, dx)
-        old_parts: list = []
-        flatten_state(inner, old_parts)
-        new_parts: list = []
-        spec = flatten_state(new_inner, new_parts)
-        # None parts (Descent's state, SOAP's axes without a basis) have nothing to select
-        kept = [n if n is None else ops.where(ok, n, o) for n, o in zip(new_parts, old_parts)]
-        if isinstance(step, NewValue):
-            step = NewValue(ops.where(ok, step.value, x))
-        elif step is not None:
-            step = ops.where(ok, step, ops.zeros_like(step))
-        skipped = ops.where(ok, skipped, skipped + 1)
-        return (unflatten_state(spec, iter(kept)), skipped), step
+        new, step = _selected(ok, new, inner, step, x)
+        return (new, ops.where(ok, skipped, skipped + 1)), step
+
+
+def _selected(ok, new, old, step, x):
+    """The state `new` where `ok`, else `old` (of one structure), and `step` or no move."""
+    old_parts: list = []
+    flatten_state(old, old_parts)
+    new_parts: list = []
+    spec = flatten_state(new, new_parts)
+    # None parts (Descent's state, SOAP's axes without a basis) have nothing to select
+    kept = [n if n is None else ops.where(ok, n, o) for n, o in zip(new_parts, old_parts)]
+    if isinstance(step, NewValue):
+        step = NewValue(ops.where(ok, step.value, x))
+    elif step is not None:
+        step = ops.where(ok, step, ops.zeros_like(step))
+    return unflatten_state(spec, iter(kept)), step
 
 
 @dataclass(frozen=True, repr=False)
-class Lookahead(_ElementwiseWrapper):
+class Lookahead(_Wrapper):
     """Lookahead (Zhang et al., "Lookahead Optimizer: k steps forward, 1 step back", 2019): the
     parameter (the fast weights) takes `k` steps of `rule`; then slow weights, kept in the state,
     move a fraction `alpha` of the way to it, and the parameter is set to them.
 
-    State `(slow, inner, n)`: the slow weights (a copy of `x` at setup), `rule`'s state, and the
-    number of `rule`'s steps since the last synchronisation. Each step:
-    `(inner, step) = rule.apply(inner, x, g)`, `fast = x − step`, `n ← n+1`; if `n = k`:
-    `slow ← slow + α·(fast − slow)`, the parameter becomes `slow` (a `NewValue`) and `n ← 0`;
-    otherwise the parameter becomes `fast`. A call on which `rule` does not move (`AccumGrad`
-    between its updates) does not count (optax counts every call). Gradients are always taken at
-    the parameter (the fast weights); evaluate and save the slow ones:
-    `optimisers.eval_params(state, model)` gives the model holding them. `rule`'s state is kept
-    across synchronisations.
+    State `(slow, inner, n)`: the slow weights (a copy of `x` at setup), `rule`'s state and the
+    number of its steps since the last synchronisation. Each step: `(inner, step) =
+    rule.apply(inner, x, g)`, `fast = x − step`, `n ← n+1`; if `n = k`: `slow ← slow +
+    α·(fast − slow)`, the parameter becomes `slow` and `n ← 0`; otherwise it becomes `fast`. A call
+    on which `rule` does not move (`AccumGrad`) does not count (optax counts every call).
+    `optimisers.eval_params(state, model)` gives the model at the slow weights, to evaluate and save.
 
-    Defaults: `k=6, alpha=0.5` (k ≥ 1, α in [0, 1]; α is a number, not a schedule).
-    `hyperparameters()` and `adjust` forward to `rule`; `k` and `alpha` stay. Under `jax.jit` the
-    synchronisation is selected with `ops.where` on the traced counter. optax:
-    `optax.lookahead(rule, sync_period=k, slow_step_size=alpha)` (with `reset_state=False`, its
-    default, and the same numbers up to rounding: optax adds an update to the fast weights where
-    this sets them to the slow ones), which trains `optax.LookaheadParams(fast, slow)` where this
-    keeps the slow weights in the state and the model as it is. PyTorch has no Lookahead.
+    Defaults: `k=6, alpha=0.5` (α a number). `hyperparameters()` and `adjust` forward to `rule`.
+    optax: `optax.lookahead(rule, sync_period=k, slow_step_size=alpha)`, up to rounding, on
+    `LookaheadParams(fast, slow)` where this keeps `slow` in the state. PyTorch has none.
     """
 
     rule: Rule
@@ -354,17 +325,7 @@ class Lookahead(_ElementwiseWrapper):
 
     def validate(self):
         super().validate()
-        if self.k < 1:
-            raise ValueError(f"Lookahead: k (steps between synchronisations) must be >= 1, got {self.k}")
-        if "alpha" in scheduled_fields(self):
-            raise TypeError(f"Lookahead: alpha must be a number, not a schedule, got {self.alpha!r}")
-        if isinstance(self.rule, MixedPrecision):
-            # its master copy would keep the fast weights after a synchronisation
-            raise TypeError(
-                "Lookahead: MixedPrecision cannot be its rule; wrap the Lookahead instead: "
-                "MixedPrecision(Lookahead(...))"
-            )
-        check_range(self, "alpha", 0.0, 1.0)
+        _check_lookahead(self)
 
     def __repr__(self):
         return f"Lookahead({self.rule!r}, k={self.k}, alpha={self.alpha})"
@@ -386,11 +347,24 @@ class Lookahead(_ElementwiseWrapper):
         known = concrete(sync)
         if known is not None and not known:
             return (slow, inner, n), step
-        fast = step.value if isinstance(step, NewValue) else x - step
-        fast = ops.astype(fast, x)  # the parameter's value after the step, as written
+        fast = ops.astype(step.value if isinstance(step, NewValue) else x - step, x)  # as written
         synced = slow + ops.scalar(self.alpha, x) * (fast - slow)
         if known is not None:  # the parameter's own copy: no buffer shared with the state
             return (synced, inner, 0), NewValue(ops.copy(synced))
         # traced (under jax.jit): both outcomes, selected on the counter
         slow = ops.where(sync, synced, slow)
         return (slow, inner, n % self.k), NewValue(ops.where(sync, synced, fast))
+
+
+def _check_lookahead(rule: Lookahead) -> None:
+    if rule.k < 1:
+        raise ValueError(f"Lookahead: k (steps between synchronisations) must be >= 1, got {rule.k}")
+    if "alpha" in scheduled_fields(rule):
+        raise TypeError(f"Lookahead: alpha must be a number, not a schedule, got {rule.alpha!r}")
+    if isinstance(rule.rule, MixedPrecision):
+        # its master copy would keep the fast weights after a synchronisation
+        raise TypeError(
+            "Lookahead: MixedPrecision cannot be its rule; wrap the Lookahead instead: "
+            "MixedPrecision(Lookahead(...))"
+        )
+    check_range(rule, "alpha", 0.0, 1.0)

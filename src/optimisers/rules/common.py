@@ -1,7 +1,4 @@
-"""What several rules share: hyperparameter checks, casts, and Adam's moments.
-
-The conventions every rule here follows are in `optimisers.rules`.
-"""
+"""What several rules share: hyperparameter checks, casts, and Adam's moments."""
 
 from __future__ import annotations
 
@@ -43,20 +40,13 @@ class Elementwise(Rule):
 @dataclasses.dataclass(frozen=True)
 class Moments(Elementwise):
     """A state of `moments` arrays and a step count, all zero: `(m, v, t)` for Adam, for its
-    relatives here and in `torch_named`."""
+    relatives here and in `torch_named`; `m` in the rule's `mu_dtype`, if it has one."""
 
     moments: ClassVar[int] = 2
 
     def init(self, x):
-        return (*(ops.zeros_like(x) for _ in range(self.moments)), 0)
-
-
-def real_only(rule: Rule, x) -> None:
-    if ops.is_complex(x):
-        raise TypeError(
-            f"{type(rule).__name__} is not defined for complex parameters (it uses the sign or the "
-            f"order of numbers); got an array of dtype {x.dtype}"
-        )
+        m = zeros_in(x, getattr(self, "mu_dtype", None))
+        return (m, *(ops.zeros_like(x) for _ in range(self.moments - 1)), 0)
 
 
 def cast(x, *values):
@@ -120,3 +110,20 @@ def at_least_float32(a):
 def real_zeros(x):
     """Zeros shaped like `x` in its real dtype (for a real `x`, just its dtype)."""
     return ops.abs(ops.zeros_like(x))
+
+
+def state_dtype():
+    """A keyword-only field for an explicit dtype of a state array (None: the parameter's): not a
+    hyperparameter, and shown in the repr and a checkpoint's rule text only when given."""
+    return dataclasses.field(default=None, kw_only=True, metadata={"static": True, "state_dtype": True})
+
+
+def zeros_in(x, dtype):
+    """Zeros shaped like `x`, in `dtype` (None: x's own; made from real zeros, so that a real
+    dtype for a complex `x` discards no imaginary part)."""
+    return ops.zeros_like(x) if dtype is None else ops.cast(real_zeros(x), dtype)
+
+
+def stored_in(new, dtype):
+    """A new state array in the explicit state dtype `dtype` (None: as computed)."""
+    return new if dtype is None else ops.cast(new, dtype)

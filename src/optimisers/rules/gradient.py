@@ -1,7 +1,4 @@
-"""Rules that change the gradient before a step: decay and clipping.
-
-The conventions every rule here follows are in `optimisers.rules`.
-"""
+"""Rules that change the gradient before a step: decay and clipping."""
 
 from __future__ import annotations
 
@@ -11,7 +8,7 @@ from typing import ClassVar
 
 from optimisers import ops
 from optimisers.core.rule import Rule, concrete
-from optimisers.rules.common import Elementwise, real_only
+from optimisers.rules.common import Elementwise
 
 __all__ = ["WeightDecay", "SignDecay", "ClipGrad", "ClipNorm"]
 
@@ -46,10 +43,7 @@ class SignDecay(Elementwise):
     """
 
     lambd: float = 1e-3
-
-    def init(self, x):
-        real_only(self, x)
-        return None
+    real_only = True
 
     def apply(self, state, x, dx):
         return state, dx + ops.scalar(self.lambd, x) * ops.sign(x)
@@ -65,10 +59,7 @@ class ClipGrad(Elementwise):
 
     delta: float = 10.0
     infinite_ok: ClassVar[tuple[str, ...]] = ("delta",)  # no clipping
-
-    def init(self, x):
-        real_only(self, x)
-        return None
+    real_only = True
 
     def apply(self, state, x, dx):
         delta = ops.scalar(self.delta, x)
@@ -109,9 +100,7 @@ class ClipNorm(Rule):
             raise ValueError("ClipNorm: p must be a number, got nan")
 
     def gradient_factor(self, dx):
-        """`min(ω/‖dx‖, 1)`, a scalar of `dx`'s dtype: the step is `factor · dx`. The in-place
-        engine computes it over a parameter's whole gradient first, then steps the rest of a
-        chain in chunks (see `OptimiserChain.apply_scaled`)."""
+        """`min(ω/‖dx‖, 1)`, a scalar of `dx`'s dtype: the step is `factor · dx`."""
         n = ops.norm(dx, self.p)
         if self.throw and ops.isfinite(n) is False:
             raise ValueError(
@@ -124,9 +113,8 @@ class ClipNorm(Rule):
         return ops.scalar(omega / ops.maximum(n, omega), dx)
 
     def gradient_factors(self, dxs):
-        """`gradient_factor` of each of `dxs` (of one backend and dtype), the same numbers, as a
-        1-D array, with their norms taken together (`ops.norms`): the in-place engine's factors
-        for a group of many small parameters."""
+        """`gradient_factor` of each of `dxs` (of one backend and dtype) as a 1-D array, the norms
+        taken together (`ops.norms`)."""
         ns = ops.norms(dxs, self.p)
         if self.throw and ops.isfinite(ns) is False:
             return [self.gradient_factor(dx) for dx in dxs]  # raises, naming the norm

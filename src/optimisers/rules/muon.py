@@ -55,7 +55,7 @@ def newton_schulz(g, coefficients, steps: int, epsilon):
 class Muon(Rule):
     """Muon, momentum orthogonalised by Newton–Schulz (Keller Jordan, "Muon: An optimizer for
     hidden layers in neural networks", 2024; Liu et al., "Muon is Scalable for LLM Training",
-    2025), for the matrices of hidden layers.
+    2025), for the matrices of hidden layers (docs/api.md compares it with torch's and optax's).
 
     State: the momentum `m = 0`, of the parameter's shape. With `x` the parameter before the step:
     `m ← β·m + (1−β)·g` (an average, as torch's `lerp`); the direction `u = (1−β)·g + β·m` with
@@ -67,30 +67,19 @@ class Muon(Rule):
     and `0.2·√max(rows, cols)` for `scale="match_rms_adamw"` (Moonshot's: the RMS of AdamW's
     updates, so AdamW's η and λ carry over).
 
-    Parameters must have at least 2 dimensions. A 3-D or higher parameter (a conv filter
-    (out, in, h, w), stacked per-head or per-expert weights) is orthogonalised as the matrix
-    `(shape[0], product of the rest)`, as Keller Jordan's conv Muon does, and `s` uses that
-    matrix's shape. 0-D and 1-D parameters (biases, normalisation scales) make `setup` raise: give
-    them another rule, e.g. AdamW, with a per-parameter `setup((path, x) -> rule, model)`;
-    embeddings and output heads are matrices but, as the authors advise, also belong to AdamW.
-    Real parameters only. The iteration runs in float32 for float16/bfloat16 parameters, in the
-    parameter's dtype otherwise.
+    A parameter of 3 or more dimensions is orthogonalised as the matrix `(shape[0], product of
+    the rest)`; 0-D and 1-D parameters make `setup` raise (give them another rule, e.g. AdamW, with
+    `muon_or` or a per-parameter `setup`). Real parameters only. The iteration runs in float32 for
+    float16/bfloat16 parameters, in the parameter's dtype otherwise.
 
     Defaults: `eta=0.001, beta=0.95, lambd=0.1, nesterov=True, ns_steps=5,
     ns_coefficients=(3.4445, -4.7750, 2.0315), epsilon=1e-7, scale="original"` (all but `eta`,
     `beta` and `lambd` keyword only), torch's. PyTorch: `torch.optim.Muon(lr=eta,
     weight_decay=lambd, momentum=beta, nesterov=nesterov, ns_coefficients=ns_coefficients,
-    eps=epsilon, ns_steps=ns_steps, adjust_lr_fn=scale)` is the same formula for 2-D parameters,
-    but runs the iteration in bfloat16 (its steps differ from ours by 1-3%).
-    optax: `optax.contrib.muon(eta, ns_coeffs=ns_coefficients, ns_steps=ns_steps, beta=beta,
-    eps=epsilon, weight_decay=lambd, nesterov=False,
-    muon_weight_dimension_numbers=MuonDimensionNumbers(1, 0))` computes the same steps for
-    `nesterov=False` and 2-D parameters: its momentum is bias-corrected, a factor that the
-    normalisation cancels (its Nesterov term corrects the momentum and the gradient by different
-    factors, so `nesterov=True` differs); it takes rows as the input axis, and the dimension
-    numbers `(1, 0)` make its width scaling ours (with `scale="match_rms_adamw"`:
-    `consistent_rms=0.2`, any dimension numbers). optax adds ε to the norm where we take
-    `max(‖u‖, ε)`: the same for any gradient far from 0.
+    eps=epsilon, ns_steps=ns_steps, adjust_lr_fn=scale)`, for 2-D parameters, iterating in
+    bfloat16 (1-3% apart). optax: `optax.contrib.muon(eta, ns_coeffs=ns_coefficients,
+    ns_steps=ns_steps, beta=beta, eps=epsilon, weight_decay=lambd, nesterov=False,
+    muon_weight_dimension_numbers=MuonDimensionNumbers(1, 0))` for `nesterov=False`.
     """
 
     never_raises = True
@@ -124,24 +113,24 @@ class Muon(Rule):
             raise TypeError(f"Muon is not defined for complex parameters; got an array of dtype {x.dtype}")
         return ops.zeros_like(x)
 
-    #: `apply_stacked` steps many parameters of one shape at once (`optimisers.engine.stacked`)
     stacks = True
 
     def apply(self, state, x, dx):
-        return self._step(state, x, dx, tuple(x.shape))
+        return _step(self, state, x, dx, tuple(x.shape))
 
     def apply_stacked(self, state, x, dx):
         """`apply` of parameters of one shape stacked along a new first axis, each with the
         numbers of its own `apply`: the Newton–Schulz products run batched."""
-        return self._step(state, x, dx, tuple(x.shape[1:]))
+        return _step(self, state, x, dx, tuple(x.shape[1:]))
 
-    def _step(self, state, x, dx, shape):
-        beta, keep = cast(dx, self.beta, 1 - self.beta)
-        m = beta * state + keep * dx
-        u = keep * dx + beta * m if self.nesterov else m
-        rows, cols = matrix_shape(shape)
-        matrix = at_least_float32(ops.reshape(u, (*x.shape[: len(x.shape) - len(shape)], rows, cols)))
-        o = newton_schulz(matrix, self.ns_coefficients, self.ns_steps, self.epsilon)
-        o = ops.astype(ops.reshape(o, x.shape), x)
-        eta, decay = cast(x, self.eta * SCALES[self.scale](rows, cols), self.eta * self.lambd)
-        return m, eta * o + decay * x
+
+def _step(rule, state, x, dx, shape):
+    beta, keep = cast(dx, rule.beta, 1 - rule.beta)
+    m = beta * state + keep * dx
+    u = keep * dx + beta * m if rule.nesterov else m
+    rows, cols = matrix_shape(shape)
+    matrix = at_least_float32(ops.reshape(u, (*x.shape[: len(x.shape) - len(shape)], rows, cols)))
+    o = newton_schulz(matrix, rule.ns_coefficients, rule.ns_steps, rule.epsilon)
+    o = ops.astype(ops.reshape(o, x.shape), x)
+    eta, decay = cast(x, rule.eta * SCALES[rule.scale](rows, cols), rule.eta * rule.lambd)
+    return m, eta * o + decay * x

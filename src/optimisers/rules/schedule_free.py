@@ -1,13 +1,7 @@
 """Schedule-free rules (Defazio et al., "The Road Less Scheduled", 2024): a constant learning rate
-with no decay schedule, and an average of the iterates to evaluate at.
-
-Three sequences: `z`, the base optimiser's iterates (kept in the state); `x`, a weighted average
-of the `z`s, where the model is evaluated and saved; and `y = (1−β₁)·z + β₁·x`, between the two,
-where the gradients are taken. The parameter that the library trains holds `y` (as the model's
-parameters do while the `schedulefree` package's optimisers are in train mode), so a rule returns
-the new `y`; `x` is not stored, it is recovered from `y` and `z` by `eval_value`
-(`optimisers.eval_params(state, model)` gives the model at `x`).
-
+with no decay schedule, and an average `x` of the base iterates `z` to evaluate at. The parameter
+holds `y = (1−β₁)·z + β₁·x`, where gradients are taken (as in the `schedulefree` package's train
+mode), so a rule returns the new `y`; `x` is recovered from `y` and `z` by `eval_value`.
 The conventions every rule here follows are in `optimisers.rules`.
 """
 
@@ -66,24 +60,32 @@ def evaluation_point(y, z, b1):
 class _ScheduleFree(Elementwise):
     """What both rules share: the checks, the counters and the evaluation point."""
 
-    def _b1(self):
-        """β₁ (ScheduleFreeSGD's `beta`, ScheduleFreeAdamW's `beta[0]`) and its name in errors."""
-        return (self.beta[0], "beta[0]") if isinstance(self.beta, tuple) else (self.beta, "beta")
-
     def validate(self):
-        b1, name = self._b1()
-        b1 = concrete(b1)
-        if b1 is not None and not 0.0 < b1 <= 1.0:
-            raise ValueError(
-                f"{type(self).__name__}: {name} must be in (0, 1] (the evaluation point divides "
-                f"by it), got {b1}"
-            )
-        nonnegative(self, "lambd", "r", "weight_lr_power")
-        if self.warmup < 0:
-            raise ValueError(f"{type(self).__name__}: warmup must be >= 0 steps, got {self.warmup}")
+        _check_schedule_free(self)
 
     def eval_value(self, state, x):
-        return evaluation_point(x, state[0], self._b1()[0])
+        return evaluation_point(x, state[0], _b1(self)[0])
+
+
+def _b1(rule):
+    """β₁ (ScheduleFreeSGD's `beta`, ScheduleFreeAdamW's `beta[0]`) and its name in errors."""
+    return (rule.beta[0], "beta[0]") if isinstance(rule.beta, tuple) else (rule.beta, "beta")
+
+
+def _check_schedule_free(rule) -> None:
+    name = type(rule).__name__
+    b1, label = _b1(rule)
+    b1 = concrete(b1)
+    if b1 is not None and not 0.0 < b1 <= 1.0:
+        raise ValueError(f"{name}: {label} must be in (0, 1] (the evaluation point divides by it), got {b1}")
+    nonnegative(rule, "lambd", "r", "weight_lr_power")
+    if rule.warmup < 0:
+        raise ValueError(f"{name}: warmup must be >= 0 steps, got {rule.warmup}")
+    if isinstance(rule.beta, tuple):
+        b2 = concrete(rule.beta[1])
+        if b2 is not None and not 0.0 <= b2 < 1.0:
+            raise ValueError(f"{name}: beta[1] must be in [0.0, 1.0), got {b2}")
+        nonnegative(rule, "epsilon")
 
 
 @dataclass(frozen=True)
@@ -94,25 +96,17 @@ class ScheduleFreeAdamW(_ScheduleFree):
     State `(z, v, k, lr_max, Σw)`: the base sequence `z` (a copy of the parameter at setup), the
     second moment `v`, the number of steps taken `k`, the largest learning rate so far and the sum
     of the averaging weights. The parameter is `y`, where gradients are taken. Each step, with
-    `lr`, `c` from the warm-up and the weights
-    (`lr = η·min((k+1)/warmup, 1)`, `w = (k+1)^r · max lr^p`, `c = w/Σw`):
-    `v ← β₂v + (1−β₂)|g|²`, `u = g/(√(v/(1−β₂ᵏ⁺¹)) + ε) + λ·y` (the decay at `y`),
-    `z ← z − lr·u`, `x ← (1−c)·x + c·z`, `y ← (1−β₁)·z + β₁·x`. The new `y` is set as the
-    parameter's value (a `NewValue`), computed as the package does without forming `x`:
-    `y ← lerp(y, z, c) + lr·(β₁(1−c) − 1)·u`. Evaluate and save the average
-    `x = (y − (1−β₁)·z)/β₁`: `optimisers.eval_params(state, model)`.
+    `lr = η·min((k+1)/warmup, 1)`, `w = (k+1)^r · max lr^p`, `c = w/Σw`:
+    `v ← β₂v + (1−β₂)|g|²`, `u = g/(√(v/(1−β₂ᵏ⁺¹)) + ε) + λ·y`, `z ← z − lr·u`,
+    `x ← (1−c)·x + c·z`, `y ← (1−β₁)·z + β₁·x`, computed without forming `x` as
+    `y ← lerp(y, z, c) + lr·(β₁(1−c) − 1)·u` and set as the parameter's value.
+    `optimisers.eval_params(state, model)` gives the average `x = (y − (1−β₁)·z)/β₁`.
 
     Defaults: `eta=2.5e-3, beta=(0.9, 0.999), epsilon=1e-8, lambd=0.0, warmup=0, r=0.0,
-    weight_lr_power=2.0` (β₁ in (0, 1], β₂ in [0, 1)). The `schedulefree` package:
-    `AdamWScheduleFree(lr=eta, betas=beta, eps=epsilon, weight_decay=lambd, warmup_steps=warmup,
-    r=r, weight_lr_power=weight_lr_power)` computes the same steps at every setting; it counts
-    steps per param group and we per parameter, the same when every parameter gets a gradient
-    at every step. `optimisers.torch.AdamWScheduleFree` is that class, trained by this library.
-    optax: `optax.contrib.schedule_free_adamw(eta, warmup_steps=None, b1, b2, eps,
-    weight_decay=lambd, weight_lr_power)` computes the same steps (up to rounding: it forms `x`)
-    when `warmup=0` and `r=0` (optax has no `r`, and during its warm-up the base step's
-    learning rate lags one step behind the averaging's); its `schedule_free_eval_params` is
-    `eval_params`.
+    weight_lr_power=2.0` (β₁ in (0, 1], β₂ in [0, 1)). The `schedulefree` package's
+    `AdamWScheduleFree` (`optimisers.torch.AdamWScheduleFree`) computes the same steps; optax's
+    `optax.contrib.schedule_free_adamw` too, up to rounding, when `warmup=0` and `r=0` (docs/api.md
+    maps the names).
     """
 
     eta: float = 2.5e-3
@@ -122,13 +116,6 @@ class ScheduleFreeAdamW(_ScheduleFree):
     warmup: int = 0
     r: float = 0.0
     weight_lr_power: float = 2.0
-
-    def validate(self):
-        super().validate()
-        b2 = concrete(self.beta[1])
-        if b2 is not None and not 0.0 <= b2 < 1.0:
-            raise ValueError(f"ScheduleFreeAdamW: beta[1] must be in [0.0, 1.0), got {b2}")
-        nonnegative(self, "epsilon")
 
     def init(self, x):
         # z starts at the parameter (a cast is always a new plain array); lr_max starts below any
@@ -158,13 +145,9 @@ class ScheduleFreeSGD(_ScheduleFree):
     Evaluate and save `x = (y − (1−β)·z)/β`: `optimisers.eval_params(state, model)`.
 
     Defaults: `eta=1.0, beta=0.9, lambd=0.0, warmup=0, r=0.0, weight_lr_power=2.0` (β in
-    (0, 1]). The `schedulefree` package: `SGDScheduleFree(lr=eta, momentum=beta,
-    weight_decay=lambd, warmup_steps=warmup, r=r, weight_lr_power=weight_lr_power)` computes the
-    same steps at every setting (counting steps per parameter where it counts per param group:
-    the same when every parameter gets a gradient at every step);
-    `optimisers.torch.SGDScheduleFree` is that class, trained by this library. optax:
-    `optax.contrib.schedule_free_sgd(eta, warmup_steps=None, b1=beta, weight_decay=lambd,
-    weight_lr_power)` when `warmup=0` and `r=0`, up to rounding.
+    (0, 1]). The `schedulefree` package's `SGDScheduleFree` (`optimisers.torch.SGDScheduleFree`)
+    computes the same steps; optax's `optax.contrib.schedule_free_sgd` too, up to rounding, when
+    `warmup=0` and `r=0` (docs/api.md maps the names).
     """
 
     eta: float = 1.0

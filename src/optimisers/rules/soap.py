@@ -13,7 +13,7 @@ import numpy as np
 
 from optimisers import ops
 from optimisers.core.rule import Rule, check_range
-from optimisers.rules.common import at_least_float32, cast, nonnegative, real_only
+from optimisers.rules.common import at_least_float32, cast, nonnegative
 
 __all__ = ["SOAP"]
 
@@ -29,51 +29,32 @@ class SOAP(Rule):
     `Lᵢ ← σ·Lᵢ + (1−σ)·GᵢGᵢᵀ` (σ = `shampoo_beta`, `GᵢGᵢᵀ` the gradient contracted with itself
     over every other axis: `L = GGᵀ` and `R = GᵀG` for a matrix) and an orthogonal basis `Qᵢ` of
     its eigenvectors, columns by descending eigenvalue. `rot(a)` multiplies axis `i` of `a` by
-    `Qᵢᵀ` and `rot⁻¹(a)` by `Qᵢ` (for a matrix, `QLᵀ·a·QR` and `QL·a·QRᵀ`); axes without a
-    basis are left alone. On step `t`, counting the first call as step 0:
+    `Qᵢᵀ` and `rot⁻¹(a)` by `Qᵢ`; axes without a basis are left alone. On step `t`, counting the
+    first call as step 0:
 
-    - `t = 0`: `Lᵢ` from `g` and `Qᵢ = eigh(Lᵢ)`; the parameter does not move (no decay
-      either), so that the gradient never meets a basis made from itself;
-    - `t ≥ 1`: `g' = rot(g)`, `m ← β₁m + (1−β₁)g'`, `v ← β₂v + (1−β₂)g'²` (both kept in the
-      eigenbasis), `u = rot⁻¹(m / (√v + ε))`, and
-      `x_new = (x − η·√(1−β₂ᵗ)/(1−β₁ᵗ)·u)·(1 − η·λ)`: ε after the root of the uncorrected
-      second moment, the decoupled decay after the step, as the reference implementation. Then
-      `Lᵢ` takes `g`, and when `t % precondition_frequency == 0` each basis is refreshed by one
-      step of power iteration: the columns of `Qᵢ` sorted by their estimated eigenvalues
-      `diag(QᵢᵀLᵢQᵢ)` descending, `Qᵢ ← qr(Lᵢ·Qᵢ).q`; `v` is permuted along axis `i` with the
-      columns (not rotated into the new basis) and `m` is rotated into it.
+    - `t = 0`: `Lᵢ` from `g` and `Qᵢ = eigh(Lᵢ)`; the parameter does not move (no decay either);
+    - `t ≥ 1`: `g' = rot(g)`, `m ← β₁m + (1−β₁)g'`, `v ← β₂v + (1−β₂)g'²`,
+      `u = rot⁻¹(m / (√v + ε))`, `x_new = (x − η·√(1−β₂ᵗ)/(1−β₁ᵗ)·u)·(1 − η·λ)`. Then `Lᵢ` takes
+      `g`, and when `t % precondition_frequency == 0` each basis is refreshed by one step of power
+      iteration: the columns of `Qᵢ` sorted by `diag(QᵢᵀLᵢQᵢ)` descending, `Qᵢ ← qr(Lᵢ·Qᵢ).q`;
+      `v` is permuted along axis `i` with the columns and `m` is rotated into the new basis.
 
     State `(m, v, L, Q, t)`: `L` and `Q` hold one `nᵢ×nᵢ` matrix per axis (None for an axis
-    without a basis), so the state is not shaped like the parameter and costs `2·Σnᵢ²` numbers
-    more than Adam's. Which axes have a basis is fixed at `setup`: `adjust` of
-    `max_precond_dim` or `precondition_1d` applies to new state only. The refresh is chosen with
-    `ops.cond` on the step, so the rule runs under `jax.jit` without retracing; `eigh` and `qr`
-    run in float32 or wider (NumPy has no float16 `eigh`). A non-finite gradient gives NaN
-    steps, as in Adam, on every backend (wrap in `SkipNonFinite` to skip such steps). Not
-    elementwise (the rotations couple an array); real parameters only.
-
-    A repeated eigenvalue leaves its eigenvectors to the linear-algebra library: on a matrix
-    whose one axis is longer than the other by two or more, the first `GGᵀ` has a repeated
-    zero eigenvalue, and NumPy, PyTorch and XLA (jitted or not) choose different bases of its
-    eigenspace. Each is a valid SOAP step, but the runs then differ by more than rounding.
-
-    The reference implementation's options are at their defaults: dimensions are not merged
-    (`merge_dims=False`), gradients not normalised, bias correction on, channels first.
+    without a basis), fixed at `setup` (`adjust` of `max_precond_dim` or `precondition_1d` applies
+    to new state only). `eigh` and `qr` run in float32 or wider. A non-finite gradient gives NaN
+    steps, as in Adam (wrap in `SkipNonFinite` to skip such steps). Not elementwise; real
+    parameters only. A repeated eigenvalue (the first `GGᵀ` of a matrix whose axes differ in
+    length by two or more) leaves the basis of its eigenspace to the linear-algebra library, so
+    NumPy, PyTorch and XLA runs may then differ by more than rounding.
 
     Defaults: `eta=3e-3, beta=(0.95, 0.95), shampoo_beta=0.95, epsilon=1e-8, lambd=0.01,
-    precondition_frequency=10, max_precond_dim=10000, precondition_1d=False` (the last keyword
-    only). The reference implementation (github.com/nikhilvyas/SOAP) `SOAP(params, lr=eta,
-    betas=beta, shampoo_beta=shampoo_beta, eps=epsilon, weight_decay=lambd,
-    precondition_frequency=..., max_precond_dim=..., precondition_1d=...)` computes the same
-    steps (to rounding: it computes its bases in float32; its `shampoo_beta=-1` default means
-    `beta[1]`, 0.95 at the defaults). heavyball's `SOAP(params, lr=eta,
-    betas=beta, shampoo_beta=shampoo_beta, eps=epsilon, weight_decay=lambd,
-    precondition_frequency=..., max_precond_dim=..., merge_dims=False, warmup_steps=0)` is a
-    variant whose steps agree to about 1e-4 of the distance moved until their refresh steps
-    part: it refreshes when a cumulative `1/precondition_frequency` per call crosses an integer
-    (one call before ours where that sum is exact), decays before the step, and lifts the null
-    space in its QR. Its defaults differ: `betas=(0.9, 0.95)`, `precondition_frequency=2`,
-    `max_precond_dim=2048`, `merge_dims=True`. PyTorch and optax have no SOAP.
+    precondition_frequency=10, max_precond_dim=10000, precondition_1d=False` (keyword only).
+    The reference implementation (github.com/nikhilvyas/SOAP, its other options at their
+    defaults) `SOAP(params, lr=eta, betas=beta, shampoo_beta=shampoo_beta, eps=epsilon,
+    weight_decay=lambd, ...)` computes the same steps to rounding. heavyball's `SOAP(...,
+    merge_dims=False, warmup_steps=0)` agrees to about 1e-4 of the distance moved until its
+    refreshes (one call earlier where its sum of `1/precondition_frequency` is exact) part; its
+    defaults differ. PyTorch and optax have no SOAP.
     """
 
     eta: float = 3e-3
@@ -84,6 +65,7 @@ class SOAP(Rule):
     precondition_frequency: int = 10
     max_precond_dim: int = 10000
     precondition_1d: bool = field(default=False, kw_only=True)
+    real_only = True
 
     def validate(self):
         check_range(self, "beta", 0.0, 1.0, high_open=True)
@@ -92,7 +74,6 @@ class SOAP(Rule):
         check_range(self, "precondition_frequency", 1, np.inf)
 
     def init(self, x):
-        real_only(self, x)
         preconditioned = len(x.shape) != 1 or self.precondition_1d
         sizes = [n if preconditioned and n <= self.max_precond_dim else None for n in x.shape]
         # preconditioners and bases are distinct arrays: one buffer at two places of a state
@@ -101,40 +82,47 @@ class SOAP(Rule):
         return ops.zeros_like(x), ops.zeros_like(x), ls, qs, 0
 
     def apply(self, state, x, dx):
-        t = state[-1]
-        return ops.cond(t == 0, lambda: self._first(state, dx), lambda: self._step(state, x, dx))
+        # (the refresh, too, is chosen with `ops.cond`: the rule runs under `jax.jit` unretraced)
+        return ops.cond(state[-1] == 0, lambda: _first(self, state, dx), lambda: _step(self, state, x, dx))
 
-    def _first(self, state, g):
-        m, v, ls, qs, t = state
-        ls = self._accumulate(ls, g)
-        qs = tuple(None if lm is None else _eigenbasis(lm) for lm in ls)
-        return (m, v, ls, qs, t + 1), ops.zeros_like(g)
 
-    def _step(self, state, x, g):
-        m, v, ls, qs, t = state
-        b1, b2 = self.beta
-        cb1, cm, cb2, cv = cast(x, b1, 1 - b1, b2, 1 - b2)
-        g_rot = _rotate(g, qs, back=False)
-        m = cb1 * m + cm * g_rot
-        v = cb2 * v + cv * g_rot * g_rot
-        u = _rotate(m / (ops.sqrt(v) + ops.epsilon(self.epsilon, x)), qs, back=True)
-        size, decay = cast(x, self.eta * (1 - b2**t) ** 0.5 / (1 - b1**t), self.eta * self.lambd)
-        step = size * u
-        step = step + decay * (x - step)  # x − step, then decayed: x_new = (x − η·u)(1 − ηλ)
-        ls = self._accumulate(ls, g)
-        refresh = t % self.precondition_frequency == 0
-        m, v, qs = ops.cond(refresh, lambda: _refresh(ls, qs, m, v), lambda: (m, v, qs))
-        return (m, v, ls, qs, t + 1), step
+def _first(rule, state, g):
+    """Step 0: the preconditioners from `g` and their bases; no move, so that the gradient never
+    meets a basis made from itself."""
+    m, v, ls, qs, t = state
+    ls = _accumulate(rule, ls, g)
+    qs = tuple(None if lm is None else _eigenbasis(lm) for lm in ls)
+    return (m, v, ls, qs, t + 1), ops.zeros_like(g)
 
-    def _accumulate(self, ls, g):
-        """Each axis' `L ← σL + (1−σ)·G Gᵀ` (G Gᵀ contracts every other axis)."""
 
-        def accumulated(i, lm):
-            rest = [j for j in range(len(g.shape)) if j != i]
-            sigma, rate = cast(lm, self.shampoo_beta, 1 - self.shampoo_beta)
-            return sigma * lm + rate * ops.tensordot(g, g, (rest, rest))
+def _step(rule, state, x, g):
+    m, v, ls, qs, t = state
+    b1, b2 = rule.beta
+    cb1, cm, cb2, cv = cast(x, b1, 1 - b1, b2, 1 - b2)
+    g_rot = _rotate(g, qs, back=False)
+    m = cb1 * m + cm * g_rot
+    v = cb2 * v + cv * g_rot * g_rot
+    u = _rotate(m / (ops.sqrt(v) + ops.epsilon(rule.epsilon, x)), qs, back=True)
+    size, decay = cast(x, rule.eta * (1 - b2**t) ** 0.5 / (1 - b1**t), rule.eta * rule.lambd)
+    step = size * u
+    # ε after the root of the uncorrected second moment, the decoupled decay after the step, as
+    # the reference implementation: x_new = (x − η·u)(1 − ηλ)
+    step = step + decay * (x - step)
+    ls = _accumulate(rule, ls, g)
+    refresh = t % rule.precondition_frequency == 0
+    m, v, qs = ops.cond(refresh, lambda: _refresh(ls, qs, m, v), lambda: (m, v, qs))
+    return (m, v, ls, qs, t + 1), step
 
-        return tuple(None if lm is None else accumulated(i, lm) for i, lm in enumerate(ls))
+
+def _accumulate(rule, ls, g):
+    """Each axis' `L ← σL + (1−σ)·G Gᵀ` (G Gᵀ contracts every other axis)."""
+
+    def accumulated(i, lm):
+        rest = [j for j in range(len(g.shape)) if j != i]
+        sigma, rate = cast(lm, rule.shampoo_beta, 1 - rule.shampoo_beta)
+        return sigma * lm + rate * ops.tensordot(g, g, (rest, rest))
+
+    return tuple(None if lm is None else accumulated(i, lm) for i, lm in enumerate(ls))
 
 
 def _rotate(a, qs, back):

@@ -46,7 +46,6 @@ class _TrustRatio(Rule):
 
     elementwise = False  # the norms couple the array
     never_raises = True
-    #: `apply_stacked` steps many parameters of one shape at once (`optimisers.engine.stacked`)
     stacks = True
 
     def apply(self, state, x, dx):
