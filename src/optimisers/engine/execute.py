@@ -1,21 +1,8 @@
 """Execute: how each Leaf steps, chosen in one place (`step`), and the two phases of an update
-that lead there.
-
-A Leaf steps in one of five ways, each in its own module:
-
-1. **fused** (`fused`): the backend's own kernel for the rule (torch's fused Adam/AdamW), one
-   parameter or a whole engine group per call;
-2. **span** (`span`): a group whose parameters are views of one flat buffer steps that buffer;
-3. **flat chunks** (`chunks`): an elementwise rule's `apply` over chunks of a group's flat
-   buffers (big members in place, small ones packed), or of one large parameter for `update`;
-4. **stack** (`stacked`): small parameters of a rule that `stacks` (Muon), one call per stack;
-5. **per-Leaf** (`precision`): the rule's `apply` on the whole arrays (in float32 for a
-   float16/bfloat16 parameter).
-
-An update first gathers (`gather`: walk, check, collect each Leaf's gradients), then steps.
-`update_` first tries the route of its last step (`replay`), and steps engine groups (`plan`)
-in place; the rest, and everything `update` does, is computed per Leaf, checked (`checks`) and
-committed by the verb. Nothing is written until every result has been computed and checked.
+that lead there (docs/architecture.md: the five ways, fused, span, flat chunks, stack and
+per-Leaf, each in its own module). An update gathers (`gather`), then steps; `update_` first
+tries its last step's route (`replay`) and steps engine groups (`plan`) in place. Nothing is
+written until every result has been computed and checked.
 """
 
 from __future__ import annotations

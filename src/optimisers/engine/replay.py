@@ -1,17 +1,8 @@
-"""Replay: a later `update_` that reuses the plan of the step before.
-
-A State's first step, and any step after something changed, takes the general path: `gather`
-walks model, state and gradients and checks every gradient, `plan.select` groups the Leafs and
-each group checks its members in full. Where every Leaf then stepped in the engine's groups,
-`Route.record` keeps what that step walked: the containers of the state tree with the model
-nodes they stood for (depth first), the parameter at each place and the group member each place
-feeds, and each group keeps the backend's snapshot of its arrays (`Group.snapshot`).
-
-A later step walks those containers in one function written for the route (`_compiled`), takes
-each place's parameter and gradient, applies the one tie policy (a place without a gradient adds
-nothing: `ties.given`, as `gather` does) and asks each group's backend one question
-(`Group.still`: everything its kernels rely on). If anything differs, nothing has been written:
-the general path runs, reports any error, and records the route anew.
+"""Replay: a later `update_` that reuses the plan of the step before (docs/architecture.md, step
+2). Where every Leaf stepped in the engine's groups, `Route.record` keeps what the general step
+walked; a later step walks it in one function written for the route, applies the one tie policy
+(`ties.given`) and asks each group's backend one question (`Group.still`). If anything differs,
+nothing has been written: the general path runs, reports any error, and records the route anew.
 """
 
 from __future__ import annotations
