@@ -1,15 +1,6 @@
-"""Checkpoints of optimiser state as a flat dict: `state_dict` / `load_state_dict`.
-
-The keys are parameter paths (`format_path`; `"<model>"` when the model is one array) followed by
-`/rule`, `/frozen`, `/state...` or `/tied_to` (`state_dict` lists them; docs/checkpoints.md shows a
-whole dict). A state's `None` gives no entry and a bare array `"P/state"`; arrays stay arrays of
-their backend (not copies), step counters Python ints. Each tied Leaf is stored once, under its
-first path (depth first, as `setup` finds it). `load_state_dict` checks everything (paths, ties,
-rules, state entries, shapes, dtypes) before it builds anything and reports every difference at
-once; it returns a new `State` and leaves its arguments untouched (no trailing underscore: pure).
-
-`save` / `load` (one file with a checksum) live in `optimisers.checkpoints.files`.
-"""
+"""Optimiser state as a flat dict keyed by parameter path: `state_dict` / `load_state_dict` (the
+layout: docs/checkpoints.md). A state's `None` gives no entry, a bare array `"P/state"`. Files
+(`save` / `load`) are in `optimisers.checkpoints.files`."""
 
 from __future__ import annotations
 
@@ -34,6 +25,7 @@ FORMAT_KEY = "__format__"
 META_KEY = "__optimisers__"  # the JSON entry of a file
 _HYPER_MODES = ("checkpoint", "state", "check")
 _MAX_PROBLEMS = 25
+_NUMBERS = (bool, int, float, complex)  # (bool before int: a bool is an int)
 
 
 class CheckpointError(ValueError):
@@ -78,8 +70,7 @@ def _places(tree) -> list[tuple[str, Leaf]]:
 
 
 def _is_variable(x) -> bool:
-    """A Flax NNX `Variable`: `nnx.Optimizer` holds each array and number of its state, and each
-    number of the rule, in one."""
+    """A Flax NNX `Variable`, as `nnx.Optimizer` holds the numbers and arrays of rules and states."""
     variable = getattr(sys.modules.get("flax.nnx"), "Variable", None)  # Flax: only once imported
     return variable is not None and isinstance(x, variable)
 
@@ -89,59 +80,49 @@ def _unheld(x):
     return x.get_value() if _is_variable(x) else x
 
 
-def _is_array(x) -> bool:
-    """An array (or NumPy scalar) of a library with a backend."""
+def _is_array(x) -> bool:  # (or a NumPy scalar) of a library with a backend
     library = dispatch.library_of(type(x))
     return dispatch.is_array_library(library) and hasattr(x, "shape") and hasattr(x, "dtype")
 
 
-def _state_items(value, key: str, out: list) -> list:
-    """`(key, element)` for the arrays and numbers of one Leaf's state, in order."""
-    if value is None:
-        return out
-    if _is_array(value) or isinstance(value, (bool, int, float, complex)) or _is_variable(value):
-        out.append((key, value))
-    elif isinstance(value, (tuple, list)):
-        for i, v in enumerate(value):
-            _state_items(v, f"{key}/{i}", out)
-    elif isinstance(value, dict):
-        for k, v in value.items():
-            _state_items(v, f"{key}/{k}", out)
-    else:
-        raise TypeError(
-            f"{key}: cannot store a {type(value).__name__} in a state dict; a rule's state must be "
-            "arrays, numbers, None, and tuples/lists/dicts of them"
-        )
-    return out
-
-
-def _rebuild_state(value, key: str, new: dict):
-    """The state `value` with each element replaced by `new[key]`, containers rebuilt alike."""
+def _map_state(value, key: str, fn):
+    """One Leaf's state with each array or number `e` at `key` replaced by `fn(key, e)`, in order,
+    its containers rebuilt alike."""
     if value is None:
         return None
-    if _is_array(value) or isinstance(value, (bool, int, float, complex)) or _is_variable(value):
-        return new[key]
-    if isinstance(value, (tuple, list)):
-        items = [_rebuild_state(v, f"{key}/{i}", new) for i, v in enumerate(value)]
-        if isinstance(value, tuple) and hasattr(type(value), "_fields"):  # a NamedTuple
-            return type(value)(*items)
-        return type(value)(items)
-    return type(value)((k, _rebuild_state(v, f"{key}/{k}", new)) for k, v in value.items())
+    if _is_array(value) or isinstance(value, _NUMBERS) or _is_variable(value):
+        return fn(key, value)
+    if isinstance(value, (tuple, list, dict)):
+        pairs = value.items() if isinstance(value, dict) else enumerate(value)
+        items = [(k, _map_state(v, f"{key}/{k}", fn)) for k, v in pairs]
+        if isinstance(value, dict):
+            return type(value)(items)
+        if hasattr(type(value), "_fields"):  # a NamedTuple
+            return type(value)(*(v for _, v in items))
+        return type(value)(v for _, v in items)
+    raise TypeError(
+        f"{key}: cannot store a {type(value).__name__} in a state dict; a rule's state must be "
+        "arrays, numbers, None, and tuples/lists/dicts of them"
+    )
+
+
+def _state_items(value, key: str, out: list) -> list:
+    """`(key, element)` for the arrays and numbers of one Leaf's state, in order."""
+    _map_state(value, key, lambda k, v: out.append((k, v)))
+    return out
 
 
 # --- rules as text -------------------------------------------------------------------------------
 
 
-class _Spec(NamedTuple):
-    """A rule read back from its text: class name and field values (numbers, text, `_Spec`s...)."""
-
+class _Spec(NamedTuple):  # a rule read back from its text
     name: str
     fields: dict
 
 
 def _rule_fields(rule) -> list[str]:
-    """The fields a rule's text holds: an explicit state dtype (`Adam(mu_dtype=...)`) only when
-    given, so that a rule without one has the text it had before rules took them."""
+    """The fields a rule's text holds: a state dtype (`Adam(mu_dtype=...)`) only when given, so that
+    a rule without one has the text it had before rules took them."""
     if not dataclasses.is_dataclass(rule):
         return []
     return [
@@ -151,14 +132,12 @@ def _rule_fields(rule) -> list[str]:
     ]
 
 
-def _is_described(x) -> bool:
-    """A rule or a schedule: stored as its class name and fields, restored from them."""
+def _is_described(x) -> bool:  # stored as its class name and fields
     return isinstance(x, Rule) or (isinstance(x, Schedule) and dataclasses.is_dataclass(x))
 
 
 def _check_storable(value, label):
-    """A hyperparameter that is a callable other than a schedule of `optimisers.schedules` (a
-    lambda, an optax schedule) cannot be written as data: refuse it when saving, not loading."""
+    """Refuse, when saving, a callable other than a schedule of `optimisers.schedules`."""
     value = _unheld(value)
     if _is_described(value):
         for k in _rule_fields(value):
@@ -175,16 +154,14 @@ def _check_storable(value, label):
 
 
 def _dtype_name(x) -> str | None:
-    """The name of a dtype-like object (NumPy dtype or scalar type, torch dtype, JAX scalar type
-    such as `jnp.float32`), else None."""
-    if isinstance(x, (bool, int, float, complex)):
+    """The name of a dtype-like object (NumPy, torch, `jnp.float32`), else None."""
+    if isinstance(x, _NUMBERS):
         return None
     return dispatch.backend(x).dtype_name(x)  # a class goes to NumPy's, or to its library's
 
 
 def _number(x):
-    """A Python number for a number or a concrete 0-d array (or a Flax Variable holding one); None
-    for anything else."""
+    """A Python number for a number or a concrete 0-d array (Flax Variables unwrapped), else None."""
     x = _unheld(x)
     if isinstance(x, (bool, int, float)):
         return x
@@ -219,7 +196,7 @@ def encode(x) -> str:
 
 
 def _parse(node):
-    """The value of a rule's text, parsed by `ast`: a `_Spec`, number, text, None or tuple of them."""
+    """The value of a rule's text parsed by `ast`: a `_Spec`, number, text, None or tuple of them."""
     if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and not node.args:
         return _Spec(node.func.id, {kw.arg: _parse(kw.value) for kw in node.keywords})
     if isinstance(node, ast.Constant) and isinstance(node.value, (bool, int, float, str, type(None))):
@@ -284,37 +261,22 @@ def _compare_rule(spec, rule, label, kind_problems, hyper_diffs):
         kind_problems.append(label)
 
 
-def _restored_rule(spec, rule, restored: dict):
-    """`_restore_rule(spec, rule)`, made once for each rule and spec and kept in `restored`."""
-    memo = (id(rule), id(spec))  # specs are shared per rule text (`_Planner.parsed`)
-    if memo not in restored:
-        restored[memo] = _restore_rule(spec, rule)
-    return restored[memo]
-
-
 def _schedule_from(spec):
     """The schedule of `optimisers.schedules` that `spec` describes, or None if it describes none."""
-    if isinstance(spec, tuple) and not isinstance(spec, _Spec):
-        items = [_schedule_from(s) if isinstance(s, _Spec) else s for s in spec]
-        return None if any(i is None for i in items) else tuple(items)
-    if not isinstance(spec, _Spec):
-        return None
-    cls = getattr(schedules, spec.name, None)
-    if not (isinstance(cls, type) and issubclass(cls, Schedule) and dataclasses.is_dataclass(cls)):
-        return None
-    fields = {}
-    for k, v in spec.fields.items():
-        fields[k] = _schedule_from(v) if isinstance(v, (_Spec, tuple)) and _has_spec(v) else v
-        if fields[k] is None and v is not None:
-            return None
     try:
-        return cls(**fields)
+        return _schedule_value(spec) if isinstance(spec, _Spec) else None
     except (TypeError, ValueError):
         return None
 
 
-def _has_spec(v) -> bool:
-    return isinstance(v, _Spec) or (isinstance(v, tuple) and any(map(_has_spec, v)))
+def _schedule_value(spec):
+    """A schedule's field from its spec (numbers, schedules, tuples of them); TypeError if none."""
+    if isinstance(spec, _Spec):
+        cls = getattr(schedules, spec.name, None)
+        if not (isinstance(cls, type) and issubclass(cls, Schedule) and dataclasses.is_dataclass(cls)):
+            raise TypeError(spec.name)
+        return cls(**{k: _schedule_value(v) for k, v in spec.fields.items()})
+    return tuple(map(_schedule_value, spec)) if isinstance(spec, tuple) else spec
 
 
 def _restore_rule(spec, rule):
@@ -357,19 +319,14 @@ def _value_dtype(v) -> str:
 
 def _kind(v) -> str | None:
     """'bool', 'int', 'float' or 'complex' for a number or an array's dtype; None otherwise."""
-    for number_type in (bool, int, float, complex):  # (bool before int: a bool is an int)
+    for number_type in _NUMBERS:
         if isinstance(v, number_type):
             return number_type.__name__
-    if _is_array(v):
-        name = _value_dtype(v)
-        if name == "bool":
-            return "bool"
-        if name.startswith(("int", "uint")):
-            return "int"
-        if name.startswith("complex"):
-            return "complex"
-        return "float"
-    return None
+    if not _is_array(v):
+        return None
+    name = _value_dtype(v)
+    kinds = {"bool": "bool", "int": "int", "uint": "int", "complex": "complex"}
+    return kinds.get(name.rstrip("0123456789"), "float")
 
 
 def _incompatible(value, like) -> str | None:
@@ -377,7 +334,7 @@ def _incompatible(value, like) -> str | None:
     agree in shape and dtype; a number or 0-d array need only hold the same kind of number, so
     a step counter saved as a Python int loads where a jitted run left a 0-d int32 array."""
     value_is_array = _is_array(value)
-    if not value_is_array and not isinstance(value, (bool, int, float, complex)):
+    if not value_is_array and not isinstance(value, _NUMBERS):
         return f"the checkpoint holds a {type(value).__name__}, this state an array or number"
     like_shape = tuple(like.shape) if _is_array(like) else ()
     shape = tuple(value.shape) if value_is_array else ()
@@ -400,30 +357,21 @@ def _incompatible(value, like) -> str | None:
         n = _number(value)
         if n is not None and n < 0:
             return f"{n} in the checkpoint, but a step counter cannot be negative"
-        top = _counter_max(like)
+        try:  # its dtype's maximum (a jitted run's int32); a Python int's: int64's, as torch's
+            top = int(np.iinfo(np.dtype(_value_dtype(like))).max)
+        except (AttributeError, TypeError, ValueError):
+            top = np.iinfo(np.int64).max
         if n is not None and n > top:
             return f"{n} in the checkpoint, more than a step counter here holds ({top})"
     return None
 
 
-def _counter_max(like) -> int:
-    """The largest count `like` holds: its integer dtype's maximum (a jitted run's int32), and for
-    a Python int that of int64 (what torch and NumPy convert a counter to)."""
-    if isinstance(like, int):
-        return np.iinfo(np.int64).max
-    try:
-        return int(np.iinfo(np.dtype(_value_dtype(like))).max)
-    except (TypeError, ValueError):
-        return np.iinfo(np.int64).max
-
-
 def _convert(value, like):
-    """`value` as a fresh element of `like`'s kind: a Python number, or an array of `like`'s
-    backend, dtype, device (and JAX sharding and weak type), held in a Flax Variable like `like`'s
-    when `like` is one."""
+    """`value` as a fresh element like `like`: a Python number, or an array of its backend, dtype,
+    device (JAX: sharding, weak type), in a Flax Variable if `like` is one."""
     if _is_variable(like):
         return like.copy(_convert(value, like.get_value()))
-    if isinstance(like, (bool, int, float, complex)):
+    if isinstance(like, _NUMBERS):
         return type(like)(value.item() if hasattr(value, "item") else value)
     backend = dispatch.backend(like)
     if not _is_array(value):
@@ -434,14 +382,11 @@ def _convert(value, like):
 
 
 def _convert_shared(value, like, shared: dict):
-    """`_convert(value, like)`, made once for a counter object that several Leafs share (the
-    update hands the Leafs of one rule one new counter) while the checkpoint gives them one
-    value: the loaded State then flattens to the same pytree as the one it replaces (a jitted
-    step does not compile again), and in `nnx.Optimizer` they stay one Variable. JAX arrays and
-    Variables only: optax steps them by making new ones, where an in-place step would advance a
-    shared NumPy or torch counter once per Leaf."""
+    """`_convert(value, like)`, made once for a counter object that several Leafs share and the
+    checkpoint gives one value: the loaded State flattens to the same pytree (a jitted step does
+    not compile again), and in `nnx.Optimizer` they stay one Variable. JAX arrays and Variables
+    only: an in-place step would advance a shared NumPy or torch counter once per Leaf."""
     held = _unheld(like)
-    # the backends whose update shares one counter among Leafs (JAX's) are those of new arrays
     functional = _is_variable(like) or (_is_array(held) and dispatch.backend(held).SHARE_SCALAR_STATE)
     n = _number(value) if functional and tuple(getattr(held, "shape", (0,))) == () else None
     if n is None:
@@ -474,18 +419,14 @@ def _flag(value):
 
 
 def state_dict(state) -> dict:
-    """The optimiser state as a flat dict of plain values, keyed by parameter path.
+    """The optimiser state as a flat dict of plain values, keyed by parameter path `P`:
+    `"P/rule"` (text such as `"Adam(eta=0.001, beta=(0.9, 0.999), epsilon=1e-08)"`), `"P/frozen"`,
+    `"P/state/0"`, `"P/state/1/0"`, ... (state arrays and step counters), `"Q/tied_to": "P"` for
+    each further place `Q` of a tied parameter (stored once, under its first path), `"__format__"`.
 
-    Keys (with `P` a dotted parameter path such as `"decoder.layers.0.w"`): `"P/rule"` (text such
-    as `"Adam(eta=0.001, beta=(0.9, 0.999), epsilon=1e-08)"`), `"P/frozen"` (bool), `"P/state/0"`,
-    `"P/state/1"`, ... (the rule's state arrays and step counters; nested tuples give
-    `"P/state/1/0"`), `"Q/tied_to": "P"` for each further place `Q` of a tied parameter, and
-    `"__format__"`. A tied Leaf is stored once, under its first path.
-
-    The arrays are the state's own, in their backend (not copies): save them, or copy them,
-    before a later `update_` or a donated jitted step overwrites them. `load_state_dict` reads the
-    dict back, and so does it after `torch.save`/`torch.load`, `np.savez(f, **d)`/`np.load`, or
-    any checkpointer that keeps arrays, numbers and text.
+    The arrays are the state's own (not copies): save or copy them before a later `update_` or a
+    donated jitted step overwrites them. Any checkpointer that keeps arrays, numbers and text
+    (`torch.save`, `np.savez(f, **d)`) gives back a dict that `load_state_dict` reads.
     """
     ours, leaf_at = _our_places(_tree_of(state, "state_dict"))
     d: dict[str, Any] = {FORMAT_KEY: FORMAT}
@@ -533,15 +474,13 @@ def _state_keys_by_owner(d: Mapping, stored: set) -> dict[str, list]:
 
 
 def load_state_dict(state, d: Mapping, *, hyperparameters: str = "checkpoint") -> State:
-    """Restore optimiser state saved by `state_dict` into `state`, typically a fresh `setup` of the
-    same model. Returns a new `State`; `state` and `d` are left as they were.
+    """Restore optimiser state saved by `state_dict` into `state` (a fresh `setup` of the same
+    model); returns a new `State`, leaving `state` and `d` as they were.
 
-    Everything is checked before anything is built: the parameter paths, which places are tied,
-    the kind of rule at each parameter, the state entries, their shapes and dtypes. When anything
-    differs, a `CheckpointError` lists every difference. Arrays are converted to the backend,
-    dtype and device (JAX: sharding) of `state`'s arrays, so a checkpoint written from NumPy
-    arrays loads into PyTorch or JAX state and back; step counters take the type `state` has.
-    Frozen flags come from the checkpoint.
+    Paths, ties, the kind of rule, state entries, shapes and dtypes are all checked before anything
+    is built; a `CheckpointError` lists every difference. Arrays take the backend, dtype and device
+    (JAX: sharding) of `state`'s, so a checkpoint loads into any backend; step counters take the
+    type `state` has. Frozen flags come from the checkpoint.
 
     `hyperparameters` says where learning rates and other numbers of the rules come from:
     `"checkpoint"` (default; like `torch.optim`, so a run adjusted by a schedule resumes exactly),
@@ -568,13 +507,17 @@ def load_state_dict(state, d: Mapping, *, hyperparameters: str = "checkpoint") -
         problems.append(f"entries this format does not have: {_listing(unknown)}")
     problems += planner.hyper_problems
     if problems:
-        _raise_mismatch(problems)
-    return _build(state, tree, leaf_at, plans, planner.restored, hyperparameters)
+        shown, more = problems[:_MAX_PROBLEMS], len(problems) - _MAX_PROBLEMS
+        raise CheckpointError(
+            "the checkpoint does not match this optimiser state; nothing was loaded:\n  - "
+            + "\n  - ".join(shown)
+            + (f"\n  ... and {more} more" if more > 0 else "")
+        )
+    return _build(state, tree, leaf_at, plans, planner)
 
 
 def _checked_call(state, d, hyperparameters: str):
-    """The tree of `state`, once the arguments are what `load_state_dict` takes and `d` is a state
-    dict of this format."""
+    """The tree of `state`, once the arguments are checked and `d` is a state dict of this format."""
     if hyperparameters not in _HYPER_MODES:
         raise ValueError(
             f"hyperparameters must be one of {', '.join(map(repr, _HYPER_MODES))}, got {hyperparameters!r}"
@@ -595,8 +538,7 @@ def _checked_call(state, d, hyperparameters: str):
 
 
 def _our_places(tree) -> tuple[dict[str, str], dict[str, Leaf]]:
-    """Where each place's state lives in this state (`{path: path that stores it}`), and the Leaf
-    stored at each such path."""
+    """`{path: path that stores its state}` for this state, and the Leaf stored at each."""
     ours: dict[str, str] = {}
     first: dict[int, str] = {}
     leaf_at: dict[str, Leaf] = {}
@@ -607,8 +549,7 @@ def _our_places(tree) -> tuple[dict[str, str], dict[str, Leaf]]:
 
 
 def _their_places(d: Mapping, stored: set, problems: list) -> dict[str, str]:
-    """Where each place's state lives in the checkpoint (`{path: path that stores it}`); ties to
-    nowhere, or of a stored path, go to `problems`."""
+    """`{path: path that stores its state}` for the checkpoint; bad ties go to `problems`."""
     theirs: dict[str, str] = {}
     for key in d:  # in the checkpoint's order, so that messages list paths depth first
         if not isinstance(key, str):
@@ -652,29 +593,37 @@ def _place_problems(ours: dict, theirs: dict) -> list[str]:
 
 
 class _Planner:
-    """Checks each stored Leaf against the checkpoint and plans its loading; what does not match
-    goes to `problems` (and hyperparameters that differ under "check" to `hyper_problems`, listed
-    last). Most parameters share a rule, so rule texts are parsed and compared once."""
+    """Checks each stored Leaf against the checkpoint and plans its loading; mismatches go to
+    `problems` (hyperparameters that differ under "check" to `hyper_problems`, listed last). Most
+    parameters share a rule, so rule texts are parsed and compared once."""
 
     def __init__(self, d: Mapping, hyperparameters: str, state_keys: dict):
         self.d, self.hyperparameters, self.state_keys = d, hyperparameters, state_keys
         self.problems: list[str] = []
         self.hyper_problems: list[str] = []
         self.parsed: dict[str, Any] = {}  # rule text -> spec
-        self.restored: dict[tuple, Any] = {}  # (id(rule), id(spec)) -> the rule with the checkpoint's numbers
+        self.rules: dict[tuple, Any] = {}  # (id(rule), id(spec)) -> the rule with the checkpoint's numbers
         self.compared: dict[tuple, tuple] = {}  # (rule text, id(rule)) -> (kinds, diffs)
 
     def plan(self, name: str, leaf: Leaf) -> tuple | None:
-        """What the Leaf stored at `name` is loaded from: the checkpoint's rule, frozen flag and
-        state entries; None when its rule does not match."""
+        """`(spec, frozen, state entries)` the Leaf stored at `name` loads; None: its rule differs."""
         spec = self._rule_checked(name, leaf.rule)
         if spec is None:
             return None
-        return spec, self._frozen(name), self._state_values(name, leaf)
+        key = f"{name}/frozen"
+        frozen = _flag(self.d[key]) if key in self.d else None
+        if frozen is None:
+            self.problems.append(f"{key}: " + ("missing" if key not in self.d else "expected True or False"))
+        return spec, frozen, self._state_values(name, leaf)
+
+    def restored(self, spec, rule):
+        """`_restore_rule(spec, rule)`, made once per rule and spec (specs are shared per text)."""
+        if (id(rule), id(spec)) not in self.rules:
+            self.rules[id(rule), id(spec)] = _restore_rule(spec, rule)
+        return self.rules[id(rule), id(spec)]
 
     def _rule_checked(self, name: str, rule):
-        """The checkpoint's rule at `name` when it is the kind of `rule`, with hyperparameters
-        that `hyperparameters` accepts; else None (a problem)."""
+        """The checkpoint's rule at `name` if it is of `rule`'s kind with acceptable numbers."""
         rule_key = f"{name}/rule"
         try:
             text = _text(self.d[rule_key], rule_key)
@@ -698,7 +647,7 @@ class _Planner:
             return None
         if diffs and self.hyperparameters == "checkpoint":
             try:  # a negative learning rate, an infinite epsilon: the rule's own checks say
-                _restored_rule(spec, rule, self.restored)
+                self.restored(spec, rule)
             except (ValueError, TypeError, OverflowError) as e:
                 why = str(e)[:200] or type(e).__name__
                 self.problems.append(f"{rule_key}: the checkpoint's hyperparameters are not valid ({why})")
@@ -712,16 +661,8 @@ class _Planner:
                 )
         return spec
 
-    def _frozen(self, name: str) -> bool | None:
-        key = f"{name}/frozen"
-        frozen = _flag(self.d[key]) if key in self.d else None
-        if frozen is None:
-            self.problems.append(f"{key}: " + ("missing" if key not in self.d else "expected True or False"))
-        return frozen
-
     def _state_values(self, name: str, leaf: Leaf) -> dict:
-        """The checkpoint's entries for the state of `leaf`, each checked against the element it
-        replaces; entries missing, extra or incompatible are problems."""
+        """The checkpoint's entries for `leaf`'s state; missing, extra or incompatible: problems."""
         values = {}
         for key, like in _state_items(leaf.state, f"{name}/state", []):
             if key not in self.d:
@@ -740,34 +681,19 @@ class _Planner:
         return values
 
 
-def _raise_mismatch(problems: list[str]):
-    shown = problems[:_MAX_PROBLEMS]
-    more = len(problems) - len(shown)
-    raise CheckpointError(
-        "the checkpoint does not match this optimiser state; nothing was loaded:\n  - "
-        + "\n  - ".join(shown)
-        + (f"\n  ... and {more} more" if more > 0 else "")
-    )
-
-
-def _build(state, tree, leaf_at: dict, plans: dict, rules: dict, hyperparameters: str) -> State:
-    """The new State: every check passed, so this only converts. `rules` holds the rules already
-    made with the checkpoint's numbers (`(id(rule), id(spec))` -> rule) and takes those made here."""
+def _build(state, tree, leaf_at: dict, plans: dict, planner: _Planner) -> State:
+    """The new State: every check passed, so this only converts."""
     new_leaf: dict[int, Leaf] = {}
     shared: dict[tuple, Any] = {}
     for name, leaf in leaf_at.items():
         spec, frozen, values = plans[name]
-        rule = _restored_rule(spec, leaf.rule, rules) if hyperparameters == "checkpoint" else leaf.rule
-        converted = {
-            key: _convert_shared(values[key], like, shared)
-            for key, like in _state_items(leaf.state, f"{name}/state", [])
-        }
-        new_state = _rebuild_state(leaf.state, f"{name}/state", converted)
+        rule = planner.restored(spec, leaf.rule) if planner.hyperparameters == "checkpoint" else leaf.rule
+        convert = lambda key, like, values=values: _convert_shared(values[key], like, shared)  # noqa: E731
+        new_state = _map_state(leaf.state, f"{name}/state", convert)
         new_leaf[id(leaf)] = new = leaf._successor(rule, new_state)
         new.frozen, new._owns = frozen, True  # the checkpoint's; its arrays were made just now
     loaded = State(map_leaves(lambda leaf: new_leaf[id(leaf)], tree), getattr(state, "_keys", None))
-    # a State laid out for another library (optimisers.optax's TransformState) lays the loaded
-    # one out as it is laid out
+    # a State laid out for another library (optimisers.optax's TransformState) keeps its layout
     relaid = getattr(state, "_relaid", None)
     return relaid(loaded) if relaid is not None else loaded
 
