@@ -1,17 +1,7 @@
-"""Checkpoint files: `save` / `load`, the entries of `state_dict` in one verified file.
-
-A file (an `.npz` archive, or safetensors for `.safetensors` paths: see `save`) holds the arrays
-and one JSON text entry `__optimisers__` with everything else and a digest of it all (`_digest`):
-
-    {"format": "optimisers.state_dict.v1", "file_format": 2,
-     "entries": {key: text, bool or number}, "dtypes": {key: real dtype of stored bits},
-     "arrays": {key: [NumPy dtype string, shape]}, "sha256": hex digest}
-
-Files of version 0.1 of this library have no `file_format`, `arrays` or `sha256`; they still
-load, unverified (see docs/checkpoints.md). Reading is defensive: the layout is checked before any
-array is read or decompressed, and the total is bounded by the size of the state loaded into, so a
-crafted file cannot make `load` allocate much more than the state itself.
-"""
+"""Checkpoint files: `save` / `load`, the entries of `state_dict` in one verified file (an `.npz`
+archive or safetensors: the arrays, and the JSON entry `__optimisers__` with the rest and a digest;
+the layout and the checks on reading: docs/checkpoints.md). Nothing is read or allocated before
+it is checked, and the total is bounded by the state loaded into."""
 
 from __future__ import annotations
 
@@ -88,8 +78,7 @@ def _split(d: dict) -> tuple[dict, dict]:
 
 
 def _digest(meta: dict, arrays: Mapping[str, np.ndarray]) -> str:
-    """SHA-256 of the metadata (canonical JSON, digest left out) and of every array's name,
-    dtype, shape and bytes in sorted name order."""
+    """SHA-256 of the metadata (but its digest) and of each array's name, dtype, shape and bytes."""
     h = hashlib.sha256()
     body = {k: v for k, v in meta.items() if k != "sha256"}
     h.update(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
@@ -101,8 +90,7 @@ def _digest(meta: dict, arrays: Mapping[str, np.ndarray]) -> str:
 
 
 def _remove_stale_tmp(directory: str, base: str) -> None:
-    """Delete the temporary files of earlier saves to `base` that died before their rename: ours
-    by name, and unlocked (a live save holds its file's lock; a dead process holds none)."""
+    """Delete the temporary files (ours by name, and unlocked) of saves to `base` that died."""
     if fcntl is None:
         return
     pattern = re.compile(re.escape(f".{base}{_TMP_TAG}") + _STALE_TMP)
@@ -136,8 +124,7 @@ def _locked_tmp(directory: str, base: str) -> tuple[int, str]:
 
 
 def _atomic_write(path: str, write) -> None:
-    """Write through `write(file)` to a temporary file beside `path`, flush it to disk, then rename
-    it over `path`; a crash at any point leaves either the old file or the new one."""
+    """`write(file)` to a temporary file beside `path`, flushed to disk, then renamed over `path`."""
     directory = os.path.dirname(os.path.abspath(path))
     base = os.path.basename(path)
     try:
@@ -165,33 +152,30 @@ def _atomic_write(path: str, write) -> None:
             os.close(dir_fd)
 
 
-def _is_safetensors(path: str) -> bool:
-    return path.endswith(".safetensors")
+def _safetensors(path: str, doing: str, hint: str = ""):
+    """`safetensors.numpy` for a `.safetensors` path, None for any other."""
+    if not path.endswith(".safetensors"):
+        return None
+    try:
+        import safetensors.numpy
+    except ImportError:
+        raise ImportError(f"{doing} needs the safetensors package (pip install safetensors){hint}") from None
+    return safetensors.numpy
 
 
 def save(path, state) -> None:
-    """Write the optimiser state to one file at `path`, atomically, with a checksum.
-
-    `.safetensors` paths use safetensors (which must be installed); any other path gets a NumPy
-    `.npz` archive, written to exactly that name. Arrays are stored as arrays (moved to the host;
-    dtypes NumPy lacks, such as bfloat16, as their bits), everything else (rules, ties, frozen
-    flags, step counters) as the JSON text entry `__optimisers__`, with a SHA-256 digest of the
-    whole content that `load` checks. The keys are those of `state_dict`. The file appears
-    complete or not at all: it is written beside `path`, flushed to disk and renamed over it;
-    temporary files that an earlier, killed save left beside `path` are removed.
+    """Write the optimiser state (the entries of `state_dict`) to one file at `path`, atomically,
+    with a SHA-256 digest that `load` checks: safetensors for a `.safetensors` path, else a NumPy
+    `.npz` archive at exactly that name. Arrays are stored on the host (dtypes NumPy lacks, such as
+    bfloat16, as their bits), the rest as the JSON text entry `__optimisers__`. The file is written
+    beside `path`, flushed and renamed over it (temporary files of killed saves are removed).
     """
     path = os.fspath(path)
     arrays, meta = _split(state_dict(state))
     text = json.dumps(meta)
-    if _is_safetensors(path):
-        try:
-            from safetensors.numpy import save as st_save
-        except ImportError:
-            raise ImportError(
-                "saving to a .safetensors path needs the safetensors package "
-                "(pip install safetensors); or use a .npz path"
-            ) from None
-        blob = st_save(arrays, metadata={META_KEY: text})
+    st = _safetensors(path, "saving to a .safetensors path", "; or use a .npz path")
+    if st is not None:
+        blob = st.save(arrays, metadata={META_KEY: text})
         _atomic_write(path, lambda f: f.write(blob))
     else:  # (the arrays are state entries, "P/state...": none is named META_KEY)
         payload = {**arrays, META_KEY: np.array(text)}
@@ -203,10 +187,8 @@ def save(path, state) -> None:
 
 def _budget(state) -> tuple[int, int, int]:
     """The most array bytes, metadata bytes and archive members a checkpoint of `state` can
-    reasonably hold: twice the state's arrays (a checkpoint of another dtype is reported, not
-    refused unread) plus room for small entries, a metadata text proportional to the number of
-    entries, and twice as many archive members as the state has entries (a checkpoint of a somewhat
-    different model is reported entry by entry, not refused unread)."""
+    reasonably hold: about twice the state's, so that one of another dtype or a somewhat different
+    model is reported entry by entry, not refused unread."""
     items = []
     for _, leaf in _places(_tree_of(state, "load")):
         _state_items(leaf.state, "", items)
@@ -231,8 +213,7 @@ def _json(text) -> Any:
 
 
 def _meta_of(text, budget: int) -> tuple[dict, dict | None]:
-    """The metadata, its structure checked, and the arrays it declares (`{key: (dtype, shape,
-    bytes)}`, None for a v0.1 file)."""
+    """The metadata, checked, and its arrays `{key: (dtype, shape, bytes)}` (None for a v0.1 file)."""
     meta = _json(text)
     if not isinstance(meta, dict):
         _reject(f"the {META_KEY!r} entry is {type(meta).__name__} JSON, expected an object")
@@ -287,8 +268,7 @@ def _declared_array(name, spec) -> tuple[np.dtype, tuple, int]:
 
 
 def _view_raw_dtypes(dtypes: dict, arrays: dict) -> None:
-    """View each array stored as bits as the dtype named for it (bfloat16 from uint16, ...; as
-    ml_dtypes holds it), which must be one that holds that many bits."""
+    """View each array stored as bits as the ml_dtypes dtype named for it (bfloat16 from uint16)."""
     for key, name in dtypes.items():
         bits = arrays.get(key)
         if bits is None:
@@ -305,8 +285,7 @@ def _view_raw_dtypes(dtypes: dict, arrays: dict) -> None:
 
 
 def _check_names(found, declared: dict | None) -> None:
-    """The arrays in the file are those the metadata declares (a v0.1 file declares none: its
-    arrays must at least be state entries)."""
+    """The arrays in the file are those the metadata declares (a v0.1 file's: state entries)."""
     found = set(found)
     expected = set(declared) if declared is not None else {k for k in found if "/state" in k}
     if found != expected:
@@ -320,8 +299,8 @@ def _check_names(found, declared: dict | None) -> None:
 
 
 def _check_directory(f, members: int) -> None:
-    """Bound the archive's central directory before `zipfile` reads it whole and makes an object
-    per member: at most `members` members, and at most `_MEMBER_BYTES` of directory each."""
+    """Bound the archive's central directory (`members` members, `_MEMBER_BYTES` each) before
+    `zipfile` reads it whole and makes an object per member."""
     end = zipfile._EndRecData(f)  # what ZipFile itself reads first (zip64 included)
     if end is None:
         return  # not a zip archive: ZipFile says so
@@ -334,10 +313,9 @@ def _check_directory(f, members: int) -> None:
 
 
 def _read_npy(m, size: int, key: str, want: tuple | None, kinds: str) -> np.ndarray:
-    """The array in the `.npy` member open as `m` (`size` bytes), its header checked before its
-    data is allocated: a dtype of one of `kinds`, `want` (dtype, shape) where the metadata
-    declares one, and exactly as many data bytes as the member holds after the header (so the
-    header cannot claim more than the checked member size)."""
+    """The array in the `.npy` member `m` of `size` bytes, its header checked before its data is
+    allocated: a dtype of one of `kinds`, `want` (dtype, shape) if declared, and exactly the data
+    bytes that the member holds after the header."""
     try:
         version = np.lib.format.read_magic(m)
         if version not in ((1, 0), (2, 0)):
@@ -369,9 +347,8 @@ def _read_npy(m, size: int, key: str, want: tuple | None, kinds: str) -> np.ndar
 
 
 def _read_npz(f, budget: int, meta_budget: int, members_max: int) -> tuple[dict, dict, dict | None]:
-    """Check the member count, the names and declared sizes of every member, read the metadata,
-    check it, and only then read (and decompress) the arrays, each checked against its
-    declaration before it is allocated."""
+    """The members' count, names and sizes, then the metadata, are checked before any array is read
+    (each checked against its declaration before it is allocated)."""
     _check_directory(f, members_max)
     with zipfile.ZipFile(f) as z:
         infos = z.infolist()
@@ -385,10 +362,8 @@ def _read_npz(f, budget: int, meta_budget: int, members_max: int) -> tuple[dict,
         meta_info = members.pop(META_KEY, None)
         if meta_info is None:
             _not_ours(members)
-        if meta_info.file_size > meta_budget:
-            _reject(
-                f"its metadata declares {meta_info.file_size} bytes, more than a checkpoint of this holds"
-            )
+        if (n := meta_info.file_size) > meta_budget:
+            _reject(f"its metadata declares {n} bytes, more than a checkpoint of this holds")
         total = sum(i.file_size for i in members.values())
         if total > budget:
             _reject(f"its arrays declare {total} bytes, far more than this state holds")
@@ -468,17 +443,9 @@ def _verify(meta: dict, declared: dict | None, arrays: dict) -> None:
 
 
 def _read(path: str, state) -> dict:
-    """The state dict stored at `path`, verified; every problem with the file's content is a
-    `CheckpointError` (an `OSError` only when the file cannot be opened)."""
+    """The state dict stored at `path`, verified; a problem with its content is a `CheckpointError`."""
     budget, meta_budget, members_max = _budget(state)
-    read = _read_safetensors if _is_safetensors(path) else _read_npz
-    if read is _read_safetensors:
-        try:
-            import safetensors.numpy  # noqa: F401
-        except ImportError:
-            raise ImportError(
-                f"reading {path} needs the safetensors package (pip install safetensors)"
-            ) from None
+    read = _read_npz if _safetensors(path, f"reading {path}") is None else _read_safetensors
     with open(path, "rb") as f:
         try:
             meta, declared, arrays = read(f, budget, meta_budget, members_max)
@@ -496,13 +463,10 @@ def _read(path: str, state) -> dict:
 
 
 def load(path, state, *, hyperparameters: str = "checkpoint") -> State:
-    """Read a file written by `save` into `state` (a fresh `setup` of the same model), checking it
-    against the state first; returns a new `State` and leaves `state` as it was.
-
-    The file's checksum is verified and its layout checked before any array is read: a damaged
-    or edited file, or one that declares far more data than `state` holds, raises
-    `CheckpointError`. Files written by version 0.1 (no checksum) load unverified. See
-    `load_state_dict` for the checks against the state and for `hyperparameters`."""
+    """Read a file written by `save` into `state` (a fresh `setup` of the same model); returns a new
+    `State` (see `load_state_dict` for the checks and `hyperparameters`). A damaged or edited file,
+    or one that declares far more data than `state` holds, raises `CheckpointError` before any
+    array is read; files of version 0.1 (no checksum) load unverified."""
     path = os.fspath(path)
     d = _read(path, state)
     try:

@@ -175,12 +175,10 @@ def _number(x):
 
 def encode(x) -> str:
     """Text for a rule or hyperparameter that `_parse` reads back; floats are exact (repr)."""
-    if isinstance(x, _Spec):
-        inner = ", ".join(f"{k}={encode(v)}" for k, v in x.fields.items())
-        return f"{x.name}({inner})"
     if _is_described(x):
-        inner = ", ".join(f"{k}={encode(getattr(x, k))}" for k in _rule_fields(x))
-        return f"{type(x).__name__}({inner})"
+        x = _Spec(type(x).__name__, {k: getattr(x, k) for k in _rule_fields(x)})
+    if isinstance(x, _Spec):
+        return f"{x.name}({', '.join(f'{k}={encode(v)}' for k, v in x.fields.items())})"
     if isinstance(x, (tuple, list)):
         inner = ", ".join(encode(v) for v in x)
         return f"({inner},)" if len(x) == 1 else f"({inner})"
@@ -539,9 +537,7 @@ def _checked_call(state, d, hyperparameters: str):
 
 def _our_places(tree) -> tuple[dict[str, str], dict[str, Leaf]]:
     """`{path: path that stores its state}` for this state, and the Leaf stored at each."""
-    ours: dict[str, str] = {}
-    first: dict[int, str] = {}
-    leaf_at: dict[str, Leaf] = {}
+    ours, first, leaf_at = {}, {}, {}
     for name, leaf in _places(tree):
         ours[name] = first.setdefault(id(leaf), name)
         leaf_at.setdefault(ours[name], leaf)
