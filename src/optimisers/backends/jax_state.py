@@ -1,48 +1,22 @@
 """`State` and `Leaf` as JAX pytrees, and their Flax serialisation; `optimisers.backends.jax`
-registers them (`register`) when JAX is first used.
+registers them (`register`) when JAX is first used. The pytree's keys and leaves, and what keeps
+one compile across updates and adjusts: docs/backends.md#the-state-as-a-pytree.
 
-* Flattening a `State` stores each distinct `Leaf` once, and each distinct rule object once; the
-  tree skeleton (which places share which Leaf), every rule's class and non-numeric fields, and each
-  Leaf's `frozen` flag are static aux data. Unflattening rebuilds the sharing, so ties survive
-  `jax.jit` even though array identity does not.
-* A rule's numeric hyperparameters (floats, tuples of floats, 0-d arrays) are pytree leaves, traced
-  under `jit`, so `adjust` between jitted calls does not recompile. Bools, ints (`AccumGrad.n`),
-  dtypes, schedules (callables) and other objects are static; nested rules (`OptimiserChain`,
-  `MixedPrecision`) are handled recursively. A dataclass field with `metadata={"static": True}`
-  is static whatever its value (use it for a float that decides the shape of the computation,
-  such as a norm's `p`).
-* One form, one compile: what `jit` keys its cache on (the tree structure, each leaf's dtype and
-  weak type) is the same after `setup` and after any number of updates and adjusts. So every
-  hyperparameter and every scalar state part (step counter) is handed to JAX in a normal form: a
-  strong 0-d array of the default dtype of its kind (float32, int32; float64, int64 under
-  `jax_enable_x64`), whether the State now holds a Python number, a NumPy scalar, or a weak or
-  strong JAX array (`_normal`). optax's `inject_hyperparams` keeps its hyperparameters the same
-  way. The State itself keeps what it was given; only what JAX sees is normalised, so rules must
-  cast hyperparameters with `ops.scalar` before they meet arrays (a strong float32 times a bfloat16
-  array is float32), as the built-in rules do.
-* A scalar state part that several Leafs hold is one leaf. `update` hands the Leafs of one
-  elementwise rule that share a counter one new counter object (the backend's `SHARE_SCALAR_STATE`), so a
-  model of thousands of arrays has one step counter per rule under `jit`, as an optax state has,
-  instead of thousands of scalar computations that XLA would compile and launch one by one.
-  Flattening merges exactly what the update keeps merged (`_layout_by_value`): counters of Leafs
-  of one elementwise rule and frozen flag that are equal Python numbers or one object. Counters of
-  other rules (`ClipNorm` couples a whole array, so a chain holding it is not elementwise) and of
-  frozen Leafs stay one leaf per Leaf from `setup` on. Only a step in which some Leafs of a rule
-  get no gradient splits their counters (one more compile, once).
-* Key paths are `DictKey`s at the State's level, as orbax needs to rebuild a tree from them:
-  `"rules"` (each distinct rule's numbers, by field name: `['rules'][0]['eta']`), `"scalars"` (the
-  shared counters, each named: `['scalars'][0]['count']`), so that optax's name-based tools
-  (`optax.tree_utils.tree_get(state, "eta")`, `tree_set`) find them; then one entry per
-  Leaf with other state, named by its parameter path (`"decoder.layers.0.w"`; a name taken twice,
-  "rules" or "scalars", or one that orbax, joining keys with dots, would read as a rule's entry
-  ("rules.0", whose first part reads "rules.0.0"), gets a `#n` suffix).
-
-Rules are rebuilt on unflatten without running their validation, since JAX unflattens with tracers
-and with placeholder objects.
+* Flattening stores each distinct Leaf and each distinct rule object once; the skeleton (which
+  places share which Leaf), each rule's class and non-numeric fields (bools, ints, dtypes,
+  schedules; a field with `metadata={"static": True}`) and frozen flags are static aux data, so
+  ties survive `jit`. Rules are rebuilt without validation: JAX unflattens with tracers and
+  placeholders.
+* Numbers and scalar state reach JAX in one normal form (`_normal`); the State keeps what it holds.
+* A scalar state part that Leafs of one elementwise rule and frozen flag share (the update hands
+  them one new counter: `SHARE_SCALAR_STATE`) is one leaf (`_layout_by_value`).
+* Leaf entries are named by parameter path; a name orbax would read as another's (it joins keys
+  with dots: "rules.0"), or one taken twice, gets a `#n` suffix.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import gc
@@ -111,64 +85,19 @@ def _is_numeric(value) -> bool:
 _DESC_ATTR = "_optimisers_pytree_desc"
 
 
-def _values_by(desc, value, values: list):
-    """Append the values in `value`'s numeric slots, laid out as `desc` says."""
-    if desc == _NUM:
-        values.append(value)
-    elif desc[0] == "seq":
-        for d, v in zip(desc[2], value):
-            _values_by(d, v, values)
-    elif desc[0] == "rule":
-        for name, d in desc[2]:
-            _values_by(d, getattr(value, name), values)
-
-
-def _encode(value, values: list, static: bool = False):
-    """A hashable description of `value`, appending its numeric leaves to `values`."""
+def _describe(value, static: bool = False):
+    """A hashable description of `value`: `_NUM` in each numeric slot, the rest static."""
     if isinstance(value, Rule) and dataclasses.is_dataclass(value):
         desc = getattr(value, _DESC_ATTR, None)
-        if desc is not None:
-            _values_by(desc, value, values)
-            return desc
-        fields = []
-        for f in dataclasses.fields(value):
-            v = getattr(value, f.name)
-            fields.append((f.name, _encode(v, values, static=f.metadata.get("static", False))))
-        return ("rule", type(value), tuple(fields))
+        if desc is None:
+            fields = [(f.name, f.metadata.get("static", False)) for f in dataclasses.fields(value)]
+            desc = ("rule", type(value), tuple((n, _describe(getattr(value, n), st)) for n, st in fields))
+        return desc
     if type(value) in (tuple, list) or (isinstance(value, tuple) and hasattr(value, "_fields")):
-        return ("seq", type(value), tuple(_encode(v, values, static) for v in value))
+        return ("seq", type(value), tuple(_describe(v, static) for v in value))
     if not static and (_is_numeric(value) or _is_held(value)):  # held: a Flax Variable, say
-        values.append(value)
         return _NUM
     return ("static", _Static(value))
-
-
-def _decode(desc, values):
-    if desc is _NUM or desc == _NUM:
-        return next(values)
-    tag = desc[0]
-    if tag == "static":
-        return desc[1].value
-    if tag == "seq":
-        cls, items = desc[1], [_decode(d, values) for d in desc[2]]
-        return cls(items) if cls is tuple or cls is list else cls(*items)  # else a NamedTuple
-    # A rule, rebuilt without validation: JAX unflattens with tracers and placeholder objects.
-    cls = desc[1]
-    rule = object.__new__(cls)
-    for name, sub in desc[2]:
-        object.__setattr__(rule, name, _decode(sub, values))
-    try:
-        object.__setattr__(rule, _DESC_ATTR, desc)
-    except (AttributeError, TypeError):  # a rule class with __slots__: described by value again
-        pass
-    return rule
-
-
-def _rule_parts(rule):
-    """A rule's description and its numbers by name (`_named`), in normal form."""
-    values: list = []
-    desc = _encode(rule, values)
-    return desc, _named(desc, map(_normal, values))
 
 
 def _has_numbers(desc) -> bool:
@@ -179,40 +108,44 @@ def _has_numbers(desc) -> bool:
     return desc[0] == "rule" and any(_has_numbers(d) for _, d in desc[2])
 
 
-def _named(desc, values):
-    """A rule's numbers as a pytree keyed by name, laid out as `desc` says: a dict from field name
-    to value for a rule (fields without numbers left out), a tuple for a tuple (None for an entry
-    without numbers), so that `optax.tree_utils.tree_get(state, "eta")` finds them."""
+def _named(desc, value, fn):
+    """The numbers in the numeric slots of `value` (a rule, or what `_named` gave for one), each
+    through `fn`, keyed as `desc` lays them out: a dict by field name for a rule (fields without
+    numbers left out), a tuple for a sequence (None for an entry without numbers), so that
+    `optax.tree_utils.tree_get(state, "eta")` finds them."""
     if desc == _NUM:
-        return next(values)
+        return fn(value)
     if desc[0] == "seq":
-        return tuple(_named(d, values) if _has_numbers(d) else None for d in desc[2])
+        return tuple(_named(d, value[i], fn) if _has_numbers(d) else None for i, d in enumerate(desc[2]))
     if desc[0] == "rule":
-        return {name: _named(d, values) for name, d in desc[2] if _has_numbers(d)}
+        get = value.__getitem__ if type(value) is dict else functools.partial(getattr, value)
+        return {name: _named(d, get(name), fn) for name, d in desc[2] if _has_numbers(d)}
     return None
 
 
-def _unnamed(desc, named, out: list) -> list:
-    """Inverse of `_named`: the numbers in `desc`'s order, appended to `out`."""
+def _decode(desc, named):
+    """The value `desc` describes, with the numbers of `named` (as `_named` gives them). A rule is
+    rebuilt without validation: JAX unflattens with tracers and placeholder objects."""
     if desc == _NUM:
-        out.append(named)
-    elif desc[0] == "seq":
-        for d, n in zip(desc[2], named):
-            if _has_numbers(d):
-                _unnamed(d, n, out)
-    elif desc[0] == "rule":
-        for name, d in desc[2]:
-            if _has_numbers(d):
-                _unnamed(d, named[name], out)
-    return out
+        return named
+    tag, cls = desc[0], desc[1]
+    if tag == "static":
+        return cls.value
+    if tag == "seq":
+        items = [_decode(d, named[i] if _has_numbers(d) else None) for i, d in enumerate(desc[2])]
+        return cls(items) if cls is tuple or cls is list else cls(*items)  # else a NamedTuple
+    rule = object.__new__(cls)
+    for name, d in desc[2]:
+        object.__setattr__(rule, name, _decode(d, named[name] if _has_numbers(d) else None))
+    with contextlib.suppress(AttributeError, TypeError):  # __slots__: described by value again
+        object.__setattr__(rule, _DESC_ATTR, desc)
+    return rule
 
 
-def _map_named(fn, named):
-    if type(named) is dict:
-        return {k: _map_named(fn, v) for k, v in named.items()}
-    if type(named) is tuple:
-        return tuple(_map_named(fn, v) for v in named)
-    return None if named is None else fn(named)
+def _rule_parts(rule):
+    """A rule's description and its numbers by name (`_named`), in normal form."""
+    desc = _describe(rule)
+    return desc, _named(desc, rule, _normal)
 
 
 # --- the normal form of scalar leaves ----------------------------------------------------------
@@ -315,7 +248,7 @@ def _state_parts(state: State):
     scalars = tuple(map(_normal, scalars))
     place = _host_scalar_placement(leaf_children)
     if place is not None:
-        rule_values = [_map_named(place, values) for values in rule_values]
+        rule_values = [_named(desc, values, place) for (desc, _), values in zip(rules, rule_values)]
         scalars = tuple(map(place, scalars))
     tu = jax.tree_util
     head = [(tu.DictKey(_RULES), tuple(rule_values))] if rule_values else []
@@ -570,8 +503,8 @@ def _state_unflatten(aux, children):
     head = 0
     values: list = []
     if rule_descs:
-        values = [_unnamed(d, v, []) for d, v in zip(rule_descs, children[0])]
-        children[0] = tuple(_named(d, map(_normal, v)) for d, v in zip(rule_descs, values))
+        values = children[0]  # the rules hold these very objects
+        children[0] = tuple(_named(d, v, _normal) for d, v in zip(rule_descs, values))
         head = 1
     named_scalars = children[head] if has_scalars else ()
     scalars = [next(iter(named.values())) for named in named_scalars]
@@ -587,7 +520,7 @@ def _state_unflatten(aux, children):
 @_without_gc
 def _build_tree(aux, values, scalars, own_children, made):
     skel, rule_descs, leaf_meta, _ = aux
-    rules = [_decode(d, iter(v)) for d, v in zip(rule_descs, values)]
+    rules = [_decode(d, v) for d, v in zip(rule_descs, values)]
     own_of = iter(own_children)
     leaves = []
     for r, frozen, spec, slots in leaf_meta:
@@ -636,7 +569,7 @@ def _leaf_flatten(leaf):
 def _leaf_unflatten(aux, children):
     desc, frozen = aux
     named, st = children
-    return Leaf(_decode(desc, iter(_unnamed(desc, named, []))), st, frozen)
+    return Leaf(_decode(desc, named), st, frozen)
 
 
 def register() -> None:
