@@ -150,23 +150,19 @@ def _rule_parts(rule):
 
 # --- the normal form of scalar leaves ----------------------------------------------------------
 
-_NORMAL_DTYPE: dict = {}  # (dtype, x64) -> the dtype of that kind that a leaf gets
+_WIDEST = ((jnp.bool_, np.bool_), (jnp.integer, np.int64), (jnp.complexfloating, np.complex128))
 
 
 def _normal_dtype(dtype):
-    key = (dtype, jax.dtypes.canonicalize_dtype(np.int64))
-    out = _NORMAL_DTYPE.get(key)
-    if out is None:
-        if jnp.issubdtype(dtype, jnp.bool_):
-            out = np.dtype(np.bool_)
-        elif jnp.issubdtype(dtype, jnp.integer):
-            out = jax.dtypes.canonicalize_dtype(np.int64)
-        elif jnp.issubdtype(dtype, jnp.complexfloating):
-            out = jax.dtypes.canonicalize_dtype(np.complex128)
-        else:
-            out = jax.dtypes.canonicalize_dtype(np.float64)
-        _NORMAL_DTYPE[key] = out
-    return out
+    return _normal_dtype_of(dtype, jax.dtypes.canonicalize_dtype(np.int64))  # (x64 or not)
+
+
+@functools.cache
+def _normal_dtype_of(dtype, _x64):
+    for kind, widest in _WIDEST:
+        if jnp.issubdtype(dtype, kind):
+            return jax.dtypes.canonicalize_dtype(widest)
+    return jax.dtypes.canonicalize_dtype(np.float64)
 
 
 _PYTHON_NUMBER_DTYPE = {int: np.int64, float: np.float64, complex: np.complex128}
@@ -201,17 +197,9 @@ _RULES, _SCALARS = "rules", "scalars"
 _MADE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _share_group(rule, frozen):
-    """Leafs of one elementwise rule (and one frozen flag) may share scalar state: the update hands
-    them one new counter object (`optimisers.engine.checks.share_scalar_state`), so flattening
-    stores it once. None: this Leaf keeps its own."""
-    return (id(rule), frozen) if rule.elementwise else None
-
-
 def _without_gc(fn):
-    """`fn` run with the cyclic garbage collector paused. Flattening or building a State of
-    thousands of Leafs makes tens of thousands of small tuples, which set off collections that
-    each walk the whole heap (every array, every Leaf): they cost more than the work itself."""
+    """`fn` run with the cyclic garbage collector paused: the many small tuples that flattening or
+    building a State of thousands of Leafs makes would set off collections that cost more."""
 
     @functools.wraps(fn)
     def paused(*args, **kwargs):
@@ -228,17 +216,17 @@ def _without_gc(fn):
 
 @_without_gc
 def _state_parts(state: State):
-    """`(keyed children, aux)`. Children, all keyed by `DictKey`: `"rules"`, each distinct rule's
-    numeric hyperparameters; `"scalars"`, each scalar state part (step counter) once however many
-    Leafs share it; then, per distinct Leaf that has any, its other state parts, keyed by its
-    parameter path. Aux holds the skeleton (Leaf numbers, repeated sub-trees by number), rule
-    descriptions and per Leaf (rule number, frozen, state structure, scalar slot of each part)."""
+    """`(keyed children, aux)`: children `"rules"` (each distinct rule's numbers), `"scalars"` (each
+    scalar state part once however many Leafs share it), then each Leaf's other state parts by
+    parameter path; aux the skeleton, rule descriptions and per Leaf (rule number, frozen, state
+    structure, scalar slot of each part)."""
     skel, found, rules, dicts = _skeleton(state.tree)
     flat, groups = [], []
     for leaf, _, _ in found:
         parts: list = []
         flat.append((flatten_state(leaf.state, parts), parts))
-        groups.append(_share_group(leaf.rule, bool(leaf.frozen)))
+        # Leafs of one elementwise rule and frozen flag get one new counter object from the update
+        groups.append((id(leaf.rule), bool(leaf.frozen)) if leaf.rule.elementwise else None)
     made = _MADE.get(state)
     layout = _kept_layout(made.layout if made else None, flat, groups) or _layout_by_value(flat, groups)
     names = _leaf_names([path for _, path, _ in found])
@@ -255,7 +243,10 @@ def _state_parts(state: State):
     if scalars:
         head.append((tu.DictKey(_SCALARS), tuple({n: v} for n, v in zip(slot_names, scalars))))
     keyed = head + leaf_children
-    _remember(state, aux, keyed, dicts, [leaf for leaf, _, _ in found])
+    # kept for the next flatten of this State, unchanged (`jit` flattens it twice per trace)
+    made = _MADE[state] = _Unflattened(aux, [c for _, c in keyed])
+    made.built(state.tree, dicts, [leaf for leaf, _, _ in found])
+    made.keyed = keyed
     return keyed, aux
 
 
@@ -312,23 +303,9 @@ def _split_parts(found, flat, layout, names):
     return scalars, slot_names, leaf_meta, leaf_children
 
 
-def _remember(state, aux, keyed, dicts, leaves) -> None:
-    """Keep what flattening `state` gave, as `_state_unflatten` does for the States it makes:
-    `jit` flattens its arguments more than once per trace (for their structure, then again with
-    keys for their names), and each later call with the same State, unchanged, gives these back
-    at once instead of walking every Leaf again."""
-    made = _Unflattened(aux, [c for _, c in keyed])
-    root = state.tree
-    made.built(root, dicts, leaves)
-    made.keyed = keyed
-    _MADE[state] = made
-
-
 @functools.cache  # a state's structure -> the name of each of its parts
 def _part_names(spec) -> tuple:
-    """The key each part of a state of this structure gets among the shared scalars: the field
-    of the NamedTuple that holds it (`Scheduled.count`), else "count" (a rule's scalar state is
-    its step counter, as optax's `count`)."""
+    """The key of each part among the shared scalars: its NamedTuple field, else "count" (optax's)."""
     out: list = []
 
     def visit(spec, name):
@@ -345,11 +322,9 @@ def _part_names(spec) -> tuple:
 
 
 def _host_scalar_placement(leaf_children):
-    """For a State whose arrays are sharded over a mesh: a function that puts a host number
-    (a hyperparameter or counter not yet on a device: fresh from setup or adjust) on that mesh,
-    replicated, which is where a jitted step returns them. Without it the first step (and the
-    first after each adjust) would be traced and compiled twice: numbers on the host and numbers
-    on the mesh are different inputs to `jit`. None for anything else."""
+    """For a State whose arrays are sharded over a mesh: a function that puts a host number (fresh
+    from setup or adjust) on that mesh, replicated, where a jitted step returns them, so that the
+    next step does not compile again. None for anything else."""
     arrays = (p for _, own in leaf_children for p in own if isinstance(p, jax.Array))
     first = next((p for p in arrays if p.ndim and not isinstance(p, _Tracer)), None)
     if first is None or not isinstance(first.sharding, jax.sharding.NamedSharding):
@@ -359,10 +334,8 @@ def _host_scalar_placement(leaf_children):
 
 
 def _leaf_names(paths) -> list[str]:
-    """Each Leaf's key: its parameter path as `format_path` writes it, made unique (a model key
-    such as "rules", or two paths that read alike, get a `#n` suffix). orbax names each array by
-    its keys joined with dots, so a name starting "rules." gets one too: its parts would be stored
-    under the names of a rule's hyperparameters ("rules.0" part 0 and rule 0 field 0: "rules.0.0")."""
+    """Each Leaf's key: its `format_path`, made unique with a `#n` suffix (also for "rules.*": orbax
+    would store "rules.0" part 0 and rule 0's field 0 both as "rules.0.0")."""
     used = {_RULES, _SCALARS}
     names = []
     for j, path in enumerate(paths):
@@ -378,9 +351,8 @@ def _leaf_names(paths) -> list[str]:
 
 def _layout_by_value(flat, groups) -> list:
     """Per Leaf `(spec, slots)`: each scalar part numbered. Leafs of one share group whose scalar
-    parts are all interchangeable (`scalar_key`: equal Python numbers, or the same objects) share
-    one slot per position, exactly those whose new counters the update makes one object; every
-    other Leaf gets its own slots, so the number of slots stays what it is from step to step."""
+    parts are interchangeable (`scalar_key`) share one slot per position, as the update shares
+    their new counters; every other Leaf gets its own, so the slots stay the same step to step."""
     slot_of: dict = {}
     layout = []
     for j, ((spec, parts), group) in enumerate(zip(flat, groups)):
@@ -394,11 +366,9 @@ def _layout_by_value(flat, groups) -> list:
 
 
 def _kept_layout(layout, flat, groups):
-    """The layout a State was unflattened with, if it still fits: JAX (and Equinox's filters)
-    unflatten with placeholders such as `False` in every leaf, which cannot tell a counter from an
-    array, and flattening that State again must give the same aux data. It fits while each Leaf
-    has the same structure and all Leafs of a slot are of one share group and still hold
-    interchangeable values there."""
+    """The layout a State was unflattened with, while each Leaf has its structure and the Leafs of
+    a slot one share group and interchangeable values: JAX (and Equinox's filters) unflatten with
+    placeholders such as `False`, and flattening that State again must give the same aux data."""
     if layout is None or len(layout) != len(flat):
         return None
     held: dict = {}
@@ -416,9 +386,8 @@ def _kept_layout(layout, flat, groups):
 
 
 def plan_flatten(state: State, x) -> None:
-    """At `setup`, for a model of JAX arrays (`x` one of them): flatten the new State once, so
-    that the first jitted step gets what it flattens to at once (plan once, at setup). Only a
-    cache: a State that cannot be flattened says so when something flattens it."""
+    """At `setup` of a model of JAX arrays (`x` one of them): flatten the new State once, for the
+    first jitted step. Only a cache: a State that cannot be flattened says so when flattened."""
     if not isinstance(x, jax.Array) or isinstance(x, _Tracer):
         return
     try:
@@ -448,12 +417,9 @@ _GET_STATE, _GET_RULE, _GET_FROZEN = (operator.attrgetter(a) for a in ("_state",
 
 
 class _Unflattened:
-    """What `_state_unflatten` made a State from. Under `jit` every step flattens the State that
-    the previous step's unflatten made. Its tree is built only when something asks for it (the
-    update, `state["w"]`): until then, flattening it gives back these children and aux at once.
-    Once built, while its dicts still hold the same Leafs and those the same rule, state and
-    frozen flag, it still does, checked in a few C-level passes instead of a Python walk over
-    every Leaf."""
+    """What a State was unflattened from (or last flattened to). Until its tree is built (on first
+    use), flattening it gives back these children and aux; once built, it still does while its
+    dicts hold the same Leafs and those the same rule, state and frozen flag (C-level checks)."""
 
     def __init__(self, aux, children):
         self.aux, self.children = aux, children
@@ -496,8 +462,7 @@ def _tuples_only(spec) -> bool:
 
 
 def _state_unflatten(aux, children):
-    """A State whose tree is built on first use (`_build_tree`); flattening it before then gives
-    back these children (the scalar ones in normal form) and aux."""
+    """A State whose tree is built on first use (`_build_tree`)."""
     _, rule_descs, _, has_scalars = aux
     children = list(children)
     head = 0
@@ -592,13 +557,9 @@ _FLAX_REGISTERED = False
 
 
 def register_flax_serialization() -> None:
-    """Teach `flax.serialization` the State and the Leaf, if Flax is imported (importing it here
-    would cost every JAX user a second; `import flax` loads `flax.serialization`, and this runs
-    again whenever a State is flattened).
-
-    A State's state dict is its pytree children by key (`"rules"`, `"scalars"`, one entry per
-    parameter path), so msgpack holds the numbers; restoring takes the structure (rules, ties,
-    frozen flags) from the target, as Flax restores everything."""
+    """Teach `flax.serialization` the State and the Leaf, once Flax is imported (this runs again
+    whenever a State is flattened). Their state dicts are their pytree children by key; restoring
+    takes the structure (rules, ties, frozen flags) from the target, as Flax does."""
     global _FLAX_REGISTERED
     if _FLAX_REGISTERED:
         return
@@ -606,10 +567,14 @@ def register_flax_serialization() -> None:
     if serialization is None or not hasattr(serialization, "register_serialization_state"):
         return
     _FLAX_REGISTERED = True
-    to_dict = functools.partial(_to_dict, _state_parts)
-    serialization.register_serialization_state(State, to_dict, _state_from_dict, override=True)
-    to_dict = functools.partial(_to_dict, _leaf_flatten_with_keys)
-    serialization.register_serialization_state(Leaf, to_dict, _leaf_from_dict, override=True)
+    for cls, flatten, unflatten, kept in (
+        (State, _state_parts, _state_unflatten, ("_keys",)),
+        (Leaf, _leaf_flatten_with_keys, _leaf_unflatten, ("_shape", "_placed")),
+    ):
+        from_dict = functools.partial(_from_dict, flatten, unflatten, kept)
+        serialization.register_serialization_state(
+            cls, functools.partial(_to_dict, flatten), from_dict, override=True
+        )
 
 
 def _names(keyed) -> list:
@@ -622,7 +587,9 @@ def _to_dict(flatten_with_keys, value) -> dict:
     return {name: to_state_dict(child) for name, (_, child) in zip(_names(keyed), keyed)}
 
 
-def _children_from_dict(keyed, saved, what: str) -> list:
+def _from_dict(flatten_with_keys, unflatten, kept, target, saved):
+    keyed, aux = flatten_with_keys(target)
+    what = type(target).__name__
     serialization = sys.modules["flax.serialization"]
     if not isinstance(saved, dict):
         raise ValueError(
@@ -638,22 +605,8 @@ def _children_from_dict(keyed, saved, what: str) -> list:
             f"not match the target (missing: {missing or 'none'}; unexpected: {extra or 'none'}); "
             "restore into a state made by the same setup (same model, rule and ties)"
         )
-    return [
-        serialization.from_state_dict(child, saved[name], name=str(name))
-        for name, (_, child) in zip(names, keyed)
-    ]
-
-
-def _state_from_dict(target, saved) -> State:
-    keyed, aux = _state_parts(target)
-    children = _children_from_dict(keyed, saved, "State")
-    restored = _state_unflatten(aux, children)
-    restored._keys = target._keys
-    return restored
-
-
-def _leaf_from_dict(target, saved) -> Leaf:
-    keyed, aux = _leaf_flatten_with_keys(target)
-    restored = _leaf_unflatten(aux, _children_from_dict(keyed, saved, "Leaf"))
-    restored._shape, restored._placed = target._shape, target._placed
+    children = [serialization.from_state_dict(c, saved[n], name=str(n)) for n, (_, c) in zip(names, keyed)]
+    restored = unflatten(aux, children)
+    for attr in kept:  # what the target knows beyond its pytree
+        setattr(restored, attr, getattr(target, attr))
     return restored
