@@ -7,11 +7,8 @@ one compile across updates and adjusts: docs/backends.md#the-state-as-a-pytree.
   schedules; a field with `metadata={"static": True}`) and frozen flags are static aux data, so
   ties survive `jit`. Rules are rebuilt without validation: JAX unflattens with tracers and
   placeholders.
-* Numbers and scalar state reach JAX in one normal form (`_normal`); the State keeps what it holds.
-* A scalar state part that Leafs of one elementwise rule and frozen flag share (the update hands
-  them one new counter: `SHARE_SCALAR_STATE`) is one leaf (`_layout_by_value`).
-* Leaf entries are named by parameter path; a name orbax would read as another's (it joins keys
-  with dots: "rules.0"), or one taken twice, gets a `#n` suffix.
+* Numbers and scalar state reach JAX in one normal form (`_normal`); a scalar state part that
+  Leafs of one elementwise rule share (`SHARE_SCALAR_STATE`) is one leaf (`_layout_by_value`).
 """
 
 from __future__ import annotations
@@ -41,15 +38,16 @@ _Tracer = jax.core.Tracer
 class _Static:
     """A static value in aux data: compared by type and value when hashable, by identity if not."""
 
-    __slots__ = ("value", "_key")
+    __slots__ = ("value", "_key", "_hash")
 
     def __init__(self, value):
         self.value = value
         try:
-            hash(value)
             self._key = (type(value), value)
+            self._hash = hash(self._key)
         except TypeError:
             self._key = (type(value), id(value))
+            self._hash = hash(self._key)
 
     def __eq__(self, other):
         if not isinstance(other, _Static):
@@ -60,10 +58,7 @@ class _Static:
             return self.value is other.value
 
     def __hash__(self):
-        try:
-            return hash(self._key)
-        except TypeError:
-            return id(self.value)
+        return self._hash
 
     def __repr__(self):
         return f"static({self.value!r})"
@@ -228,7 +223,8 @@ def _state_parts(state: State):
         # Leafs of one elementwise rule and frozen flag get one new counter object from the update
         groups.append((id(leaf.rule), bool(leaf.frozen)) if leaf.rule.elementwise else None)
     made = _MADE.get(state)
-    layout = _kept_layout(made.layout if made else None, flat, groups) or _layout_by_value(flat, groups)
+    kept = made and tuple((spec, slots) for _, _, spec, slots in made.aux[2])
+    layout = _kept_layout(kept, flat, groups) or _layout_by_value(flat, groups)
     names = _leaf_names([path for _, path, _ in found])
     scalars, slot_names, leaf_meta, leaf_children = _split_parts(found, flat, layout, names)
     aux = (skel, tuple(desc for desc, _ in rules), tuple(leaf_meta), bool(scalars))
@@ -425,10 +421,6 @@ class _Unflattened:
         self.aux, self.children = aux, children
         self.root = None  # the tree, once built
         self.keyed = None  # the children with their keys, once flattened with keys
-
-    @property
-    def layout(self):
-        return tuple((spec, slots) for _, _, spec, slots in self.aux[2])
 
     def built(self, root, dicts, leaves) -> None:
         self.root = root

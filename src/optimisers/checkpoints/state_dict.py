@@ -136,23 +136,6 @@ def _is_described(x) -> bool:  # stored as its class name and fields
     return isinstance(x, Rule) or (isinstance(x, Schedule) and dataclasses.is_dataclass(x))
 
 
-def _check_storable(value, label):
-    """Refuse, when saving, a callable other than a schedule of `optimisers.schedules`."""
-    value = _unheld(value)
-    if _is_described(value):
-        for k in _rule_fields(value):
-            _check_storable(getattr(value, k), f"{label}.{k}")
-    elif isinstance(value, (tuple, list)):
-        for i, v in enumerate(value):
-            _check_storable(v, f"{label}[{i}]")
-    elif callable(value) and _dtype_name(value) is None:
-        raise TypeError(
-            f"{label} is {value!r}, which a checkpoint cannot store: only numbers and the "
-            "schedules of optimisers.schedules (Cosine, Linear, Join, ...) are saved as data. Use "
-            "one of those, or adjust the hyperparameter to a number before saving."
-        )
-
-
 def _dtype_name(x) -> str | None:
     """The name of a dtype-like object (NumPy, torch, `jnp.float32`), else None."""
     if isinstance(x, _NUMBERS):
@@ -173,14 +156,17 @@ def _number(x):
     return None
 
 
-def encode(x) -> str:
-    """Text for a rule or hyperparameter that `_parse` reads back; floats are exact (repr)."""
+def encode(x, label: str | None = None) -> str:
+    """Text for a rule or hyperparameter that `_parse` reads back; floats are exact (repr). Given
+    the `label` of `x` (when saving), a callable other than a schedule of `optimisers.schedules`
+    (a lambda, an optax schedule) is refused: it cannot be written as data."""
     if _is_described(x):
         x = _Spec(type(x).__name__, {k: getattr(x, k) for k in _rule_fields(x)})
     if isinstance(x, _Spec):
-        return f"{x.name}({', '.join(f'{k}={encode(v)}' for k, v in x.fields.items())})"
+        inner = ", ".join(f"{k}={encode(v, label and f'{label}.{k}')}" for k, v in x.fields.items())
+        return f"{x.name}({inner})"
     if isinstance(x, (tuple, list)):
-        inner = ", ".join(encode(v) for v in x)
+        inner = ", ".join(encode(v, label and f"{label}[{i}]") for i, v in enumerate(x))
         return f"({inner},)" if len(x) == 1 else f"({inner})"
     if x is None or isinstance(x, str):
         return repr(x)
@@ -190,6 +176,12 @@ def encode(x) -> str:
     name = _dtype_name(x)
     if name is not None:
         return repr(name)
+    if label is not None and callable(_unheld(x)):
+        raise TypeError(
+            f"{label} is {_unheld(x)!r}, which a checkpoint cannot store: only numbers and the "
+            "schedules of optimisers.schedules (Cosine, Linear, Join, ...) are saved as data. Use "
+            "one of those, or adjust the hyperparameter to a number before saving."
+        )
     return repr(repr(x))  # compared as text, never restored
 
 
@@ -433,8 +425,7 @@ def state_dict(state) -> dict:
             d[f"{name}/tied_to"] = owner
             continue
         leaf = leaf_at[name]
-        _check_storable(leaf.rule, f"{name}: {type(leaf.rule).__name__}")
-        d[f"{name}/rule"] = encode(leaf.rule)
+        d[f"{name}/rule"] = encode(leaf.rule, f"{name}: {type(leaf.rule).__name__}")
         d[f"{name}/frozen"] = bool(leaf.frozen)
         for key, value in _state_items(leaf.state, f"{name}/state", []):
             value = _unheld(value)
