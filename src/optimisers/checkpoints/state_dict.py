@@ -215,40 +215,56 @@ def _same_in_float32(a, b) -> bool:
     return bool(fa == fb) and (float(fa) == a or float(fb) == b)
 
 
-def _compare_rule(spec, rule, label, kind_problems, hyper_diffs):
-    """Walk the checkpoint's rule `spec` beside the state's `rule`: a different class, field set or
-    non-numeric field is a different kind of rule; numbers that differ are hyperparameter changes."""
+def _compare_rule(spec, rule, label: str, found: tuple):
+    """Walk the checkpoint's rule `spec` beside the state's `rule` and return `rule` with the numbers
+    of `spec`. `found` takes the labels where the kind of rule differs (class, fields, non-numeric
+    values), the numbers that differ, and what the rule's own checks refuse (a negative rate)."""
+    kinds, diffs, errors = found
     if isinstance(rule, Schedule) and encode(spec) != encode(rule):
-        # another schedule is another value of the hyperparameter, not another kind of rule
-        if _schedule_from(spec) is None:
-            kind_problems.append(label)
-        else:
-            hyper_diffs.append((label, encode(spec), encode(rule)))
-        return
+        new = _schedule_from(spec)  # another schedule is another value, not another kind of rule
+        if new is None:
+            kinds.append(label)
+            return rule
+        diffs.append((label, encode(spec), encode(rule)))
+        return new
     if _is_described(rule):
         fields = _rule_fields(rule)
         if not isinstance(spec, _Spec) or spec.name != type(rule).__name__ or set(spec.fields) != set(fields):
-            kind_problems.append(label)
-            return
+            kinds.append(label)
+            return rule
+        changes = {}
         for k in fields:
-            _compare_rule(spec.fields[k], getattr(rule, k), f"{label}.{k}", kind_problems, hyper_diffs)
-        return
+            new = _compare_rule(spec.fields[k], getattr(rule, k), f"{label}.{k}", found)
+            if new is not getattr(rule, k):
+                changes[k] = new
+        if not changes:
+            return rule
+        try:
+            return dataclasses.replace(rule, **changes)
+        except (ValueError, OverflowError) as e:
+            errors.append(e)
+            return rule
+        except TypeError:  # a rule with its own __init__: set the fields as they were saved
+            new_rule = object.__new__(type(rule))
+            for f in dataclasses.fields(rule):
+                object.__setattr__(new_rule, f.name, changes.get(f.name, getattr(rule, f.name)))
+            return new_rule
     if isinstance(rule, (tuple, list)):
         if not isinstance(spec, tuple) or len(spec) != len(rule):
-            kind_problems.append(label)
-            return
-        for i, (s, r) in enumerate(zip(spec, rule)):
-            _compare_rule(s, r, f"{label}[{i}]", kind_problems, hyper_diffs)
-        return
+            kinds.append(label)
+            return rule
+        items = [_compare_rule(s, r, f"{label}[{i}]", found) for i, (s, r) in enumerate(zip(spec, rule))]
+        return rule if all(a is b for a, b in zip(items, rule)) else type(rule)(items)
     n = _number(rule)
-    if n is not None:
-        if isinstance(spec, bool) != isinstance(n, bool) or not isinstance(spec, (int, float)):
-            kind_problems.append(label)
-        elif not _same_number(spec, n):
-            hyper_diffs.append((label, spec, n))
-        return
-    if encode(spec) != encode(rule):
-        kind_problems.append(label)
+    if n is None:
+        if encode(spec) != encode(rule):
+            kinds.append(label)
+    elif isinstance(spec, bool) != isinstance(n, bool) or not isinstance(spec, (int, float)):
+        kinds.append(label)
+    elif not _same_number(spec, n):
+        diffs.append((label, spec, n))
+        return _held_like(rule, spec)  # in a Flax Variable where nnx.Optimizer held the old one
+    return rule
 
 
 def _schedule_from(spec):
@@ -267,37 +283,6 @@ def _schedule_value(spec):
             raise TypeError(spec.name)
         return cls(**{k: _schedule_value(v) for k, v in spec.fields.items()})
     return tuple(map(_schedule_value, spec)) if isinstance(spec, tuple) else spec
-
-
-def _restore_rule(spec, rule):
-    """`rule` with the numbers of `spec` (already checked to be the same kind of rule)."""
-    if isinstance(rule, Schedule):
-        return rule if encode(spec) == encode(rule) else _schedule_from(spec)
-    if _is_described(rule):
-        changes = {}
-        for k in _rule_fields(rule):
-            old = getattr(rule, k)
-            new = _restore_rule(spec.fields[k], old)
-            if new is not old:
-                changes[k] = new
-        if not changes:
-            return rule
-        try:
-            return dataclasses.replace(rule, **changes)
-        except TypeError:  # a rule with its own __init__: set the fields as they were saved
-            new_rule = object.__new__(type(rule))
-            for f in dataclasses.fields(rule):
-                object.__setattr__(new_rule, f.name, changes.get(f.name, getattr(rule, f.name)))
-            return new_rule
-    if isinstance(rule, (tuple, list)):
-        items = [_restore_rule(s, r) for s, r in zip(spec, rule)]
-        if all(a is b for a, b in zip(items, rule)):
-            return rule
-        return type(rule)(items)
-    n = _number(rule)
-    if n is not None and not _same_number(spec, n):
-        return _held_like(rule, spec)  # in a Flax Variable where nnx.Optimizer held the old one
-    return rule
 
 
 # --- values --------------------------------------------------------------------------------------
@@ -502,7 +487,7 @@ def load_state_dict(state, d: Mapping, *, hyperparameters: str = "checkpoint") -
             + "\n  - ".join(shown)
             + (f"\n  ... and {more} more" if more > 0 else "")
         )
-    return _build(state, tree, leaf_at, plans, planner)
+    return _build(state, tree, leaf_at, plans, hyperparameters)
 
 
 def _checked_call(state, d, hyperparameters: str):
@@ -589,28 +574,22 @@ class _Planner:
         self.problems: list[str] = []
         self.hyper_problems: list[str] = []
         self.parsed: dict[str, Any] = {}  # rule text -> spec
-        self.rules: dict[tuple, Any] = {}  # (id(rule), id(spec)) -> the rule with the checkpoint's numbers
-        self.compared: dict[tuple, tuple] = {}  # (rule text, id(rule)) -> (kinds, diffs)
+        self.compared: dict[tuple, tuple] = {}  # (rule text, id(rule)) -> (kinds, diffs, errors, rule)
 
     def plan(self, name: str, leaf: Leaf) -> tuple | None:
-        """`(spec, frozen, state entries)` the Leaf stored at `name` loads; None: its rule differs."""
-        spec = self._rule_checked(name, leaf.rule)
-        if spec is None:
+        """`(rule, frozen, state entries)` the Leaf stored at `name` loads; None: its rule differs."""
+        rule = self._rule_checked(name, leaf.rule)
+        if rule is None:
             return None
         key = f"{name}/frozen"
         frozen = _flag(self.d[key]) if key in self.d else None
         if frozen is None:
             self.problems.append(f"{key}: " + ("missing" if key not in self.d else "expected True or False"))
-        return spec, frozen, self._state_values(name, leaf)
-
-    def restored(self, spec, rule):
-        """`_restore_rule(spec, rule)`, made once per rule and spec (specs are shared per text)."""
-        if (id(rule), id(spec)) not in self.rules:
-            self.rules[id(rule), id(spec)] = _restore_rule(spec, rule)
-        return self.rules[id(rule), id(spec)]
+        return rule, frozen, self._state_values(name, leaf)
 
     def _rule_checked(self, name: str, rule):
-        """The checkpoint's rule at `name` if it is of `rule`'s kind with acceptable numbers."""
+        """`rule` with the numbers of the checkpoint's if both are of one kind and those numbers
+        acceptable (else None: a problem)."""
         rule_key = f"{name}/rule"
         try:
             text = _text(self.d[rule_key], rule_key)
@@ -621,10 +600,10 @@ class _Planner:
             self.problems.append(f"{rule_key}: cannot read the rule ({e})")
             return None
         spec = self.parsed[text]
-        if (text, id(rule)) not in self.compared:  # (places of another kind, hyperparameters that differ)
-            self.compared[text, id(rule)] = ([], [])
-            _compare_rule(spec, rule, type(rule).__name__, *self.compared[text, id(rule)])
-        kinds, diffs = self.compared[text, id(rule)]
+        if (text, id(rule)) not in self.compared:
+            found = ([], [], [])
+            self.compared[text, id(rule)] = (*found, _compare_rule(spec, rule, type(rule).__name__, found))
+        kinds, diffs, errors, restored = self.compared[text, id(rule)]
         if kinds:
             where = [k for k in kinds if k != type(rule).__name__]
             self.problems.append(
@@ -632,13 +611,10 @@ class _Planner:
                 f"{encode(rule)}" + (f" (they differ at {', '.join(where[:3])})" if where else "")
             )
             return None
-        if diffs and self.hyperparameters == "checkpoint":
-            try:  # a negative learning rate, an infinite epsilon: the rule's own checks say
-                self.restored(spec, rule)
-            except (ValueError, TypeError, OverflowError) as e:
-                why = str(e)[:200] or type(e).__name__
-                self.problems.append(f"{rule_key}: the checkpoint's hyperparameters are not valid ({why})")
-                return None
+        if errors and self.hyperparameters == "checkpoint":  # a negative learning rate, say
+            why = str(errors[0])[:200] or type(errors[0]).__name__
+            self.problems.append(f"{rule_key}: the checkpoint's hyperparameters are not valid ({why})")
+            return None
         if diffs and self.hyperparameters == "check":
             for label, theirs_v, ours_v in diffs:
                 if _same_in_float32(theirs_v, ours_v):
@@ -646,7 +622,7 @@ class _Planner:
                 self.hyper_problems.append(
                     f"{name}: {label} is {theirs_v!r} in the checkpoint, {ours_v!r} in this state"
                 )
-        return spec
+        return restored
 
     def _state_values(self, name: str, leaf: Leaf) -> dict:
         """The checkpoint's entries for `leaf`'s state; missing, extra or incompatible: problems."""
@@ -668,13 +644,13 @@ class _Planner:
         return values
 
 
-def _build(state, tree, leaf_at: dict, plans: dict, planner: _Planner) -> State:
+def _build(state, tree, leaf_at: dict, plans: dict, hyperparameters: str) -> State:
     """The new State: every check passed, so this only converts."""
     new_leaf: dict[int, Leaf] = {}
     shared: dict[tuple, Any] = {}
     for name, leaf in leaf_at.items():
-        spec, frozen, values = plans[name]
-        rule = planner.restored(spec, leaf.rule) if planner.hyperparameters == "checkpoint" else leaf.rule
+        restored, frozen, values = plans[name]
+        rule = restored if hyperparameters == "checkpoint" else leaf.rule
         convert = lambda key, like, values=values: _convert_shared(values[key], like, shared)  # noqa: E731
         new_state = _map_state(leaf.state, f"{name}/state", convert)
         new_leaf[id(leaf)] = new = leaf._successor(rule, new_state)
