@@ -299,22 +299,14 @@ def _split_parts(found, flat, layout, names):
     return scalars, slot_names, leaf_meta, leaf_children
 
 
-@functools.cache  # a state's structure -> the name of each of its parts
-def _part_names(spec) -> tuple:
+@functools.cache
+def _part_names(spec, name: str = "count") -> tuple:
     """The key of each part among the shared scalars: its NamedTuple field, else "count" (optax's)."""
-    out: list = []
-
-    def visit(spec, name):
-        if spec is None:
-            out.append(name)
-            return
-        cls, specs = spec
-        fields = getattr(cls, "_fields", None)
-        for i, sub in enumerate(specs):
-            visit(sub, fields[i] if fields else "count")
-
-    walked(visit, spec, "count")
-    return tuple(out)
+    if spec is None:
+        return (name,)
+    cls, specs = spec
+    fields = getattr(cls, "_fields", None) or ("count",) * len(specs)
+    return tuple(n for field, sub in zip(fields, specs) for n in _part_names(sub, field))
 
 
 def _host_scalar_placement(leaf_children):

@@ -24,7 +24,7 @@ from optimisers.checkpoints.state_dict import (
     CheckpointError,
     _is_array,
     _listing,
-    _places,
+    _our_places,
     _state_items,
     _tree_of,
     _unheld,
@@ -66,13 +66,8 @@ def _split(d: dict) -> tuple[dict, dict]:
             arrays[key], dtype = np.asarray(value), None
         if dtype is not None:
             dtypes[key] = dtype
-    meta = {
-        "format": FORMAT,
-        "file_format": FILE_FORMAT,
-        "entries": entries,
-        "dtypes": dtypes,
-        "arrays": {k: [a.dtype.str, list(a.shape)] for k, a in arrays.items()},
-    }
+    meta = {"format": FORMAT, "file_format": FILE_FORMAT, "entries": entries, "dtypes": dtypes}
+    meta["arrays"] = {k: [a.dtype.str, list(a.shape)] for k, a in arrays.items()}
     meta["sha256"] = _digest(meta, arrays)
     return arrays, meta
 
@@ -190,8 +185,9 @@ def _budget(state) -> tuple[int, int, int]:
     reasonably hold: about twice the state's, so that one of another dtype or a somewhat different
     model is reported entry by entry, not refused unread."""
     items = []
-    for _, leaf in _places(_tree_of(state, "load")):
-        _state_items(leaf.state, "", items)
+    ours, leaf_at = _our_places(_tree_of(state, "load"))
+    for owner in ours.values():  # (every place, tied ones too)
+        _state_items(leaf_at[owner].state, "", items)
     values = [_unheld(v) for _, v in items]  # nnx.Optimizer holds its arrays in Flax Variables
     nbytes = sum(int(getattr(v, "nbytes", 0)) for v in values if _is_array(v))
     meta_budget = 4096 * (len(items) + 16) + (1 << 20)
@@ -212,8 +208,9 @@ def _json(text) -> Any:
         raise CheckpointError(f"the {META_KEY!r} entry is not valid JSON ({str(e)[:200]})") from None
 
 
-def _meta_of(text, budget: int) -> tuple[dict, dict | None]:
-    """The metadata, checked, and its arrays `{key: (dtype, shape, bytes)}` (None for a v0.1 file)."""
+def _meta_of(text, budget: int, found) -> tuple[dict, dict | None]:
+    """The metadata, checked (also against the names of the arrays `found` in the file), and its
+    arrays `{key: (dtype, shape, bytes)}` (None for a v0.1 file)."""
     meta = _json(text)
     if not isinstance(meta, dict):
         _reject(f"the {META_KEY!r} entry is {type(meta).__name__} JSON, expected an object")
@@ -234,6 +231,7 @@ def _meta_of(text, budget: int) -> tuple[dict, dict | None]:
     if not isinstance(dtypes, dict) or not all(isinstance(v, str) for v in dtypes.values()):
         _reject("the metadata's 'dtypes' must map names to dtype names")
     if not v2:
+        _check_names(found, None)
         return meta, None
     arrays = meta["arrays"]
     if not isinstance(arrays, dict):
@@ -246,6 +244,7 @@ def _meta_of(text, budget: int) -> tuple[dict, dict | None]:
         _reject(f"the metadata names these entries both as arrays and otherwise: {_listing(bad)}")
     if sum(d[2] for d in declared.values()) > budget:
         _reject("its metadata declares far more array bytes than this state holds")
+    _check_names(found, declared)
     return meta, declared
 
 
@@ -371,8 +370,7 @@ def _read_npz(f, budget: int, meta_budget: int, members_max: int) -> tuple[dict,
             text = _read_npy(m, meta_info.file_size, META_KEY, None, "U")
         if text.shape != ():  # (`_read_npy` read text: kind "U")
             _reject(f"its {META_KEY!r} entry is not text")
-        meta, declared = _meta_of(text.item(), budget)
-        _check_names(members, declared)
+        meta, declared = _meta_of(text.item(), budget, members)
         if declared is not None:
             for key, info in members.items():
                 nbytes = declared[key][2]
@@ -414,8 +412,7 @@ def _read_safetensors(f, budget: int, meta_budget: int, members_max: int) -> tup
         _not_ours(header)
     if set(extra) != {META_KEY} or not isinstance(extra[META_KEY], str):
         _reject(f"its metadata holds entries this format does not have: {_listing(sorted(extra), 5)}")
-    meta, declared = _meta_of(extra[META_KEY], budget)
-    _check_names(header, declared)
+    meta, declared = _meta_of(extra[META_KEY], budget, header)
     f.seek(0)
     return meta, declared, st_load(f.read())
 

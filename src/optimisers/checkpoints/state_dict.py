@@ -46,9 +46,12 @@ def _tree_of(state, name):
     )
 
 
-def _places(tree) -> list[tuple[str, Leaf]]:
-    """`(dotted path, Leaf)` for every place of every Leaf, depth first, repeats included."""
-    out: list[tuple[str, Leaf]] = []
+def _our_places(tree) -> tuple[dict[str, str], dict[str, Leaf]]:
+    """`{dotted path: path that stores its state}` for every place of a Leaf, depth first, and the
+    Leaf stored at each such path."""
+    ours: dict[str, str] = {}
+    leaf_at: dict[str, Leaf] = {}
+    first: dict[int, str] = {}
     owner: dict[str, tuple] = {}
 
     def visit(node, path):
@@ -60,13 +63,14 @@ def _places(tree) -> list[tuple[str, Leaf]]:
                     "state dict needs distinct names (rename one of the keys)"
                 )
             owner[name] = path
-            out.append((name, node))
+            ours[name] = first.setdefault(id(node), name)
+            leaf_at.setdefault(ours[name], node)
             return
         for k, child in node.items():
             visit(child, path + (k,))
 
     walked(visit, tree, ())
-    return out
+    return ours, leaf_at
 
 
 def _is_variable(x) -> bool:
@@ -509,15 +513,6 @@ def _checked_call(state, d, hyperparameters: str):
     if fmt != FORMAT:
         raise CheckpointError(f"unknown checkpoint format {fmt!r}; this version reads {FORMAT!r}")
     return tree
-
-
-def _our_places(tree) -> tuple[dict[str, str], dict[str, Leaf]]:
-    """`{path: path that stores its state}` for this state, and the Leaf stored at each."""
-    ours, first, leaf_at = {}, {}, {}
-    for name, leaf in _places(tree):
-        ours[name] = first.setdefault(id(leaf), name)
-        leaf_at.setdefault(ours[name], leaf)
-    return ours, leaf_at
 
 
 def _their_places(d: Mapping, stored: set, problems: list) -> dict[str, str]:
