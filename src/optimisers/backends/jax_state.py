@@ -510,11 +510,6 @@ def _leaf_flatten_with_keys(leaf):
     return [(key("rule"), named), (key("state"), _normal_state(leaf.state))], (desc, bool(leaf.frozen))
 
 
-def _leaf_flatten(leaf):
-    keyed, aux = _leaf_flatten_with_keys(leaf)
-    return [c for _, c in keyed], aux
-
-
 def _leaf_unflatten(aux, children):
     desc, frozen = aux
     named, st = children
@@ -523,15 +518,12 @@ def _leaf_unflatten(aux, children):
 
 def register() -> None:
     """Register `State` and `Leaf` as pytrees, and with Flax's serialisation if Flax is imported."""
-    tu = jax.tree_util
-    for cls, fk, unf, fl in (
+    for args in (
         (State, _state_flatten_with_keys, _state_unflatten, _state_flatten),
-        (Leaf, _leaf_flatten_with_keys, _leaf_unflatten, _leaf_flatten),
+        (Leaf, _leaf_flatten_with_keys, _leaf_unflatten),
     ):
-        try:
-            tu.register_pytree_with_keys(cls, fk, unf, fl)
-        except ValueError:  # already registered (module reloaded)
-            pass
+        with contextlib.suppress(ValueError):  # already registered (module reloaded)
+            jax.tree_util.register_pytree_with_keys(*args)
     register_flax_serialization()
 
 

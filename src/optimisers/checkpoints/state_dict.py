@@ -435,22 +435,6 @@ def _listing(names, limit=8) -> str:
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
-def _state_keys_by_owner(d: Mapping, stored: set) -> dict[str, list]:
-    """The state entries (`P/state`, `P/state/...`) of each stored parameter `P`, in one pass."""
-    out: dict[str, list] = {}
-    for key in d:
-        if not isinstance(key, str):
-            continue
-        start = key.find("/state")
-        while start >= 0:  # a path may itself hold "/state": try each place it occurs
-            end = start + len("/state")
-            if (end == len(key) or key[end] == "/") and key[:start] in stored:
-                out.setdefault(key[:start], []).append(key)
-                break
-            start = key.find("/state", start + 1)
-    return out
-
-
 def load_state_dict(state, d: Mapping, *, hyperparameters: str = "checkpoint") -> State:
     """Restore optimiser state saved by `state_dict` into `state` (a fresh `setup` of the same
     model); returns a new `State`, leaving `state` and `d` as they were.
@@ -470,9 +454,8 @@ def load_state_dict(state, d: Mapping, *, hyperparameters: str = "checkpoint") -
     ours, leaf_at = _our_places(tree)
     stored = {k[: -len("/rule")] for k in d if isinstance(k, str) and k.endswith("/rule")}
     problems: list[str] = []
-    theirs = _their_places(d, stored, problems)
+    theirs, state_keys = _their_places(d, stored, problems)
     problems += _place_problems(ours, theirs)
-    state_keys = _state_keys_by_owner(d, stored)
     planner = _Planner(d, hyperparameters, state_keys)
     plans = {name: planner.plan(name, leaf) for name, leaf in leaf_at.items() if theirs.get(name) == name}
     problems += planner.problems
@@ -515,24 +498,32 @@ def _checked_call(state, d, hyperparameters: str):
     return tree
 
 
-def _their_places(d: Mapping, stored: set, problems: list) -> dict[str, str]:
-    """`{path: path that stores its state}` for the checkpoint; bad ties go to `problems`."""
+def _their_places(d: Mapping, stored: set, problems: list) -> tuple[dict[str, str], dict[str, list]]:
+    """`{path: path that stores its state}` for the checkpoint (bad ties go to `problems`), and the
+    state entries (`P/state`, `P/state/...`) of each stored path `P`."""
     theirs: dict[str, str] = {}
+    state_keys: dict[str, list] = {}
     for key in d:  # in the checkpoint's order, so that messages list paths depth first
         if not isinstance(key, str):
             continue
         if key.endswith("/rule"):
             theirs[key[: -len("/rule")]] = key[: -len("/rule")]
         elif key.endswith("/tied_to"):
-            name = key[: -len("/tied_to")]
-            target = _text(d[key], key)
+            name, target = key[: -len("/tied_to")], _text(d[key], key)
             if name in stored:
                 problems.append(f"{name}: the checkpoint both stores it and ties it to {target}")
-                continue
-            if target not in stored:
-                problems.append(f"{name}: the checkpoint ties it to {target}, which it does not store")
-            theirs[name] = target
-    return theirs
+            else:
+                if target not in stored:
+                    problems.append(f"{name}: the checkpoint ties it to {target}, which it does not store")
+                theirs[name] = target
+        start = key.find("/state")
+        while start >= 0:  # a path may itself hold "/state": try each place it occurs
+            end = start + len("/state")
+            if (end == len(key) or key[end] == "/") and key[:start] in stored:
+                state_keys.setdefault(key[:start], []).append(key)
+                break
+            start = key.find("/state", start + 1)
+    return theirs, state_keys
 
 
 def _place_problems(ours: dict, theirs: dict) -> list[str]:
