@@ -46,8 +46,7 @@ def is_traced(x) -> bool:
     return isinstance(x, _Tracer)
 
 
-def writable(x) -> bool:
-    """JAX arrays are immutable: `update_` replaces them and returns the new ones."""
+def writable(x) -> bool:  # immutable: `update_` replaces them and returns the new ones
     return False
 
 
@@ -59,8 +58,7 @@ def shares_memory(x, y) -> bool:
     return x is y
 
 
-def replaced(x, value):
-    """A new parameter like `x` holding `value`."""
+def replaced(x, value):  # a new parameter like `x` holding `value`
     return jnp.asarray(value, dtype=x.dtype)
 
 

@@ -448,19 +448,15 @@ def _tuples_only(spec) -> bool:
 def _state_unflatten(aux, children):
     """A State whose tree is built on first use (`_build_tree`)."""
     _, rule_descs, _, has_scalars = aux
-    children = list(children)
-    head = 0
-    values: list = []
-    if rule_descs:
-        values = children[0]  # the rules hold these very objects
-        children[0] = tuple(_named(d, v, _normal) for d, v in zip(rule_descs, values))
-        head = 1
+    head = bool(rule_descs)
+    values = children[0] if head else ()  # as given, as all but the scalars: the tree holds them
     named_scalars = children[head] if has_scalars else ()
     scalars = [next(iter(named.values())) for named in named_scalars]
+    own = list(children[head + has_scalars :])
+    normal = [tuple(_named(d, v, _normal) for d, v in zip(rule_descs, values))] if head else []
     if has_scalars:
-        children[head] = tuple({k: _normal(v) for k, v in named.items()} for named in named_scalars)
-    own = children[head + has_scalars :]  # as given: the tree holds these very objects
-    made = _Unflattened(aux, children)
+        normal.append(tuple({k: _normal(v) for k, v in named.items()} for named in named_scalars))
+    made = _Unflattened(aux, normal + own)
     state = State._lazy(functools.partial(_build_tree, aux, values, scalars, own, made))
     _MADE[state] = made
     return state

@@ -251,14 +251,8 @@ def _meta_of(text, budget: int, found) -> tuple[dict, dict | None]:
 def _declared_array(name, spec) -> tuple[np.dtype, tuple, int]:
     """The dtype, shape and size in bytes that the metadata declares for an array."""
     dtype = None
-    if (
-        isinstance(spec, list)
-        and len(spec) == 2
-        and isinstance(spec[0], str)
-        and isinstance(spec[1], list)
-        and all(type(n) is int and 0 <= n < 2**62 for n in spec[1])
-        and len(spec[1]) <= 64
-    ):
+    shape = spec[1] if isinstance(spec, list) and len(spec) == 2 and isinstance(spec[0], str) else None
+    if isinstance(shape, list) and len(shape) <= 64 and all(type(n) is int and 0 <= n < 2**62 for n in shape):
         with contextlib.suppress(TypeError, ValueError):
             dtype = np.dtype(spec[0])
     if dtype is None or dtype.kind not in "biufc" or dtype.str != spec[0]:
