@@ -250,12 +250,7 @@ def _skeleton(root):
     """The tree's skeleton (a Leaf by its number, a dict seen before as `("ref", its number)`) and,
     in skeleton order, the distinct Leafs as `(Leaf, path, rule number)`, the distinct rules as
     `(description, numbers by name)`, and the tree's dicts."""
-    rule_num: dict[int, int] = {}
-    rules: list = []
-    leaf_num: dict[int, int] = {}
-    found: list = []
-    dict_num: dict[int, int] = {}
-    dicts: list = []
+    rule_num, rules, leaf_num, found, dict_num, dicts = {}, [], {}, [], {}, []  # (numbers by id)
 
     def walk(node, path):
         if isinstance(node, Leaf):
@@ -282,8 +277,7 @@ def _split_parts(found, flat, layout, names):
     """Each Leaf's state parts as the layout places them: the shared scalars and their names, in
     slot order; per Leaf, its aux entry and, if it has any, its other parts as its own child."""
     n_slots = 1 + max((s for _, slots in layout for s in slots if s is not None), default=-1)
-    scalars: list = [None] * n_slots
-    slot_names: list = [None] * n_slots
+    scalars, slot_names = [None] * n_slots, [None] * n_slots
     leaf_meta, leaf_children = [], []
     for j, ((leaf, _, r), (spec, slots), (_, parts)) in enumerate(zip(found, layout, flat)):
         own = []
@@ -493,17 +487,13 @@ def _build_tree(aux, values, scalars, own_children, made):
 # --- Leaf alone as a pytree --------------------------------------------------------------------
 
 
-def _normal_state(value):
-    """A rule state with its scalar parts in normal form."""
-    parts: list = []
-    spec = flatten_state(value, parts)
-    return unflatten_state(spec, iter([_normal(p) if is_scalar(p) else p for p in parts]))
-
-
 def _leaf_flatten_with_keys(leaf):
     desc, named = _rule_parts(leaf.rule)
+    parts: list = []
+    spec = flatten_state(leaf.state, parts)
+    state = unflatten_state(spec, iter([_normal(p) if is_scalar(p) else p for p in parts]))
     key = jax.tree_util.GetAttrKey
-    return [(key("rule"), named), (key("state"), _normal_state(leaf.state))], (desc, bool(leaf.frozen))
+    return [(key("rule"), named), (key("state"), state)], (desc, bool(leaf.frozen))
 
 
 def _leaf_unflatten(aux, children):

@@ -53,9 +53,7 @@ _STALE_TMP = r"[a-z0-9_]{8}\.tmp"  # tempfile.mkstemp's 8 random characters
 
 def _split(d: dict) -> tuple[dict, dict]:
     """The state dict as `({key: host array}, metadata with its digest)`."""
-    arrays: dict[str, np.ndarray] = {}
-    entries: dict[str, Any] = {}
-    dtypes: dict[str, str] = {}
+    arrays, entries, dtypes = {}, {}, {}  # (dtypes: the real dtype of arrays stored as bits)
     for key, value in d.items():
         if isinstance(value, (str, bool, int)) or (isinstance(value, float) and math.isfinite(value)):
             entries[key] = value
@@ -230,21 +228,28 @@ def _meta_of(text, budget: int, found) -> tuple[dict, dict | None]:
         _reject("the metadata's 'entries' must map names to text, bools and numbers")
     if not isinstance(dtypes, dict) or not all(isinstance(v, str) for v in dtypes.values()):
         _reject("the metadata's 'dtypes' must map names to dtype names")
-    if not v2:
-        _check_names(found, None)
-        return meta, None
-    arrays = meta["arrays"]
-    if not isinstance(arrays, dict):
-        _reject("the metadata's 'arrays' must map names to [dtype, shape]")
-    declared = {name: _declared_array(name, spec) for name, spec in arrays.items()}
-    if not isinstance(meta["sha256"], str):
-        _reject("the metadata's 'sha256' must be text")
-    bad = [k for k in entries if k in arrays] + [k for k in dtypes if k not in arrays]
-    if bad:
-        _reject(f"the metadata names these entries both as arrays and otherwise: {_listing(bad)}")
-    if sum(d[2] for d in declared.values()) > budget:
-        _reject("its metadata declares far more array bytes than this state holds")
-    _check_names(found, declared)
+    declared = None
+    if v2:
+        arrays = meta["arrays"]
+        if not isinstance(arrays, dict):
+            _reject("the metadata's 'arrays' must map names to [dtype, shape]")
+        declared = {name: _declared_array(name, spec) for name, spec in arrays.items()}
+        if not isinstance(meta["sha256"], str):
+            _reject("the metadata's 'sha256' must be text")
+        bad = [k for k in entries if k in arrays] + [k for k in dtypes if k not in arrays]
+        if bad:
+            _reject(f"the metadata names these entries both as arrays and otherwise: {_listing(bad)}")
+        if sum(d[2] for d in declared.values()) > budget:
+            _reject("its metadata declares far more array bytes than this state holds")
+    found = set(found)  # the arrays in the file: those declared (a v0.1 file's: state entries)
+    expected = set(declared) if declared is not None else {k for k in found if "/state" in k}
+    if found != expected:
+        extra, missing = sorted(found - expected), sorted(expected - found)
+        _reject(
+            "its arrays are not those its metadata declares"
+            + (f"; unknown: {_listing(extra, 5)}" if extra else "")
+            + (f"; missing: {_listing(missing, 5)}" if missing else "")
+        )
     return meta, declared
 
 
@@ -275,20 +280,6 @@ def _view_raw_dtypes(dtypes: dict, arrays: dict) -> None:
         if real is None or bits.dtype.kind != "u" or real.itemsize != bits.dtype.itemsize:
             _reject(f"{key}: the metadata says its bits hold {name[:40]!r}, which they cannot")
         arrays[key] = bits.view(real)
-
-
-def _check_names(found, declared: dict | None) -> None:
-    """The arrays in the file are those the metadata declares (a v0.1 file's: state entries)."""
-    found = set(found)
-    expected = set(declared) if declared is not None else {k for k in found if "/state" in k}
-    if found != expected:
-        extra = sorted(found - expected)
-        missing = sorted(expected - found)
-        _reject(
-            "its arrays are not those its metadata declares"
-            + (f"; unknown: {_listing(extra, 5)}" if extra else "")
-            + (f"; missing: {_listing(missing, 5)}" if missing else "")
-        )
 
 
 def _check_directory(f, members: int) -> None:

@@ -49,10 +49,7 @@ def _tree_of(state, name):
 def _our_places(tree) -> tuple[dict[str, str], dict[str, Leaf]]:
     """`{dotted path: path that stores its state}` for every place of a Leaf, depth first, and the
     Leaf stored at each such path."""
-    ours: dict[str, str] = {}
-    leaf_at: dict[str, Leaf] = {}
-    first: dict[int, str] = {}
-    owner: dict[str, tuple] = {}
+    ours, leaf_at, first, owner = {}, {}, {}, {}  # (first: path by id(Leaf); owner: key path by path)
 
     def visit(node, path):
         if isinstance(node, Leaf):
@@ -140,13 +137,6 @@ def _is_described(x) -> bool:  # stored as its class name and fields
     return isinstance(x, Rule) or (isinstance(x, Schedule) and dataclasses.is_dataclass(x))
 
 
-def _dtype_name(x) -> str | None:
-    """The name of a dtype-like object (NumPy, torch, `jnp.float32`), else None."""
-    if isinstance(x, _NUMBERS):
-        return None
-    return dispatch.backend(x).dtype_name(x)  # a class goes to NumPy's, or to its library's
-
-
 def _number(x):
     """A Python number for a number or a concrete 0-d array (Flax Variables unwrapped), else None."""
     x = _unheld(x)
@@ -177,7 +167,8 @@ def encode(x, label: str | None = None) -> str:
     n = _number(x)
     if n is not None:
         return repr(n)
-    name = _dtype_name(x)
+    # a dtype (NumPy's, torch's, `jnp.float32`): a class goes to NumPy's backend, or its library's
+    name = None if isinstance(x, _NUMBERS) else dispatch.backend(x).dtype_name(x)
     if name is not None:
         return repr(name)
     if label is not None and callable(_unheld(x)):
@@ -386,11 +377,9 @@ def _text(value, key):
     raise CheckpointError(f"{key}: expected text, the checkpoint holds {describe(value)}")
 
 
-def _flag(value):
-    if isinstance(value, (bool, np.bool_)):
+def _flag(value):  # a bool, or a 0-d bool array
+    if isinstance(value, bool) or (_is_array(value) and tuple(value.shape) == () and _kind(value) == "bool"):
         return bool(value)
-    if _is_array(value) and tuple(value.shape) == () and _kind(value) == "bool":
-        return bool(value.item())
     return None
 
 
@@ -557,8 +546,7 @@ class _Planner:
 
     def __init__(self, d: Mapping, hyperparameters: str, state_keys: dict):
         self.d, self.hyperparameters, self.state_keys = d, hyperparameters, state_keys
-        self.problems: list[str] = []
-        self.hyper_problems: list[str] = []
+        self.problems, self.hyper_problems = [], []
         self.parsed: dict[str, Any] = {}  # rule text -> spec
         self.compared: dict[tuple, tuple] = {}  # (rule text, id(rule)) -> (kinds, diffs, errors, rule)
 
