@@ -111,9 +111,8 @@ def _numeric(dtype) -> bool:  # (jnp.issubdtype takes microseconds: setup asks p
 
 @functools.lru_cache(maxsize=1024)
 def _zeros_maker(shape, dtype, sharding):
-    """A compiled function of no arguments that makes zeros where `zeros_like` puts them (on the
-    parameter's sharding if it is committed to one). `setup` makes state for thousands of arrays,
-    mostly of a few shapes; calling this costs a fraction of an eager `jnp.zeros_like`."""
+    """A compiled maker of zeros on the parameter's sharding (if committed): `setup` makes state for
+    thousands of arrays of a few shapes, at a fraction of an eager `jnp.zeros_like` each."""
     return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
 
 
@@ -261,9 +260,8 @@ def _pytree_rebuild(node, changes):
 
 
 def node_kind(obj) -> NodeKind | None:
-    """A container kind for objects that JAX treats as pytree nodes (classes registered with
-    `jax.tree_util.register_pytree_node`, `register_pytree_with_keys`, Flax structs, ...), with
-    children keyed by their JAX key paths: attribute names, dict keys, sequence positions."""
+    """A container kind for what JAX treats as a pytree node (registered classes, Flax structs...),
+    its children keyed by their JAX key paths: attribute names, dict keys, sequence positions."""
     if obj is None or isinstance(obj, (str, bytes, numbers.Number, np.ndarray, np.generic)):
         return None
     try:

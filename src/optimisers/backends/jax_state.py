@@ -228,12 +228,9 @@ def _state_parts(state: State):
     names = _leaf_names([path for _, path, _ in found])
     scalars, slot_names, leaf_meta, leaf_children = _split_parts(found, flat, layout, names)
     aux = (skel, tuple(desc for desc, _ in rules), tuple(leaf_meta), bool(scalars))
-    rule_values = [values for _, values in rules]
-    scalars = tuple(map(_normal, scalars))
     place = _host_scalar_placement(leaf_children)
-    if place is not None:
-        rule_values = [_named(desc, values, place) for (desc, _), values in zip(rules, rule_values)]
-        scalars = tuple(map(place, scalars))
+    rule_values = [_named(desc, values, place) if place else values for desc, values in rules]
+    scalars = tuple(place(_normal(v)) if place else _normal(v) for v in scalars)
     tu = jax.tree_util
     head = [(tu.DictKey(_RULES), tuple(rule_values))] if rule_values else []
     if scalars:

@@ -265,23 +265,6 @@ def _declared_array(name, spec) -> tuple[np.dtype, tuple, int]:
     return dtype, tuple(spec[1]), math.prod(spec[1]) * dtype.itemsize
 
 
-def _view_raw_dtypes(dtypes: dict, arrays: dict) -> None:
-    """View each array stored as bits as the ml_dtypes dtype named for it (bfloat16 from uint16)."""
-    for key, name in dtypes.items():
-        bits = arrays.get(key)
-        if bits is None:
-            _reject(f"{key}: the metadata gives a dtype for an array the file does not have")
-        try:
-            import ml_dtypes  # NumPy's dtypes for bfloat16 & co.: a NumPy matter, like the file
-
-            real = np.dtype(getattr(ml_dtypes, name)) if name.isidentifier() else None
-        except (ImportError, AttributeError, TypeError):
-            real = None
-        if real is None or bits.dtype.kind != "u" or real.itemsize != bits.dtype.itemsize:
-            _reject(f"{key}: the metadata says its bits hold {name[:40]!r}, which they cannot")
-        arrays[key] = bits.view(real)
-
-
 def _check_directory(f, members: int) -> None:
     """Bound the archive's central directory (`members` members, `_MEMBER_BYTES` each) before
     `zipfile` reads it whole and makes an object per member."""
@@ -410,6 +393,8 @@ def _not_ours(arrays):
 
 
 def _verify(meta: dict, declared: dict | None, arrays: dict) -> None:
+    """Check the arrays against the metadata, then view each array stored as bits as the ml_dtypes
+    dtype named for it (bfloat16 from uint16)."""
     if declared is not None:
         for key, a in arrays.items():
             if (a.dtype, a.shape) != declared[key][:2]:
@@ -418,7 +403,19 @@ def _verify(meta: dict, declared: dict | None, arrays: dict) -> None:
             _reject(
                 "its checksum does not match its content: the file was damaged or edited after it was written"
             )
-    _view_raw_dtypes(meta["dtypes"], arrays)
+    for key, name in meta["dtypes"].items():
+        bits = arrays.get(key)
+        if bits is None:
+            _reject(f"{key}: the metadata gives a dtype for an array the file does not have")
+        try:
+            import ml_dtypes  # NumPy's dtypes for bfloat16 & co.: a NumPy matter, like the file
+
+            real = np.dtype(getattr(ml_dtypes, name)) if name.isidentifier() else None
+        except (ImportError, AttributeError, TypeError):
+            real = None
+        if real is None or bits.dtype.kind != "u" or real.itemsize != bits.dtype.itemsize:
+            _reject(f"{key}: the metadata says its bits hold {name[:40]!r}, which they cannot")
+        arrays[key] = bits.view(real)
     clash = [k for k in meta["entries"] if k in arrays]
     if clash:
         _reject(f"these entries are both arrays and values: {_listing(clash)}")
