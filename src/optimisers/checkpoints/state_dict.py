@@ -428,16 +428,13 @@ def load_state_dict(state, d: Mapping, *, hyperparameters: str = "checkpoint") -
     """Restore optimiser state saved by `state_dict` into `state` (a fresh `setup` of the same
     model); returns a new `State`, leaving `state` and `d` as they were.
 
-    Paths, ties, the kind of rule, state entries, shapes and dtypes are all checked before anything
-    is built; a `CheckpointError` lists every difference. Arrays take the backend, dtype and device
-    (JAX: sharding) of `state`'s, so a checkpoint loads into any backend; step counters take the
-    type `state` has. Frozen flags come from the checkpoint.
-
-    `hyperparameters` says where learning rates and other numbers of the rules come from:
-    `"checkpoint"` (default; like `torch.optim`, so a run adjusted by a schedule resumes exactly),
-    `"state"` (keep those of `state`, to resume with new values), or `"check"` (raise when they
-    differ). The kind of rule (its class, nested rules, and non-numeric settings) must match in
-    every case.
+    Paths, ties, the kind of rule (class, nested rules, non-numeric settings), state entries,
+    shapes and dtypes are all checked before anything is built; a `CheckpointError` lists every
+    difference. Arrays take the backend, dtype and device (JAX: sharding) of `state`'s, step
+    counters the type `state` has; frozen flags come from `d`. `hyperparameters` says where the
+    rules' numbers come from: `"checkpoint"` (default, as `torch.optim`: a scheduled run resumes
+    exactly), `"state"` (keep `state`'s, to resume with new values) or `"check"` (raise if they
+    differ).
     """
     tree = _checked_call(state, d, hyperparameters)
     ours, leaf_at = _our_places(tree)
