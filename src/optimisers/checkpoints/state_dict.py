@@ -258,7 +258,10 @@ def _compare_rule(spec, rule, label: str, found: tuple):
         kinds.append(label)
     elif not _same_number(spec, n):
         diffs.append((label, spec, n))
-        return _held_like(rule, spec)  # in a Flax Variable where nnx.Optimizer held the old one
+        try:
+            return _held_like(rule, spec)  # in a Flax Variable where nnx.Optimizer held the old one
+        except (ValueError, TypeError, OverflowError) as e:
+            errors.append(e)
     return rule
 
 
