@@ -46,8 +46,7 @@ def is_traced(x) -> bool:
     return isinstance(x, _Tracer)
 
 
-def writable(x) -> bool:
-    """JAX arrays are immutable: `update_` replaces them and returns the new ones."""
+def writable(x) -> bool:  # immutable: `update_` replaces them and returns the new ones
     return False
 
 
@@ -59,8 +58,7 @@ def shares_memory(x, y) -> bool:
     return x is y
 
 
-def replaced(x, value):
-    """A new parameter like `x` holding `value`."""
+def replaced(x, value):  # a new parameter like `x` holding `value`
     return jnp.asarray(value, dtype=x.dtype)
 
 
@@ -113,9 +111,8 @@ def _numeric(dtype) -> bool:  # (jnp.issubdtype takes microseconds: setup asks p
 
 @functools.lru_cache(maxsize=1024)
 def _zeros_maker(shape, dtype, sharding):
-    """A compiled function of no arguments that makes zeros where `zeros_like` puts them (on the
-    parameter's sharding if it is committed to one). `setup` makes state for thousands of arrays,
-    mostly of a few shapes; calling this costs a fraction of an eager `jnp.zeros_like`."""
+    """A compiled maker of zeros on the parameter's sharding (if committed): `setup` makes state for
+    thousands of arrays of a few shapes, at a fraction of an eager `jnp.zeros_like` each."""
     return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
 
 
@@ -164,11 +161,9 @@ def norm(x, p):
     # A traced p cannot choose a branch in Python; pick among the special cases in the program.
     p = jnp.asarray(p, a.dtype)
     safe_p = jnp.where((p == 0) | jnp.isinf(p), 2, p)
-    general = jnp.sum(a**safe_p) ** (1 / safe_p)
+    special = (2, 1, np.inf, -np.inf, 0)
     return jnp.select(
-        [p == 2, p == 1, p == jnp.inf, p == -jnp.inf, p == 0],
-        [_norm_fixed(a, 2), _norm_fixed(a, 1), jnp.max(a), jnp.min(a), _norm_fixed(a, 0)],
-        general,
+        [p == q for q in special], [_norm_fixed(a, q) for q in special], jnp.sum(a**safe_p) ** (1 / safe_p)
     )
 
 
@@ -265,9 +260,8 @@ def _pytree_rebuild(node, changes):
 
 
 def node_kind(obj) -> NodeKind | None:
-    """A container kind for objects that JAX treats as pytree nodes (classes registered with
-    `jax.tree_util.register_pytree_node`, `register_pytree_with_keys`, Flax structs, ...), with
-    children keyed by their JAX key paths: attribute names, dict keys, sequence positions."""
+    """A container kind for what JAX treats as a pytree node (registered classes, Flax structs...),
+    its children keyed by their JAX key paths: attribute names, dict keys, sequence positions."""
     if obj is None or isinstance(obj, (str, bytes, numbers.Number, np.ndarray, np.generic)):
         return None
     try:

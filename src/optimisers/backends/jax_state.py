@@ -1,48 +1,19 @@
 """`State` and `Leaf` as JAX pytrees, and their Flax serialisation; `optimisers.backends.jax`
-registers them (`register`) when JAX is first used.
+registers them (`register`) when JAX is first used. The pytree's keys and leaves, and what keeps
+one compile across updates and adjusts: docs/backends.md#the-state-as-a-pytree.
 
-* Flattening a `State` stores each distinct `Leaf` once, and each distinct rule object once; the
-  tree skeleton (which places share which Leaf), every rule's class and non-numeric fields, and each
-  Leaf's `frozen` flag are static aux data. Unflattening rebuilds the sharing, so ties survive
-  `jax.jit` even though array identity does not.
-* A rule's numeric hyperparameters (floats, tuples of floats, 0-d arrays) are pytree leaves, traced
-  under `jit`, so `adjust` between jitted calls does not recompile. Bools, ints (`AccumGrad.n`),
-  dtypes, schedules (callables) and other objects are static; nested rules (`OptimiserChain`,
-  `MixedPrecision`) are handled recursively. A dataclass field with `metadata={"static": True}`
-  is static whatever its value (use it for a float that decides the shape of the computation,
-  such as a norm's `p`).
-* One form, one compile: what `jit` keys its cache on (the tree structure, each leaf's dtype and
-  weak type) is the same after `setup` and after any number of updates and adjusts. So every
-  hyperparameter and every scalar state part (step counter) is handed to JAX in a normal form: a
-  strong 0-d array of the default dtype of its kind (float32, int32; float64, int64 under
-  `jax_enable_x64`), whether the State now holds a Python number, a NumPy scalar, or a weak or
-  strong JAX array (`_normal`). optax's `inject_hyperparams` keeps its hyperparameters the same
-  way. The State itself keeps what it was given; only what JAX sees is normalised, so rules must
-  cast hyperparameters with `ops.scalar` before they meet arrays (a strong float32 times a bfloat16
-  array is float32), as the built-in rules do.
-* A scalar state part that several Leafs hold is one leaf. `update` hands the Leafs of one
-  elementwise rule that share a counter one new counter object (the backend's `SHARE_SCALAR_STATE`), so a
-  model of thousands of arrays has one step counter per rule under `jit`, as an optax state has,
-  instead of thousands of scalar computations that XLA would compile and launch one by one.
-  Flattening merges exactly what the update keeps merged (`_layout_by_value`): counters of Leafs
-  of one elementwise rule and frozen flag that are equal Python numbers or one object. Counters of
-  other rules (`ClipNorm` couples a whole array, so a chain holding it is not elementwise) and of
-  frozen Leafs stay one leaf per Leaf from `setup` on. Only a step in which some Leafs of a rule
-  get no gradient splits their counters (one more compile, once).
-* Key paths are `DictKey`s at the State's level, as orbax needs to rebuild a tree from them:
-  `"rules"` (each distinct rule's numbers, by field name: `['rules'][0]['eta']`), `"scalars"` (the
-  shared counters, each named: `['scalars'][0]['count']`), so that optax's name-based tools
-  (`optax.tree_utils.tree_get(state, "eta")`, `tree_set`) find them; then one entry per
-  Leaf with other state, named by its parameter path (`"decoder.layers.0.w"`; a name taken twice,
-  "rules" or "scalars", or one that orbax, joining keys with dots, would read as a rule's entry
-  ("rules.0", whose first part reads "rules.0.0"), gets a `#n` suffix).
-
-Rules are rebuilt on unflatten without running their validation, since JAX unflattens with tracers
-and with placeholder objects.
+* Flattening stores each distinct Leaf and each distinct rule object once; the skeleton (which
+  places share which Leaf), each rule's class and non-numeric fields (bools, ints, dtypes,
+  schedules; a field with `metadata={"static": True}`) and frozen flags are static aux data, so
+  ties survive `jit`. Rules are rebuilt without validation: JAX unflattens with tracers and
+  placeholders.
+* Numbers and scalar state reach JAX in one normal form (`_normal`); a scalar state part that
+  Leafs of one elementwise rule share (`SHARE_SCALAR_STATE`) is one leaf (`_layout_by_value`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import gc
@@ -67,15 +38,16 @@ _Tracer = jax.core.Tracer
 class _Static:
     """A static value in aux data: compared by type and value when hashable, by identity if not."""
 
-    __slots__ = ("value", "_key")
+    __slots__ = ("value", "_key", "_hash")
 
     def __init__(self, value):
         self.value = value
         try:
-            hash(value)
             self._key = (type(value), value)
+            self._hash = hash(self._key)
         except TypeError:
             self._key = (type(value), id(value))
+            self._hash = hash(self._key)
 
     def __eq__(self, other):
         if not isinstance(other, _Static):
@@ -86,10 +58,7 @@ class _Static:
             return self.value is other.value
 
     def __hash__(self):
-        try:
-            return hash(self._key)
-        except TypeError:
-            return id(self.value)
+        return self._hash
 
     def __repr__(self):
         return f"static({self.value!r})"
@@ -111,64 +80,19 @@ def _is_numeric(value) -> bool:
 _DESC_ATTR = "_optimisers_pytree_desc"
 
 
-def _values_by(desc, value, values: list):
-    """Append the values in `value`'s numeric slots, laid out as `desc` says."""
-    if desc == _NUM:
-        values.append(value)
-    elif desc[0] == "seq":
-        for d, v in zip(desc[2], value):
-            _values_by(d, v, values)
-    elif desc[0] == "rule":
-        for name, d in desc[2]:
-            _values_by(d, getattr(value, name), values)
-
-
-def _encode(value, values: list, static: bool = False):
-    """A hashable description of `value`, appending its numeric leaves to `values`."""
+def _describe(value, static: bool = False):
+    """A hashable description of `value`: `_NUM` in each numeric slot, the rest static."""
     if isinstance(value, Rule) and dataclasses.is_dataclass(value):
         desc = getattr(value, _DESC_ATTR, None)
-        if desc is not None:
-            _values_by(desc, value, values)
-            return desc
-        fields = []
-        for f in dataclasses.fields(value):
-            v = getattr(value, f.name)
-            fields.append((f.name, _encode(v, values, static=f.metadata.get("static", False))))
-        return ("rule", type(value), tuple(fields))
+        if desc is None:
+            fields = [(f.name, f.metadata.get("static", False)) for f in dataclasses.fields(value)]
+            desc = ("rule", type(value), tuple((n, _describe(getattr(value, n), st)) for n, st in fields))
+        return desc
     if type(value) in (tuple, list) or (isinstance(value, tuple) and hasattr(value, "_fields")):
-        return ("seq", type(value), tuple(_encode(v, values, static) for v in value))
+        return ("seq", type(value), tuple(_describe(v, static) for v in value))
     if not static and (_is_numeric(value) or _is_held(value)):  # held: a Flax Variable, say
-        values.append(value)
         return _NUM
     return ("static", _Static(value))
-
-
-def _decode(desc, values):
-    if desc is _NUM or desc == _NUM:
-        return next(values)
-    tag = desc[0]
-    if tag == "static":
-        return desc[1].value
-    if tag == "seq":
-        cls, items = desc[1], [_decode(d, values) for d in desc[2]]
-        return cls(items) if cls is tuple or cls is list else cls(*items)  # else a NamedTuple
-    # A rule, rebuilt without validation: JAX unflattens with tracers and placeholder objects.
-    cls = desc[1]
-    rule = object.__new__(cls)
-    for name, sub in desc[2]:
-        object.__setattr__(rule, name, _decode(sub, values))
-    try:
-        object.__setattr__(rule, _DESC_ATTR, desc)
-    except (AttributeError, TypeError):  # a rule class with __slots__: described by value again
-        pass
-    return rule
-
-
-def _rule_parts(rule):
-    """A rule's description and its numbers by name (`_named`), in normal form."""
-    values: list = []
-    desc = _encode(rule, values)
-    return desc, _named(desc, map(_normal, values))
 
 
 def _has_numbers(desc) -> bool:
@@ -179,61 +103,61 @@ def _has_numbers(desc) -> bool:
     return desc[0] == "rule" and any(_has_numbers(d) for _, d in desc[2])
 
 
-def _named(desc, values):
-    """A rule's numbers as a pytree keyed by name, laid out as `desc` says: a dict from field name
-    to value for a rule (fields without numbers left out), a tuple for a tuple (None for an entry
-    without numbers), so that `optax.tree_utils.tree_get(state, "eta")` finds them."""
+def _named(desc, value, fn):
+    """The numbers in the numeric slots of `value` (a rule, or what `_named` gave for one), each
+    through `fn`, keyed as `desc` lays them out: a dict by field name for a rule (fields without
+    numbers left out), a tuple for a sequence (None for an entry without numbers), so that
+    `optax.tree_utils.tree_get(state, "eta")` finds them."""
     if desc == _NUM:
-        return next(values)
+        return fn(value)
     if desc[0] == "seq":
-        return tuple(_named(d, values) if _has_numbers(d) else None for d in desc[2])
+        return tuple(_named(d, value[i], fn) if _has_numbers(d) else None for i, d in enumerate(desc[2]))
     if desc[0] == "rule":
-        return {name: _named(d, values) for name, d in desc[2] if _has_numbers(d)}
+        get = value.__getitem__ if type(value) is dict else functools.partial(getattr, value)
+        return {name: _named(d, get(name), fn) for name, d in desc[2] if _has_numbers(d)}
     return None
 
 
-def _unnamed(desc, named, out: list) -> list:
-    """Inverse of `_named`: the numbers in `desc`'s order, appended to `out`."""
+def _decode(desc, named):
+    """The value `desc` describes, with the numbers of `named` (as `_named` gives them). A rule is
+    rebuilt without validation: JAX unflattens with tracers and placeholder objects."""
     if desc == _NUM:
-        out.append(named)
-    elif desc[0] == "seq":
-        for d, n in zip(desc[2], named):
-            if _has_numbers(d):
-                _unnamed(d, n, out)
-    elif desc[0] == "rule":
-        for name, d in desc[2]:
-            if _has_numbers(d):
-                _unnamed(d, named[name], out)
-    return out
+        return named
+    tag, cls = desc[0], desc[1]
+    if tag == "static":
+        return cls.value
+    if tag == "seq":
+        items = [_decode(d, named[i] if _has_numbers(d) else None) for i, d in enumerate(desc[2])]
+        return cls(items) if cls is tuple or cls is list else cls(*items)  # else a NamedTuple
+    rule = object.__new__(cls)
+    for name, d in desc[2]:
+        object.__setattr__(rule, name, _decode(d, named[name] if _has_numbers(d) else None))
+    with contextlib.suppress(AttributeError, TypeError):  # __slots__: described by value again
+        object.__setattr__(rule, _DESC_ATTR, desc)
+    return rule
 
 
-def _map_named(fn, named):
-    if type(named) is dict:
-        return {k: _map_named(fn, v) for k, v in named.items()}
-    if type(named) is tuple:
-        return tuple(_map_named(fn, v) for v in named)
-    return None if named is None else fn(named)
+def _rule_parts(rule):
+    """A rule's description and its numbers by name (`_named`), in normal form."""
+    desc = _describe(rule)
+    return desc, _named(desc, rule, _normal)
 
 
 # --- the normal form of scalar leaves ----------------------------------------------------------
 
-_NORMAL_DTYPE: dict = {}  # (dtype, x64) -> the dtype of that kind that a leaf gets
+_WIDEST = ((jnp.bool_, np.bool_), (jnp.integer, np.int64), (jnp.complexfloating, np.complex128))
 
 
 def _normal_dtype(dtype):
-    key = (dtype, jax.dtypes.canonicalize_dtype(np.int64))
-    out = _NORMAL_DTYPE.get(key)
-    if out is None:
-        if jnp.issubdtype(dtype, jnp.bool_):
-            out = np.dtype(np.bool_)
-        elif jnp.issubdtype(dtype, jnp.integer):
-            out = jax.dtypes.canonicalize_dtype(np.int64)
-        elif jnp.issubdtype(dtype, jnp.complexfloating):
-            out = jax.dtypes.canonicalize_dtype(np.complex128)
-        else:
-            out = jax.dtypes.canonicalize_dtype(np.float64)
-        _NORMAL_DTYPE[key] = out
-    return out
+    return _normal_dtype_of(dtype, jax.dtypes.canonicalize_dtype(np.int64))  # (x64 or not)
+
+
+@functools.cache
+def _normal_dtype_of(dtype, _x64):
+    for kind, widest in _WIDEST:
+        if jnp.issubdtype(dtype, kind):
+            return jax.dtypes.canonicalize_dtype(widest)
+    return jax.dtypes.canonicalize_dtype(np.float64)
 
 
 _PYTHON_NUMBER_DTYPE = {int: np.int64, float: np.float64, complex: np.complex128}
@@ -268,17 +192,9 @@ _RULES, _SCALARS = "rules", "scalars"
 _MADE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _share_group(rule, frozen):
-    """Leafs of one elementwise rule (and one frozen flag) may share scalar state: the update hands
-    them one new counter object (`optimisers.engine.checks.share_scalar_state`), so flattening
-    stores it once. None: this Leaf keeps its own."""
-    return (id(rule), frozen) if rule.elementwise else None
-
-
 def _without_gc(fn):
-    """`fn` run with the cyclic garbage collector paused. Flattening or building a State of
-    thousands of Leafs makes tens of thousands of small tuples, which set off collections that
-    each walk the whole heap (every array, every Leaf): they cost more than the work itself."""
+    """`fn` run with the cyclic garbage collector paused: the many small tuples that flattening or
+    building a State of thousands of Leafs makes would set off collections that cost more."""
 
     @functools.wraps(fn)
     def paused(*args, **kwargs):
@@ -295,34 +211,35 @@ def _without_gc(fn):
 
 @_without_gc
 def _state_parts(state: State):
-    """`(keyed children, aux)`. Children, all keyed by `DictKey`: `"rules"`, each distinct rule's
-    numeric hyperparameters; `"scalars"`, each scalar state part (step counter) once however many
-    Leafs share it; then, per distinct Leaf that has any, its other state parts, keyed by its
-    parameter path. Aux holds the skeleton (Leaf numbers, repeated sub-trees by number), rule
-    descriptions and per Leaf (rule number, frozen, state structure, scalar slot of each part)."""
+    """`(keyed children, aux)`: children `"rules"` (each distinct rule's numbers), `"scalars"` (each
+    scalar state part once however many Leafs share it), then each Leaf's other state parts by
+    parameter path; aux the skeleton, rule descriptions and per Leaf (rule number, frozen, state
+    structure, scalar slot of each part)."""
     skel, found, rules, dicts = _skeleton(state.tree)
     flat, groups = [], []
     for leaf, _, _ in found:
         parts: list = []
         flat.append((flatten_state(leaf.state, parts), parts))
-        groups.append(_share_group(leaf.rule, bool(leaf.frozen)))
+        # Leafs of one elementwise rule and frozen flag get one new counter object from the update
+        groups.append((id(leaf.rule), bool(leaf.frozen)) if leaf.rule.elementwise else None)
     made = _MADE.get(state)
-    layout = _kept_layout(made.layout if made else None, flat, groups) or _layout_by_value(flat, groups)
+    kept = made and tuple((spec, slots) for _, _, spec, slots in made.aux[2])
+    layout = _kept_layout(kept, flat, groups) or _layout_by_value(flat, groups)
     names = _leaf_names([path for _, path, _ in found])
     scalars, slot_names, leaf_meta, leaf_children = _split_parts(found, flat, layout, names)
     aux = (skel, tuple(desc for desc, _ in rules), tuple(leaf_meta), bool(scalars))
-    rule_values = [values for _, values in rules]
-    scalars = tuple(map(_normal, scalars))
     place = _host_scalar_placement(leaf_children)
-    if place is not None:
-        rule_values = [_map_named(place, values) for values in rule_values]
-        scalars = tuple(map(place, scalars))
+    rule_values = [_named(desc, values, place) if place else values for desc, values in rules]
+    scalars = tuple(place(_normal(v)) if place else _normal(v) for v in scalars)
     tu = jax.tree_util
     head = [(tu.DictKey(_RULES), tuple(rule_values))] if rule_values else []
     if scalars:
         head.append((tu.DictKey(_SCALARS), tuple({n: v} for n, v in zip(slot_names, scalars))))
     keyed = head + leaf_children
-    _remember(state, aux, keyed, dicts, [leaf for leaf, _, _ in found])
+    # kept for the next flatten of this State, unchanged (`jit` flattens it twice per trace)
+    made = _MADE[state] = _Unflattened(aux, [c for _, c in keyed])
+    made.built(state.tree, dicts, [leaf for leaf, _, _ in found])
+    made.keyed = keyed
     return keyed, aux
 
 
@@ -330,12 +247,7 @@ def _skeleton(root):
     """The tree's skeleton (a Leaf by its number, a dict seen before as `("ref", its number)`) and,
     in skeleton order, the distinct Leafs as `(Leaf, path, rule number)`, the distinct rules as
     `(description, numbers by name)`, and the tree's dicts."""
-    rule_num: dict[int, int] = {}
-    rules: list = []
-    leaf_num: dict[int, int] = {}
-    found: list = []
-    dict_num: dict[int, int] = {}
-    dicts: list = []
+    rule_num, rules, leaf_num, found, dict_num, dicts = {}, [], {}, [], {}, []  # (numbers by id)
 
     def walk(node, path):
         if isinstance(node, Leaf):
@@ -362,8 +274,7 @@ def _split_parts(found, flat, layout, names):
     """Each Leaf's state parts as the layout places them: the shared scalars and their names, in
     slot order; per Leaf, its aux entry and, if it has any, its other parts as its own child."""
     n_slots = 1 + max((s for _, slots in layout for s in slots if s is not None), default=-1)
-    scalars: list = [None] * n_slots
-    slot_names: list = [None] * n_slots
+    scalars, slot_names = [None] * n_slots, [None] * n_slots
     leaf_meta, leaf_children = [], []
     for j, ((leaf, _, r), (spec, slots), (_, parts)) in enumerate(zip(found, layout, flat)):
         own = []
@@ -379,44 +290,20 @@ def _split_parts(found, flat, layout, names):
     return scalars, slot_names, leaf_meta, leaf_children
 
 
-def _remember(state, aux, keyed, dicts, leaves) -> None:
-    """Keep what flattening `state` gave, as `_state_unflatten` does for the States it makes:
-    `jit` flattens its arguments more than once per trace (for their structure, then again with
-    keys for their names), and each later call with the same State, unchanged, gives these back
-    at once instead of walking every Leaf again."""
-    made = _Unflattened(aux, [c for _, c in keyed])
-    root = state.tree
-    made.built(root, dicts, leaves)
-    made.keyed = keyed
-    _MADE[state] = made
-
-
-@functools.cache  # a state's structure -> the name of each of its parts
-def _part_names(spec) -> tuple:
-    """The key each part of a state of this structure gets among the shared scalars: the field
-    of the NamedTuple that holds it (`Scheduled.count`), else "count" (a rule's scalar state is
-    its step counter, as optax's `count`)."""
-    out: list = []
-
-    def visit(spec, name):
-        if spec is None:
-            out.append(name)
-            return
-        cls, specs = spec
-        fields = getattr(cls, "_fields", None)
-        for i, sub in enumerate(specs):
-            visit(sub, fields[i] if fields else "count")
-
-    walked(visit, spec, "count")
-    return tuple(out)
+@functools.cache
+def _part_names(spec, name: str = "count") -> tuple:
+    """The key of each part among the shared scalars: its NamedTuple field, else "count" (optax's)."""
+    if spec is None:
+        return (name,)
+    cls, specs = spec
+    fields = getattr(cls, "_fields", None) or ("count",) * len(specs)
+    return tuple(n for field, sub in zip(fields, specs) for n in _part_names(sub, field))
 
 
 def _host_scalar_placement(leaf_children):
-    """For a State whose arrays are sharded over a mesh: a function that puts a host number
-    (a hyperparameter or counter not yet on a device: fresh from setup or adjust) on that mesh,
-    replicated, which is where a jitted step returns them. Without it the first step (and the
-    first after each adjust) would be traced and compiled twice: numbers on the host and numbers
-    on the mesh are different inputs to `jit`. None for anything else."""
+    """For a State whose arrays are sharded over a mesh: a function that puts a host number (fresh
+    from setup or adjust) on that mesh, replicated, where a jitted step returns them, so that the
+    next step does not compile again. None for anything else."""
     arrays = (p for _, own in leaf_children for p in own if isinstance(p, jax.Array))
     first = next((p for p in arrays if p.ndim and not isinstance(p, _Tracer)), None)
     if first is None or not isinstance(first.sharding, jax.sharding.NamedSharding):
@@ -426,10 +313,8 @@ def _host_scalar_placement(leaf_children):
 
 
 def _leaf_names(paths) -> list[str]:
-    """Each Leaf's key: its parameter path as `format_path` writes it, made unique (a model key
-    such as "rules", or two paths that read alike, get a `#n` suffix). orbax names each array by
-    its keys joined with dots, so a name starting "rules." gets one too: its parts would be stored
-    under the names of a rule's hyperparameters ("rules.0" part 0 and rule 0 field 0: "rules.0.0")."""
+    """Each Leaf's key: its `format_path`, made unique with a `#n` suffix (also for "rules.*": orbax
+    would store "rules.0" part 0 and rule 0's field 0 both as "rules.0.0")."""
     used = {_RULES, _SCALARS}
     names = []
     for j, path in enumerate(paths):
@@ -445,9 +330,8 @@ def _leaf_names(paths) -> list[str]:
 
 def _layout_by_value(flat, groups) -> list:
     """Per Leaf `(spec, slots)`: each scalar part numbered. Leafs of one share group whose scalar
-    parts are all interchangeable (`scalar_key`: equal Python numbers, or the same objects) share
-    one slot per position, exactly those whose new counters the update makes one object; every
-    other Leaf gets its own slots, so the number of slots stays what it is from step to step."""
+    parts are interchangeable (`scalar_key`) share one slot per position, as the update shares
+    their new counters; every other Leaf gets its own, so the slots stay the same step to step."""
     slot_of: dict = {}
     layout = []
     for j, ((spec, parts), group) in enumerate(zip(flat, groups)):
@@ -461,11 +345,9 @@ def _layout_by_value(flat, groups) -> list:
 
 
 def _kept_layout(layout, flat, groups):
-    """The layout a State was unflattened with, if it still fits: JAX (and Equinox's filters)
-    unflatten with placeholders such as `False` in every leaf, which cannot tell a counter from an
-    array, and flattening that State again must give the same aux data. It fits while each Leaf
-    has the same structure and all Leafs of a slot are of one share group and still hold
-    interchangeable values there."""
+    """The layout a State was unflattened with, while each Leaf has its structure and the Leafs of
+    a slot one share group and interchangeable values: JAX (and Equinox's filters) unflatten with
+    placeholders such as `False`, and flattening that State again must give the same aux data."""
     if layout is None or len(layout) != len(flat):
         return None
     held: dict = {}
@@ -483,9 +365,8 @@ def _kept_layout(layout, flat, groups):
 
 
 def plan_flatten(state: State, x) -> None:
-    """At `setup`, for a model of JAX arrays (`x` one of them): flatten the new State once, so
-    that the first jitted step gets what it flattens to at once (plan once, at setup). Only a
-    cache: a State that cannot be flattened says so when something flattens it."""
+    """At `setup` of a model of JAX arrays (`x` one of them): flatten the new State once, for the
+    first jitted step. Only a cache: a State that cannot be flattened says so when flattened."""
     if not isinstance(x, jax.Array) or isinstance(x, _Tracer):
         return
     try:
@@ -515,21 +396,14 @@ _GET_STATE, _GET_RULE, _GET_FROZEN = (operator.attrgetter(a) for a in ("_state",
 
 
 class _Unflattened:
-    """What `_state_unflatten` made a State from. Under `jit` every step flattens the State that
-    the previous step's unflatten made. Its tree is built only when something asks for it (the
-    update, `state["w"]`): until then, flattening it gives back these children and aux at once.
-    Once built, while its dicts still hold the same Leafs and those the same rule, state and
-    frozen flag, it still does, checked in a few C-level passes instead of a Python walk over
-    every Leaf."""
+    """What a State was unflattened from (or last flattened to). Until its tree is built (on first
+    use), flattening it gives back these children and aux; once built, it still does while its
+    dicts hold the same Leafs and those the same rule, state and frozen flag (C-level checks)."""
 
     def __init__(self, aux, children):
         self.aux, self.children = aux, children
         self.root = None  # the tree, once built
         self.keyed = None  # the children with their keys, once flattened with keys
-
-    @property
-    def layout(self):
-        return tuple((spec, slots) for _, _, spec, slots in self.aux[2])
 
     def built(self, root, dicts, leaves) -> None:
         self.root = root
@@ -563,22 +437,17 @@ def _tuples_only(spec) -> bool:
 
 
 def _state_unflatten(aux, children):
-    """A State whose tree is built on first use (`_build_tree`); flattening it before then gives
-    back these children (the scalar ones in normal form) and aux."""
+    """A State whose tree is built on first use (`_build_tree`)."""
     _, rule_descs, _, has_scalars = aux
-    children = list(children)
-    head = 0
-    values: list = []
-    if rule_descs:
-        values = [_unnamed(d, v, []) for d, v in zip(rule_descs, children[0])]
-        children[0] = tuple(_named(d, map(_normal, v)) for d, v in zip(rule_descs, values))
-        head = 1
+    head = bool(rule_descs)
+    values = children[0] if head else ()  # as given, as all but the scalars: the tree holds them
     named_scalars = children[head] if has_scalars else ()
     scalars = [next(iter(named.values())) for named in named_scalars]
+    own = list(children[head + has_scalars :])
+    normal = [tuple(_named(d, v, _normal) for d, v in zip(rule_descs, values))] if head else []
     if has_scalars:
-        children[head] = tuple({k: _normal(v) for k, v in named.items()} for named in named_scalars)
-    own = children[head + has_scalars :]  # as given: the tree holds these very objects
-    made = _Unflattened(aux, children)
+        normal.append(tuple({k: _normal(v) for k, v in named.items()} for named in named_scalars))
+    made = _Unflattened(aux, normal + own)
     state = State._lazy(functools.partial(_build_tree, aux, values, scalars, own, made))
     _MADE[state] = made
     return state
@@ -587,7 +456,7 @@ def _state_unflatten(aux, children):
 @_without_gc
 def _build_tree(aux, values, scalars, own_children, made):
     skel, rule_descs, leaf_meta, _ = aux
-    rules = [_decode(d, iter(v)) for d, v in zip(rule_descs, values)]
+    rules = [_decode(d, v) for d, v in zip(rule_descs, values)]
     own_of = iter(own_children)
     leaves = []
     for r, frozen, spec, slots in leaf_meta:
@@ -615,41 +484,29 @@ def _build_tree(aux, values, scalars, own_children, made):
 # --- Leaf alone as a pytree --------------------------------------------------------------------
 
 
-def _normal_state(value):
-    """A rule state with its scalar parts in normal form."""
-    parts: list = []
-    spec = flatten_state(value, parts)
-    return unflatten_state(spec, iter([_normal(p) if is_scalar(p) else p for p in parts]))
-
-
 def _leaf_flatten_with_keys(leaf):
     desc, named = _rule_parts(leaf.rule)
+    parts: list = []
+    spec = flatten_state(leaf.state, parts)
+    state = unflatten_state(spec, iter([_normal(p) if is_scalar(p) else p for p in parts]))
     key = jax.tree_util.GetAttrKey
-    return [(key("rule"), named), (key("state"), _normal_state(leaf.state))], (desc, bool(leaf.frozen))
-
-
-def _leaf_flatten(leaf):
-    keyed, aux = _leaf_flatten_with_keys(leaf)
-    return [c for _, c in keyed], aux
+    return [(key("rule"), named), (key("state"), state)], (desc, bool(leaf.frozen))
 
 
 def _leaf_unflatten(aux, children):
     desc, frozen = aux
     named, st = children
-    return Leaf(_decode(desc, iter(_unnamed(desc, named, []))), st, frozen)
+    return Leaf(_decode(desc, named), st, frozen)
 
 
 def register() -> None:
     """Register `State` and `Leaf` as pytrees, and with Flax's serialisation if Flax is imported."""
-    tu = jax.tree_util
-    for cls, fk, unf, fl in (
+    for args in (
         (State, _state_flatten_with_keys, _state_unflatten, _state_flatten),
-        (Leaf, _leaf_flatten_with_keys, _leaf_unflatten, _leaf_flatten),
+        (Leaf, _leaf_flatten_with_keys, _leaf_unflatten),
     ):
-        try:
-            tu.register_pytree_with_keys(cls, fk, unf, fl)
-        except ValueError:  # already registered (module reloaded)
-            pass
+        with contextlib.suppress(ValueError):  # already registered (module reloaded)
+            jax.tree_util.register_pytree_with_keys(*args)
     register_flax_serialization()
 
 
@@ -659,13 +516,9 @@ _FLAX_REGISTERED = False
 
 
 def register_flax_serialization() -> None:
-    """Teach `flax.serialization` the State and the Leaf, if Flax is imported (importing it here
-    would cost every JAX user a second; `import flax` loads `flax.serialization`, and this runs
-    again whenever a State is flattened).
-
-    A State's state dict is its pytree children by key (`"rules"`, `"scalars"`, one entry per
-    parameter path), so msgpack holds the numbers; restoring takes the structure (rules, ties,
-    frozen flags) from the target, as Flax restores everything."""
+    """Teach `flax.serialization` the State and the Leaf, once Flax is imported (this runs again
+    whenever a State is flattened). Their state dicts are their pytree children by key; restoring
+    takes the structure (rules, ties, frozen flags) from the target, as Flax does."""
     global _FLAX_REGISTERED
     if _FLAX_REGISTERED:
         return
@@ -673,10 +526,14 @@ def register_flax_serialization() -> None:
     if serialization is None or not hasattr(serialization, "register_serialization_state"):
         return
     _FLAX_REGISTERED = True
-    to_dict = functools.partial(_to_dict, _state_parts)
-    serialization.register_serialization_state(State, to_dict, _state_from_dict, override=True)
-    to_dict = functools.partial(_to_dict, _leaf_flatten_with_keys)
-    serialization.register_serialization_state(Leaf, to_dict, _leaf_from_dict, override=True)
+    for cls, flatten, unflatten, kept in (
+        (State, _state_parts, _state_unflatten, ("_keys",)),
+        (Leaf, _leaf_flatten_with_keys, _leaf_unflatten, ("_shape", "_placed")),
+    ):
+        from_dict = functools.partial(_from_dict, flatten, unflatten, kept)
+        serialization.register_serialization_state(
+            cls, functools.partial(_to_dict, flatten), from_dict, override=True
+        )
 
 
 def _names(keyed) -> list:
@@ -689,7 +546,9 @@ def _to_dict(flatten_with_keys, value) -> dict:
     return {name: to_state_dict(child) for name, (_, child) in zip(_names(keyed), keyed)}
 
 
-def _children_from_dict(keyed, saved, what: str) -> list:
+def _from_dict(flatten_with_keys, unflatten, kept, target, saved):
+    keyed, aux = flatten_with_keys(target)
+    what = type(target).__name__
     serialization = sys.modules["flax.serialization"]
     if not isinstance(saved, dict):
         raise ValueError(
@@ -705,22 +564,8 @@ def _children_from_dict(keyed, saved, what: str) -> list:
             f"not match the target (missing: {missing or 'none'}; unexpected: {extra or 'none'}); "
             "restore into a state made by the same setup (same model, rule and ties)"
         )
-    return [
-        serialization.from_state_dict(child, saved[name], name=str(name))
-        for name, (_, child) in zip(names, keyed)
-    ]
-
-
-def _state_from_dict(target, saved) -> State:
-    keyed, aux = _state_parts(target)
-    children = _children_from_dict(keyed, saved, "State")
-    restored = _state_unflatten(aux, children)
-    restored._keys = target._keys
-    return restored
-
-
-def _leaf_from_dict(target, saved) -> Leaf:
-    keyed, aux = _leaf_flatten_with_keys(target)
-    restored = _leaf_unflatten(aux, _children_from_dict(keyed, saved, "Leaf"))
-    restored._shape, restored._placed = target._shape, target._placed
+    children = [serialization.from_state_dict(c, saved[n], name=str(n)) for n, (_, c) in zip(names, keyed)]
+    restored = unflatten(aux, children)
+    for attr in kept:  # what the target knows beyond its pytree
+        setattr(restored, attr, getattr(target, attr))
     return restored

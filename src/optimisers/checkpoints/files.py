@@ -1,17 +1,7 @@
-"""Checkpoint files: `save` / `load`, the entries of `state_dict` in one verified file.
-
-A file (an `.npz` archive, or safetensors for `.safetensors` paths: see `save`) holds the arrays
-and one JSON text entry `__optimisers__` with everything else and a digest of it all (`_digest`):
-
-    {"format": "optimisers.state_dict.v1", "file_format": 2,
-     "entries": {key: text, bool or number}, "dtypes": {key: real dtype of stored bits},
-     "arrays": {key: [NumPy dtype string, shape]}, "sha256": hex digest}
-
-Files of version 0.1 of this library have no `file_format`, `arrays` or `sha256`; they still
-load, unverified (see docs/checkpoints.md). Reading is defensive: the layout is checked before any
-array is read or decompressed, and the total is bounded by the size of the state loaded into, so a
-crafted file cannot make `load` allocate much more than the state itself.
-"""
+"""Checkpoint files: `save` / `load`, the entries of `state_dict` in one verified file (an `.npz`
+archive or safetensors: the arrays, and the JSON entry `__optimisers__` with the rest and a digest;
+the layout and the checks on reading: docs/checkpoints.md). Nothing is read or allocated before
+it is checked, and the total is bounded by the state loaded into."""
 
 from __future__ import annotations
 
@@ -34,7 +24,7 @@ from optimisers.checkpoints.state_dict import (
     CheckpointError,
     _is_array,
     _listing,
-    _places,
+    _our_places,
     _state_items,
     _tree_of,
     _unheld,
@@ -63,9 +53,7 @@ _STALE_TMP = r"[a-z0-9_]{8}\.tmp"  # tempfile.mkstemp's 8 random characters
 
 def _split(d: dict) -> tuple[dict, dict]:
     """The state dict as `({key: host array}, metadata with its digest)`."""
-    arrays: dict[str, np.ndarray] = {}
-    entries: dict[str, Any] = {}
-    dtypes: dict[str, str] = {}
+    arrays, entries, dtypes = {}, {}, {}  # (dtypes: the real dtype of arrays stored as bits)
     for key, value in d.items():
         if isinstance(value, (str, bool, int)) or (isinstance(value, float) and math.isfinite(value)):
             entries[key] = value
@@ -76,20 +64,14 @@ def _split(d: dict) -> tuple[dict, dict]:
             arrays[key], dtype = np.asarray(value), None
         if dtype is not None:
             dtypes[key] = dtype
-    meta = {
-        "format": FORMAT,
-        "file_format": FILE_FORMAT,
-        "entries": entries,
-        "dtypes": dtypes,
-        "arrays": {k: [a.dtype.str, list(a.shape)] for k, a in arrays.items()},
-    }
+    meta = {"format": FORMAT, "file_format": FILE_FORMAT, "entries": entries, "dtypes": dtypes}
+    meta["arrays"] = {k: [a.dtype.str, list(a.shape)] for k, a in arrays.items()}
     meta["sha256"] = _digest(meta, arrays)
     return arrays, meta
 
 
 def _digest(meta: dict, arrays: Mapping[str, np.ndarray]) -> str:
-    """SHA-256 of the metadata (canonical JSON, digest left out) and of every array's name,
-    dtype, shape and bytes in sorted name order."""
+    """SHA-256 of the metadata (but its digest) and of each array's name, dtype, shape and bytes."""
     h = hashlib.sha256()
     body = {k: v for k, v in meta.items() if k != "sha256"}
     h.update(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
@@ -101,8 +83,7 @@ def _digest(meta: dict, arrays: Mapping[str, np.ndarray]) -> str:
 
 
 def _remove_stale_tmp(directory: str, base: str) -> None:
-    """Delete the temporary files of earlier saves to `base` that died before their rename: ours
-    by name, and unlocked (a live save holds its file's lock; a dead process holds none)."""
+    """Delete the temporary files (ours by name, and unlocked) of saves to `base` that died."""
     if fcntl is None:
         return
     pattern = re.compile(re.escape(f".{base}{_TMP_TAG}") + _STALE_TMP)
@@ -136,8 +117,7 @@ def _locked_tmp(directory: str, base: str) -> tuple[int, str]:
 
 
 def _atomic_write(path: str, write) -> None:
-    """Write through `write(file)` to a temporary file beside `path`, flush it to disk, then rename
-    it over `path`; a crash at any point leaves either the old file or the new one."""
+    """`write(file)` to a temporary file beside `path`, flushed to disk, then renamed over `path`."""
     directory = os.path.dirname(os.path.abspath(path))
     base = os.path.basename(path)
     try:
@@ -165,33 +145,30 @@ def _atomic_write(path: str, write) -> None:
             os.close(dir_fd)
 
 
-def _is_safetensors(path: str) -> bool:
-    return path.endswith(".safetensors")
+def _safetensors(path: str, doing: str, hint: str = ""):
+    """`safetensors.numpy` for a `.safetensors` path, None for any other."""
+    if not path.endswith(".safetensors"):
+        return None
+    try:
+        import safetensors.numpy
+    except ImportError:
+        raise ImportError(f"{doing} needs the safetensors package (pip install safetensors){hint}") from None
+    return safetensors.numpy
 
 
 def save(path, state) -> None:
-    """Write the optimiser state to one file at `path`, atomically, with a checksum.
-
-    `.safetensors` paths use safetensors (which must be installed); any other path gets a NumPy
-    `.npz` archive, written to exactly that name. Arrays are stored as arrays (moved to the host;
-    dtypes NumPy lacks, such as bfloat16, as their bits), everything else (rules, ties, frozen
-    flags, step counters) as the JSON text entry `__optimisers__`, with a SHA-256 digest of the
-    whole content that `load` checks. The keys are those of `state_dict`. The file appears
-    complete or not at all: it is written beside `path`, flushed to disk and renamed over it;
-    temporary files that an earlier, killed save left beside `path` are removed.
+    """Write the optimiser state (the entries of `state_dict`) to one file at `path`, atomically,
+    with a SHA-256 digest that `load` checks: safetensors for a `.safetensors` path, else a NumPy
+    `.npz` archive at exactly that name. Arrays are stored on the host (dtypes NumPy lacks, such as
+    bfloat16, as their bits), the rest as the JSON text entry `__optimisers__`. The file is written
+    beside `path`, flushed and renamed over it (temporary files of killed saves are removed).
     """
     path = os.fspath(path)
     arrays, meta = _split(state_dict(state))
     text = json.dumps(meta)
-    if _is_safetensors(path):
-        try:
-            from safetensors.numpy import save as st_save
-        except ImportError:
-            raise ImportError(
-                "saving to a .safetensors path needs the safetensors package "
-                "(pip install safetensors); or use a .npz path"
-            ) from None
-        blob = st_save(arrays, metadata={META_KEY: text})
+    st = _safetensors(path, "saving to a .safetensors path", "; or use a .npz path")
+    if st is not None:
+        blob = st.save(arrays, metadata={META_KEY: text})
         _atomic_write(path, lambda f: f.write(blob))
     else:  # (the arrays are state entries, "P/state...": none is named META_KEY)
         payload = {**arrays, META_KEY: np.array(text)}
@@ -203,13 +180,12 @@ def save(path, state) -> None:
 
 def _budget(state) -> tuple[int, int, int]:
     """The most array bytes, metadata bytes and archive members a checkpoint of `state` can
-    reasonably hold: twice the state's arrays (a checkpoint of another dtype is reported, not
-    refused unread) plus room for small entries, a metadata text proportional to the number of
-    entries, and twice as many archive members as the state has entries (a checkpoint of a somewhat
-    different model is reported entry by entry, not refused unread)."""
+    reasonably hold: about twice the state's, so that one of another dtype or a somewhat different
+    model is reported entry by entry, not refused unread."""
     items = []
-    for _, leaf in _places(_tree_of(state, "load")):
-        _state_items(leaf.state, "", items)
+    ours, leaf_at = _our_places(_tree_of(state, "load"))
+    for owner in ours.values():  # (every place, tied ones too)
+        _state_items(leaf_at[owner].state, "", items)
     values = [_unheld(v) for _, v in items]  # nnx.Optimizer holds its arrays in Flax Variables
     nbytes = sum(int(getattr(v, "nbytes", 0)) for v in values if _is_array(v))
     meta_budget = 4096 * (len(items) + 16) + (1 << 20)
@@ -230,9 +206,9 @@ def _json(text) -> Any:
         raise CheckpointError(f"the {META_KEY!r} entry is not valid JSON ({str(e)[:200]})") from None
 
 
-def _meta_of(text, budget: int) -> tuple[dict, dict | None]:
-    """The metadata, its structure checked, and the arrays it declares (`{key: (dtype, shape,
-    bytes)}`, None for a v0.1 file)."""
+def _meta_of(text, budget: int, found) -> tuple[dict, dict | None]:
+    """The metadata, checked (also against the names of the arrays `found` in the file), and its
+    arrays `{key: (dtype, shape, bytes)}` (None for a v0.1 file)."""
     meta = _json(text)
     if not isinstance(meta, dict):
         _reject(f"the {META_KEY!r} entry is {type(meta).__name__} JSON, expected an object")
@@ -252,33 +228,36 @@ def _meta_of(text, budget: int) -> tuple[dict, dict | None]:
         _reject("the metadata's 'entries' must map names to text, bools and numbers")
     if not isinstance(dtypes, dict) or not all(isinstance(v, str) for v in dtypes.values()):
         _reject("the metadata's 'dtypes' must map names to dtype names")
-    if not v2:
-        return meta, None
-    arrays = meta["arrays"]
-    if not isinstance(arrays, dict):
-        _reject("the metadata's 'arrays' must map names to [dtype, shape]")
-    declared = {name: _declared_array(name, spec) for name, spec in arrays.items()}
-    if not isinstance(meta["sha256"], str):
-        _reject("the metadata's 'sha256' must be text")
-    bad = [k for k in entries if k in arrays] + [k for k in dtypes if k not in arrays]
-    if bad:
-        _reject(f"the metadata names these entries both as arrays and otherwise: {_listing(bad)}")
-    if sum(d[2] for d in declared.values()) > budget:
-        _reject("its metadata declares far more array bytes than this state holds")
+    declared = None
+    if v2:
+        arrays = meta["arrays"]
+        if not isinstance(arrays, dict):
+            _reject("the metadata's 'arrays' must map names to [dtype, shape]")
+        declared = {name: _declared_array(name, spec) for name, spec in arrays.items()}
+        if not isinstance(meta["sha256"], str):
+            _reject("the metadata's 'sha256' must be text")
+        bad = [k for k in entries if k in arrays] + [k for k in dtypes if k not in arrays]
+        if bad:
+            _reject(f"the metadata names these entries both as arrays and otherwise: {_listing(bad)}")
+        if sum(d[2] for d in declared.values()) > budget:
+            _reject("its metadata declares far more array bytes than this state holds")
+    found = set(found)  # the arrays in the file: those declared (a v0.1 file's: state entries)
+    expected = set(declared) if declared is not None else {k for k in found if "/state" in k}
+    if found != expected:
+        extra, missing = sorted(found - expected), sorted(expected - found)
+        _reject(
+            "its arrays are not those its metadata declares"
+            + (f"; unknown: {_listing(extra, 5)}" if extra else "")
+            + (f"; missing: {_listing(missing, 5)}" if missing else "")
+        )
     return meta, declared
 
 
 def _declared_array(name, spec) -> tuple[np.dtype, tuple, int]:
     """The dtype, shape and size in bytes that the metadata declares for an array."""
     dtype = None
-    if (
-        isinstance(spec, list)
-        and len(spec) == 2
-        and isinstance(spec[0], str)
-        and isinstance(spec[1], list)
-        and all(type(n) is int and 0 <= n < 2**62 for n in spec[1])
-        and len(spec[1]) <= 64
-    ):
+    shape = spec[1] if isinstance(spec, list) and len(spec) == 2 and isinstance(spec[0], str) else None
+    if isinstance(shape, list) and len(shape) <= 64 and all(type(n) is int and 0 <= n < 2**62 for n in shape):
         with contextlib.suppress(TypeError, ValueError):
             dtype = np.dtype(spec[0])
     if dtype is None or dtype.kind not in "biufc" or dtype.str != spec[0]:
@@ -286,42 +265,9 @@ def _declared_array(name, spec) -> tuple[np.dtype, tuple, int]:
     return dtype, tuple(spec[1]), math.prod(spec[1]) * dtype.itemsize
 
 
-def _view_raw_dtypes(dtypes: dict, arrays: dict) -> None:
-    """View each array stored as bits as the dtype named for it (bfloat16 from uint16, ...; as
-    ml_dtypes holds it), which must be one that holds that many bits."""
-    for key, name in dtypes.items():
-        bits = arrays.get(key)
-        if bits is None:
-            _reject(f"{key}: the metadata gives a dtype for an array the file does not have")
-        try:
-            import ml_dtypes  # NumPy's dtypes for bfloat16 & co.: a NumPy matter, like the file
-
-            real = np.dtype(getattr(ml_dtypes, name)) if name.isidentifier() else None
-        except (ImportError, AttributeError, TypeError):
-            real = None
-        if real is None or bits.dtype.kind != "u" or real.itemsize != bits.dtype.itemsize:
-            _reject(f"{key}: the metadata says its bits hold {name[:40]!r}, which they cannot")
-        arrays[key] = bits.view(real)
-
-
-def _check_names(found, declared: dict | None) -> None:
-    """The arrays in the file are those the metadata declares (a v0.1 file declares none: its
-    arrays must at least be state entries)."""
-    found = set(found)
-    expected = set(declared) if declared is not None else {k for k in found if "/state" in k}
-    if found != expected:
-        extra = sorted(found - expected)
-        missing = sorted(expected - found)
-        _reject(
-            "its arrays are not those its metadata declares"
-            + (f"; unknown: {_listing(extra, 5)}" if extra else "")
-            + (f"; missing: {_listing(missing, 5)}" if missing else "")
-        )
-
-
 def _check_directory(f, members: int) -> None:
-    """Bound the archive's central directory before `zipfile` reads it whole and makes an object
-    per member: at most `members` members, and at most `_MEMBER_BYTES` of directory each."""
+    """Bound the archive's central directory (`members` members, `_MEMBER_BYTES` each) before
+    `zipfile` reads it whole and makes an object per member."""
     end = zipfile._EndRecData(f)  # what ZipFile itself reads first (zip64 included)
     if end is None:
         return  # not a zip archive: ZipFile says so
@@ -334,10 +280,9 @@ def _check_directory(f, members: int) -> None:
 
 
 def _read_npy(m, size: int, key: str, want: tuple | None, kinds: str) -> np.ndarray:
-    """The array in the `.npy` member open as `m` (`size` bytes), its header checked before its
-    data is allocated: a dtype of one of `kinds`, `want` (dtype, shape) where the metadata
-    declares one, and exactly as many data bytes as the member holds after the header (so the
-    header cannot claim more than the checked member size)."""
+    """The array in the `.npy` member `m` of `size` bytes, its header checked before its data is
+    allocated: a dtype of one of `kinds`, `want` (dtype, shape) if declared, and exactly the data
+    bytes that the member holds after the header."""
     try:
         version = np.lib.format.read_magic(m)
         if version not in ((1, 0), (2, 0)):
@@ -369,9 +314,8 @@ def _read_npy(m, size: int, key: str, want: tuple | None, kinds: str) -> np.ndar
 
 
 def _read_npz(f, budget: int, meta_budget: int, members_max: int) -> tuple[dict, dict, dict | None]:
-    """Check the member count, the names and declared sizes of every member, read the metadata,
-    check it, and only then read (and decompress) the arrays, each checked against its
-    declaration before it is allocated."""
+    """The members' count, names and sizes, then the metadata, are checked before any array is read
+    (each checked against its declaration before it is allocated)."""
     _check_directory(f, members_max)
     with zipfile.ZipFile(f) as z:
         infos = z.infolist()
@@ -385,10 +329,8 @@ def _read_npz(f, budget: int, meta_budget: int, members_max: int) -> tuple[dict,
         meta_info = members.pop(META_KEY, None)
         if meta_info is None:
             _not_ours(members)
-        if meta_info.file_size > meta_budget:
-            _reject(
-                f"its metadata declares {meta_info.file_size} bytes, more than a checkpoint of this holds"
-            )
+        if (n := meta_info.file_size) > meta_budget:
+            _reject(f"its metadata declares {n} bytes, more than a checkpoint of this holds")
         total = sum(i.file_size for i in members.values())
         if total > budget:
             _reject(f"its arrays declare {total} bytes, far more than this state holds")
@@ -396,8 +338,7 @@ def _read_npz(f, budget: int, meta_budget: int, members_max: int) -> tuple[dict,
             text = _read_npy(m, meta_info.file_size, META_KEY, None, "U")
         if text.shape != ():  # (`_read_npy` read text: kind "U")
             _reject(f"its {META_KEY!r} entry is not text")
-        meta, declared = _meta_of(text.item(), budget)
-        _check_names(members, declared)
+        meta, declared = _meta_of(text.item(), budget, members)
         if declared is not None:
             for key, info in members.items():
                 nbytes = declared[key][2]
@@ -439,8 +380,7 @@ def _read_safetensors(f, budget: int, meta_budget: int, members_max: int) -> tup
         _not_ours(header)
     if set(extra) != {META_KEY} or not isinstance(extra[META_KEY], str):
         _reject(f"its metadata holds entries this format does not have: {_listing(sorted(extra), 5)}")
-    meta, declared = _meta_of(extra[META_KEY], budget)
-    _check_names(header, declared)
+    meta, declared = _meta_of(extra[META_KEY], budget, header)
     f.seek(0)
     return meta, declared, st_load(f.read())
 
@@ -453,6 +393,8 @@ def _not_ours(arrays):
 
 
 def _verify(meta: dict, declared: dict | None, arrays: dict) -> None:
+    """Check the arrays against the metadata, then view each array stored as bits as the ml_dtypes
+    dtype named for it (bfloat16 from uint16)."""
     if declared is not None:
         for key, a in arrays.items():
             if (a.dtype, a.shape) != declared[key][:2]:
@@ -461,24 +403,28 @@ def _verify(meta: dict, declared: dict | None, arrays: dict) -> None:
             _reject(
                 "its checksum does not match its content: the file was damaged or edited after it was written"
             )
-    _view_raw_dtypes(meta["dtypes"], arrays)
+    for key, name in meta["dtypes"].items():
+        bits = arrays.get(key)
+        if bits is None:
+            _reject(f"{key}: the metadata gives a dtype for an array the file does not have")
+        try:
+            import ml_dtypes  # NumPy's dtypes for bfloat16 & co.: a NumPy matter, like the file
+
+            real = np.dtype(getattr(ml_dtypes, name)) if name.isidentifier() else None
+        except (ImportError, AttributeError, TypeError):
+            real = None
+        if real is None or bits.dtype.kind != "u" or real.itemsize != bits.dtype.itemsize:
+            _reject(f"{key}: the metadata says its bits hold {name[:40]!r}, which they cannot")
+        arrays[key] = bits.view(real)
     clash = [k for k in meta["entries"] if k in arrays]
     if clash:
         _reject(f"these entries are both arrays and values: {_listing(clash)}")
 
 
 def _read(path: str, state) -> dict:
-    """The state dict stored at `path`, verified; every problem with the file's content is a
-    `CheckpointError` (an `OSError` only when the file cannot be opened)."""
+    """The state dict stored at `path`, verified; a problem with its content is a `CheckpointError`."""
     budget, meta_budget, members_max = _budget(state)
-    read = _read_safetensors if _is_safetensors(path) else _read_npz
-    if read is _read_safetensors:
-        try:
-            import safetensors.numpy  # noqa: F401
-        except ImportError:
-            raise ImportError(
-                f"reading {path} needs the safetensors package (pip install safetensors)"
-            ) from None
+    read = _read_npz if _safetensors(path, f"reading {path}") is None else _read_safetensors
     with open(path, "rb") as f:
         try:
             meta, declared, arrays = read(f, budget, meta_budget, members_max)
@@ -496,13 +442,10 @@ def _read(path: str, state) -> dict:
 
 
 def load(path, state, *, hyperparameters: str = "checkpoint") -> State:
-    """Read a file written by `save` into `state` (a fresh `setup` of the same model), checking it
-    against the state first; returns a new `State` and leaves `state` as it was.
-
-    The file's checksum is verified and its layout checked before any array is read: a damaged
-    or edited file, or one that declares far more data than `state` holds, raises
-    `CheckpointError`. Files written by version 0.1 (no checksum) load unverified. See
-    `load_state_dict` for the checks against the state and for `hyperparameters`."""
+    """Read a file written by `save` into `state` (a fresh `setup` of the same model); returns a new
+    `State` (see `load_state_dict` for the checks and `hyperparameters`). A damaged or edited file,
+    or one that declares far more data than `state` holds, raises `CheckpointError` before any
+    array is read; files of version 0.1 (no checksum) load unverified."""
     path = os.fspath(path)
     d = _read(path, state)
     try:

@@ -1,15 +1,6 @@
-"""Checkpoints of optimiser state as a flat dict: `state_dict` / `load_state_dict`.
-
-The keys are parameter paths (`format_path`; `"<model>"` when the model is one array) followed by
-`/rule`, `/frozen`, `/state...` or `/tied_to` (`state_dict` lists them; docs/checkpoints.md shows a
-whole dict). A state's `None` gives no entry and a bare array `"P/state"`; arrays stay arrays of
-their backend (not copies), step counters Python ints. Each tied Leaf is stored once, under its
-first path (depth first, as `setup` finds it). `load_state_dict` checks everything (paths, ties,
-rules, state entries, shapes, dtypes) before it builds anything and reports every difference at
-once; it returns a new `State` and leaves its arguments untouched (no trailing underscore: pure).
-
-`save` / `load` (one file with a checksum) live in `optimisers.checkpoints.files`.
-"""
+"""Optimiser state as a flat dict keyed by parameter path: `state_dict` / `load_state_dict` (the
+layout: docs/checkpoints.md). A state's `None` gives no entry, a bare array `"P/state"`. Files
+(`save` / `load`) are in `optimisers.checkpoints.files`."""
 
 from __future__ import annotations
 
@@ -34,6 +25,7 @@ FORMAT_KEY = "__format__"
 META_KEY = "__optimisers__"  # the JSON entry of a file
 _HYPER_MODES = ("checkpoint", "state", "check")
 _MAX_PROBLEMS = 25
+_NUMBERS = (bool, int, float, complex)  # (bool before int: a bool is an int)
 
 
 class CheckpointError(ValueError):
@@ -54,10 +46,10 @@ def _tree_of(state, name):
     )
 
 
-def _places(tree) -> list[tuple[str, Leaf]]:
-    """`(dotted path, Leaf)` for every place of every Leaf, depth first, repeats included."""
-    out: list[tuple[str, Leaf]] = []
-    owner: dict[str, tuple] = {}
+def _our_places(tree) -> tuple[dict[str, str], dict[str, Leaf]]:
+    """`{dotted path: path that stores its state}` for every place of a Leaf, depth first, and the
+    Leaf stored at each such path."""
+    ours, leaf_at, first, owner = {}, {}, {}, {}  # (first: path by id(Leaf); owner: key path by path)
 
     def visit(node, path):
         if isinstance(node, Leaf):
@@ -68,18 +60,18 @@ def _places(tree) -> list[tuple[str, Leaf]]:
                     "state dict needs distinct names (rename one of the keys)"
                 )
             owner[name] = path
-            out.append((name, node))
+            ours[name] = first.setdefault(id(node), name)
+            leaf_at.setdefault(ours[name], node)
             return
         for k, child in node.items():
             visit(child, path + (k,))
 
     walked(visit, tree, ())
-    return out
+    return ours, leaf_at
 
 
 def _is_variable(x) -> bool:
-    """A Flax NNX `Variable`: `nnx.Optimizer` holds each array and number of its state, and each
-    number of the rule, in one."""
+    """A Flax NNX `Variable`, as `nnx.Optimizer` holds the numbers and arrays of rules and states."""
     variable = getattr(sys.modules.get("flax.nnx"), "Variable", None)  # Flax: only once imported
     return variable is not None and isinstance(x, variable)
 
@@ -89,59 +81,49 @@ def _unheld(x):
     return x.get_value() if _is_variable(x) else x
 
 
-def _is_array(x) -> bool:
-    """An array (or NumPy scalar) of a library with a backend."""
+def _is_array(x) -> bool:  # (or a NumPy scalar) of a library with a backend
     library = dispatch.library_of(type(x))
     return dispatch.is_array_library(library) and hasattr(x, "shape") and hasattr(x, "dtype")
 
 
-def _state_items(value, key: str, out: list) -> list:
-    """`(key, element)` for the arrays and numbers of one Leaf's state, in order."""
-    if value is None:
-        return out
-    if _is_array(value) or isinstance(value, (bool, int, float, complex)) or _is_variable(value):
-        out.append((key, value))
-    elif isinstance(value, (tuple, list)):
-        for i, v in enumerate(value):
-            _state_items(v, f"{key}/{i}", out)
-    elif isinstance(value, dict):
-        for k, v in value.items():
-            _state_items(v, f"{key}/{k}", out)
-    else:
-        raise TypeError(
-            f"{key}: cannot store a {type(value).__name__} in a state dict; a rule's state must be "
-            "arrays, numbers, None, and tuples/lists/dicts of them"
-        )
-    return out
-
-
-def _rebuild_state(value, key: str, new: dict):
-    """The state `value` with each element replaced by `new[key]`, containers rebuilt alike."""
+def _map_state(value, key: str, fn):
+    """One Leaf's state with each array or number `e` at `key` replaced by `fn(key, e)`, in order,
+    its containers rebuilt alike."""
     if value is None:
         return None
-    if _is_array(value) or isinstance(value, (bool, int, float, complex)) or _is_variable(value):
-        return new[key]
-    if isinstance(value, (tuple, list)):
-        items = [_rebuild_state(v, f"{key}/{i}", new) for i, v in enumerate(value)]
-        if isinstance(value, tuple) and hasattr(type(value), "_fields"):  # a NamedTuple
-            return type(value)(*items)
-        return type(value)(items)
-    return type(value)((k, _rebuild_state(v, f"{key}/{k}", new)) for k, v in value.items())
+    if _is_array(value) or isinstance(value, _NUMBERS) or _is_variable(value):
+        return fn(key, value)
+    if isinstance(value, (tuple, list, dict)):
+        pairs = value.items() if isinstance(value, dict) else enumerate(value)
+        items = [(k, _map_state(v, f"{key}/{k}", fn)) for k, v in pairs]
+        if isinstance(value, dict):
+            return type(value)(items)
+        if hasattr(type(value), "_fields"):  # a NamedTuple
+            return type(value)(*(v for _, v in items))
+        return type(value)(v for _, v in items)
+    raise TypeError(
+        f"{key}: cannot store a {type(value).__name__} in a state dict; a rule's state must be "
+        "arrays, numbers, None, and tuples/lists/dicts of them"
+    )
+
+
+def _state_items(value, key: str, out: list) -> list:
+    """`(key, element)` for the arrays and numbers of one Leaf's state, in order."""
+    _map_state(value, key, lambda k, v: out.append((k, v)))
+    return out
 
 
 # --- rules as text -------------------------------------------------------------------------------
 
 
-class _Spec(NamedTuple):
-    """A rule read back from its text: class name and field values (numbers, text, `_Spec`s...)."""
-
+class _Spec(NamedTuple):  # a rule read back from its text
     name: str
     fields: dict
 
 
 def _rule_fields(rule) -> list[str]:
-    """The fields a rule's text holds: an explicit state dtype (`Adam(mu_dtype=...)`) only when
-    given, so that a rule without one has the text it had before rules took them."""
+    """The fields a rule's text holds: a state dtype (`Adam(mu_dtype=...)`) only when given, so that
+    a rule without one has the text it had before rules took them."""
     if not dataclasses.is_dataclass(rule):
         return []
     return [
@@ -151,40 +133,12 @@ def _rule_fields(rule) -> list[str]:
     ]
 
 
-def _is_described(x) -> bool:
-    """A rule or a schedule: stored as its class name and fields, restored from them."""
+def _is_described(x) -> bool:  # stored as its class name and fields
     return isinstance(x, Rule) or (isinstance(x, Schedule) and dataclasses.is_dataclass(x))
 
 
-def _check_storable(value, label):
-    """A hyperparameter that is a callable other than a schedule of `optimisers.schedules` (a
-    lambda, an optax schedule) cannot be written as data: refuse it when saving, not loading."""
-    value = _unheld(value)
-    if _is_described(value):
-        for k in _rule_fields(value):
-            _check_storable(getattr(value, k), f"{label}.{k}")
-    elif isinstance(value, (tuple, list)):
-        for i, v in enumerate(value):
-            _check_storable(v, f"{label}[{i}]")
-    elif callable(value) and _dtype_name(value) is None:
-        raise TypeError(
-            f"{label} is {value!r}, which a checkpoint cannot store: only numbers and the "
-            "schedules of optimisers.schedules (Cosine, Linear, Join, ...) are saved as data. Use "
-            "one of those, or adjust the hyperparameter to a number before saving."
-        )
-
-
-def _dtype_name(x) -> str | None:
-    """The name of a dtype-like object (NumPy dtype or scalar type, torch dtype, JAX scalar type
-    such as `jnp.float32`), else None."""
-    if isinstance(x, (bool, int, float, complex)):
-        return None
-    return dispatch.backend(x).dtype_name(x)  # a class goes to NumPy's, or to its library's
-
-
 def _number(x):
-    """A Python number for a number or a concrete 0-d array (or a Flax Variable holding one); None
-    for anything else."""
+    """A Python number for a number or a concrete 0-d array (Flax Variables unwrapped), else None."""
     x = _unheld(x)
     if isinstance(x, (bool, int, float)):
         return x
@@ -196,30 +150,38 @@ def _number(x):
     return None
 
 
-def encode(x) -> str:
-    """Text for a rule or hyperparameter that `_parse` reads back; floats are exact (repr)."""
-    if isinstance(x, _Spec):
-        inner = ", ".join(f"{k}={encode(v)}" for k, v in x.fields.items())
-        return f"{x.name}({inner})"
+def encode(x, label: str | None = None) -> str:
+    """Text for a rule or hyperparameter that `_parse` reads back; floats are exact (repr). Given
+    the `label` of `x` (when saving), a callable other than a schedule of `optimisers.schedules`
+    (a lambda, an optax schedule) is refused: it cannot be written as data."""
     if _is_described(x):
-        inner = ", ".join(f"{k}={encode(getattr(x, k))}" for k in _rule_fields(x))
-        return f"{type(x).__name__}({inner})"
+        x = _Spec(type(x).__name__, {k: getattr(x, k) for k in _rule_fields(x)})
+    if isinstance(x, _Spec):
+        inner = ", ".join(f"{k}={encode(v, label and f'{label}.{k}')}" for k, v in x.fields.items())
+        return f"{x.name}({inner})"
     if isinstance(x, (tuple, list)):
-        inner = ", ".join(encode(v) for v in x)
+        inner = ", ".join(encode(v, label and f"{label}[{i}]") for i, v in enumerate(x))
         return f"({inner},)" if len(x) == 1 else f"({inner})"
     if x is None or isinstance(x, str):
         return repr(x)
     n = _number(x)
     if n is not None:
         return repr(n)
-    name = _dtype_name(x)
+    # a dtype (NumPy's, torch's, `jnp.float32`): a class goes to NumPy's backend, or its library's
+    name = None if isinstance(x, _NUMBERS) else dispatch.backend(x).dtype_name(x)
     if name is not None:
         return repr(name)
+    if label is not None and callable(_unheld(x)):
+        raise TypeError(
+            f"{label} is {_unheld(x)!r}, which a checkpoint cannot store: only numbers and the "
+            "schedules of optimisers.schedules (Cosine, Linear, Join, ...) are saved as data. Use "
+            "one of those, or adjust the hyperparameter to a number before saving."
+        )
     return repr(repr(x))  # compared as text, never restored
 
 
 def _parse(node):
-    """The value of a rule's text, parsed by `ast`: a `_Spec`, number, text, None or tuple of them."""
+    """The value of a rule's text parsed by `ast`: a `_Spec`, number, text, None or tuple of them."""
     if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and not node.args:
         return _Spec(node.func.id, {kw.arg: _parse(kw.value) for kw in node.keywords})
     if isinstance(node, ast.Constant) and isinstance(node.value, (bool, int, float, str, type(None))):
@@ -248,104 +210,77 @@ def _same_in_float32(a, b) -> bool:
     return bool(fa == fb) and (float(fa) == a or float(fb) == b)
 
 
-def _compare_rule(spec, rule, label, kind_problems, hyper_diffs):
-    """Walk the checkpoint's rule `spec` beside the state's `rule`: a different class, field set or
-    non-numeric field is a different kind of rule; numbers that differ are hyperparameter changes."""
+def _compare_rule(spec, rule, label: str, found: tuple):
+    """Walk the checkpoint's rule `spec` beside the state's `rule` and return `rule` with the numbers
+    of `spec`. `found` takes the labels where the kind of rule differs (class, fields, non-numeric
+    values), the numbers that differ, and what the rule's own checks refuse (a negative rate)."""
+    kinds, diffs, errors = found
     if isinstance(rule, Schedule) and encode(spec) != encode(rule):
-        # another schedule is another value of the hyperparameter, not another kind of rule
-        if _schedule_from(spec) is None:
-            kind_problems.append(label)
-        else:
-            hyper_diffs.append((label, encode(spec), encode(rule)))
-        return
+        new = _schedule_from(spec)  # another schedule is another value, not another kind of rule
+        if new is None:
+            kinds.append(label)
+            return rule
+        diffs.append((label, encode(spec), encode(rule)))
+        return new
     if _is_described(rule):
         fields = _rule_fields(rule)
         if not isinstance(spec, _Spec) or spec.name != type(rule).__name__ or set(spec.fields) != set(fields):
-            kind_problems.append(label)
-            return
-        for k in fields:
-            _compare_rule(spec.fields[k], getattr(rule, k), f"{label}.{k}", kind_problems, hyper_diffs)
-        return
-    if isinstance(rule, (tuple, list)):
-        if not isinstance(spec, tuple) or len(spec) != len(rule):
-            kind_problems.append(label)
-            return
-        for i, (s, r) in enumerate(zip(spec, rule)):
-            _compare_rule(s, r, f"{label}[{i}]", kind_problems, hyper_diffs)
-        return
-    n = _number(rule)
-    if n is not None:
-        if isinstance(spec, bool) != isinstance(n, bool) or not isinstance(spec, (int, float)):
-            kind_problems.append(label)
-        elif not _same_number(spec, n):
-            hyper_diffs.append((label, spec, n))
-        return
-    if encode(spec) != encode(rule):
-        kind_problems.append(label)
-
-
-def _restored_rule(spec, rule, restored: dict):
-    """`_restore_rule(spec, rule)`, made once for each rule and spec and kept in `restored`."""
-    memo = (id(rule), id(spec))  # specs are shared per rule text (`_Planner.parsed`)
-    if memo not in restored:
-        restored[memo] = _restore_rule(spec, rule)
-    return restored[memo]
-
-
-def _schedule_from(spec):
-    """The schedule of `optimisers.schedules` that `spec` describes, or None if it describes none."""
-    if isinstance(spec, tuple) and not isinstance(spec, _Spec):
-        items = [_schedule_from(s) if isinstance(s, _Spec) else s for s in spec]
-        return None if any(i is None for i in items) else tuple(items)
-    if not isinstance(spec, _Spec):
-        return None
-    cls = getattr(schedules, spec.name, None)
-    if not (isinstance(cls, type) and issubclass(cls, Schedule) and dataclasses.is_dataclass(cls)):
-        return None
-    fields = {}
-    for k, v in spec.fields.items():
-        fields[k] = _schedule_from(v) if isinstance(v, (_Spec, tuple)) and _has_spec(v) else v
-        if fields[k] is None and v is not None:
-            return None
-    try:
-        return cls(**fields)
-    except (TypeError, ValueError):
-        return None
-
-
-def _has_spec(v) -> bool:
-    return isinstance(v, _Spec) or (isinstance(v, tuple) and any(map(_has_spec, v)))
-
-
-def _restore_rule(spec, rule):
-    """`rule` with the numbers of `spec` (already checked to be the same kind of rule)."""
-    if isinstance(rule, Schedule):
-        return rule if encode(spec) == encode(rule) else _schedule_from(spec)
-    if _is_described(rule):
+            kinds.append(label)
+            return rule
         changes = {}
-        for k in _rule_fields(rule):
-            old = getattr(rule, k)
-            new = _restore_rule(spec.fields[k], old)
-            if new is not old:
+        for k in fields:
+            new = _compare_rule(spec.fields[k], getattr(rule, k), f"{label}.{k}", found)
+            if new is not getattr(rule, k):
                 changes[k] = new
         if not changes:
             return rule
         try:
             return dataclasses.replace(rule, **changes)
+        except (ValueError, OverflowError) as e:
+            errors.append(e)
+            return rule
         except TypeError:  # a rule with its own __init__: set the fields as they were saved
             new_rule = object.__new__(type(rule))
             for f in dataclasses.fields(rule):
                 object.__setattr__(new_rule, f.name, changes.get(f.name, getattr(rule, f.name)))
             return new_rule
     if isinstance(rule, (tuple, list)):
-        items = [_restore_rule(s, r) for s, r in zip(spec, rule)]
-        if all(a is b for a, b in zip(items, rule)):
+        if not isinstance(spec, tuple) or len(spec) != len(rule):
+            kinds.append(label)
             return rule
-        return type(rule)(items)
+        items = [_compare_rule(s, r, f"{label}[{i}]", found) for i, (s, r) in enumerate(zip(spec, rule))]
+        return rule if all(a is b for a, b in zip(items, rule)) else type(rule)(items)
     n = _number(rule)
-    if n is not None and not _same_number(spec, n):
-        return _held_like(rule, spec)  # in a Flax Variable where nnx.Optimizer held the old one
+    if n is None:
+        if encode(spec) != encode(rule):
+            kinds.append(label)
+    elif isinstance(spec, bool) != isinstance(n, bool) or not isinstance(spec, (int, float)):
+        kinds.append(label)
+    elif not _same_number(spec, n):
+        diffs.append((label, spec, n))
+        try:
+            return _held_like(rule, spec)  # in a Flax Variable where nnx.Optimizer held the old one
+        except (ValueError, TypeError, OverflowError) as e:
+            errors.append(e)
     return rule
+
+
+def _schedule_from(spec):
+    """The schedule of `optimisers.schedules` that `spec` describes, or None if it describes none."""
+    try:
+        return _schedule_value(spec) if isinstance(spec, _Spec) else None
+    except (TypeError, ValueError):
+        return None
+
+
+def _schedule_value(spec):
+    """A schedule's field from its spec (numbers, schedules, tuples of them); TypeError if none."""
+    if isinstance(spec, _Spec):
+        cls = getattr(schedules, spec.name, None)
+        if not (isinstance(cls, type) and issubclass(cls, Schedule) and dataclasses.is_dataclass(cls)):
+            raise TypeError(spec.name)
+        return cls(**{k: _schedule_value(v) for k, v in spec.fields.items()})
+    return tuple(map(_schedule_value, spec)) if isinstance(spec, tuple) else spec
 
 
 # --- values --------------------------------------------------------------------------------------
@@ -357,19 +292,14 @@ def _value_dtype(v) -> str:
 
 def _kind(v) -> str | None:
     """'bool', 'int', 'float' or 'complex' for a number or an array's dtype; None otherwise."""
-    for number_type in (bool, int, float, complex):  # (bool before int: a bool is an int)
+    for number_type in _NUMBERS:
         if isinstance(v, number_type):
             return number_type.__name__
-    if _is_array(v):
-        name = _value_dtype(v)
-        if name == "bool":
-            return "bool"
-        if name.startswith(("int", "uint")):
-            return "int"
-        if name.startswith("complex"):
-            return "complex"
-        return "float"
-    return None
+    if not _is_array(v):
+        return None
+    name = _value_dtype(v)
+    kinds = {"bool": "bool", "int": "int", "uint": "int", "complex": "complex"}
+    return kinds.get(name.rstrip("0123456789"), "float")
 
 
 def _incompatible(value, like) -> str | None:
@@ -377,7 +307,7 @@ def _incompatible(value, like) -> str | None:
     agree in shape and dtype; a number or 0-d array need only hold the same kind of number, so
     a step counter saved as a Python int loads where a jitted run left a 0-d int32 array."""
     value_is_array = _is_array(value)
-    if not value_is_array and not isinstance(value, (bool, int, float, complex)):
+    if not value_is_array and not isinstance(value, _NUMBERS):
         return f"the checkpoint holds a {type(value).__name__}, this state an array or number"
     like_shape = tuple(like.shape) if _is_array(like) else ()
     shape = tuple(value.shape) if value_is_array else ()
@@ -400,30 +330,21 @@ def _incompatible(value, like) -> str | None:
         n = _number(value)
         if n is not None and n < 0:
             return f"{n} in the checkpoint, but a step counter cannot be negative"
-        top = _counter_max(like)
+        try:  # its dtype's maximum (a jitted run's int32); a Python int's: int64's, as torch's
+            top = int(np.iinfo(np.dtype(_value_dtype(like))).max)
+        except (AttributeError, TypeError, ValueError):
+            top = np.iinfo(np.int64).max
         if n is not None and n > top:
             return f"{n} in the checkpoint, more than a step counter here holds ({top})"
     return None
 
 
-def _counter_max(like) -> int:
-    """The largest count `like` holds: its integer dtype's maximum (a jitted run's int32), and for
-    a Python int that of int64 (what torch and NumPy convert a counter to)."""
-    if isinstance(like, int):
-        return np.iinfo(np.int64).max
-    try:
-        return int(np.iinfo(np.dtype(_value_dtype(like))).max)
-    except (TypeError, ValueError):
-        return np.iinfo(np.int64).max
-
-
 def _convert(value, like):
-    """`value` as a fresh element of `like`'s kind: a Python number, or an array of `like`'s
-    backend, dtype, device (and JAX sharding and weak type), held in a Flax Variable like `like`'s
-    when `like` is one."""
+    """`value` as a fresh element like `like`: a Python number, or an array of its backend, dtype,
+    device (JAX: sharding, weak type), in a Flax Variable if `like` is one."""
     if _is_variable(like):
         return like.copy(_convert(value, like.get_value()))
-    if isinstance(like, (bool, int, float, complex)):
+    if isinstance(like, _NUMBERS):
         return type(like)(value.item() if hasattr(value, "item") else value)
     backend = dispatch.backend(like)
     if not _is_array(value):
@@ -434,14 +355,11 @@ def _convert(value, like):
 
 
 def _convert_shared(value, like, shared: dict):
-    """`_convert(value, like)`, made once for a counter object that several Leafs share (the
-    update hands the Leafs of one rule one new counter) while the checkpoint gives them one
-    value: the loaded State then flattens to the same pytree as the one it replaces (a jitted
-    step does not compile again), and in `nnx.Optimizer` they stay one Variable. JAX arrays and
-    Variables only: optax steps them by making new ones, where an in-place step would advance a
-    shared NumPy or torch counter once per Leaf."""
+    """`_convert(value, like)`, made once for a counter object that several Leafs share and the
+    checkpoint gives one value: the loaded State flattens to the same pytree (a jitted step does
+    not compile again), and in `nnx.Optimizer` they stay one Variable. JAX arrays and Variables
+    only: an in-place step would advance a shared NumPy or torch counter once per Leaf."""
     held = _unheld(like)
-    # the backends whose update shares one counter among Leafs (JAX's) are those of new arrays
     functional = _is_variable(like) or (_is_array(held) and dispatch.backend(held).SHARE_SCALAR_STATE)
     n = _number(value) if functional and tuple(getattr(held, "shape", (0,))) == () else None
     if n is None:
@@ -462,11 +380,9 @@ def _text(value, key):
     raise CheckpointError(f"{key}: expected text, the checkpoint holds {describe(value)}")
 
 
-def _flag(value):
-    if isinstance(value, (bool, np.bool_)):
+def _flag(value):  # a bool, or a 0-d bool array
+    if isinstance(value, bool) or (_is_array(value) and tuple(value.shape) == () and _kind(value) == "bool"):
         return bool(value)
-    if _is_array(value) and tuple(value.shape) == () and _kind(value) == "bool":
-        return bool(value.item())
     return None
 
 
@@ -474,18 +390,14 @@ def _flag(value):
 
 
 def state_dict(state) -> dict:
-    """The optimiser state as a flat dict of plain values, keyed by parameter path.
+    """The optimiser state as a flat dict of plain values, keyed by parameter path `P`:
+    `"P/rule"` (text such as `"Adam(eta=0.001, beta=(0.9, 0.999), epsilon=1e-08)"`), `"P/frozen"`,
+    `"P/state/0"`, `"P/state/1/0"`, ... (state arrays and step counters), `"Q/tied_to": "P"` for
+    each further place `Q` of a tied parameter (stored once, under its first path), `"__format__"`.
 
-    Keys (with `P` a dotted parameter path such as `"decoder.layers.0.w"`): `"P/rule"` (text such
-    as `"Adam(eta=0.001, beta=(0.9, 0.999), epsilon=1e-08)"`), `"P/frozen"` (bool), `"P/state/0"`,
-    `"P/state/1"`, ... (the rule's state arrays and step counters; nested tuples give
-    `"P/state/1/0"`), `"Q/tied_to": "P"` for each further place `Q` of a tied parameter, and
-    `"__format__"`. A tied Leaf is stored once, under its first path.
-
-    The arrays are the state's own, in their backend (not copies): save them, or copy them,
-    before a later `update_` or a donated jitted step overwrites them. `load_state_dict` reads the
-    dict back, and so does it after `torch.save`/`torch.load`, `np.savez(f, **d)`/`np.load`, or
-    any checkpointer that keeps arrays, numbers and text.
+    The arrays are the state's own (not copies): save or copy them before a later `update_` or a
+    donated jitted step overwrites them. Any checkpointer that keeps arrays, numbers and text
+    (`torch.save`, `np.savez(f, **d)`) gives back a dict that `load_state_dict` reads.
     """
     ours, leaf_at = _our_places(_tree_of(state, "state_dict"))
     d: dict[str, Any] = {FORMAT_KEY: FORMAT}
@@ -494,8 +406,7 @@ def state_dict(state) -> dict:
             d[f"{name}/tied_to"] = owner
             continue
         leaf = leaf_at[name]
-        _check_storable(leaf.rule, f"{name}: {type(leaf.rule).__name__}")
-        d[f"{name}/rule"] = encode(leaf.rule)
+        d[f"{name}/rule"] = encode(leaf.rule, f"{name}: {type(leaf.rule).__name__}")
         d[f"{name}/frozen"] = bool(leaf.frozen)
         for key, value in _state_items(leaf.state, f"{name}/state", []):
             value = _unheld(value)
@@ -516,46 +427,24 @@ def _listing(names, limit=8) -> str:
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
-def _state_keys_by_owner(d: Mapping, stored: set) -> dict[str, list]:
-    """The state entries (`P/state`, `P/state/...`) of each stored parameter `P`, in one pass."""
-    out: dict[str, list] = {}
-    for key in d:
-        if not isinstance(key, str):
-            continue
-        start = key.find("/state")
-        while start >= 0:  # a path may itself hold "/state": try each place it occurs
-            end = start + len("/state")
-            if (end == len(key) or key[end] == "/") and key[:start] in stored:
-                out.setdefault(key[:start], []).append(key)
-                break
-            start = key.find("/state", start + 1)
-    return out
-
-
 def load_state_dict(state, d: Mapping, *, hyperparameters: str = "checkpoint") -> State:
-    """Restore optimiser state saved by `state_dict` into `state`, typically a fresh `setup` of the
-    same model. Returns a new `State`; `state` and `d` are left as they were.
+    """Restore optimiser state saved by `state_dict` into `state` (a fresh `setup` of the same
+    model); returns a new `State`, leaving `state` and `d` as they were.
 
-    Everything is checked before anything is built: the parameter paths, which places are tied,
-    the kind of rule at each parameter, the state entries, their shapes and dtypes. When anything
-    differs, a `CheckpointError` lists every difference. Arrays are converted to the backend,
-    dtype and device (JAX: sharding) of `state`'s arrays, so a checkpoint written from NumPy
-    arrays loads into PyTorch or JAX state and back; step counters take the type `state` has.
-    Frozen flags come from the checkpoint.
-
-    `hyperparameters` says where learning rates and other numbers of the rules come from:
-    `"checkpoint"` (default; like `torch.optim`, so a run adjusted by a schedule resumes exactly),
-    `"state"` (keep those of `state`, to resume with new values), or `"check"` (raise when they
-    differ). The kind of rule (its class, nested rules, and non-numeric settings) must match in
-    every case.
+    Paths, ties, the kind of rule (class, nested rules, non-numeric settings), state entries,
+    shapes and dtypes are all checked before anything is built; a `CheckpointError` lists every
+    difference. Arrays take the backend, dtype and device (JAX: sharding) of `state`'s, step
+    counters the type `state` has; frozen flags come from `d`. `hyperparameters` says where the
+    rules' numbers come from: `"checkpoint"` (default, as `torch.optim`: a scheduled run resumes
+    exactly), `"state"` (keep `state`'s, to resume with new values) or `"check"` (raise if they
+    differ).
     """
     tree = _checked_call(state, d, hyperparameters)
     ours, leaf_at = _our_places(tree)
     stored = {k[: -len("/rule")] for k in d if isinstance(k, str) and k.endswith("/rule")}
     problems: list[str] = []
-    theirs = _their_places(d, stored, problems)
+    theirs, state_keys = _their_places(d, stored, problems)
     problems += _place_problems(ours, theirs)
-    state_keys = _state_keys_by_owner(d, stored)
     planner = _Planner(d, hyperparameters, state_keys)
     plans = {name: planner.plan(name, leaf) for name, leaf in leaf_at.items() if theirs.get(name) == name}
     problems += planner.problems
@@ -568,13 +457,17 @@ def load_state_dict(state, d: Mapping, *, hyperparameters: str = "checkpoint") -
         problems.append(f"entries this format does not have: {_listing(unknown)}")
     problems += planner.hyper_problems
     if problems:
-        _raise_mismatch(problems)
-    return _build(state, tree, leaf_at, plans, planner.restored, hyperparameters)
+        shown, more = problems[:_MAX_PROBLEMS], len(problems) - _MAX_PROBLEMS
+        raise CheckpointError(
+            "the checkpoint does not match this optimiser state; nothing was loaded:\n  - "
+            + "\n  - ".join(shown)
+            + (f"\n  ... and {more} more" if more > 0 else "")
+        )
+    return _build(state, tree, leaf_at, plans, hyperparameters)
 
 
 def _checked_call(state, d, hyperparameters: str):
-    """The tree of `state`, once the arguments are what `load_state_dict` takes and `d` is a state
-    dict of this format."""
+    """The tree of `state`, once the arguments are checked and `d` is a state dict of this format."""
     if hyperparameters not in _HYPER_MODES:
         raise ValueError(
             f"hyperparameters must be one of {', '.join(map(repr, _HYPER_MODES))}, got {hyperparameters!r}"
@@ -594,37 +487,32 @@ def _checked_call(state, d, hyperparameters: str):
     return tree
 
 
-def _our_places(tree) -> tuple[dict[str, str], dict[str, Leaf]]:
-    """Where each place's state lives in this state (`{path: path that stores it}`), and the Leaf
-    stored at each such path."""
-    ours: dict[str, str] = {}
-    first: dict[int, str] = {}
-    leaf_at: dict[str, Leaf] = {}
-    for name, leaf in _places(tree):
-        ours[name] = first.setdefault(id(leaf), name)
-        leaf_at.setdefault(ours[name], leaf)
-    return ours, leaf_at
-
-
-def _their_places(d: Mapping, stored: set, problems: list) -> dict[str, str]:
-    """Where each place's state lives in the checkpoint (`{path: path that stores it}`); ties to
-    nowhere, or of a stored path, go to `problems`."""
+def _their_places(d: Mapping, stored: set, problems: list) -> tuple[dict[str, str], dict[str, list]]:
+    """`{path: path that stores its state}` for the checkpoint (bad ties go to `problems`), and the
+    state entries (`P/state`, `P/state/...`) of each stored path `P`."""
     theirs: dict[str, str] = {}
+    state_keys: dict[str, list] = {}
     for key in d:  # in the checkpoint's order, so that messages list paths depth first
         if not isinstance(key, str):
             continue
         if key.endswith("/rule"):
             theirs[key[: -len("/rule")]] = key[: -len("/rule")]
         elif key.endswith("/tied_to"):
-            name = key[: -len("/tied_to")]
-            target = _text(d[key], key)
+            name, target = key[: -len("/tied_to")], _text(d[key], key)
             if name in stored:
                 problems.append(f"{name}: the checkpoint both stores it and ties it to {target}")
-                continue
-            if target not in stored:
-                problems.append(f"{name}: the checkpoint ties it to {target}, which it does not store")
-            theirs[name] = target
-    return theirs
+            else:
+                if target not in stored:
+                    problems.append(f"{name}: the checkpoint ties it to {target}, which it does not store")
+                theirs[name] = target
+        start = key.find("/state")
+        while start >= 0:  # a path may itself hold "/state": try each place it occurs
+            end = start + len("/state")
+            if (end == len(key) or key[end] == "/") and key[:start] in stored:
+                state_keys.setdefault(key[:start], []).append(key)
+                break
+            start = key.find("/state", start + 1)
+    return theirs, state_keys
 
 
 def _place_problems(ours: dict, theirs: dict) -> list[str]:
@@ -652,29 +540,30 @@ def _place_problems(ours: dict, theirs: dict) -> list[str]:
 
 
 class _Planner:
-    """Checks each stored Leaf against the checkpoint and plans its loading; what does not match
-    goes to `problems` (and hyperparameters that differ under "check" to `hyper_problems`, listed
-    last). Most parameters share a rule, so rule texts are parsed and compared once."""
+    """Checks each stored Leaf against the checkpoint and plans its loading; mismatches go to
+    `problems` (hyperparameters that differ under "check" to `hyper_problems`, listed last). Most
+    parameters share a rule, so rule texts are parsed and compared once."""
 
     def __init__(self, d: Mapping, hyperparameters: str, state_keys: dict):
         self.d, self.hyperparameters, self.state_keys = d, hyperparameters, state_keys
-        self.problems: list[str] = []
-        self.hyper_problems: list[str] = []
+        self.problems, self.hyper_problems = [], []
         self.parsed: dict[str, Any] = {}  # rule text -> spec
-        self.restored: dict[tuple, Any] = {}  # (id(rule), id(spec)) -> the rule with the checkpoint's numbers
-        self.compared: dict[tuple, tuple] = {}  # (rule text, id(rule)) -> (kinds, diffs)
+        self.compared: dict[tuple, tuple] = {}  # (rule text, id(rule)) -> (kinds, diffs, errors, rule)
 
     def plan(self, name: str, leaf: Leaf) -> tuple | None:
-        """What the Leaf stored at `name` is loaded from: the checkpoint's rule, frozen flag and
-        state entries; None when its rule does not match."""
-        spec = self._rule_checked(name, leaf.rule)
-        if spec is None:
+        """`(rule, frozen, state entries)` the Leaf stored at `name` loads; None: its rule differs."""
+        rule = self._rule_checked(name, leaf.rule)
+        if rule is None:
             return None
-        return spec, self._frozen(name), self._state_values(name, leaf)
+        key = f"{name}/frozen"
+        frozen = _flag(self.d[key]) if key in self.d else None
+        if frozen is None:
+            self.problems.append(f"{key}: " + ("missing" if key not in self.d else "expected True or False"))
+        return rule, frozen, self._state_values(name, leaf)
 
     def _rule_checked(self, name: str, rule):
-        """The checkpoint's rule at `name` when it is the kind of `rule`, with hyperparameters
-        that `hyperparameters` accepts; else None (a problem)."""
+        """`rule` with the numbers of the checkpoint's if both are of one kind and those numbers
+        acceptable (else None: a problem)."""
         rule_key = f"{name}/rule"
         try:
             text = _text(self.d[rule_key], rule_key)
@@ -685,10 +574,10 @@ class _Planner:
             self.problems.append(f"{rule_key}: cannot read the rule ({e})")
             return None
         spec = self.parsed[text]
-        if (text, id(rule)) not in self.compared:  # (places of another kind, hyperparameters that differ)
-            self.compared[text, id(rule)] = ([], [])
-            _compare_rule(spec, rule, type(rule).__name__, *self.compared[text, id(rule)])
-        kinds, diffs = self.compared[text, id(rule)]
+        if (text, id(rule)) not in self.compared:
+            found = ([], [], [])
+            self.compared[text, id(rule)] = (*found, _compare_rule(spec, rule, type(rule).__name__, found))
+        kinds, diffs, errors, restored = self.compared[text, id(rule)]
         if kinds:
             where = [k for k in kinds if k != type(rule).__name__]
             self.problems.append(
@@ -696,13 +585,10 @@ class _Planner:
                 f"{encode(rule)}" + (f" (they differ at {', '.join(where[:3])})" if where else "")
             )
             return None
-        if diffs and self.hyperparameters == "checkpoint":
-            try:  # a negative learning rate, an infinite epsilon: the rule's own checks say
-                _restored_rule(spec, rule, self.restored)
-            except (ValueError, TypeError, OverflowError) as e:
-                why = str(e)[:200] or type(e).__name__
-                self.problems.append(f"{rule_key}: the checkpoint's hyperparameters are not valid ({why})")
-                return None
+        if errors and self.hyperparameters == "checkpoint":  # a negative learning rate, say
+            why = str(errors[0])[:200] or type(errors[0]).__name__
+            self.problems.append(f"{rule_key}: the checkpoint's hyperparameters are not valid ({why})")
+            return None
         if diffs and self.hyperparameters == "check":
             for label, theirs_v, ours_v in diffs:
                 if _same_in_float32(theirs_v, ours_v):
@@ -710,18 +596,10 @@ class _Planner:
                 self.hyper_problems.append(
                     f"{name}: {label} is {theirs_v!r} in the checkpoint, {ours_v!r} in this state"
                 )
-        return spec
-
-    def _frozen(self, name: str) -> bool | None:
-        key = f"{name}/frozen"
-        frozen = _flag(self.d[key]) if key in self.d else None
-        if frozen is None:
-            self.problems.append(f"{key}: " + ("missing" if key not in self.d else "expected True or False"))
-        return frozen
+        return restored
 
     def _state_values(self, name: str, leaf: Leaf) -> dict:
-        """The checkpoint's entries for the state of `leaf`, each checked against the element it
-        replaces; entries missing, extra or incompatible are problems."""
+        """The checkpoint's entries for `leaf`'s state; missing, extra or incompatible: problems."""
         values = {}
         for key, like in _state_items(leaf.state, f"{name}/state", []):
             if key not in self.d:
@@ -740,34 +618,19 @@ class _Planner:
         return values
 
 
-def _raise_mismatch(problems: list[str]):
-    shown = problems[:_MAX_PROBLEMS]
-    more = len(problems) - len(shown)
-    raise CheckpointError(
-        "the checkpoint does not match this optimiser state; nothing was loaded:\n  - "
-        + "\n  - ".join(shown)
-        + (f"\n  ... and {more} more" if more > 0 else "")
-    )
-
-
-def _build(state, tree, leaf_at: dict, plans: dict, rules: dict, hyperparameters: str) -> State:
-    """The new State: every check passed, so this only converts. `rules` holds the rules already
-    made with the checkpoint's numbers (`(id(rule), id(spec))` -> rule) and takes those made here."""
+def _build(state, tree, leaf_at: dict, plans: dict, hyperparameters: str) -> State:
+    """The new State: every check passed, so this only converts."""
     new_leaf: dict[int, Leaf] = {}
     shared: dict[tuple, Any] = {}
     for name, leaf in leaf_at.items():
-        spec, frozen, values = plans[name]
-        rule = _restored_rule(spec, leaf.rule, rules) if hyperparameters == "checkpoint" else leaf.rule
-        converted = {
-            key: _convert_shared(values[key], like, shared)
-            for key, like in _state_items(leaf.state, f"{name}/state", [])
-        }
-        new_state = _rebuild_state(leaf.state, f"{name}/state", converted)
+        restored, frozen, values = plans[name]
+        rule = restored if hyperparameters == "checkpoint" else leaf.rule
+        convert = lambda key, like, values=values: _convert_shared(values[key], like, shared)  # noqa: E731
+        new_state = _map_state(leaf.state, f"{name}/state", convert)
         new_leaf[id(leaf)] = new = leaf._successor(rule, new_state)
         new.frozen, new._owns = frozen, True  # the checkpoint's; its arrays were made just now
     loaded = State(map_leaves(lambda leaf: new_leaf[id(leaf)], tree), getattr(state, "_keys", None))
-    # a State laid out for another library (optimisers.optax's TransformState) lays the loaded
-    # one out as it is laid out
+    # a State laid out for another library (optimisers.optax's TransformState) keeps its layout
     relaid = getattr(state, "_relaid", None)
     return relaid(loaded) if relaid is not None else loaded
 
