@@ -20,7 +20,7 @@ from optimisers.core.rule import Rule
 from optimisers.core.state import Leaf, State
 from optimisers.core.tree import format_path
 from optimisers.torch.lazy_state import owned_leaf, trainable
-from optimisers.torch.param_groups import group_dict, group_entries
+from optimisers.torch.param_groups import NOT_HYPERPARAMETERS, SCHEDULER_KEYS, group_dict, group_entries
 
 _ROOT = format_path(())  # how the library's state_dict names a lone Leaf's place
 
@@ -238,7 +238,7 @@ def _check_entry_keys(entry, layout: tuple, where: str, name: str) -> None:
 class TorchFormat:
     """A drop-in class's format, one parameter's entry at a time (`state[p]`) and whole state
     dicts. It uses the class's `_layout_for(h, p)` (torch's name of each part of the rule's
-    state), `_one_part` and its policy's `built(h, where)` (the rule) and `is_group_key(key)`."""
+    state), `_one_part` and its policy's `built(h, where)` (the rule)."""
 
     expected = "an optimizer state dict"
 
@@ -322,7 +322,8 @@ class TorchFormat:
         """Each saved group's hyperparameters and the rule they make (None where they do not fit)."""
         hypers, rules, policy = [], [], self.opt._policy
         for i, (saved, g) in enumerate(zip(saved_groups, self.book.groups)):
-            unknown = [k for k in saved if not (policy.is_group_key(k) or k in g.entries)]
+            known = {*g.entries, *policy.hyper, *NOT_HYPERPARAMETERS, *SCHEDULER_KEYS}
+            unknown = [k for k in saved if k not in known]
             h = rule = None
             if unknown:
                 problems.append(
