@@ -1,8 +1,6 @@
 """`Optimizer.state_dict` / `load_state_dict` (torch's hooks around the optimizer's format), and
-the two formats, which also read and write `state[p]`: `LibraryFormat` (`optimisers.state_dict`
-of each parameter's Leaf, keyed by parameter position as torch.optim does) and `TorchFormat`
-(the drop-in classes': torch's keys, "exp_avg", "step", ..., so that `load_state_dict` takes a
-dict written by torch.optim's class of the same name, hyperparameters included)."""
+the two formats, which also read and write `state[p]`: `LibraryFormat` (`optimisers.state_dict` of
+each Leaf) and `TorchFormat` (the drop-in classes': torch.optim's keys and hyperparameters)."""
 
 from __future__ import annotations
 
@@ -59,8 +57,7 @@ def _saved_groups(param_groups) -> list[dict]:
 
 
 def load_state_dict(optimizer, state_dict) -> None:
-    """Torch's hooks around the format's `load_checked`, which checks the whole checkpoint before
-    it changes anything and returns the new group dicts."""
+    """Torch's hooks around the format's `load_checked` (checks everything, then loads)."""
     for hook in optimizer._optimizer_load_state_dict_pre_hooks.values():
         result = hook(optimizer, state_dict)
         if result is not None:
@@ -80,10 +77,9 @@ def load_state_dict(optimizer, state_dict) -> None:
                 f"group {i} has {len(saved['params'])} parameters in the checkpoint, "
                 f"{len(entries['params'])} here"
             )
-    state = state_dict["state"]
-    # keys that are not positions: what `state[key]` held for keys that are not parameters
-    extra = {k: v for k, v in state.items() if not _is_position(k)}
-    saved_state = {k: v for k, v in state.items() if _is_position(k)}
+    saved_state, extra = {}, {}  # (extra: what `state[key]` held for keys that are not parameters)
+    for k, v in state_dict["state"].items():
+        (saved_state if isinstance(k, int) and not isinstance(k, bool) else extra)[k] = v
     param_groups[:] = optimizer._format.load_checked(saved_groups, saved_state)
     book.extra_state = extra
     for g in book.groups:
@@ -91,10 +87,6 @@ def load_state_dict(optimizer, state_dict) -> None:
     book.changed()
     for hook in optimizer._optimizer_load_state_dict_post_hooks.values():
         hook(optimizer)
-
-
-def _is_position(key) -> bool:
-    return isinstance(key, int) and not isinstance(key, bool)
 
 
 def checkpoint_positions(book, state: Mapping) -> list[int]:
@@ -110,8 +102,7 @@ def checkpoint_positions(book, state: Mapping) -> list[int]:
 
 
 class LibraryFormat:
-    """`Optimizer`'s format: each parameter's entry is `optimisers.state_dict` of its Leaf (its
-    rule as text, frozen flag and `"state/0"`, ... entries)."""
+    """`Optimizer`'s format: each parameter's entry is `optimisers.state_dict` of its Leaf."""
 
     expected = "the dict from Optimizer.state_dict()"
 
@@ -123,12 +114,11 @@ class LibraryFormat:
         return True
 
     def entry(self, p, leaf) -> dict:
-        """Parameter `p`'s entry of `state_dict()["state"]`."""
         prefix = _ROOT + "/"
         return {k.removeprefix(prefix): v for k, v in library_state_dict(leaf).items() if k != FORMAT_KEY}
 
     def _template(self, p) -> Leaf:
-        """A Leaf with state shaped as parameter `p`'s is or will be, for a checkpoint to load into."""
+        """A Leaf with state shaped as `p`'s is or will be, for a checkpoint to load into."""
         leaf = self.book.leaf(p)
         if leaf is not None:
             return leaf

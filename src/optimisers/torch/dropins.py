@@ -1,13 +1,7 @@
 """torch.optim's classes, with their names, signatures, defaults, group keys and `state[p]` keys,
-trained by this library's engine (so tied weights, flat buffers and the rest come with them).
-
-    from optimisers.torch import AdamW      # instead of: from torch.optim import AdamW
-
-Each class maps a param group's torch hyperparameters to one rule: the library's `Adam`/`AdamW`
-where torch's formula is theirs (so they run torch's own fused kernel and agree with
-`torch.optim.AdamW(fused=True)` bit for bit), else a rule of `optimisers.rules.torch_named` that
-writes out torch's formula. What they share (the checks, the gradient as torch prepares it, torch's
-state format) is `DropIn`, in `dropin_base` and `torch_format`.
+trained by this library's engine (docs/torch-optimizer.md). Each maps a param group's torch
+hyperparameters to one rule: the library's where torch's formula is theirs, else a rule of
+`optimisers.rules.torch_named` that writes out torch's. What they share is `DropIn` (`dropin_base`).
 """
 
 from __future__ import annotations

@@ -1,13 +1,5 @@
-"""The `schedulefree` package's optimisers, trained by this library:
-
-    from optimisers.torch import AdamWScheduleFree    # instead of: from schedulefree import ...
-
-`AdamWScheduleFree` and `SGDScheduleFree` take the package's signatures, defaults, group keys
-and `state[p]` keys, and run the library's `ScheduleFreeAdamW` / `ScheduleFreeSGD` (so tied
-weights, flat buffers and the rest come with them). As in the package, the parameters hold `y`
-(where gradients are taken) in train mode and the average `x` in eval mode: call `.train()`
-before training (the optimizers start in eval mode, as the package's do) and `.eval()` before
-evaluating or saving the model; `step()` in eval mode raises.
+"""The `schedulefree` package's optimisers, trained by this library (docs/api.md, "PyTorch optimizer";
+docs/evaluation-weights.md: train and eval modes).
 
 The package keeps its counters (`k`, `lr_max`, `weight_sum`, `scheduled_lr`) in each param group;
 the library keeps them per parameter and shows those of the group's first parameter with state
