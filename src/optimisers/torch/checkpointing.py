@@ -236,13 +236,11 @@ class TorchFormat:
         self.opt, self.book, self.name = optimizer, optimizer._book, type(optimizer).__name__
 
     def shows(self, leaf) -> bool:
-        """Whether the Leaf's state shows in torch's `state[p]` (a stateless rule's does not, as
-        torch's SGD without momentum keeps none)."""
+        """Whether the Leaf's state shows in `state[p]` (torch's SGD without momentum keeps none)."""
         return not (leaf.state is None or (isinstance(leaf.state, tuple) and not leaf.state))
 
     def entry(self, p, leaf) -> dict:
-        """`state[p]` with torch's keys: the rule's state arrays (complex again for a complex
-        parameter) and "step" as torch keeps it."""
+        """`state[p]` with torch's keys, arrays and "step" as torch keeps them."""
         state = leaf.state
         parts = (state,) if self.opt._one_part else state if isinstance(state, tuple) else ()
         out: dict = {}
@@ -285,8 +283,24 @@ class TorchFormat:
     def load_checked(self, saved_groups, saved_state: Mapping) -> list[dict]:
         """The new group dicts, after the whole checkpoint is checked (a `CheckpointError` lists
         every problem) and loaded, hyperparameters included, as torch.optim does."""
-        book, problems = self.book, []
-        hypers, rules = self._saved_hyperparameters(saved_groups, problems)
+        book, policy, problems, hypers, rules = self.book, self.opt._policy, [], [], []
+        for i, (saved, g) in enumerate(zip(saved_groups, book.groups)):  # each group's h and rule
+            known = {*g.entries, *policy.hyper, *NOT_HYPERPARAMETERS, *SCHEDULER_KEYS}
+            unknown = [k for k in saved if k not in known]
+            h = rule = None
+            if unknown:
+                problems.append(
+                    f"group {i}: the checkpoint has {', '.join(map(repr, unknown))}, which "
+                    f"torch.optim.{self.name} does not take (another optimizer class?)"
+                )
+            else:
+                h = {k: saved.get(k, v) for k, v in g.seen.items()}
+                try:
+                    rule = policy.built(h, f"group {i} of the checkpoint")
+                except (TypeError, ValueError) as e:
+                    problems.append(str(e))
+            hypers.append(h)
+            rules.append(rule)
         states = {}
         for position in checkpoint_positions(book, saved_state):
             h = hypers[book.group_index(position)]
@@ -307,25 +321,3 @@ class TorchFormat:
             rule = book.groups[book.group_index(position)].rule
             book.adopt(book.params[position], owned_leaf(rule, state))  # decoded copies: kept
         return new_groups
-
-    def _saved_hyperparameters(self, saved_groups, problems: list) -> tuple[list, list]:
-        """Each saved group's hyperparameters and the rule they make (None where they do not fit)."""
-        hypers, rules, policy = [], [], self.opt._policy
-        for i, (saved, g) in enumerate(zip(saved_groups, self.book.groups)):
-            known = {*g.entries, *policy.hyper, *NOT_HYPERPARAMETERS, *SCHEDULER_KEYS}
-            unknown = [k for k in saved if k not in known]
-            h = rule = None
-            if unknown:
-                problems.append(
-                    f"group {i}: the checkpoint has {', '.join(map(repr, unknown))}, which "
-                    f"torch.optim.{self.name} does not take (another optimizer class?)"
-                )
-            else:
-                h = {k: saved.get(k, v) for k, v in g.seen.items()}
-                try:
-                    rule = policy.built(h, f"group {i} of the checkpoint")
-                except (TypeError, ValueError) as e:
-                    problems.append(str(e))
-            hypers.append(h)
-            rules.append(rule)
-        return hypers, rules

@@ -231,9 +231,8 @@ def _check_fused(g: ParamGroup, grads: list) -> None:
 
 
 class DropIn(Optimizer):
-    """What the classes with torch.optim's names share. Each gives torch's signature, the rule of a
-    group's torch hyperparameters `h` (`_rule(h)`) and torch's name for each part of the rule's
-    state, in its order (`_layout`, a tuple or a function of `h`)."""
+    """What the classes with torch.optim's names share. Each gives torch's signature, `_rule(h)` (the
+    rule of group hyperparameters `h`) and `_layout` (torch's names of the rule's state parts)."""
 
     _Policy, _Format = TorchPolicy, TorchFormat
     _l2: ClassVar[bool] = True  # "weight_decay" is added to the gradient (unless decoupled)

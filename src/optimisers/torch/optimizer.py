@@ -62,9 +62,8 @@ class Optimizer(torch.optim.Optimizer):
             super().zero_grad(set_to_none)
 
     def state_dict(self) -> dict:
-        """torch.optim's layout, `{"state": {position: entry}, "param_groups": [...]}`, holding
-        the state's own tensors; an entry has its rule as text and `optimisers.state_dict`'s keys
-        (a drop-in class's, torch's keys)."""
+        """torch.optim's layout, `{"state": {position: entry}, "param_groups": [...]}`, holding the
+        state's own tensors; an entry has `optimisers.state_dict`'s keys (a drop-in's: torch's)."""
         return checkpointing.state_dict(self)
 
     def load_state_dict(self, state_dict: Mapping) -> None:
