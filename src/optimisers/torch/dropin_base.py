@@ -256,8 +256,8 @@ class DropIn(Optimizer):
         check_values(h, where, self._foreach_scalars)
 
     def _structure(self, h: dict) -> tuple:
-        """What decides the state's layout: a change after construction is refused."""
-        return ()
+        """What decides the state's layout (the layout, by default): a later change is refused."""
+        return self._layout(h) if callable(getattr(self, "_layout", None)) else ()
 
     def _layout_for(self, h: dict, p) -> tuple[str, ...]:
         return self._layout(h) if callable(self._layout) else self._layout  # (Adafactor's: by p)

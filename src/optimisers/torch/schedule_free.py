@@ -112,8 +112,8 @@ class _ScheduleFreeDropIn(DropIn):
 
 class AdamWScheduleFree(_ScheduleFreeDropIn):
     """`schedulefree.AdamWScheduleFree`, trained by this library's `ScheduleFreeAdamW` (same
-    signature, defaults, group keys and `state[p]` keys "z" and "exp_avg_sq"; `.train()` and
-    `.eval()` switch the parameters between `y` and the average `x`)."""
+    signature, defaults, group keys and `state[p]` keys "z", "exp_avg_sq"; `.train()`/`.eval()`
+    switch the parameters between `y` and the average `x`)."""
 
     def __init__(self, params, lr=0.0025, betas=(0.9, 0.999), eps=1e-8, weight_decay=0, warmup_steps=0, r=0.0,
                  weight_lr_power=2.0, foreach=_DEFAULT_FOREACH):  # fmt: skip
@@ -129,9 +129,8 @@ class AdamWScheduleFree(_ScheduleFreeDropIn):
 
 
 class SGDScheduleFree(_ScheduleFreeDropIn):
-    """`schedulefree.SGDScheduleFree`, trained by this library's `ScheduleFreeSGD` (same
-    signature, defaults, group keys and `state[p]` key "z"; `.train()` and `.eval()` switch the
-    parameters between `y` and the average `x`)."""
+    """`schedulefree.SGDScheduleFree`, trained by this library's `ScheduleFreeSGD` (same signature,
+    defaults, group keys and `state[p]` key "z"; `.train()` and `.eval()` as the package's)."""
 
     def __init__(self, params, lr=1.0, momentum=0.9, weight_decay=0, warmup_steps=0, r=0.0, weight_lr_power=2,
                  foreach=_DEFAULT_FOREACH):  # fmt: skip
