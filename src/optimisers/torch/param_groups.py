@@ -24,12 +24,11 @@ ALIASES = {"beta": "betas", "lambd": "weight_decay", "epsilon": "eps"}
 # torch's names that get a hint instead of a bare "unknown key" (the maths differs: torch's
 # momentum keeps the learning rate out of the velocity)
 TORCH_NAMES = {"weight_decay": "lambd", "eps": "epsilon", "momentum": "rho", "alpha": "rho"}
-# torch.optim's implementation switches: accepted and carried (this adapter has one engine);
-# "capturable" and "differentiable" ask for what it does not do, so True is refused
-SWITCHES = ("foreach", "fused", "capturable", "differentiable")
 # what torch's lr schedulers keep in a group besides "lr"; carried along untouched
 SCHEDULER_KEYS = ("initial_lr", "max_lr", "min_lr", "base_momentum", "max_momentum", "swa_lr")
-CARRIED = ("maximize", *SWITCHES, *SCHEDULER_KEYS)  # kept in a group, setting no rule field
+# kept in a group, setting no rule field: "maximize", torch.optim's implementation switches (this
+# adapter has one engine; True for "capturable" and "differentiable" is refused), schedulers' keys
+CARRIED = ("maximize", "foreach", "fused", "capturable", "differentiable", *SCHEDULER_KEYS)
 NOT_HYPERPARAMETERS = ("params", "param_names", "rule")  # group entries that set no rule field
 MISSING = object()
 
@@ -38,7 +37,6 @@ _RULE_NAMES = {"lr": "eta", **{torch_name: name for name, torch_name in ALIASES.
 
 
 def rule_name(key: str) -> str:
-    """The rule field that group key `key` sets."""
     return _RULE_NAMES.get(key, key)
 
 
