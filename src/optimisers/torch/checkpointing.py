@@ -134,7 +134,6 @@ class LibraryFormat:
         except CheckpointError as e:
             raise CheckpointError(str(e).replace(_ROOT, where)) from None
         self.book.adopt(p, new)
-        self.book.changed()
 
     def load_checked(self, saved_groups, saved_state: Mapping) -> list[dict]:
         book = self.book
@@ -142,7 +141,10 @@ class LibraryFormat:
         positions = checkpoint_positions(book, saved_state)
         template = State({i: self._template(book.params[i]) for i in sorted(positions)})
         loaded = library_load_state_dict(template, flat)  # checks everything; changes nothing
-        new_groups = [_restored_group(saved, now) for saved, now in zip(saved_groups, self.opt.param_groups)]
+        new_groups = []  # the saved groups, with this optimizer's tensors, names and rule object
+        for saved, now in zip(saved_groups, self.opt.param_groups):
+            group = {k: v for k, v in saved.items() if k not in ("params", "rule")}
+            new_groups.append({**group, **{k: now[k] for k in ("params", "param_names", "rule") if k in now}})
         book.leaf_of.clear()  # torch's load replaces the state: parameters not in it have none
         for i, leaf in loaded.tree.items():
             book.adopt(book.params[i], leaf)
@@ -171,13 +173,6 @@ def _flattened(saved_state: Mapping) -> dict:
     return flat
 
 
-def _restored_group(saved: Mapping, entries: Mapping) -> dict:
-    """A saved group's dict, with this optimizer's tensors, names and rule object."""
-    group = {k: v for k, v in saved.items() if k not in ("params", "rule")}
-    for k in ("params", "param_names", "rule"):
-        if k in entries:
-            group[k] = entries[k]
-    return group
 
 
 # names in a drop-in class's `_layout`, beside torch's names of state tensors:
@@ -278,7 +273,6 @@ class TorchFormat:
         if problems:
             raise CheckpointError("; ".join(problems))
         self.book.adopt(p, owned_leaf(g.rule, state))  # decoded copies: the engine keeps them
-        self.book.changed()
 
     def load_checked(self, saved_groups, saved_state: Mapping) -> list[dict]:
         """The new group dicts, after the whole checkpoint is checked (a `CheckpointError` lists

@@ -197,6 +197,7 @@ class StateView(MutableMapping):
             raise KeyError(p)
         else:
             self._format.load_entry(p, entry)
+            self._book.changed()
 
     def __delitem__(self, p):
         if not isinstance(p, torch.Tensor):

@@ -160,8 +160,8 @@ class ParamGroup:
         return range(self.first, self.first + len(self.params))
 
     def follow(self, params: list) -> None:
-        """Take `params` as the group's tensors, and the list in `entries` as it is now (a new
-        list where it is `params` itself: the user's edits of it must not edit `params`)."""
+        """Take `params` as the group's tensors, and the list in `entries` as it is now (a copy
+        where it is `params`: the user's edits of it must not edit `params`)."""
         self.params = params
         self.has_complex = any(p.is_complex() for p in params)
         listed = self.entries.get("params")
@@ -178,8 +178,7 @@ class ParamGroup:
             return True
         return len(listed) != len(self._listed) or not all(map(operator.is_, listed, self._listed))
 
-    def use_rule(self, rule) -> None:
-        """Make `rule` the group's: one rule object for all its Leafs."""
+    def use_rule(self, rule) -> None:  # (one rule object for the group and all its Leafs)
         for leaf in self.leaves:
             if leaf is not None:
                 leaf.rule = rule
@@ -315,8 +314,7 @@ def _group_with_rule(groups: list[ParamGroup], rule) -> ParamGroup:
 
 
 def initial_groups(params, policy) -> tuple[list, tuple | None]:
-    """The groups of an optimizer's `params` argument (a module, tensors or group dicts), and the
-    module's tree of placeholders (see `RulePolicy.module_groups`), if it is a module."""
+    """The groups of an optimizer's `params`, and a module's tree (see `RulePolicy.module_groups`)."""
     if isinstance(params, torch.Tensor):
         raise TypeError(  # torch.optim's words
             "params argument given to the optimizer should be an iterable of Tensors or dicts "
@@ -423,8 +421,7 @@ class RulePolicy:
     def defaults(self, groups) -> dict:
         return dict(groups[0].seen)
 
-    def resync(self, g, changed: dict, where: str):
-        """The rule of group `g` with the changed entries applied."""
+    def resync(self, g, changed: dict, where: str):  # group `g`'s rule, with the changed entries
         return adjusted_rule(g.rule, changed, where)
 
     def check_keys(self, g, i: int) -> None:
@@ -439,16 +436,13 @@ class RulePolicy:
                     f"param_groups[{i}] has key {key!r}, which {type(g.rule).__name__} does not take; {hint}"
                 )
 
-    def listed(self, params, where: str) -> list:
-        """The tensors of a group's edited `"params"` list, checked as a new group's are."""
+    def listed(self, params, where: str) -> list:  # an edited "params" list, checked as a new one
         return group_tensors(params, where)[0]
 
-    def engine_view(self, p):
-        """What the update engine trains for parameter `p`."""
+    def engine_view(self, p):  # what the update engine trains for parameter `p`
         return p
 
-    def ready(self) -> bool:
-        """Whether the step goes ahead."""
+    def ready(self) -> bool:  # whether the step goes ahead
         return True
 
     def gradients(self, groups, grads: list) -> list:

@@ -31,11 +31,6 @@ _NOT_IN_TRAIN_MODE = (
 )
 
 
-def _b1(h) -> float:
-    """β₁: AdamW's `betas[0]`, SGD's `momentum`."""
-    return h["betas"][0] if "betas" in h else h["momentum"]
-
-
 def _show(g, **entries) -> None:
     """Set entries of the group's dict that are not synced into the rule."""
     g.entries.update(entries)
@@ -48,7 +43,8 @@ def _switch(optimizer, train: bool, weight) -> None:
     optimizer._book.follow_edits(optimizer._policy)
     for g in optimizer._book.groups:
         if bool(g.entries["train_mode"]) != train:
-            w = weight(_b1(g.entries))
+            h = g.entries
+            w = weight(h["betas"][0] if "betas" in h else h["momentum"])  # β₁: AdamW's, SGD's
             for p, leaf in zip(g.params, g.leaves):
                 if leaf is not None:  # parameters with state (a gradient seen), as the package's
                     p = optimizer._policy.engine_view(p)
