@@ -136,8 +136,17 @@ class LibraryFormat:
         self.book.adopt(p, new)
 
     def load_checked(self, saved_groups, saved_state: Mapping) -> list[dict]:
-        book = self.book
-        flat = _flattened(saved_state)
+        book, flat = self.book, {FORMAT_KEY: FORMAT}  # the entries as one dict of the library's format
+        for position, entries in saved_state.items():
+            if not isinstance(entries, Mapping) or "rule" not in entries:
+                some = ", ".join(map(repr, list(entries)[:4])) if isinstance(entries, Mapping) else ""
+                raise CheckpointError(
+                    f"parameter {position} has no 'rule' entry (it has {some or 'nothing'}); "
+                    "is this a torch.optim optimizer's state dict? It loads into the class of "
+                    "optimisers.torch with torch.optim's name (optimisers.torch.AdamW, ...), not "
+                    "into Optimizer(params, rule)"
+                )
+            flat.update({f"{position}/{key}": value for key, value in entries.items()})
         positions = checkpoint_positions(book, saved_state)
         template = State({i: self._template(book.params[i]) for i in sorted(positions)})
         loaded = library_load_state_dict(template, flat)  # checks everything; changes nothing
@@ -156,25 +165,6 @@ class LibraryFormat:
         return new_groups
 
 
-def _flattened(saved_state: Mapping) -> dict:
-    """`state_dict()["state"]` as one dict of the library's format, `"position/key"` entries."""
-    flat: dict = {FORMAT_KEY: FORMAT}
-    for position, entries in saved_state.items():
-        if not isinstance(entries, Mapping) or "rule" not in entries:
-            some = ", ".join(map(repr, list(entries)[:4])) if isinstance(entries, Mapping) else ""
-            raise CheckpointError(
-                f"parameter {position} has no 'rule' entry (it has {some or 'nothing'}); "
-                "is this a torch.optim optimizer's state dict? It loads into the class of "
-                "optimisers.torch with torch.optim's name (optimisers.torch.AdamW, ...), not "
-                "into Optimizer(params, rule)"
-            )
-        for key, value in entries.items():
-            flat[f"{position}/{key}"] = value
-    return flat
-
-
-
-
 # names in a drop-in class's `_layout`, beside torch's names of state tensors:
 STEP = "step"  # the step count, which torch keeps as a float32 scalar tensor
 NOT_SHOWN = ""  # SGD's momentum: the state counts steps only to know the first one; torch shows none
@@ -183,36 +173,32 @@ SCALAR_STATE = ("mu_product",)  # float state kept as a float32 scalar tensor by
 _PART_SHAPES = {"row_var": lambda s: (*s[:-1], 1), "col_var": lambda s: (*s[:-2], 1, s[-1])}
 
 
-class _Misfit(Exception):
-    """A part of a checkpoint that does not fit; its message is one of the problems reported."""
-
-
 def _decoded_part(name: str, value, p: torch.Tensor, where: str):
     """The rule's state part `name` from torch's `value`, for parameter `p`."""
     if name == STEP or name in SCALAR_STATE:
         number = float(value) if isinstance(value, (torch.Tensor, int, float)) else math.nan
         if not math.isfinite(number) or (name == STEP and number < 0):
-            raise _Misfit(f"{where}: {name!r} must be a finite number, got {value!r}")
+            raise CheckpointError(f"{where}: {name!r} must be a finite number, got {value!r}")
         return int(round(number)) if name == STEP else number
     shape = _PART_SHAPES[name](p.shape) if name in _PART_SHAPES else p.shape
     if not isinstance(value, torch.Tensor) or value.shape != shape:
         got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
         whose = "the parameter" if shape == p.shape else f"expected for the parameter's {tuple(p.shape)}:"
-        raise _Misfit(f"{where}: {name!r} has shape {got}, {whose} {tuple(shape)}")
+        raise CheckpointError(f"{where}: {name!r} has shape {got}, {whose} {tuple(shape)}")
     if value.is_complex() != p.is_complex():
-        raise _Misfit(f"{where}: {name!r} is {value.dtype}, the parameter {p.dtype}")
+        raise CheckpointError(f"{where}: {name!r} is {value.dtype}, the parameter {p.dtype}")
     value = value.detach().to(dtype=p.dtype, device=p.device, copy=True)
     return torch.view_as_real(value) if value.is_complex() else value  # complex trained as real
 
 
 def _check_entry_keys(entry, layout: tuple, where: str, name: str) -> None:
     if not isinstance(entry, Mapping):
-        raise _Misfit(f"{where}: expected a dict of state, got a {type(entry).__name__}")
+        raise CheckpointError(f"{where}: expected a dict of state, got a {type(entry).__name__}")
     expected = {key for key in layout if key != NOT_SHOWN}
     if set(entry) != expected:
         found = {"missing": sorted(expected - set(entry)), "unexpected": sorted(set(entry) - expected)}
         detail = "; ".join(f"{what} {', '.join(map(repr, keys))}" for what, keys in found.items() if keys)
-        raise _Misfit(
+        raise CheckpointError(
             f"{where}: torch.optim.{name} with these settings keeps "
             f"{', '.join(map(repr, sorted(expected))) or 'no state'}; the checkpoint has "
             f"{detail} (was it written by another optimizer class, or other settings such as "
@@ -221,9 +207,8 @@ def _check_entry_keys(entry, layout: tuple, where: str, name: str) -> None:
 
 
 class TorchFormat:
-    """A drop-in class's format, one parameter's entry at a time (`state[p]`) and whole state
-    dicts. It uses the class's `_layout_for(h, p)` (torch's name of each part of the rule's
-    state), `_one_part` and its policy's `built(h, where)` (the rule)."""
+    """A drop-in class's format, by the class's `_layout_for(h, p)` (torch's name of each part of
+    the rule's state) and `_one_part`, for `state[p]` and whole state dicts."""
 
     expected = "an optimizer state dict"
 
@@ -247,8 +232,7 @@ class TorchFormat:
         return out
 
     def decode(self, position: int, h: dict, entry, problems: list) -> Any:
-        """The rule's state for the parameter at `position` from torch's `entry` (under group
-        hyperparameters `h`); what does not fit goes to `problems`."""
+        """The rule's state at `position` from torch's `entry`; what does not fit goes to `problems`."""
         p = self.book.params[position]
         layout = self.opt._layout_for(h, p)
         where = f"parameter {position}"
@@ -256,7 +240,7 @@ class TorchFormat:
             _check_entry_keys(entry, layout, where, self.name)
             # the step count torch does not show (SGD's): a saved buffer means a step was taken
             parts = [name == NOT_SHOWN or _decoded_part(name, entry[name], p, where) for name in layout]
-        except _Misfit as e:
+        except CheckpointError as e:  # one of the problems reported
             problems.append(str(e))
             return None
         if not parts:
@@ -276,7 +260,7 @@ class TorchFormat:
 
     def load_checked(self, saved_groups, saved_state: Mapping) -> list[dict]:
         """The new group dicts, after the whole checkpoint is checked (a `CheckpointError` lists
-        every problem) and loaded, hyperparameters included, as torch.optim does."""
+        every problem) and loaded, hyperparameters included."""
         book, policy, problems, hypers, rules = self.book, self.opt._policy, [], [], []
         for i, (saved, g) in enumerate(zip(saved_groups, book.groups)):  # each group's h and rule
             known = {*g.entries, *policy.hyper, *NOT_HYPERPARAMETERS, *SCHEDULER_KEYS}
@@ -311,7 +295,6 @@ class TorchFormat:
             g.entries, g.seen, g.rule = group_dict(g.params, names, h, carried), dict(h), rule
             new_groups.append(g.entries)
         book.leaf_of.clear()
-        for position, state in states.items():
-            rule = book.groups[book.group_index(position)].rule
-            book.adopt(book.params[position], owned_leaf(rule, state))  # decoded copies: kept
+        for position, state in states.items():  # (decoded copies: the engine keeps them)
+            book.adopt(book.params[position], owned_leaf(rules[book.group_index(position)], state))
         return new_groups

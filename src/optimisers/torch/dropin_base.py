@@ -32,8 +32,7 @@ def as_number(h: Mapping, key: str) -> float:
 
 
 def torch_args(args: dict, order: str = "", **extra) -> dict:
-    """A drop-in's `__init__` arguments (its `locals()`) as group keys: in torch's `order` where it
-    is not the signature's, then the `extra` keys."""
+    """A drop-in's `__init__` arguments (`locals()`) as group keys, in torch's `order`, then `extra`."""
     args = {**args, **extra}
     keys = order.split() or [k for k in args if k not in ("self", "params", "__class__")]
     return {k: args[k] for k in [*keys, *(k for k in extra if k not in keys)]}
@@ -168,9 +167,8 @@ class TorchPolicy:
         return torch.view_as_real(p.detach()) if p.is_complex() else p
 
     def ready(self) -> bool:
-        """No step where GradScaler (or a user) set `found_inf`, as torch reads it; torch's
-        refusal of complex parameters with a gradient (in the groups as they are now), before
-        anything changes."""
+        """No step where GradScaler (or a user) set `found_inf`, as torch reads it; torch's refusal
+        of complex parameters with a gradient, before anything changes."""
         found_inf = getattr(self.opt, "found_inf", None)
         if found_inf is not None and bool(found_inf):
             return False
@@ -186,10 +184,9 @@ class TorchPolicy:
         return True
 
     def gradients(self, groups, grads: list) -> list:
-        """What torch does to a gradient before its formula, in its order: `maximize` negates it,
-        non-decoupled `weight_decay` adds `weight_decay·p`, a complex one is viewed as reals
-        (a sparse one, where the class takes it, made dense; `grad_scale`, where set, divided out).
-        The list handed in is left as it is."""
+        """What torch does to a gradient before its formula, in its order (sparse made dense,
+        `grad_scale` divided out, `maximize`, non-decoupled `weight_decay`, complex viewed as
+        reals), in a new list."""
         if self.opt._sparse:
             grads = [g if g is None or g.layout is torch.strided else g.to_dense() for g in grads]
         scale = getattr(self.opt, "grad_scale", None)

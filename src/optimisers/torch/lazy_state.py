@@ -26,8 +26,7 @@ def trainable(p) -> bool:
 
 
 def _shown(tree, leaf_of_placeholder):
-    """A module's tree of placeholders with the Leafs that have state in their places (a tie keeps
-    one Leaf at both places); None where nothing has state."""
+    """A module's tree of placeholders with the Leafs that have state in their places (or None)."""
     if isinstance(tree, Leaf):
         return leaf_of_placeholder(tree)
     out = {k: sub for k, child in tree.items() if (sub := _shown(child, leaf_of_placeholder)) is not None}

@@ -344,8 +344,7 @@ def group_dict(params: list, names, *parts: Mapping) -> dict:
 
 class RulePolicy:
     """How `Optimizer(params, rule)` makes its groups (from its rule and keyword arguments) and
-    syncs their entries into their rules (`Rule.adjust`); the gradients go to the rules as they
-    are, negated in groups with `maximize`."""
+    syncs their entries into their rules (`Rule.adjust`)."""
 
     def __init__(self, optimizer):  # (made when used: see Optimizer._policy)
         self.rule, self.overrides = optimizer._base_rule, optimizer._overrides
@@ -362,10 +361,9 @@ class RulePolicy:
             check_rule(rule, "Optimizer")
 
     def module_groups(self, module) -> tuple[list[ParamGroup], tuple]:
-        """Groups for a module: `setup` (paths, ties, rule functions, overlap checks) chooses each
-        parameter's rule, its state not made; parameters whose rules are equal form one group.
-        Returns them and `(the placeholders' tree, its keys, [(placeholder, tensor)])`, from which
-        `optimiser_state` shows the module's tree."""
+        """Groups for a module: `setup` (paths, ties, rule functions) chooses each parameter's rule;
+        those with equal rules form one group. Also returns `(the placeholders' tree, its keys,
+        [(placeholder, tensor)])`, from which `optimiser_state` shows the module's tree."""
         if self.rule is None:
             check_rule(None, "Optimizer(module, rule)")
         choose = rule_chooser(self.rule)
@@ -446,8 +444,7 @@ class RulePolicy:
         return True
 
     def gradients(self, groups, grads: list) -> list:
-        """The gradients the rules see, by position: negated in groups with `maximize` (in a new
-        list: the one handed in is left as it is)."""
+        """The gradients by position, negated in groups with `maximize` (in a new list)."""
         maximized = [g for g in groups if g.entries.get("maximize")]
         if not maximized:
             return grads
