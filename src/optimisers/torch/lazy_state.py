@@ -47,8 +47,7 @@ class Book:
         self.changed()
 
     def leaf(self, p):
-        found = self.leaf_of.get(id(p))
-        return None if found is None else found[1]
+        return self.leaf_of.get(id(p), (None, None, None))[1]
 
     def changed(self) -> None:
         """After the groups' parameters changed, or parameters gained or lost state: number the
