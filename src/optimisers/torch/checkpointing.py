@@ -1,8 +1,6 @@
 """`Optimizer.state_dict` / `load_state_dict` (torch's hooks around the optimizer's format), and
-the two formats, which also read and write `state[p]`: `LibraryFormat` (`optimisers.state_dict`
-of each parameter's Leaf, keyed by parameter position as torch.optim does) and `TorchFormat`
-(the drop-in classes': torch's keys, "exp_avg", "step", ..., so that `load_state_dict` takes a
-dict written by torch.optim's class of the same name, hyperparameters included)."""
+the two formats, which also read and write `state[p]`: `LibraryFormat` (`optimisers.state_dict` of
+each Leaf) and `TorchFormat` (the drop-in classes': torch.optim's keys and hyperparameters)."""
 
 from __future__ import annotations
 
@@ -20,7 +18,7 @@ from optimisers.core.rule import Rule
 from optimisers.core.state import Leaf, State
 from optimisers.core.tree import format_path
 from optimisers.torch.lazy_state import owned_leaf, trainable
-from optimisers.torch.param_groups import group_dict, group_entries
+from optimisers.torch.param_groups import NOT_HYPERPARAMETERS, SCHEDULER_KEYS, group_dict, group_entries
 
 _ROOT = format_path(())  # how the library's state_dict names a lone Leaf's place
 
@@ -59,8 +57,7 @@ def _saved_groups(param_groups) -> list[dict]:
 
 
 def load_state_dict(optimizer, state_dict) -> None:
-    """Torch's hooks around the format's `load_checked`, which checks the whole checkpoint before
-    it changes anything and returns the new group dicts."""
+    """Torch's hooks around the format's `load_checked` (checks everything, then loads)."""
     for hook in optimizer._optimizer_load_state_dict_pre_hooks.values():
         result = hook(optimizer, state_dict)
         if result is not None:
@@ -80,10 +77,9 @@ def load_state_dict(optimizer, state_dict) -> None:
                 f"group {i} has {len(saved['params'])} parameters in the checkpoint, "
                 f"{len(entries['params'])} here"
             )
-    state = state_dict["state"]
-    # keys that are not positions: what `state[key]` held for keys that are not parameters
-    extra = {k: v for k, v in state.items() if not _is_position(k)}
-    saved_state = {k: v for k, v in state.items() if _is_position(k)}
+    saved_state, extra = {}, {}  # (extra: what `state[key]` held for keys that are not parameters)
+    for k, v in state_dict["state"].items():
+        (saved_state if isinstance(k, int) and not isinstance(k, bool) else extra)[k] = v
     param_groups[:] = optimizer._format.load_checked(saved_groups, saved_state)
     book.extra_state = extra
     for g in book.groups:
@@ -91,10 +87,6 @@ def load_state_dict(optimizer, state_dict) -> None:
     book.changed()
     for hook in optimizer._optimizer_load_state_dict_post_hooks.values():
         hook(optimizer)
-
-
-def _is_position(key) -> bool:
-    return isinstance(key, int) and not isinstance(key, bool)
 
 
 def checkpoint_positions(book, state: Mapping) -> list[int]:
@@ -110,8 +102,7 @@ def checkpoint_positions(book, state: Mapping) -> list[int]:
 
 
 class LibraryFormat:
-    """`Optimizer`'s format: each parameter's entry is `optimisers.state_dict` of its Leaf (its
-    rule as text, frozen flag and `"state/0"`, ... entries)."""
+    """`Optimizer`'s format: each parameter's entry is `optimisers.state_dict` of its Leaf."""
 
     expected = "the dict from Optimizer.state_dict()"
 
@@ -123,12 +114,11 @@ class LibraryFormat:
         return True
 
     def entry(self, p, leaf) -> dict:
-        """Parameter `p`'s entry of `state_dict()["state"]`."""
         prefix = _ROOT + "/"
         return {k.removeprefix(prefix): v for k, v in library_state_dict(leaf).items() if k != FORMAT_KEY}
 
     def _template(self, p) -> Leaf:
-        """A Leaf with state shaped as parameter `p`'s is or will be, for a checkpoint to load into."""
+        """A Leaf with state shaped as `p`'s is or will be, for a checkpoint to load into."""
         leaf = self.book.leaf(p)
         if leaf is not None:
             return leaf
@@ -144,15 +134,26 @@ class LibraryFormat:
         except CheckpointError as e:
             raise CheckpointError(str(e).replace(_ROOT, where)) from None
         self.book.adopt(p, new)
-        self.book.changed()
 
     def load_checked(self, saved_groups, saved_state: Mapping) -> list[dict]:
-        book = self.book
-        flat = _flattened(saved_state)
+        book, flat = self.book, {FORMAT_KEY: FORMAT}  # the entries as one dict of the library's format
+        for position, entries in saved_state.items():
+            if not isinstance(entries, Mapping) or "rule" not in entries:
+                some = ", ".join(map(repr, list(entries)[:4])) if isinstance(entries, Mapping) else ""
+                raise CheckpointError(
+                    f"parameter {position} has no 'rule' entry (it has {some or 'nothing'}); "
+                    "is this a torch.optim optimizer's state dict? It loads into the class of "
+                    "optimisers.torch with torch.optim's name (optimisers.torch.AdamW, ...), not "
+                    "into Optimizer(params, rule)"
+                )
+            flat.update({f"{position}/{key}": value for key, value in entries.items()})
         positions = checkpoint_positions(book, saved_state)
         template = State({i: self._template(book.params[i]) for i in sorted(positions)})
         loaded = library_load_state_dict(template, flat)  # checks everything; changes nothing
-        new_groups = [_restored_group(saved, now) for saved, now in zip(saved_groups, self.opt.param_groups)]
+        new_groups = []  # the saved groups, with this optimizer's tensors, names and rule object
+        for saved, now in zip(saved_groups, self.opt.param_groups):
+            group = {k: v for k, v in saved.items() if k not in ("params", "rule")}
+            new_groups.append({**group, **{k: now[k] for k in ("params", "param_names", "rule") if k in now}})
         book.leaf_of.clear()  # torch's load replaces the state: parameters not in it have none
         for i, leaf in loaded.tree.items():
             book.adopt(book.params[i], leaf)
@@ -164,32 +165,6 @@ class LibraryFormat:
         return new_groups
 
 
-def _flattened(saved_state: Mapping) -> dict:
-    """`state_dict()["state"]` as one dict of the library's format, `"position/key"` entries."""
-    flat: dict = {FORMAT_KEY: FORMAT}
-    for position, entries in saved_state.items():
-        if not isinstance(entries, Mapping) or "rule" not in entries:
-            some = ", ".join(map(repr, list(entries)[:4])) if isinstance(entries, Mapping) else ""
-            raise CheckpointError(
-                f"parameter {position} has no 'rule' entry (it has {some or 'nothing'}); "
-                "is this a torch.optim optimizer's state dict? It loads into the class of "
-                "optimisers.torch with torch.optim's name (optimisers.torch.AdamW, ...), not "
-                "into Optimizer(params, rule)"
-            )
-        for key, value in entries.items():
-            flat[f"{position}/{key}"] = value
-    return flat
-
-
-def _restored_group(saved: Mapping, entries: Mapping) -> dict:
-    """A saved group's dict, with this optimizer's tensors, names and rule object."""
-    group = {k: v for k, v in saved.items() if k not in ("params", "rule")}
-    for k in ("params", "param_names", "rule"):
-        if k in entries:
-            group[k] = entries[k]
-    return group
-
-
 # names in a drop-in class's `_layout`, beside torch's names of state tensors:
 STEP = "step"  # the step count, which torch keeps as a float32 scalar tensor
 NOT_SHOWN = ""  # SGD's momentum: the state counts steps only to know the first one; torch shows none
@@ -198,36 +173,32 @@ SCALAR_STATE = ("mu_product",)  # float state kept as a float32 scalar tensor by
 _PART_SHAPES = {"row_var": lambda s: (*s[:-1], 1), "col_var": lambda s: (*s[:-2], 1, s[-1])}
 
 
-class _Misfit(Exception):
-    """A part of a checkpoint that does not fit; its message is one of the problems reported."""
-
-
 def _decoded_part(name: str, value, p: torch.Tensor, where: str):
     """The rule's state part `name` from torch's `value`, for parameter `p`."""
     if name == STEP or name in SCALAR_STATE:
         number = float(value) if isinstance(value, (torch.Tensor, int, float)) else math.nan
         if not math.isfinite(number) or (name == STEP and number < 0):
-            raise _Misfit(f"{where}: {name!r} must be a finite number, got {value!r}")
+            raise CheckpointError(f"{where}: {name!r} must be a finite number, got {value!r}")
         return int(round(number)) if name == STEP else number
     shape = _PART_SHAPES[name](p.shape) if name in _PART_SHAPES else p.shape
     if not isinstance(value, torch.Tensor) or value.shape != shape:
         got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
         whose = "the parameter" if shape == p.shape else f"expected for the parameter's {tuple(p.shape)}:"
-        raise _Misfit(f"{where}: {name!r} has shape {got}, {whose} {tuple(shape)}")
+        raise CheckpointError(f"{where}: {name!r} has shape {got}, {whose} {tuple(shape)}")
     if value.is_complex() != p.is_complex():
-        raise _Misfit(f"{where}: {name!r} is {value.dtype}, the parameter {p.dtype}")
+        raise CheckpointError(f"{where}: {name!r} is {value.dtype}, the parameter {p.dtype}")
     value = value.detach().to(dtype=p.dtype, device=p.device, copy=True)
     return torch.view_as_real(value) if value.is_complex() else value  # complex trained as real
 
 
 def _check_entry_keys(entry, layout: tuple, where: str, name: str) -> None:
     if not isinstance(entry, Mapping):
-        raise _Misfit(f"{where}: expected a dict of state, got a {type(entry).__name__}")
+        raise CheckpointError(f"{where}: expected a dict of state, got a {type(entry).__name__}")
     expected = {key for key in layout if key != NOT_SHOWN}
     if set(entry) != expected:
         found = {"missing": sorted(expected - set(entry)), "unexpected": sorted(set(entry) - expected)}
         detail = "; ".join(f"{what} {', '.join(map(repr, keys))}" for what, keys in found.items() if keys)
-        raise _Misfit(
+        raise CheckpointError(
             f"{where}: torch.optim.{name} with these settings keeps "
             f"{', '.join(map(repr, sorted(expected))) or 'no state'}; the checkpoint has "
             f"{detail} (was it written by another optimizer class, or other settings such as "
@@ -236,9 +207,8 @@ def _check_entry_keys(entry, layout: tuple, where: str, name: str) -> None:
 
 
 class TorchFormat:
-    """A drop-in class's format, one parameter's entry at a time (`state[p]`) and whole state
-    dicts. It uses the class's `_layout_for(h, p)` (torch's name of each part of the rule's
-    state), `_one_part` and its policy's `built(h, where)` (the rule) and `is_group_key(key)`."""
+    """A drop-in class's format, by the class's `_layout_for(h, p)` (torch's name of each part of
+    the rule's state) and `_one_part`, for `state[p]` and whole state dicts."""
 
     expected = "an optimizer state dict"
 
@@ -246,13 +216,11 @@ class TorchFormat:
         self.opt, self.book, self.name = optimizer, optimizer._book, type(optimizer).__name__
 
     def shows(self, leaf) -> bool:
-        """Whether the Leaf's state shows in torch's `state[p]` (a stateless rule's does not, as
-        torch's SGD without momentum keeps none)."""
+        """Whether the Leaf's state shows in `state[p]` (torch's SGD without momentum keeps none)."""
         return not (leaf.state is None or (isinstance(leaf.state, tuple) and not leaf.state))
 
     def entry(self, p, leaf) -> dict:
-        """`state[p]` with torch's keys: the rule's state arrays (complex again for a complex
-        parameter) and "step" as torch keeps it."""
+        """`state[p]` with torch's keys, arrays and "step" as torch keeps them."""
         state = leaf.state
         parts = (state,) if self.opt._one_part else state if isinstance(state, tuple) else ()
         out: dict = {}
@@ -264,8 +232,7 @@ class TorchFormat:
         return out
 
     def decode(self, position: int, h: dict, entry, problems: list) -> Any:
-        """The rule's state for the parameter at `position` from torch's `entry` (under group
-        hyperparameters `h`); what does not fit goes to `problems`."""
+        """The rule's state at `position` from torch's `entry`; what does not fit goes to `problems`."""
         p = self.book.params[position]
         layout = self.opt._layout_for(h, p)
         where = f"parameter {position}"
@@ -273,7 +240,7 @@ class TorchFormat:
             _check_entry_keys(entry, layout, where, self.name)
             # the step count torch does not show (SGD's): a saved buffer means a step was taken
             parts = [name == NOT_SHOWN or _decoded_part(name, entry[name], p, where) for name in layout]
-        except _Misfit as e:
+        except CheckpointError as e:  # one of the problems reported
             problems.append(str(e))
             return None
         if not parts:
@@ -290,13 +257,28 @@ class TorchFormat:
         if problems:
             raise CheckpointError("; ".join(problems))
         self.book.adopt(p, owned_leaf(g.rule, state))  # decoded copies: the engine keeps them
-        self.book.changed()
 
     def load_checked(self, saved_groups, saved_state: Mapping) -> list[dict]:
         """The new group dicts, after the whole checkpoint is checked (a `CheckpointError` lists
-        every problem) and loaded, hyperparameters included, as torch.optim does."""
-        book, problems = self.book, []
-        hypers, rules = self._saved_hyperparameters(saved_groups, problems)
+        every problem) and loaded, hyperparameters included."""
+        book, policy, problems, hypers, rules = self.book, self.opt._policy, [], [], []
+        for i, (saved, g) in enumerate(zip(saved_groups, book.groups)):  # each group's h and rule
+            known = {*g.entries, *policy.hyper, *NOT_HYPERPARAMETERS, *SCHEDULER_KEYS}
+            unknown = [k for k in saved if k not in known]
+            h = rule = None
+            if unknown:
+                problems.append(
+                    f"group {i}: the checkpoint has {', '.join(map(repr, unknown))}, which "
+                    f"torch.optim.{self.name} does not take (another optimizer class?)"
+                )
+            else:
+                h = {k: saved.get(k, v) for k, v in g.seen.items()}
+                try:
+                    rule = policy.built(h, f"group {i} of the checkpoint")
+                except (TypeError, ValueError) as e:
+                    problems.append(str(e))
+            hypers.append(h)
+            rules.append(rule)
         states = {}
         for position in checkpoint_positions(book, saved_state):
             h = hypers[book.group_index(position)]
@@ -313,28 +295,6 @@ class TorchFormat:
             g.entries, g.seen, g.rule = group_dict(g.params, names, h, carried), dict(h), rule
             new_groups.append(g.entries)
         book.leaf_of.clear()
-        for position, state in states.items():
-            rule = book.groups[book.group_index(position)].rule
-            book.adopt(book.params[position], owned_leaf(rule, state))  # decoded copies: kept
+        for position, state in states.items():  # (decoded copies: the engine keeps them)
+            book.adopt(book.params[position], owned_leaf(rules[book.group_index(position)], state))
         return new_groups
-
-    def _saved_hyperparameters(self, saved_groups, problems: list) -> tuple[list, list]:
-        """Each saved group's hyperparameters and the rule they make (None where they do not fit)."""
-        hypers, rules, policy = [], [], self.opt._policy
-        for i, (saved, g) in enumerate(zip(saved_groups, self.book.groups)):
-            unknown = [k for k in saved if not (policy.is_group_key(k) or k in g.entries)]
-            h = rule = None
-            if unknown:
-                problems.append(
-                    f"group {i}: the checkpoint has {', '.join(map(repr, unknown))}, which "
-                    f"torch.optim.{self.name} does not take (another optimizer class?)"
-                )
-            else:
-                h = {k: saved.get(k, v) for k, v in g.seen.items()}
-                try:
-                    rule = policy.built(h, f"group {i} of the checkpoint")
-                except (TypeError, ValueError) as e:
-                    problems.append(str(e))
-            hypers.append(h)
-            rules.append(rule)
-        return hypers, rules

@@ -1,7 +1,6 @@
-"""`DropIn`: what the classes with torch.optim's names share. A class gives torch's signature and
-maps a group's torch hyperparameters to one rule (`_rule`); its `TorchPolicy` checks the values as
-torch does, builds the groups, and applies to the gradient what torch does before its formula;
-its `TorchFormat` reads and writes torch's state format."""
+"""`DropIn`: what the classes with torch.optim's names share. Its `TorchPolicy` checks the values
+as torch does, builds the groups, and does to the gradient what torch does before its formula;
+its `TorchFormat` (`checkpointing`) reads and writes torch's state format."""
 
 from __future__ import annotations
 
@@ -15,7 +14,6 @@ from optimisers.torch.optimizer import Optimizer
 from optimisers.torch.param_groups import (
     ALIASES,
     NOT_HYPERPARAMETERS,
-    SCHEDULER_KEYS,
     ParamGroup,
     check_group_dict,
     check_switches,
@@ -34,8 +32,7 @@ def as_number(h: Mapping, key: str) -> float:
 
 
 def torch_args(args: dict, order: str = "", **extra) -> dict:
-    """A drop-in's `__init__` arguments (its `locals()`) as group keys: in torch's `order` where it
-    is not the signature's, then the `extra` keys."""
+    """A drop-in's `__init__` arguments (`locals()`) as group keys, in torch's `order`, then `extra`."""
     args = {**args, **extra}
     keys = order.split() or [k for k in args if k not in ("self", "params", "__class__")]
     return {k: args[k] for k in [*keys, *(k for k in extra if k not in keys)]}
@@ -43,12 +40,6 @@ def torch_args(args: dict, order: str = "", **extra) -> dict:
 
 def decoupled(h: Mapping) -> bool:
     return bool(h.get("decoupled_weight_decay", False))
-
-
-def _scalar(v):
-    """A one-element tensor (torch takes `lr=torch.tensor([1e-3])`) as a 0-d view of it: the
-    rule reads the value the tensor holds, also after a scheduler changes it in place."""
-    return v.view(()) if isinstance(v, torch.Tensor) and v.dim() > 0 and v.numel() == 1 else v
 
 
 def check_torch_switches(h: Mapping, where: str) -> None:
@@ -61,14 +52,6 @@ def check_torch_switches(h: Mapping, where: str) -> None:
     if isinstance(lr, torch.Tensor) and lr.numel() != 1:
         raise ValueError(f"{where}: Tensor lr must be 1-element, got one of shape {tuple(lr.shape)}")
     check_switches(h, where)
-
-
-def refuse_module(params, name: str) -> None:
-    if isinstance(params, torch.nn.Module):
-        raise TypeError(
-            f"{name} takes params as torch.optim does: pass model.parameters() "
-            "(or param groups); a tied weight is one Parameter there, so ties are kept"
-        )
 
 
 def check_values(h: Mapping, where: str, foreach_scalars: bool = False) -> None:
@@ -125,14 +108,15 @@ class TorchPolicy:
     def built(self, h: dict, where: str):
         """The rule of group hyperparameters `h`, checked first as torch checks them."""
         self.opt._check(h, where)
+        # a one-element tensor (`lr=torch.tensor([1e-3])`) as a 0-d view: the rule reads its value
+        # also after a scheduler changes it in place
+        one = {
+            k: v.view(()) for k, v in h.items() if isinstance(v, torch.Tensor) and v.dim() and v.numel() == 1
+        }
         try:
-            return self.opt._rule({k: _scalar(v) for k, v in h.items()})
+            return self.opt._rule({**h, **one})
         except (TypeError, ValueError) as e:
             raise type(e)(f"{where}: {e}") from None
-
-    def is_group_key(self, key) -> bool:
-        """A key a group may always hold: torch's hyperparameters, the names, the schedulers' keys."""
-        return key in self.hyper or key in NOT_HYPERPARAMETERS or key in SCHEDULER_KEYS
 
     def defaults(self, groups) -> dict:
         return dict(self.hyper)
@@ -183,9 +167,8 @@ class TorchPolicy:
         return torch.view_as_real(p.detach()) if p.is_complex() else p
 
     def ready(self) -> bool:
-        """No step where GradScaler (or a user) set `found_inf`, as torch reads it; torch's
-        refusal of complex parameters with a gradient (in the groups as they are now), before
-        anything changes."""
+        """No step where GradScaler (or a user) set `found_inf`, as torch reads it; torch's refusal
+        of complex parameters with a gradient, before anything changes."""
         found_inf = getattr(self.opt, "found_inf", None)
         if found_inf is not None and bool(found_inf):
             return False
@@ -201,10 +184,9 @@ class TorchPolicy:
         return True
 
     def gradients(self, groups, grads: list) -> list:
-        """What torch does to a gradient before its formula, in its order: `maximize` negates it,
-        non-decoupled `weight_decay` adds `weight_decay·p`, a complex one is viewed as reals
-        (a sparse one, where the class takes it, made dense; `grad_scale`, where set, divided out).
-        The list handed in is left as it is."""
+        """What torch does to a gradient before its formula, in its order (sparse made dense,
+        `grad_scale` divided out, `maximize`, non-decoupled `weight_decay`, complex viewed as
+        reals), in a new list."""
         if self.opt._sparse:
             grads = [g if g is None or g.layout is torch.strided else g.to_dense() for g in grads]
         scale = getattr(self.opt, "grad_scale", None)
@@ -216,9 +198,19 @@ class TorchPolicy:
                 _check_fused(g, grads)
             maximize = h.get("maximize", False)
             decay = h.get("weight_decay", 0) if self.opt._l2 and not decoupled(h) else 0
-            if maximize or isinstance(decay, torch.Tensor) or decay != 0 or g.has_complex:
-                grads = _prepared(grads, g, maximize, decay)
-            # else the gradients as they are (AdamW's usual case): no pass over them
+            decays = isinstance(decay, torch.Tensor) or decay != 0
+            if not (maximize or decays or g.has_complex):
+                continue  # the gradients as they are (AdamW's usual case): no pass over them
+            grads = list(grads)
+            for position, p in zip(g.positions, g.params):
+                grad = grads[position]
+                if grad is None:
+                    continue
+                if maximize:
+                    grad = -grad
+                if decays:
+                    grad = grad.add(p.detach(), alpha=decay)
+                grads[position] = torch.view_as_real(grad) if grad.is_complex() else grad
         return grads
 
 
@@ -235,27 +227,9 @@ def _check_fused(g: ParamGroup, grads: list) -> None:
             )
 
 
-def _prepared(grads: list, g: ParamGroup, maximize, decay) -> list:
-    """`grads` with group `g`'s gradients as torch prepares them (a new list)."""
-    grads = list(grads)
-    for position, p in zip(g.positions, g.params):
-        grad = grads[position]
-        if grad is None:
-            continue
-        if maximize:
-            grad = -grad
-        if isinstance(decay, torch.Tensor) or decay != 0:
-            grad = grad.add(p.detach(), alpha=decay)
-        if grad.is_complex():
-            grad = torch.view_as_real(grad)
-        grads[position] = grad
-    return grads
-
-
 class DropIn(Optimizer):
-    """What the classes with torch.optim's names share. Each gives torch's signature, the rule of a
-    group's torch hyperparameters `h` (`_rule(h)`) and torch's name for each part of the rule's
-    state, in its order (`_layout`, a tuple or a function of `h`)."""
+    """What the classes with torch.optim's names share. Each gives torch's signature, `_rule(h)` (the
+    rule of group hyperparameters `h`) and `_layout` (torch's names of the rule's state parts)."""
 
     _Policy, _Format = TorchPolicy, TorchFormat
     _l2: ClassVar[bool] = True  # "weight_decay" is added to the gradient (unless decoupled)
@@ -265,7 +239,11 @@ class DropIn(Optimizer):
     _foreach_scalars: ClassVar[bool] = False  # foreach=True refuses a tensor lr and betas (Adam's)
 
     def __init__(self, params, hyper: dict):
-        refuse_module(params, type(self).__name__)
+        if isinstance(params, torch.nn.Module):
+            raise TypeError(
+                f"{type(self).__name__} takes params as torch.optim does: pass model.parameters() "
+                "(or param groups); a tied weight is one Parameter there, so ties are kept"
+            )
         self._hyper = hyper
         self._check(hyper, type(self).__name__)
         super().__init__(params)
@@ -275,8 +253,8 @@ class DropIn(Optimizer):
         check_values(h, where, self._foreach_scalars)
 
     def _structure(self, h: dict) -> tuple:
-        """What decides the state's layout: a change after construction is refused."""
-        return ()
+        """What decides the state's layout (the layout, by default): a later change is refused."""
+        return self._layout(h) if callable(getattr(self, "_layout", None)) else ()
 
     def _layout_for(self, h: dict, p) -> tuple[str, ...]:
         return self._layout(h) if callable(self._layout) else self._layout  # (Adafactor's: by p)

@@ -1,13 +1,7 @@
 """torch.optim's classes, with their names, signatures, defaults, group keys and `state[p]` keys,
-trained by this library's engine (so tied weights, flat buffers and the rest come with them).
-
-    from optimisers.torch import AdamW      # instead of: from torch.optim import AdamW
-
-Each class maps a param group's torch hyperparameters to one rule: the library's `Adam`/`AdamW`
-where torch's formula is theirs (so they run torch's own fused kernel and agree with
-`torch.optim.AdamW(fused=True)` bit for bit), else a rule of `optimisers.rules.torch_named` that
-writes out torch's formula. What they share (the checks, the gradient as torch prepares it, torch's
-state format) is `DropIn`, in `dropin_base` and `torch_format`.
+trained by this library's engine (docs/torch-optimizer.md). Each maps a param group's torch
+hyperparameters to one rule: the library's where torch's formula is theirs, else a rule of
+`optimisers.rules.torch_named` that writes out torch's. What they share is `DropIn` (`dropin_base`).
 """
 
 from __future__ import annotations
@@ -48,9 +42,7 @@ __all__ = [
 
 class SGD(DropIn):
     """torch.optim.SGD, trained by this library (same signature, defaults, group and state keys).
-    Without momentum the library's `Descent`; with momentum torch's formula (the first step
-    copies the gradient into `momentum_buffer`; `dampening`, `nesterov`). Sparse gradients
-    (`nn.Embedding(sparse=True)`) are taken, made dense."""
+    Sparse gradients (`nn.Embedding(sparse=True)`) are taken, made dense."""
 
     _sparse = True
 
@@ -59,9 +51,6 @@ class SGD(DropIn):
         if nesterov and (momentum <= 0 or dampening != 0):
             raise ValueError("Nesterov momentum requires a momentum and zero dampening")
         super().__init__(params, torch_args(locals()))
-
-    def _structure(self, h):
-        return (as_number(h, "momentum") > 0,)
 
     def _rule(self, h):
         if as_number(h, "momentum") > 0:
@@ -75,9 +64,8 @@ class SGD(DropIn):
 
 
 class Adam(DropIn):
-    """torch.optim.Adam, trained by this library. Without amsgrad it is the library's `Adam`
-    (`AdamW` with `decoupled_weight_decay=True`), which runs torch's fused kernel on float32/float64
-    tensors: bit for bit `torch.optim.Adam(fused=True)`."""
+    """torch.optim.Adam, trained by this library: without amsgrad, on float32/float64 tensors, bit
+    for bit `torch.optim.Adam(fused=True)` (the library's `Adam` runs torch's fused kernel)."""
 
     _foreach_scalars = True  # torch's foreach kernels take neither a tensor lr nor tensor betas
     ORDER = "lr betas eps weight_decay amsgrad maximize foreach capturable differentiable fused"
@@ -86,9 +74,6 @@ class Adam(DropIn):
                  foreach=None, maximize=False, capturable=False, differentiable=False, fused=None,
                  decoupled_weight_decay=False):  # fmt: skip
         super().__init__(params, torch_args(locals(), self.ORDER + " decoupled_weight_decay"))
-
-    def _structure(self, h):
-        return (bool(h["amsgrad"]),)
 
     def _rule(self, h):
         decay = h["weight_decay"] if decoupled(h) else 0.0
@@ -105,9 +90,8 @@ class Adam(DropIn):
 
 
 class AdamW(Adam):
-    """torch.optim.AdamW, trained by this library: the library's `AdamW` (decay `lr·λ·p`), which
-    runs torch's fused kernel on float32/float64 tensors: bit for bit
-    `torch.optim.AdamW(fused=True)`."""
+    """torch.optim.AdamW, trained by this library's `AdamW` (decay `lr·λ·p`): on float32/float64
+    tensors bit for bit `torch.optim.AdamW(fused=True)`, whose kernel it runs."""
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
                  amsgrad=False, *, maximize=False, foreach=None, capturable=False,
@@ -123,9 +107,6 @@ class RMSprop(DropIn):
                  capturable=False, foreach=None, maximize=False, differentiable=False):  # fmt: skip
         super().__init__(params, torch_args(locals(), "lr momentum alpha eps centered weight_decay "
                                             "capturable foreach maximize differentiable"))
-
-    def _structure(self, h):
-        return (bool(h["centered"]), as_number(h, "momentum") > 0)
 
     def _rule(self, h):
         return TorchRMSprop(h["lr"], h["alpha"], h["eps"], h["momentum"], h["centered"])
@@ -242,11 +223,8 @@ class Rprop(DropIn):
 
 
 class Adafactor(DropIn):
-    """torch.optim.Adafactor, trained by this library: its `Adafactor` rule (factors of the last
-    two dimensions for parameters of two or more, `state[p]` keys "row_var" and "col_var" shaped
-    as torch's; "variance" for vectors and scalars). Like torch, it refuses complex parameters at
-    the step (a failed step changes nothing). `foreach` is carried along (the library groups the
-    work its own way)."""
+    """torch.optim.Adafactor, trained by this library's `Adafactor` (docs/torch-optimizer.md).
+    `foreach` is carried along (the library groups the work its own way)."""
 
     _l2 = False  # its weight decay is decoupled (lr·weight_decay·p), inside the rule
     _takes_complex = False  # refused at the step, as torch does
@@ -284,12 +262,9 @@ class Adafactor(DropIn):
 
 
 class Muon(DropIn):
-    """torch.optim.Muon, trained by this library's `Muon` (the same formula: momentum average,
-    Nesterov, Newton–Schulz, `adjust_lr_fn` as `scale`, decay `lr·weight_decay·p`). torch runs
-    Newton–Schulz in bfloat16, this class in float32 (the parameter's dtype if wider), so its
-    steps differ from torch's by 1-3%, and are the more accurate. Like torch it takes 2-D
-    parameters only, refusing others when it is made (route those to AdamW), and refuses complex
-    parameters at the step."""
+    """torch.optim.Muon, trained by this library's `Muon` with Newton–Schulz in float32 where
+    torch's is bfloat16 (steps 1-3% apart, docs/torch-optimizer.md). Like torch it refuses
+    parameters that are not 2-D when made (route those to AdamW), complex ones at the step."""
 
     _l2 = False  # the decay is the rule's own, decoupled
     _one_part = True  # the rule's state is the momentum buffer alone

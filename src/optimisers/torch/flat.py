@@ -57,18 +57,13 @@ def has_flat_grads() -> bool:
     return _made[0]
 
 
-def is_flat_grad(g) -> bool:
-    """Is the gradient `g` a view made by `flatten_`?"""
-    return getattr(g, _MARK, False)
-
-
 def zero_flat_grads_(params) -> list:
     """Zero in place the gradients of `params` that still are `flatten_`'s views (one call for
     all); returns the parameters whose gradients are not."""
     views, rest = [], []
     for p in params:
         g = p.grad
-        if g is not None and is_flat_grad(g):
+        if g is not None and getattr(g, _MARK, False):
             views.append(g)
         else:
             rest.append(p)
@@ -93,28 +88,18 @@ def _sets_of(params) -> list[list]:
 
 def _moved(ps) -> list:
     """The parameters of one set that `flatten_` moves, each once, in order."""
+    from optimisers.backends.torch import is_dtensor
+
     seen, out = set(), []
     for p in ps:
         if not isinstance(p, torch.Tensor):
             raise TypeError(f"flatten_ takes parameters (tensors), got a {type(p).__name__}")
-        if id(p) in seen or not _movable(p):
+        if id(p) in seen or type(p) not in (nn.Parameter, torch.Tensor) or not p.requires_grad:
             continue
-        seen.add(id(p))
-        out.append(p)
+        if p.layout is torch.strided and p.is_contiguous() and p.numel() > 0 and not is_dtensor(p):
+            seen.add(id(p))
+            out.append(p)
     return out
-
-
-def _movable(p) -> bool:
-    from optimisers.backends.torch import is_dtensor
-
-    return (
-        type(p) in (nn.Parameter, torch.Tensor)
-        and p.requires_grad
-        and p.layout is torch.strided
-        and p.is_contiguous()
-        and p.numel() > 0
-        and not is_dtensor(p)
-    )
 
 
 def _check_apart(ps) -> None:

@@ -1,11 +1,6 @@
 """Which parameters an optimizer steps and which have state (`Book`), and torch's `state[p]`
-(`StateView`).
-
-A parameter's number ("position") is its place in `param_groups`, counted as torch.optim counts.
-Its state is made at its first gradient, by `optimisers.setup` (over one buffer where parameters
-fill one), and kept by the tensor itself: a parameter removed from its group's `"params"` keeps
-its state (torch's `state[p]`) and takes it up again when it is listed again.
-"""
+(`StateView`). A parameter's "position" is its place in `param_groups`, as torch.optim counts; its
+state, made at its first gradient, is kept by the tensor: one removed from its group keeps it."""
 
 from __future__ import annotations
 
@@ -19,11 +14,9 @@ from optimisers.verbs.setup import setup
 
 
 def owned_leaf(rule, state) -> Leaf:
-    """A Leaf holding `state`, arrays made or copied for it alone, which the update engine may
-    therefore keep as its buffers instead of copying them."""
+    """A Leaf holding `state`, arrays made for it alone (the update engine may keep them)."""
     leaf = Leaf(rule, state)
-    if hasattr(leaf, "_owns"):
-        leaf._owns = True
+    leaf._owns = True
     return leaf
 
 
@@ -33,8 +26,7 @@ def trainable(p) -> bool:
 
 
 def _shown(tree, leaf_of_placeholder):
-    """A module's tree of placeholders with the Leafs that have state in their places (a tie keeps
-    one Leaf at both places); None where nothing has state."""
+    """A module's tree of placeholders with the Leafs that have state in their places (or None)."""
     if isinstance(tree, Leaf):
         return leaf_of_placeholder(tree)
     out = {k: sub for k, child in tree.items() if (sub := _shown(child, leaf_of_placeholder)) is not None}
@@ -44,8 +36,7 @@ def _shown(tree, leaf_of_placeholder):
 class Book:
     """An optimizer's groups (`ParamGroup`s), its parameters by position and their states:
     `leaf_of` maps `id(tensor)` to `(tensor, its Leaf, its group)` for each tensor with state;
-    `flat` is what `update_` steps (the listed parameters with state, numbered 0, 1, ...). It
-    holds no reference to its optimizer (no reference cycle: an optimizer is freed when unused)."""
+    `flat` is what `update_` steps. It holds no reference to its optimizer."""
 
     def __init__(self):
         self.groups: list = []
@@ -56,13 +47,11 @@ class Book:
         self.changed()
 
     def leaf(self, p):
-        found = self.leaf_of.get(id(p))
-        return None if found is None else found[1]
+        return self.leaf_of.get(id(p), (None, None, None))[1]
 
     def changed(self) -> None:
         """After the groups' parameters changed, or parameters gained or lost state: number the
-        parameters, give each group's Leafs its rule, and make what `update_` steps anew (a new
-        State: the engine plans it afresh)."""
+        parameters, give each group's Leafs its rule, make what `update_` steps anew."""
         self.params = []
         for g in self.groups:
             g.first = len(self.params)
@@ -89,8 +78,7 @@ class Book:
             self.optimiser_state = State(_shown(tree, lambda h: self.leaf(tensor_of[id(h)])) or {}, keys)
 
     def make_states(self, params: list, policy) -> None:
-        """Make the state of `params` (at their first gradient) by `setup`: over one buffer where
-        they fill one."""
+        """Make the state of `params` (at their first gradient) by `setup`."""
         rule_at = {i: g.rule for g in self.groups for i in g.positions}
         views = {self.position_of[id(p)]: policy.engine_view(p).detach() for p in params}
         try:
@@ -105,18 +93,15 @@ class Book:
         self.changed()
 
     def forget(self, params) -> None:
-        """Drop the state of these parameters: it is made afresh at their next gradient."""
         for p in params:
             self.leaf_of.pop(id(p), None)
         self.changed()
 
     def adopt(self, p, leaf) -> None:
-        """`leaf` (with state, e.g. loaded from a checkpoint) becomes parameter `p`'s."""
         self.leaf_of[id(p)] = (p, leaf, None)
 
     def group_of(self, p):
-        """The group that parameter `p` is in (for a parameter removed from its group that has
-        state: the group it was in)."""
+        """The group that parameter `p` is in (for a removed one with state: the one it was in)."""
         found = self.leaf_of.get(id(p))
         if found is not None and found[2] is not None and id(p) not in self.position_of:
             return found[2]
@@ -130,9 +115,7 @@ class Book:
         return self.live + [t for t, _, _ in self.leaf_of.values() if id(t) not in self.position_of]
 
     def follow_edits(self, policy) -> None:
-        """Follow each group's `"params"` list as it is now (torch.optim reads it at every step):
-        a tensor added gets state at its first gradient, one removed is no longer stepped and
-        keeps its state (`state[p]`), as in torch.optim."""
+        """Follow each group's `"params"` list as it is now, as torch.optim reads it at every step."""
         edited = [(i, g) for i, g in enumerate(self.groups) if g.edited(f"param_groups[{i}]")]
         if not edited:
             return
@@ -143,8 +126,7 @@ class Book:
         self.changed()
 
     def start(self, params, policy) -> list:
-        """The groups of the optimizer's `params` argument, checked, kept for torch's __init__ to
-        add (it hands each group dict to add_param_group)."""
+        """The groups of the optimizer's `params`, kept for torch's __init__ to add."""
         groups, self.module_tree = initial_groups(params, policy)
         check_distinct([g.params for g in groups], ["param_names" in g.entries for g in groups])
         self.pending = {id(g.entries): g for g in groups}
@@ -162,8 +144,7 @@ class Book:
         self.changed()
 
     def reset_state(self, value, view) -> None:
-        """`optimizer.state = value`: torch.optim.Optimizer.__init__ assigns an empty dict, and
-        code that resets the state assigns one too (no state, made afresh at the next gradient)."""
+        """`optimizer.state = value` (torch.optim.Optimizer.__init__ assigns an empty dict)."""
         if isinstance(value, StateView) and value._book is self:
             return
         if not isinstance(value, Mapping):
@@ -178,21 +159,16 @@ class Book:
             view[p] = entry
 
     def rekey(self) -> None:
-        """After a copy (deepcopy, pickle), which holds new tensors: find each one's state by its
-        new identity."""
+        """After a copy (deepcopy, pickle): find each new tensor's state by its new identity."""
         self.leaf_of = {id(p): (p, leaf, g) for p, leaf, g in self.leaf_of.values()}
         self.changed()
 
 
 class StateView(MutableMapping):
-    """`optimizer.state` as torch code reads it: `state[p]` is parameter `p`'s entry of
-    `state_dict()["state"]`, built on each read (an empty dict for a parameter that has had no
-    gradient yet, as torch's lazy state gives); `state[p] = entry` loads such an entry into
-    `p`'s state, checked first, keeping the current hyperparameters (ZeroRedundancyOptimizer
-    restores its shards this way); `del state[p]` and `state.clear()` drop state, which is made
-    afresh at the next gradient, as in torch. A parameter removed from its group keeps its entry,
-    as in torch. A key that is not a tensor (a hook's note, as torch's own tests write) holds any
-    value, and goes into `state_dict()["state"]` as it is."""
+    """`optimizer.state` as torch code reads it: `state[p]` is `p`'s entry of `state_dict()["state"]`,
+    built on each read ({} before its first gradient); `state[p] = entry` loads one, checked first
+    (ZeroRedundancyOptimizer restores its shards this way); `del state[p]` and `clear()` drop
+    state. A key that is not a tensor (a hook's note) holds any value, saved as it is."""
 
     def __init__(self, optimizer):
         self._optimizer = optimizer
@@ -219,6 +195,7 @@ class StateView(MutableMapping):
             raise KeyError(p)
         else:
             self._format.load_entry(p, entry)
+            self._book.changed()
 
     def __delitem__(self, p):
         if not isinstance(p, torch.Tensor):

@@ -1,15 +1,7 @@
-"""`optimisers.torch.Optimizer`: any rule of this library as a `torch.optim.Optimizer`. torch.optim's
-classes by name (`optimisers.torch.AdamW`, `SGD`, ...) are defined in `dropins` on top of it.
-
-The class is a thin shell that hands each job to a helper: its policy (`param_groups.RulePolicy`,
-a drop-in's `TorchPolicy`: how group dicts become rules, what a gradient goes through), its `Book`
-(`lazy_state`: groups, parameters by position, which have state; `state[p]` is a `StateView` of
-it), its format (`checkpointing.LibraryFormat`, a drop-in's `TorchFormat`), and the functions of
-`stepping` and `checkpointing`. The book holds the state; the policy and the format are views of
-the optimizer made when used, so that nothing it holds refers back to it (a reference cycle would
-keep its tensors until the garbage collector runs). Each trained tensor has one `Leaf`, made by
-`optimisers.setup` at its first gradient; a step hands the `.grad` fields to `optimisers.update_`.
-"""
+"""`optimisers.torch.Optimizer`: any rule of this library as a `torch.optim.Optimizer`, a thin shell
+over its helpers (docs/architecture.md). The `Book` holds the state; the policy and the format are
+views of the optimizer made when used, so that nothing it holds refers back to it (a reference
+cycle would keep its tensors until the garbage collector runs)."""
 
 from __future__ import annotations
 
@@ -36,7 +28,6 @@ class Optimizer(torch.optim.Optimizer):
     parameter's first gradient; `optimiser_state` is the library's `State` (docs/torch-optimizer.md)."""
 
     _Policy, _Format = RulePolicy, checkpointing.LibraryFormat  # (a drop-in's: TorchPolicy, TorchFormat)
-    # views of the optimizer, made when used: no helper refers back to it (no reference cycle)
     _policy = property(lambda self: self._Policy(self))
     _format = property(lambda self: self._Format(self))
     optimiser_state = property(lambda self: self._book.optimiser_state, doc="The library's `State`.")
@@ -71,9 +62,8 @@ class Optimizer(torch.optim.Optimizer):
             super().zero_grad(set_to_none)
 
     def state_dict(self) -> dict:
-        """torch.optim's layout, `{"state": {position: entry}, "param_groups": [...]}`, holding
-        the state's own tensors; an entry has its rule as text and `optimisers.state_dict`'s keys
-        (a drop-in class's, torch's keys)."""
+        """torch.optim's layout, `{"state": {position: entry}, "param_groups": [...]}`, holding the
+        state's own tensors; an entry has `optimisers.state_dict`'s keys (a drop-in's: torch's)."""
         return checkpointing.state_dict(self)
 
     def load_state_dict(self, state_dict: Mapping) -> None:

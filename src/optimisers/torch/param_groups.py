@@ -1,6 +1,5 @@
-"""Param groups: a group's keys against a rule's hyperparameters (the names torch.optim and this
-library each use, the entries that show a rule, the rule that changed entries ask for), what the
-adapter keeps for each group (`ParamGroup`), and how one is built from a module or a group dict."""
+"""Param groups: group keys against a rule's hyperparameters, what the adapter keeps for each group
+(`ParamGroup`), and `RulePolicy`, which builds groups from a module or group dicts."""
 
 from __future__ import annotations
 
@@ -15,7 +14,6 @@ import torch
 from torch import nn
 
 from optimisers.core.rule import Rule
-from optimisers.core.state import State
 from optimisers.core.tree import format_path
 from optimisers.verbs.destructure import trainables
 from optimisers.verbs.setup import rule_chooser, setup
@@ -26,12 +24,11 @@ ALIASES = {"beta": "betas", "lambd": "weight_decay", "epsilon": "eps"}
 # torch's names that get a hint instead of a bare "unknown key" (the maths differs: torch's
 # momentum keeps the learning rate out of the velocity)
 TORCH_NAMES = {"weight_decay": "lambd", "eps": "epsilon", "momentum": "rho", "alpha": "rho"}
-# torch.optim's implementation switches: accepted and carried (this adapter has one engine);
-# "capturable" and "differentiable" ask for what it does not do, so True is refused
-SWITCHES = ("foreach", "fused", "capturable", "differentiable")
-ADAPTER_KEYS = ("maximize",) + SWITCHES
 # what torch's lr schedulers keep in a group besides "lr"; carried along untouched
 SCHEDULER_KEYS = ("initial_lr", "max_lr", "min_lr", "base_momentum", "max_momentum", "swa_lr")
+# kept in a group, setting no rule field: "maximize", torch.optim's implementation switches (this
+# adapter has one engine; True for "capturable" and "differentiable" is refused), schedulers' keys
+CARRIED = ("maximize", "foreach", "fused", "capturable", "differentiable", *SCHEDULER_KEYS)
 NOT_HYPERPARAMETERS = ("params", "param_names", "rule")  # group entries that set no rule field
 MISSING = object()
 
@@ -40,18 +37,11 @@ _RULE_NAMES = {"lr": "eta", **{torch_name: name for name, torch_name in ALIASES.
 
 
 def rule_name(key: str) -> str:
-    """The rule field that group key `key` sets."""
     return _RULE_NAMES.get(key, key)
 
 
-def is_adapter_key(key: str) -> bool:
-    """A key the adapter acts on ("maximize") or carries (torch's switches, schedulers' keys)."""
-    return key in ADAPTER_KEYS or key in SCHEDULER_KEYS
-
-
 def adapter_entries(group: Mapping) -> dict:
-    """The entries of `group` that set no rule field but stay in the group (see `is_adapter_key`)."""
-    return {k: v for k, v in group.items() if is_adapter_key(k)}
+    return {k: v for k, v in group.items() if k in CARRIED}
 
 
 def check_switches(entries: Mapping, where: str) -> None:
@@ -124,51 +114,35 @@ def same_value(a, b) -> bool:
 
 
 def adjusted_rule(rule, changes: dict, where: str):
-    """`rule` with the group entries `changes` applied (`"lr"` -> `eta`, and torch's `"betas"`,
-    `"weight_decay"`, `"eps"` -> `beta`, `lambd`, `epsilon`); errors name `where` and the key."""
+    """`rule` with the group entries `changes` applied (`"lr"` -> `eta`, torch's aliases -> the
+    library's names); errors name `where` and the key."""
     hyper: dict = {}
+    names = rule.hyperparameters()
     for key, v in changes.items():
         name = rule_name(key)
         if name in hyper and not same_value(hyper[name], v):
             raise ValueError(f"{where}: {key!r} and {name!r} give different values ({v!r}, {hyper[name]!r})")
         hyper[name] = v
-    _check_known(rule, changes, where)
+    for key in changes:
+        if rule_name(key) not in names:
+            hint = f" (this library's name: {TORCH_NAMES[key]!r})" if key in TORCH_NAMES else ""
+            if key in ALIASES.values():
+                hint = f" (torch's name for {rule_name(key)!r}, which this rule does not have)"
+            raise ValueError(
+                f"{where}: unknown key {key!r}{hint}; {type(rule).__name__} takes 'lr' and "
+                f"{', '.join(repr(n) for n in names if n != 'eta') or 'nothing else'}"
+            )
     try:
         return rule.adjust(**hyper)
     except (TypeError, ValueError) as e:
         raise type(e)(f"{where}: {e}") from None
 
 
-def _check_known(rule, changes: dict, where: str) -> None:
-    names = rule.hyperparameters()
-    for key in changes:
-        if rule_name(key) in names:
-            continue
-        hint = f" (this library's name: {TORCH_NAMES[key]!r})" if key in TORCH_NAMES else ""
-        if key in ALIASES.values():
-            hint = f" (torch's name for {rule_name(key)!r}, which this rule does not have)"
-        raise ValueError(
-            f"{where}: unknown key {key!r}{hint}; {type(rule).__name__} takes 'lr' and "
-            f"{', '.join(repr(n) for n in names if n != 'eta') or 'nothing else'}"
-        )
-
-
-def unknown_key_error(rule, known, key: str, where: str) -> ValueError:
-    """The error for group key `key`, added after construction, that no field of `rule` has: a
-    typo ("lamda") or torch's name would otherwise be ignored without a word."""
-    if key in TORCH_NAMES:
-        hint = f"this library calls it {TORCH_NAMES[key]!r}"
-    else:
-        hint = "its keys: " + ", ".join(repr(k) for k in known)
-    return ValueError(f"{where} has key {key!r}, which {type(rule).__name__} does not take; {hint}")
-
-
 @dataclasses.dataclass(eq=False)
 class ParamGroup:
-    """One param group as the adapter keeps it: its dict (`entries`, the object in
-    `param_groups`), its tensors as last followed (`params`; the user edits the list in
-    `entries`), its rule, the entries last synced into the rule (`seen`), and the Leafs of its
-    tensors that have state (`leaves`, None for one that has none)."""
+    """One param group: its dict (`entries`, the object in `param_groups`), its tensors as last
+    followed (`params`), its rule, the entries last synced into it (`seen`), and its tensors'
+    Leafs (`leaves`, None for one without state)."""
 
     entries: dict
     params: list
@@ -186,8 +160,8 @@ class ParamGroup:
         return range(self.first, self.first + len(self.params))
 
     def follow(self, params: list) -> None:
-        """Take `params` as the group's tensors, and the list in `entries` as it is now (a new
-        list where it is `params` itself: the user's edits of it must not edit `params`)."""
+        """Take `params` as the group's tensors, and the list in `entries` as it is now (a copy
+        where it is `params`: the user's edits of it must not edit `params`)."""
         self.params = params
         self.has_complex = any(p.is_complex() for p in params)
         listed = self.entries.get("params")
@@ -200,13 +174,11 @@ class ParamGroup:
         listed = self.entries.get("params")
         if listed is None:
             raise KeyError(f"{where} lost its 'params' entry")
-        known = self._listed
         if not isinstance(listed, (list, tuple)):
             return True
-        return len(listed) != len(known) or not all(map(operator.is_, listed, known))
+        return len(listed) != len(self._listed) or not all(map(operator.is_, listed, self._listed))
 
-    def use_rule(self, rule) -> None:
-        """Make `rule` the group's: one rule object for all its Leafs."""
+    def use_rule(self, rule) -> None:  # (one rule object for the group and all its Leafs)
         for leaf in self.leaves:
             if leaf is not None:
                 leaf.rule = rule
@@ -221,12 +193,6 @@ class ParamGroup:
             if not same_value(self.entries[key], old):
                 changed[key] = self.entries[key]
         return changed
-
-    def unknown_keys(self) -> list[str]:
-        """Keys added to the dict since it was synced that set nothing the adapter knows."""
-        return [
-            k for k in self.entries if not (k in self.seen or k in NOT_HYPERPARAMETERS or is_adapter_key(k))
-        ]
 
     def apply(self, changed: dict, rule) -> tuple:
         """Adopt `rule`, made from the `changed` entries; returns what `restore` takes to undo it."""
@@ -322,31 +288,15 @@ def group_tensors(raw, where: str) -> tuple[list, list | None]:
     return params, (names or None)  # an empty group is kept, as torch.optim keeps it
 
 
-# --- Leafs whose state is made at the first gradient ----------------------------------------------
-
-
 @dataclasses.dataclass(frozen=True)
 class _Deferred(Rule):
-    """Stands in for a parameter's rule while `setup` walks the model: its state is made at its
+    """Stands in for a parameter's rule while `setup` walks a module: the state is made at the
     first gradient, as torch.optim makes it (a frozen backbone costs no memory)."""
 
     rule: Any = None
 
     def init(self, x):
         return None
-
-
-def _setup_without_state(rule, model) -> State:
-    """`optimisers.setup` (paths, ties, rule functions, the check for tensors that overlap in
-    memory) with each Leaf's rule chosen but its state not made."""
-    choose = rule_chooser(rule)
-    state = setup(lambda path, x: _Deferred(choose(path, x)), model)
-    for leaf in state.leaves():
-        leaf.rule = leaf.rule.rule
-    return state
-
-
-# --- groups from a module or from group dicts -------------------------------------------------------
 
 
 def _group_with_rule(groups: list[ParamGroup], rule) -> ParamGroup:
@@ -364,8 +314,7 @@ def _group_with_rule(groups: list[ParamGroup], rule) -> ParamGroup:
 
 
 def initial_groups(params, policy) -> tuple[list, tuple | None]:
-    """The groups of an optimizer's `params` argument (a module, tensors or group dicts), and the
-    module's tree of placeholders (see `RulePolicy.module_groups`), if it is a module."""
+    """The groups of an optimizer's `params`, and a module's tree (see `RulePolicy.module_groups`)."""
     if isinstance(params, torch.Tensor):
         raise TypeError(  # torch.optim's words
             "params argument given to the optimizer should be an iterable of Tensors or dicts "
@@ -395,8 +344,7 @@ def group_dict(params: list, names, *parts: Mapping) -> dict:
 
 class RulePolicy:
     """How `Optimizer(params, rule)` makes its groups (from its rule and keyword arguments) and
-    syncs their entries into their rules (`Rule.adjust`); the gradients go to the rules as they
-    are, negated in groups with `maximize`."""
+    syncs their entries into their rules (`Rule.adjust`)."""
 
     def __init__(self, optimizer):  # (made when used: see Optimizer._policy)
         self.rule, self.overrides = optimizer._base_rule, optimizer._overrides
@@ -413,13 +361,15 @@ class RulePolicy:
             check_rule(rule, "Optimizer")
 
     def module_groups(self, module) -> tuple[list[ParamGroup], tuple]:
-        """Groups for a module: `setup` chooses each parameter's rule (paths, ties, rule functions)
-        with placeholder Leafs; parameters whose rules are equal form one group, which then shares
-        one rule object. Returns them and `(the placeholders' tree, its keys, [(placeholder,
-        tensor)])`, from which `optimiser_state` shows the module's tree."""
+        """Groups for a module: `setup` (paths, ties, rule functions) chooses each parameter's rule;
+        those with equal rules form one group. Also returns `(the placeholders' tree, its keys,
+        [(placeholder, tensor)])`, from which `optimiser_state` shows the module's tree."""
         if self.rule is None:
             check_rule(None, "Optimizer(module, rule)")
-        state = _setup_without_state(self.rule, module)
+        choose = rule_chooser(self.rule)
+        state = setup(lambda path, x: _Deferred(choose(path, x)), module)
+        for leaf in state.leaves():
+            leaf.rule = leaf.rule.rule
         groups: list[ParamGroup] = []
         names: dict[int, list] = {}
         pairs = []
@@ -469,31 +419,32 @@ class RulePolicy:
     def defaults(self, groups) -> dict:
         return dict(groups[0].seen)
 
-    def resync(self, g, changed: dict, where: str):
-        """The rule of group `g` with the changed entries applied."""
+    def resync(self, g, changed: dict, where: str):  # group `g`'s rule, with the changed entries
         return adjusted_rule(g.rule, changed, where)
 
     def check_keys(self, g, i: int) -> None:
-        """Refuse keys added to group `g` (number `i`) since that set nothing."""
-        unknown = g.unknown_keys()
-        if unknown:
-            raise unknown_key_error(g.rule, g.seen, unknown[0], f"param_groups[{i}]")
+        """Refuse a key added to group `g` (number `i`) that sets nothing: a typo ("lamda") or
+        torch's name would otherwise be ignored without a word."""
+        for key in g.entries:
+            if not (key in g.seen or key in NOT_HYPERPARAMETERS or key in CARRIED):
+                hint = "its keys: " + ", ".join(repr(k) for k in g.seen)
+                if key in TORCH_NAMES:
+                    hint = f"this library calls it {TORCH_NAMES[key]!r}"
+                raise ValueError(
+                    f"param_groups[{i}] has key {key!r}, which {type(g.rule).__name__} does not take; {hint}"
+                )
 
-    def listed(self, params, where: str) -> list:
-        """The tensors of a group's edited `"params"` list, checked as a new group's are."""
+    def listed(self, params, where: str) -> list:  # an edited "params" list, checked as a new one
         return group_tensors(params, where)[0]
 
-    def engine_view(self, p):
-        """What the update engine trains for parameter `p`."""
+    def engine_view(self, p):  # what the update engine trains for parameter `p`
         return p
 
-    def ready(self) -> bool:
-        """Whether the step goes ahead."""
+    def ready(self) -> bool:  # whether the step goes ahead
         return True
 
     def gradients(self, groups, grads: list) -> list:
-        """The gradients the rules see, by position: negated in groups with `maximize` (in a new
-        list: the one handed in is left as it is)."""
+        """The gradients by position, negated in groups with `maximize` (in a new list)."""
         maximized = [g for g in groups if g.entries.get("maximize")]
         if not maximized:
             return grads

@@ -1,13 +1,5 @@
-"""The `schedulefree` package's optimisers, trained by this library:
-
-    from optimisers.torch import AdamWScheduleFree    # instead of: from schedulefree import ...
-
-`AdamWScheduleFree` and `SGDScheduleFree` take the package's signatures, defaults, group keys
-and `state[p]` keys, and run the library's `ScheduleFreeAdamW` / `ScheduleFreeSGD` (so tied
-weights, flat buffers and the rest come with them). As in the package, the parameters hold `y`
-(where gradients are taken) in train mode and the average `x` in eval mode: call `.train()`
-before training (the optimizers start in eval mode, as the package's do) and `.eval()` before
-evaluating or saving the model; `step()` in eval mode raises.
+"""The `schedulefree` package's optimisers, trained by this library (docs/api.md, "PyTorch optimizer";
+docs/evaluation-weights.md: train and eval modes).
 
 The package keeps its counters (`k`, `lr_max`, `weight_sum`, `scheduled_lr`) in each param group;
 the library keeps them per parameter and shows those of the group's first parameter with state
@@ -39,11 +31,6 @@ _NOT_IN_TRAIN_MODE = (
 )
 
 
-def _b1(h) -> float:
-    """β₁: AdamW's `betas[0]`, SGD's `momentum`."""
-    return h["betas"][0] if "betas" in h else h["momentum"]
-
-
 def _show(g, **entries) -> None:
     """Set entries of the group's dict that are not synced into the rule."""
     g.entries.update(entries)
@@ -56,7 +43,8 @@ def _switch(optimizer, train: bool, weight) -> None:
     optimizer._book.follow_edits(optimizer._policy)
     for g in optimizer._book.groups:
         if bool(g.entries["train_mode"]) != train:
-            w = weight(_b1(g.entries))
+            h = g.entries
+            w = weight(h["betas"][0] if "betas" in h else h["momentum"])  # β₁: AdamW's, SGD's
             for p, leaf in zip(g.params, g.leaves):
                 if leaf is not None:  # parameters with state (a gradient seen), as the package's
                     p = optimizer._policy.engine_view(p)
@@ -120,8 +108,8 @@ class _ScheduleFreeDropIn(DropIn):
 
 class AdamWScheduleFree(_ScheduleFreeDropIn):
     """`schedulefree.AdamWScheduleFree`, trained by this library's `ScheduleFreeAdamW` (same
-    signature, defaults, group keys and `state[p]` keys "z" and "exp_avg_sq"; `.train()` and
-    `.eval()` switch the parameters between `y` and the average `x`)."""
+    signature, defaults, group keys and `state[p]` keys "z", "exp_avg_sq"; `.train()`/`.eval()`
+    switch the parameters between `y` and the average `x`)."""
 
     def __init__(self, params, lr=0.0025, betas=(0.9, 0.999), eps=1e-8, weight_decay=0, warmup_steps=0, r=0.0,
                  weight_lr_power=2.0, foreach=_DEFAULT_FOREACH):  # fmt: skip
@@ -137,9 +125,8 @@ class AdamWScheduleFree(_ScheduleFreeDropIn):
 
 
 class SGDScheduleFree(_ScheduleFreeDropIn):
-    """`schedulefree.SGDScheduleFree`, trained by this library's `ScheduleFreeSGD` (same
-    signature, defaults, group keys and `state[p]` key "z"; `.train()` and `.eval()` switch the
-    parameters between `y` and the average `x`)."""
+    """`schedulefree.SGDScheduleFree`, trained by this library's `ScheduleFreeSGD` (same signature,
+    defaults, group keys and `state[p]` key "z"; `.train()` and `.eval()` as the package's)."""
 
     def __init__(self, params, lr=1.0, momentum=0.9, weight_decay=0, warmup_steps=0, r=0.0, weight_lr_power=2,
                  foreach=_DEFAULT_FOREACH):  # fmt: skip

@@ -1,8 +1,6 @@
-"""`Optimizer.step` and `zero_grad`. A step reads the groups as torch.optim does, at every step:
-changed entries go into the rules, an edited `"params"` list is followed, each parameter's
-`.grad` is read (None: skipped), a parameter's first gradient makes its state, and the gradients
-(as the optimizer's policy prepares them) go to `optimisers.update_`. A step that fails changes
-nothing."""
+"""`Optimizer.step` and `zero_grad`. A step reads the groups as torch.optim does, at every step
+(changed entries, an edited `"params"` list, each `.grad`), makes a parameter's state at its first
+gradient and hands the gradients to `optimisers.update_`; a step that fails changes nothing."""
 
 from __future__ import annotations
 
