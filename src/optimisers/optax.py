@@ -1,16 +1,7 @@
-"""Any rule as an optax `GradientTransformation`, for optax chains, Flax NNX and linen.
-
-    tx = optimisers.optax.transform(optimisers.Adam(1e-3))
-    state = tx.init(params)                        # optimisers.setup: ties found by identity
-    updates, state = tx.update(grads, state, params)
-    params = optax.apply_updates(params, updates)  # == optimisers.update(...)'s model, bit for bit
-
-optax adds updates where a rule's step is subtracted, so the update is `-step` (IEEE arithmetic
-defines `x - s` as `x + (-s)`), `-0.0` where a parameter does not move, and `new - x` where a rule
-sets a new value or steps a float16/bfloat16 parameter in float32 (exact while `new` is within a
-factor of two of `x`). The state is a `TransformState`: the `State` that `setup` returns, laid
-out for JAX as optax's states (docs/optax.md says all this in full). Importing this module
-imports jax and optax; `import optimisers` does not import it.
+"""Any rule as an optax `GradientTransformation`, for optax chains, Flax NNX and linen
+(docs/optax.md): `transform(rule)`, whose update is the rule's step negated (`new - x` where a
+rule sets a new value or steps a float16/bfloat16 parameter in float32), and its state, a
+`TransformState`. Importing this module imports jax and optax; `import optimisers` does not.
 """
 
 from __future__ import annotations
@@ -158,11 +149,6 @@ def _nnx_variable_type():
     return getattr(sys.modules.get("flax.nnx"), "Variable", None)
 
 
-def _is_nnx_variable(x) -> bool:
-    variable = _nnx_variable_type()
-    return variable is not None and isinstance(x, variable)
-
-
 def _nnx_variable_like(variable, value):
     """A new NNX `Variable` like `variable` (kind, metadata, dtype, placement) holding `value`:
     what `adjust` puts where `nnx.Optimizer` holds a hyperparameter (nothing compiles again)."""
@@ -182,7 +168,7 @@ def _nnx_variable_like(variable, value):
 
 
 # `adjust(optimizer.opt_state, 1e-3)` on an nnx.Optimizer's state keeps Variables where they were
-_rule.HELD_VALUES.append((_is_nnx_variable, _nnx_variable_like))
+_rule.HELD_VALUES.append((lambda x: isinstance(x, _nnx_variable_type() or ()), _nnx_variable_like))
 
 
 def _annotate_sharded(state: State, variables, params) -> None:
@@ -370,7 +356,10 @@ class TransformState(State):
         another state of the model, in place of `params`."""
         if not views_on:
             return cls._of(State(state.tree, state._keys), {}, False)
-        shape = _masked_like(params) if template is None else _like_views(template)
+        if template is None:  # the model's structure, a MaskedNode where no Leaf's array is
+            shape = lambda: jax.tree.map(lambda _: _optax.MaskedNode(), params)  # noqa: E731
+        else:  # as another state's views show it (any of them: they are shaped alike)
+            shape = lambda: next(iter(template.values()))  # noqa: E731
         core, views = _split_views(state.tree, shape)
         return cls._of(State(core, state._keys), views, True)
 
@@ -625,17 +614,6 @@ def _count_parts(spec) -> int:
 
 
 # --- between the tree and (core, views) ---------------------------------------------------------
-
-
-def _masked_like(params):
-    """The model's structure, every leaf a `MaskedNode` until a Leaf's array takes its place."""
-    return lambda: jax.tree.map(lambda _: _optax.MaskedNode(), params)
-
-
-def _like_views(views):
-    """The model's structure as another state's views show it (any of them: they are shaped
-    alike, a MaskedNode where no Leaf is)."""
-    return lambda: next(iter(views.values()))
 
 
 def _split_views(tree, template):

@@ -15,6 +15,7 @@ from optimisers.rules.common import (
     cast,
     real_zeros,
     state_dtype,
+    step_scalars,
     stored_in,
 )
 
@@ -292,15 +293,11 @@ class AdaBelief(_AdamFamily):
     epsilon: float = 1e-16
 
     def apply(self, state, x, dx):
-        m, s, t = state
-        t = t + 1
-        b1, b2 = self.beta
-        eta, cb1, cm, cb2, cs, bc1, bc2 = cast(x, self.eta, b1, 1 - b1, b2, 1 - b2, 1 - b1**t, 1 - b2**t)
-        eps = ops.epsilon(self.epsilon, x)
-        m = cb1 * m + cm * dx
-        s = cb2 * s + cs * ops.abs2(dx - m) + eps
-        step = eta * (m / bc1) / (ops.sqrt(s / bc2) + eps)
-        return (m, s, t), step
+        t, cb1, cm, cb2, cs, bc1, bc2 = step_scalars(x, state[-1], self.beta)
+        eta, eps = ops.scalar(self.eta, x), ops.epsilon(self.epsilon, x)
+        m = cb1 * state[0] + cm * dx
+        s = cb2 * state[1] + cs * ops.abs2(dx - m) + eps
+        return (m, s, t), eta * (m / bc1) / (ops.sqrt(s / bc2) + eps)
 
 
 @dataclass(frozen=True)

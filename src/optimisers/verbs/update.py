@@ -37,12 +37,6 @@ def update(state: State, model, *grads):
     """One optimisation step, pure: returns `(new_state, new_model)` and leaves the caller's state,
     model and gradients exactly as they were. Every trainable array of the result is new."""
     _check_args(state, grads, "update")
-    with lock(state):
-        return _update(state, model, grads)
-
-
-def _update(state: State, model, grads: tuple):
-    _, results = execute.out_of_place(state, model, grads[0], pure=True)
     values: dict[int, Any] = {}
 
     def place(leaf, x):
@@ -52,7 +46,9 @@ def _update(state: State, model, grads: tuple):
             values[key] = moved[1] if moved else ops.copy(x)
         return values[key]
 
-    return _next_state(state, results), rebuild(state.tree, model, place)
+    with lock(state):
+        _, results = execute.out_of_place(state, model, grads[0], pure=True)
+        return _next_state(state, results), rebuild(state.tree, model, place)
 
 
 def _next_state(state: State, results: dict) -> State:
