@@ -1,10 +1,6 @@
 """Adafactor: a second moment kept as row and column factors, so its state is far smaller than
 the parameter (Shazeer & Stern, "Adafactor: Adaptive Learning Rates with Sublinear Memory Cost",
-2018).
-
-The relative step `max(ε₂, RMS(x))` and the update clipping use norms of whole arrays, and the
-factors average over rows and columns, so the rule is not elementwise: a parameter array is always
-stepped whole. The conventions every rule here follows are in `optimisers.rules`.
+2018). Not elementwise: its norms and factors couple the array.
 """
 
 from __future__ import annotations

@@ -1,8 +1,4 @@
-"""Muon: momentum orthogonalised by a Newton–Schulz iteration, one matrix at a time.
-
-The orthogonalisation couples every element of a matrix, so Muon is not elementwise: a parameter
-array is always stepped whole. The conventions every rule here follows are in `optimisers.rules`.
-"""
+"""Muon: momentum orthogonalised by a Newton–Schulz iteration, one matrix at a time."""
 
 from __future__ import annotations
 

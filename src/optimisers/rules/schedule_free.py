@@ -2,7 +2,6 @@
 with no decay schedule, and an average `x` of the base iterates `z` to evaluate at. The parameter
 holds `y = (1−β₁)·z + β₁·x`, where gradients are taken (as in the `schedulefree` package's train
 mode), so a rule returns the new `y`; `x` is recovered from `y` and `z` by `eval_value`.
-The conventions every rule here follows are in `optimisers.rules`.
 """
 
 from __future__ import annotations
