@@ -57,9 +57,9 @@ def transform(rule, *, state_dtypes=None) -> _optax.GradientTransformationExtraA
     views = isinstance(rule, Rule)
 
     def init_fn(params):
-        if _is_params_placeholder(params):
-            # optax.tree_utils.tree_map_params: the state's structure, with `params` where a
-            # params-shaped tree is
+        if type(params).__name__ == "_ParamsPlaceholder" and type(params).__module__.startswith("optax"):
+            # optax.tree_utils.tree_map_params' stand-in for the params: the state's structure,
+            # with `params` where a params-shaped tree is
             names = _layout(rule).names if views else ()
             return TransformState._of(_NOT_PARAMS, {name: params for name in names}, views)
         variables, params = params, _values_of(params)
@@ -132,10 +132,7 @@ def _optax_update(step, x):
     # a step in another dtype (float32 for a float16/bfloat16 parameter, whose maths runs in
     # float32): the update is the parameter `optimisers.update` gives (`x - step` rounded to
     # x's dtype) less `x`, in x's dtype, as for a new value
-    new = x - step
-    if new.dtype != x.dtype:
-        new = new.astype(x.dtype)
-    return jnp.broadcast_to(new - x, x.shape)
+    return jnp.broadcast_to((x - step).astype(x.dtype) - x, x.shape)
 
 
 def _no_move(x):
@@ -173,9 +170,7 @@ _rule.HELD_VALUES.append((lambda x: isinstance(x, _nnx_variable_type() or ()), _
 
 def _annotate_sharded(state: State, variables, params) -> None:
     """Hold each state array shaped like its parameter in a copy of the parameter's NNX
-    `Variable` when that declares a sharding, as in optax's states (its tree maps keep
-    `Variable`s): `nnx.Optimizer` then gives the array the parameter's sharding annotation,
-    which Flax's sharded initialisation reads (`nnx.get_partition_spec`)."""
+    `Variable` when that declares a sharding, as optax's states do (docs/flax.md)."""
     variable = _nnx_variable_type()
     sharded = {
         id(v.get_value()): v
@@ -223,10 +218,8 @@ def _check_leaves(params, call: str) -> None:
 
 class _LiveHyperparameters:
     """The hyperparameters that `transform`'s rule holds as JAX arrays, which `update` applies in
-    place of the State's: `optax.inject_hyperparams` builds a transformation with its current
-    values at every step and calls only its `update`. Not for a transformation that made states
-    with its own `init` (kept for the whole run): its values started those states, and applying
-    them again would undo `adjust`."""
+    place of the State's (docs/optax.md, `inject_hyperparams`); not after its own `init`, where
+    applying them again would undo `adjust`."""
 
     def __init__(self, rule):
         self.rule = rule
@@ -430,9 +423,8 @@ _FLAX_REGISTERED = False
 
 
 def _register_flax_serialization() -> None:
-    """Teach `flax.serialization` (msgpack checkpoints of a `TrainState`) the TransformState, if
-    Flax is imported: it is stored as the plain State it holds (each tied array's state once, as
-    before this layout), and restored into the target's layout."""
+    """Teach `flax.serialization` (msgpack) the TransformState, if Flax is imported: stored as
+    the plain State it holds, restored into the target's layout (docs/optax.md)."""
     global _FLAX_REGISTERED
     serialization = sys.modules.get("flax.serialization")
     if serialization is None or not hasattr(serialization, "register_serialization_state"):
@@ -471,11 +463,6 @@ class _NotParams:
 
 
 _NOT_PARAMS = _NotParams()
-
-
-def _is_params_placeholder(params) -> bool:
-    """optax's stand-in for the params in `tree_map_params` (a private class of optax's)."""
-    return type(params).__name__ == "_ParamsPlaceholder" and type(params).__module__.startswith("optax")
 
 
 # --- which state arrays are params-shaped, and their names -------------------------------------

@@ -394,11 +394,10 @@ class AdEMAMix(Moments):
         fast, slow, v, t = state
         t = t + 1
         b1, b2, b3 = self.beta
-        eta = self.eta
         cb1, cg1, cb2, cg2, cb3, cg3 = cast(x, b1, 1 - b1, b2, 1 - b2, b3, 1 - b3)
         # η folded into the scalars: the bias correction of the fast momentum, α, and the decay
         rate_fast, rate_slow, bc2, decay = cast(
-            x, eta / (1 - b1**t), eta * self.alpha, 1 - b2**t, eta * self.lambd
+            x, self.eta / (1 - b1**t), self.eta * self.alpha, 1 - b2**t, self.eta * self.lambd
         )
         eps = ops.epsilon(self.epsilon, x)
         fast = cb1 * fast + cg1 * dx

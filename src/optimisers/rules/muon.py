@@ -23,12 +23,6 @@ SCALES = {
 }
 
 
-def matrix_shape(shape) -> tuple[int, int]:
-    """The matrix Muon sees for a parameter of `shape` (at least 2-D): `(shape[0], the product of
-    the rest)`, so a conv filter (out, in, h, w) is a (out, in·h·w) matrix."""
-    return shape[0], math.prod(shape[1:])
-
-
 def newton_schulz(g, coefficients, steps: int, epsilon):
     """An approximately orthogonal matrix with `g`'s singular vectors, its singular values pushed
     towards 1 (with the default coefficients and 5 steps, into [0.68, 1.21] for those at least
@@ -124,7 +118,7 @@ def _step(rule, state, x, dx, shape):
     beta, keep = cast(dx, rule.beta, 1 - rule.beta)
     m = beta * state + keep * dx
     u = keep * dx + beta * m if rule.nesterov else m
-    rows, cols = matrix_shape(shape)
+    rows, cols = shape[0], math.prod(shape[1:])  # a conv filter (out, in, h, w): (out, in·h·w)
     matrix = at_least_float32(ops.reshape(u, (*x.shape[: len(x.shape) - len(shape)], rows, cols)))
     o = newton_schulz(matrix, rule.ns_coefficients, rule.ns_steps, rule.epsilon)
     o = ops.astype(ops.reshape(o, x.shape), x)

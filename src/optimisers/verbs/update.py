@@ -76,19 +76,6 @@ def update_(state: State, model, *grads):
     parameter in place. Returns `(state, model)`; use the returned model, since immutable arrays
     (JAX) are replaced by new ones. Gives the same numbers as `update`, bit for bit."""
     _check_args(state, grads, "update_")
-    with lock(state):
-        return _update_(state, model, grads)
-
-
-def _update_(state: State, model, grads: tuple):
-    stepped_ = execute.in_place(state, model, grads[0])
-    if stepped_ is None:  # every parameter stepped in place, along the last step's route
-        return state, model
-    found, results, in_engine = stepped_
-    for key, (new_state, _) in results.items():
-        found[key].leaf.state = new_state
-    if all(step is None for _, step in results.values()):
-        return state, model  # every parameter was stepped in place (or not at all)
     written: dict[int, Any] = {}  # id(leaf) -> the first updated array, which holds the new value
 
     def place(leaf, x):
@@ -113,7 +100,16 @@ def _update_(state: State, model, grads: tuple):
         written[id(leaf)] = new
         return new
 
-    return state, rebuild(state.tree, model, place)
+    with lock(state):
+        stepped_ = execute.in_place(state, model, grads[0])
+        if stepped_ is None:  # every parameter stepped in place, along the last step's route
+            return state, model
+        found, results, in_engine = stepped_
+        for key, (new_state, _) in results.items():
+            found[key].leaf.state = new_state
+        if all(step is None for _, step in results.values()):
+            return state, model  # every parameter was stepped in place (or not at all)
+        return state, rebuild(state.tree, model, place)
 
 
 def rebuild(tree, model, place):
