@@ -490,12 +490,11 @@ _PROBES = ((5,), (4, 3), (2, 3, 4))
 def _layout(rule) -> _Layout:
     key = _structure_key(rule)
     try:
-        hash(key)
+        if key not in _LAYOUTS:
+            _LAYOUTS[key] = _found_layout(rule)
+        return _LAYOUTS[key]
     except TypeError:  # an unhashable static field: asked again each time
         return _found_layout(rule)
-    if key not in _LAYOUTS:
-        _LAYOUTS[key] = _found_layout(rule)
-    return _LAYOUTS[key]
 
 
 _LAYOUTS: dict = {}
@@ -548,18 +547,12 @@ def _found_layout(rule) -> _Layout:
 # optax's names for the arrays of its states, for the rules that have an optax counterpart, in
 # the order of the rule's own state (`(m, v, t)`: t is a counter, never params-shaped)
 _OPTAX_NAMES = {
-    rules.Momentum: ("trace",),
-    rules.Nesterov: ("trace",),
-    rules.LARS: ("trace",),
-    rules.Lion: ("mu",),
-    rules.Muon: ("mu",),
-    rules.Adam: ("mu", "nu"),
-    rules.AdamW: ("mu", "nu"),
-    rules.RAdam: ("mu", "nu"),
-    rules.NAdam: ("mu", "nu"),
-    rules.AdaMax: ("mu", "nu"),
-    rules.AdaBelief: ("mu", "nu"),
-    rules.ADOPT: ("mu", "nu"),
+    **dict.fromkeys((rules.Momentum, rules.Nesterov, rules.LARS), ("trace",)),
+    **dict.fromkeys((rules.Lion, rules.Muon), ("mu",)),
+    **dict.fromkeys(
+        (rules.Adam, rules.AdamW, rules.RAdam, rules.NAdam, rules.AdaMax, rules.AdaBelief, rules.ADOPT),
+        ("mu", "nu"),
+    ),
     rules.LAMB: ("mu", "nu"),
     rules.AMSGrad: ("mu", "nu", "nu_max"),
     rules.OAdam: ("mu", "nu", "previous_direction"),

@@ -104,7 +104,11 @@ def _confirm_rules(node, path, choose, chosen):
     if is_param(node):
         first_path, first = chosen[id(node)]
         again = choose(path, node)
-        if not _same_rule(again, first):
+        try:
+            same = again is first or bool(again == first)
+        except (TypeError, ValueError):  # a hyperparameter that is an array has no single truth value
+            same = False
+        if not same:
             raise ValueError(
                 f"the rule function chose {first!r} at {format_path(first_path)} and {again!r} at "
                 f"{format_path(path)}, places of one tied array, which has one optimiser state: "
@@ -115,15 +119,6 @@ def _confirm_rules(node, path, choose, chosen):
     if kind is not None:
         for k, child in trainable_children(node, kind):
             _confirm_rules(child, path + (k,), choose, chosen)
-
-
-def _same_rule(a, b) -> bool:
-    if a is b:
-        return True
-    try:
-        return bool(a == b)
-    except (TypeError, ValueError):  # a hyperparameter that is an array has no single truth value
-        return False
 
 
 def _check_overlaps(arrays):

@@ -1,11 +1,5 @@
-"""`update` (pure) and `update_` (in place): the engine steps, then the verb commits.
-
-An update runs in phases so that a failed call changes nothing: the engine
-(`optimisers.engine.execute`) checks every gradient and runs each Leaf's rule once on the sum of
-its contributions, in place for `update_`'s engine groups; then the commit (here) writes the
-other parameters (in place for `update_`) and rebuilds the model and state trees, giving every
-place of a Leaf the same new array and rebuilding each shared container once.
-"""
+"""`update` (pure) and `update_` (in place): the engine steps, then the verb commits, writing the
+parameters and rebuilding the model and state trees (the phases: docs/architecture.md)."""
 
 from __future__ import annotations
 
