@@ -1,21 +1,17 @@
-"""Learning-rate schedules: small callables `step -> value` to use with `adjust_` every step.
+"""Learning-rate schedules: small callables `step -> value` to use with `adjust_` every step, or
+as a rule's hyperparameter (docs/hyperparameters.md).
 
     sched = schedules.Cosine(1e-3, 10_000, warmup=500)
     for step in range(10_000):
         opt.adjust_(state, eta=sched(step))
         state, model = opt.update_(state, model, grads)
 
-Each schedule is a frozen dataclass (readable repr, equal by value). Steps count from 0, as in
-optax (the value at step 0 is the one used for the first update) and in `torch.optim.lr_scheduler`
-(the learning rate before the first `scheduler.step()`); negative steps count as 0.
-
-The step may be a Python int (the value is a Python float), a NumPy integer (a NumPy float64), a
-PyTorch tensor (a float64 tensor), or a JAX integer, traced or not (a JAX float scalar of the
-default float dtype). The maths never branches in Python on the step's value, so
-`jax.jit(lambda state, step: ...adjust(state, eta=sched(step))...)` compiles once for all steps.
-`import optimisers.schedules` imports neither jax nor torch.
-
-Each schedule's docstring gives its optax and PyTorch equivalents.
+Each is a frozen dataclass (readable repr, equal by value). Steps count from 0, as in optax and
+`torch.optim.lr_scheduler`; negative steps count as 0. A step may be a Python int (the value is a
+Python float), a NumPy integer (a NumPy float64), a PyTorch tensor (a float64 tensor), or a JAX
+integer, traced or not (a JAX float scalar of the default float dtype); the maths never branches
+in Python on it, so a jitted update compiles once for all steps (docs/checkpoints.md lists the
+optax and PyTorch equivalents). `import optimisers.schedules` imports neither jax nor torch.
 """
 
 from __future__ import annotations

@@ -55,7 +55,6 @@ def setup(rule, model) -> State:
     per_place = not isinstance(rule, Rule)
     built: dict[int, Any] = {}  # id(model node) -> its state sub-tree (None: nothing trainable)
     chosen: dict[int, tuple] = {}  # id(parameter) -> (its first path, the rule chosen there)
-    arrays: list[tuple[tuple, Any]] = []
     keys: dict[tuple, frozenset] = {}  # see State._keys
     made: list[tuple] = []  # (Leaf, rule, parameter, path), in the order of the walk
 
@@ -70,7 +69,6 @@ def setup(rule, model) -> State:
             chosen[key] = (path, r)
             result = Leaf(r, None)  # its state: below, with the others (`initial_states`)
             result._shape, result._owns = tuple(node.shape), True
-            arrays.append((path, node))
             made.append((result, r, node, path))
         else:
             kind = kind_of(node)
@@ -91,10 +89,10 @@ def setup(rule, model) -> State:
     tree = walked(build, model, ())
     for (leaf, *_), state in zip(made, initial_states([m[1:] for m in made])):
         leaf._state = state
-    _check_overlaps(arrays)
+    _check_overlaps([(path, x) for _, _, x, path in made])
     state = State(tree, keys)
-    if arrays and jax is not None:
-        jax.plan_flatten(state, arrays[0][1])
+    if made and jax is not None:
+        jax.plan_flatten(state, made[0][2])
     return state
 
 
