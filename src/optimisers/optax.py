@@ -613,11 +613,9 @@ def _split_views(tree, template):
         spec = flatten_state(leaf.state, parts)
         if spec != layout.spec:
             return leaf  # a state of another structure than its rule makes: kept whole
-        own = {}
+        moved[id(leaf)] = {name: parts[i] for i, name in layout.parts}
         for i, name in layout.parts:
-            own[name] = parts[i]
             parts[i] = _InView(name)
-        moved[id(leaf)] = own
         return leaf._successor(rule, unflatten_state(spec, iter(parts)))
 
     core = map_leaves(strip, tree)
