@@ -109,9 +109,8 @@ def _check_finite(rule, name: str, value) -> None:
 class Rule:
     """Base class of optimisation rules: a frozen dataclass of hyperparameters, each checked
     against the type of its default, with `validate()` for a rule's own checks; override `init`
-    and `apply` (and optionally `eval_value`). docs/custom-rules.md shows how."""
+    and `apply` (and optionally `eval_value`), and set the flags below (docs/custom-rules.md)."""
 
-    # What the update engine may ask of a rule (docs/custom-rules.md, docs/safety.md say more):
     elementwise: ClassVar[bool] = False  #: each element stepped alone, given scalar state
     never_raises: ClassVar[bool] = False  #: `apply` cannot raise on inputs the update checked
     scales_gradient: ClassVar[bool] = False  #: the step is `gradient_factor(dx) · dx` (ClipNorm)

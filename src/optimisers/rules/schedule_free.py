@@ -55,8 +55,7 @@ class _ScheduleFree(Elementwise):
     """What both rules share: the checks, the counters and the evaluation point."""
 
     def validate(self):
-        name = type(self).__name__
-        b1, label = _b1(self)
+        name, (b1, label) = type(self).__name__, _b1(self)
         b1 = concrete(b1)
         if b1 is not None and not 0.0 < b1 <= 1.0:
             raise ValueError(
