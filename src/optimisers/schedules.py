@@ -52,11 +52,12 @@ def _maths(step):
     raise TypeError(f"a schedule takes an integer step (int, or a NumPy/PyTorch/JAX integer), got {step!r}")
 
 
-def _steps(o, step):
-    """The step as the backend's integer, negative steps counted as 0."""
+def _steps(step):
+    """`(maths, s)`: `_maths(step)` and the step as its integer, negative steps counted as 0."""
+    o = _maths(step)
     if not o.is_integer(step):
         raise TypeError(f"a schedule takes an integer step, got {step!r}")
-    return o.maximum(o.as_integer(step), 0)
+    return o, o.maximum(o.as_integer(step), 0)
 
 
 # --- checks --------------------------------------------------------------------------------------
@@ -146,8 +147,8 @@ class Linear(_Numbers):
     begin: int = 0
 
     def __call__(self, step):
-        o = _maths(step)
-        c = o.minimum(o.maximum(_steps(o, step) - self.begin, 0), self.steps)
+        o, s = _steps(step)
+        c = o.minimum(o.maximum(s - self.begin, 0), self.steps)
         value = (self.start - self.end) * (1 - o.as_real(c) / self.steps) + self.end
         # exactly `end` once there (XLA divides by multiplying with a rounded reciprocal)
         return o.real_where(c >= self.steps, self.end, value)
@@ -180,8 +181,7 @@ class Cosine(_Numbers):
             )
 
     def __call__(self, step):
-        o = _maths(step)
-        s = _steps(o, step)
+        o, s = _steps(step)
         length = self.steps - self.warmup
         c = o.minimum(o.maximum(s - self.warmup, 0), length)
         value = self.final + (self.peak - self.final) * 0.5 * (1 + o.cos(math.pi * o.as_real(c) / length))
@@ -206,8 +206,8 @@ class StepDecay(_Numbers):
     gamma: float = 0.1
 
     def __call__(self, step):
-        o = _maths(step)
-        k = o.as_real(_steps(o, step) // self.step_size)
+        o, s = _steps(step)
+        k = o.as_real(s // self.step_size)
         return self.init * self.gamma**k
 
 
@@ -232,8 +232,8 @@ class Exponential(_Numbers):
             raise ValueError(f"Exponential: rate must be positive, got {self.rate!r}")
 
     def __call__(self, step):
-        o = _maths(step)
-        c = o.as_real(o.maximum(_steps(o, step) - self.begin, 0))
+        o, s = _steps(step)
+        c = o.as_real(o.maximum(s - self.begin, 0))
         value = self.init * self.rate ** (c / self.steps)
         if self.end is not None:
             value = o.maximum(value, self.end) if self.rate < 1 else o.minimum(value, self.end)
@@ -259,8 +259,7 @@ class PiecewiseConstant(Schedule):
         object.__setattr__(self, "boundaries", bounds)
 
     def __call__(self, step):
-        o = _maths(step)
-        s = _steps(o, step)
+        o, s = _steps(step)
         value = o.real_scalar(self.values[0], step)
         for b, v in zip(self.boundaries, self.values[1:]):
             value = o.real_where(s >= b, v, value)
@@ -289,8 +288,7 @@ class Join(Schedule):
         object.__setattr__(self, "boundaries", bounds)
 
     def __call__(self, step):
-        o = _maths(step)
-        s = _steps(o, step)
+        o, s = _steps(step)
         if not _is_array(step):  # a Python int: only the schedule in force is evaluated
             start, current = 0, self.schedules[0]
             for b, sched in zip(self.boundaries, self.schedules[1:]):
