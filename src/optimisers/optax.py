@@ -1,16 +1,7 @@
-"""Any rule as an optax `GradientTransformation`, for optax chains, Flax NNX and linen.
-
-    tx = optimisers.optax.transform(optimisers.Adam(1e-3))
-    state = tx.init(params)                        # optimisers.setup: ties found by identity
-    updates, state = tx.update(grads, state, params)
-    params = optax.apply_updates(params, updates)  # == optimisers.update(...)'s model, bit for bit
-
-optax adds updates where a rule's step is subtracted, so the update is `-step` (IEEE arithmetic
-defines `x - s` as `x + (-s)`), `-0.0` where a parameter does not move, and `new - x` where a rule
-sets a new value or steps a float16/bfloat16 parameter in float32 (exact while `new` is within a
-factor of two of `x`). The state is a `TransformState`: the `State` that `setup` returns, laid
-out for JAX as optax's states (docs/optax.md says all this in full). Importing this module
-imports jax and optax; `import optimisers` does not import it.
+"""Any rule as an optax `GradientTransformation`, for optax chains, Flax NNX and linen
+(docs/optax.md): `transform(rule)`, whose update is the rule's step negated (`new - x` where a
+rule sets a new value or steps a float16/bfloat16 parameter in float32), and its state, a
+`TransformState`. Importing this module imports jax and optax; `import optimisers` does not.
 """
 
 from __future__ import annotations
@@ -66,9 +57,9 @@ def transform(rule, *, state_dtypes=None) -> _optax.GradientTransformationExtraA
     views = isinstance(rule, Rule)
 
     def init_fn(params):
-        if _is_params_placeholder(params):
-            # optax.tree_utils.tree_map_params: the state's structure, with `params` where a
-            # params-shaped tree is
+        if type(params).__name__ == "_ParamsPlaceholder" and type(params).__module__.startswith("optax"):
+            # optax.tree_utils.tree_map_params' stand-in for the params: the state's structure,
+            # with `params` where a params-shaped tree is
             names = _layout(rule).names if views else ()
             return TransformState._of(_NOT_PARAMS, {name: params for name in names}, views)
         variables, params = params, _values_of(params)
@@ -141,10 +132,7 @@ def _optax_update(step, x):
     # a step in another dtype (float32 for a float16/bfloat16 parameter, whose maths runs in
     # float32): the update is the parameter `optimisers.update` gives (`x - step` rounded to
     # x's dtype) less `x`, in x's dtype, as for a new value
-    new = x - step
-    if new.dtype != x.dtype:
-        new = new.astype(x.dtype)
-    return jnp.broadcast_to(new - x, x.shape)
+    return jnp.broadcast_to((x - step).astype(x.dtype) - x, x.shape)
 
 
 def _no_move(x):
@@ -156,11 +144,6 @@ def _no_move(x):
 def _nnx_variable_type():
     # Flax is not a dependency: only seen once imported
     return getattr(sys.modules.get("flax.nnx"), "Variable", None)
-
-
-def _is_nnx_variable(x) -> bool:
-    variable = _nnx_variable_type()
-    return variable is not None and isinstance(x, variable)
 
 
 def _nnx_variable_like(variable, value):
@@ -182,14 +165,12 @@ def _nnx_variable_like(variable, value):
 
 
 # `adjust(optimizer.opt_state, 1e-3)` on an nnx.Optimizer's state keeps Variables where they were
-_rule.HELD_VALUES.append((_is_nnx_variable, _nnx_variable_like))
+_rule.HELD_VALUES.append((lambda x: isinstance(x, _nnx_variable_type() or ()), _nnx_variable_like))
 
 
 def _annotate_sharded(state: State, variables, params) -> None:
     """Hold each state array shaped like its parameter in a copy of the parameter's NNX
-    `Variable` when that declares a sharding, as in optax's states (its tree maps keep
-    `Variable`s): `nnx.Optimizer` then gives the array the parameter's sharding annotation,
-    which Flax's sharded initialisation reads (`nnx.get_partition_spec`)."""
+    `Variable` when that declares a sharding, as optax's states do (docs/flax.md)."""
     variable = _nnx_variable_type()
     sharded = {
         id(v.get_value()): v
@@ -237,10 +218,8 @@ def _check_leaves(params, call: str) -> None:
 
 class _LiveHyperparameters:
     """The hyperparameters that `transform`'s rule holds as JAX arrays, which `update` applies in
-    place of the State's: `optax.inject_hyperparams` builds a transformation with its current
-    values at every step and calls only its `update`. Not for a transformation that made states
-    with its own `init` (kept for the whole run): its values started those states, and applying
-    them again would undo `adjust`."""
+    place of the State's (docs/optax.md, `inject_hyperparams`); not after its own `init`, where
+    applying them again would undo `adjust`."""
 
     def __init__(self, rule):
         self.rule = rule
@@ -370,7 +349,10 @@ class TransformState(State):
         another state of the model, in place of `params`."""
         if not views_on:
             return cls._of(State(state.tree, state._keys), {}, False)
-        shape = _masked_like(params) if template is None else _like_views(template)
+        if template is None:  # the model's structure, a MaskedNode where no Leaf's array is
+            shape = lambda: jax.tree.map(lambda _: _optax.MaskedNode(), params)  # noqa: E731
+        else:  # as another state's views show it (any of them: they are shaped alike)
+            shape = lambda: next(iter(template.values()))  # noqa: E731
         core, views = _split_views(state.tree, shape)
         return cls._of(State(core, state._keys), views, True)
 
@@ -441,9 +423,8 @@ _FLAX_REGISTERED = False
 
 
 def _register_flax_serialization() -> None:
-    """Teach `flax.serialization` (msgpack checkpoints of a `TrainState`) the TransformState, if
-    Flax is imported: it is stored as the plain State it holds (each tied array's state once, as
-    before this layout), and restored into the target's layout."""
+    """Teach `flax.serialization` (msgpack) the TransformState, if Flax is imported: stored as
+    the plain State it holds, restored into the target's layout (docs/optax.md)."""
     global _FLAX_REGISTERED
     serialization = sys.modules.get("flax.serialization")
     if serialization is None or not hasattr(serialization, "register_serialization_state"):
@@ -484,11 +465,6 @@ class _NotParams:
 _NOT_PARAMS = _NotParams()
 
 
-def _is_params_placeholder(params) -> bool:
-    """optax's stand-in for the params in `tree_map_params` (a private class of optax's)."""
-    return type(params).__name__ == "_ParamsPlaceholder" and type(params).__module__.startswith("optax")
-
-
 # --- which state arrays are params-shaped, and their names -------------------------------------
 
 
@@ -514,12 +490,11 @@ _PROBES = ((5,), (4, 3), (2, 3, 4))
 def _layout(rule) -> _Layout:
     key = _structure_key(rule)
     try:
-        hash(key)
+        if key not in _LAYOUTS:
+            _LAYOUTS[key] = _found_layout(rule)
+        return _LAYOUTS[key]
     except TypeError:  # an unhashable static field: asked again each time
         return _found_layout(rule)
-    if key not in _LAYOUTS:
-        _LAYOUTS[key] = _found_layout(rule)
-    return _LAYOUTS[key]
 
 
 _LAYOUTS: dict = {}
@@ -572,18 +547,12 @@ def _found_layout(rule) -> _Layout:
 # optax's names for the arrays of its states, for the rules that have an optax counterpart, in
 # the order of the rule's own state (`(m, v, t)`: t is a counter, never params-shaped)
 _OPTAX_NAMES = {
-    rules.Momentum: ("trace",),
-    rules.Nesterov: ("trace",),
-    rules.LARS: ("trace",),
-    rules.Lion: ("mu",),
-    rules.Muon: ("mu",),
-    rules.Adam: ("mu", "nu"),
-    rules.AdamW: ("mu", "nu"),
-    rules.RAdam: ("mu", "nu"),
-    rules.NAdam: ("mu", "nu"),
-    rules.AdaMax: ("mu", "nu"),
-    rules.AdaBelief: ("mu", "nu"),
-    rules.ADOPT: ("mu", "nu"),
+    **dict.fromkeys((rules.Momentum, rules.Nesterov, rules.LARS), ("trace",)),
+    **dict.fromkeys((rules.Lion, rules.Muon), ("mu",)),
+    **dict.fromkeys(
+        (rules.Adam, rules.AdamW, rules.RAdam, rules.NAdam, rules.AdaMax, rules.AdaBelief, rules.ADOPT),
+        ("mu", "nu"),
+    ),
     rules.LAMB: ("mu", "nu"),
     rules.AMSGrad: ("mu", "nu", "nu_max"),
     rules.OAdam: ("mu", "nu", "previous_direction"),
@@ -627,17 +596,6 @@ def _count_parts(spec) -> int:
 # --- between the tree and (core, views) ---------------------------------------------------------
 
 
-def _masked_like(params):
-    """The model's structure, every leaf a `MaskedNode` until a Leaf's array takes its place."""
-    return lambda: jax.tree.map(lambda _: _optax.MaskedNode(), params)
-
-
-def _like_views(views):
-    """The model's structure as another state's views show it (any of them: they are shaped
-    alike, a MaskedNode where no Leaf is)."""
-    return lambda: next(iter(views.values()))
-
-
 def _split_views(tree, template):
     """`(core tree, views)`: each Leaf's params-shaped arrays moved out of its state into the
     views (an `_InView` left in their place), every place of the Leaf holding them."""
@@ -655,11 +613,9 @@ def _split_views(tree, template):
         spec = flatten_state(leaf.state, parts)
         if spec != layout.spec:
             return leaf  # a state of another structure than its rule makes: kept whole
-        own = {}
+        moved[id(leaf)] = {name: parts[i] for i, name in layout.parts}
         for i, name in layout.parts:
-            own[name] = parts[i]
             parts[i] = _InView(name)
-        moved[id(leaf)] = own
         return leaf._successor(rule, unflatten_state(spec, iter(parts)))
 
     core = map_leaves(strip, tree)

@@ -1,21 +1,17 @@
-"""Learning-rate schedules: small callables `step -> value` to use with `adjust_` every step.
+"""Learning-rate schedules: small callables `step -> value` to use with `adjust_` every step, or
+as a rule's hyperparameter (docs/hyperparameters.md).
 
     sched = schedules.Cosine(1e-3, 10_000, warmup=500)
     for step in range(10_000):
         opt.adjust_(state, eta=sched(step))
         state, model = opt.update_(state, model, grads)
 
-Each schedule is a frozen dataclass (readable repr, equal by value). Steps count from 0, as in
-optax (the value at step 0 is the one used for the first update) and in `torch.optim.lr_scheduler`
-(the learning rate before the first `scheduler.step()`); negative steps count as 0.
-
-The step may be a Python int (the value is a Python float), a NumPy integer (a NumPy float64), a
-PyTorch tensor (a float64 tensor), or a JAX integer, traced or not (a JAX float scalar of the
-default float dtype). The maths never branches in Python on the step's value, so
-`jax.jit(lambda state, step: ...adjust(state, eta=sched(step))...)` compiles once for all steps.
-`import optimisers.schedules` imports neither jax nor torch.
-
-Each schedule's docstring gives its optax and PyTorch equivalents.
+Each is a frozen dataclass (readable repr, equal by value). Steps count from 0, as in optax and
+`torch.optim.lr_scheduler`; negative steps count as 0. A step may be a Python int (the value is a
+Python float), a NumPy integer (a NumPy float64), a PyTorch tensor (a float64 tensor), or a JAX
+integer, traced or not (a JAX float scalar of the default float dtype); the maths never branches
+in Python on it, so a jitted update compiles once for all steps (docs/checkpoints.md lists the
+optax and PyTorch equivalents). `import optimisers.schedules` imports neither jax nor torch.
 """
 
 from __future__ import annotations
@@ -56,11 +52,12 @@ def _maths(step):
     raise TypeError(f"a schedule takes an integer step (int, or a NumPy/PyTorch/JAX integer), got {step!r}")
 
 
-def _steps(o, step):
-    """The step as the backend's integer, negative steps counted as 0."""
+def _steps(step):
+    """`(maths, s)`: `_maths(step)` and the step as its integer, negative steps counted as 0."""
+    o = _maths(step)
     if not o.is_integer(step):
         raise TypeError(f"a schedule takes an integer step, got {step!r}")
-    return o.maximum(o.as_integer(step), 0)
+    return o, o.maximum(o.as_integer(step), 0)
 
 
 # --- checks --------------------------------------------------------------------------------------
@@ -150,8 +147,8 @@ class Linear(_Numbers):
     begin: int = 0
 
     def __call__(self, step):
-        o = _maths(step)
-        c = o.minimum(o.maximum(_steps(o, step) - self.begin, 0), self.steps)
+        o, s = _steps(step)
+        c = o.minimum(o.maximum(s - self.begin, 0), self.steps)
         value = (self.start - self.end) * (1 - o.as_real(c) / self.steps) + self.end
         # exactly `end` once there (XLA divides by multiplying with a rounded reciprocal)
         return o.real_where(c >= self.steps, self.end, value)
@@ -184,8 +181,7 @@ class Cosine(_Numbers):
             )
 
     def __call__(self, step):
-        o = _maths(step)
-        s = _steps(o, step)
+        o, s = _steps(step)
         length = self.steps - self.warmup
         c = o.minimum(o.maximum(s - self.warmup, 0), length)
         value = self.final + (self.peak - self.final) * 0.5 * (1 + o.cos(math.pi * o.as_real(c) / length))
@@ -210,8 +206,8 @@ class StepDecay(_Numbers):
     gamma: float = 0.1
 
     def __call__(self, step):
-        o = _maths(step)
-        k = o.as_real(_steps(o, step) // self.step_size)
+        o, s = _steps(step)
+        k = o.as_real(s // self.step_size)
         return self.init * self.gamma**k
 
 
@@ -236,8 +232,8 @@ class Exponential(_Numbers):
             raise ValueError(f"Exponential: rate must be positive, got {self.rate!r}")
 
     def __call__(self, step):
-        o = _maths(step)
-        c = o.as_real(o.maximum(_steps(o, step) - self.begin, 0))
+        o, s = _steps(step)
+        c = o.as_real(o.maximum(s - self.begin, 0))
         value = self.init * self.rate ** (c / self.steps)
         if self.end is not None:
             value = o.maximum(value, self.end) if self.rate < 1 else o.minimum(value, self.end)
@@ -263,8 +259,7 @@ class PiecewiseConstant(Schedule):
         object.__setattr__(self, "boundaries", bounds)
 
     def __call__(self, step):
-        o = _maths(step)
-        s = _steps(o, step)
+        o, s = _steps(step)
         value = o.real_scalar(self.values[0], step)
         for b, v in zip(self.boundaries, self.values[1:]):
             value = o.real_where(s >= b, v, value)
@@ -293,8 +288,7 @@ class Join(Schedule):
         object.__setattr__(self, "boundaries", bounds)
 
     def __call__(self, step):
-        o = _maths(step)
-        s = _steps(o, step)
+        o, s = _steps(step)
         if not _is_array(step):  # a Python int: only the schedule in force is evaluated
             start, current = 0, self.schedules[0]
             for b, sched in zip(self.boundaries, self.schedules[1:]):

@@ -109,9 +109,8 @@ def _check_finite(rule, name: str, value) -> None:
 class Rule:
     """Base class of optimisation rules: a frozen dataclass of hyperparameters, each checked
     against the type of its default, with `validate()` for a rule's own checks; override `init`
-    and `apply` (and optionally `eval_value`). docs/custom-rules.md shows how."""
+    and `apply` (and optionally `eval_value`), and set the flags below (docs/custom-rules.md)."""
 
-    # What the update engine may ask of a rule (docs/custom-rules.md, docs/safety.md say more):
     elementwise: ClassVar[bool] = False  #: each element stepped alone, given scalar state
     never_raises: ClassVar[bool] = False  #: `apply` cannot raise on inputs the update checked
     scales_gradient: ClassVar[bool] = False  #: the step is `gradient_factor(dx) · dx` (ClipNorm)
@@ -246,7 +245,8 @@ def adjusted(rule: Rule, hyper: dict) -> Rule:
     own = {k: _held_like(getattr(rule, k), v) for k, v in hyper.items() if k in names}
     if not own:
         return rule
-    if any(map(_is_stacked, own.values())) or any(_is_stacked(getattr(rule, k)) for k in own):
+    # an array of values, one per member of a stacked (vmapped) ensemble of states
+    if any(getattr(v, "ndim", 0) for k in own for v in _entries((own[k], getattr(rule, k)))):
         return _adjusted_stacked(rule, own)
     return dataclasses.replace(rule, **own)
 
@@ -265,11 +265,6 @@ def _each_entry(fn, value):
     if isinstance(value, tuple):
         return tuple(_each_entry(fn, v) for v in value)
     return fn(value)
-
-
-def _is_stacked(value) -> bool:
-    """An array of hyperparameters, one per member of a stacked (vmapped) ensemble of states."""
-    return any(getattr(v, "ndim", 0) for v in _entries(value))
 
 
 def _shape(value):

@@ -15,12 +15,9 @@ Conventions shared by every rule here:
   running *maximum* of magnitudes (AdaMax, AMSGrad): complex numbers have no order, so for a complex
   parameter those arrays hold the real dtype. Step counters are Python ints counting completed
   steps, so `t` is 1 on the first step.
-* Rules whose step for each element depends only on that element and on scalar state set
-  `elementwise = True`, so the update engine may run them over packed chunks of parameters.
-  ClipNorm, LAMB, LARS and Adafactor do not (their norms couple the whole array), nor SOAP
-  (it rotates it) or Muon (its orthogonalisation couples a matrix); chains and MixedPrecision
+* `elementwise` and the other flags, and `apply` never writing to its inputs: docs/custom-rules.md.
+  ClipNorm, LAMB, LARS, Adafactor, SOAP and Muon look across an array; chains and MixedPrecision
   inherit the flag from their members.
-* `apply` never writes to its inputs; the interface decides whether parameters change in place.
 * Complex parameters work wherever the maths is defined (`|g|²` is `ops.abs2`). Rules built on the
   sign or the order of numbers (Rprop, Lion, SignDecay, ClipGrad) raise TypeError for them in `init`.
 * `x_new = x - step`. In the formulas `g` is the gradient and `t` the step number.

@@ -1,10 +1,6 @@
 """Adafactor: a second moment kept as row and column factors, so its state is far smaller than
 the parameter (Shazeer & Stern, "Adafactor: Adaptive Learning Rates with Sublinear Memory Cost",
-2018).
-
-The relative step `max(ε₂, RMS(x))` and the update clipping use norms of whole arrays, and the
-factors average over rows and columns, so the rule is not elementwise: a parameter array is always
-stepped whole. The conventions every rule here follows are in `optimisers.rules`.
+2018). Not elementwise: its norms and factors couple the array.
 """
 
 from __future__ import annotations
@@ -24,12 +20,6 @@ def is_factored(x) -> bool:
     """Whether Adafactor keeps row and column factors for `x` (two or more dimensions) rather
     than a full second moment (a vector or a scalar)."""
     return len(x.shape) >= 2
-
-
-def _smaller(a, b):
-    """`min(a, b)` of two scalars, Python numbers or traced values alike (a backend is chosen by
-    its first argument, so a Python number goes second)."""
-    return ops.minimum(b, a) if isinstance(a, numbers.Number) else ops.minimum(a, b)
 
 
 def _rms(a):
@@ -80,7 +70,15 @@ class Adafactor(Rule):
     lambd: float = 0.0
 
     def validate(self):
-        _check_adafactor(self)
+        e1 = self.epsilon[0]
+        if e1 is not None:
+            if isinstance(e1, bool) or not (isinstance(e1, numbers.Real) or getattr(e1, "shape", None) == ()):
+                raise TypeError(f"Adafactor: epsilon[0] must be None or a real number, got {e1!r}")
+            if isinstance(e1, numbers.Integral):  # a float, so that jit traces it like epsilon[1]
+                object.__setattr__(self, "epsilon", (float(e1), self.epsilon[1]))
+        check_range(self, "beta2_decay", -math.inf, 0.0)
+        check_range(self, "d", 1.0, math.inf)
+        nonnegative(self, "epsilon", "lambd")
 
     def init(self, x):
         if is_factored(x):
@@ -99,25 +97,16 @@ class Adafactor(Rule):
         root, moments = _second_moment(x, moments, g2, keep, new, eps1)
         u = dx / ops.maximum(root, ops.epsilon(eps1, g2))
         rms_x = _rms(x)
-        eps2, rho, d, one = cast(rms_x, self.epsilon[1], _smaller(self.eta, t**-0.5), self.d, 1)
+        # min(η, 1/√t), η a number or a traced value (ops picks a backend by its first argument)
+        eta, root = self.eta, t**-0.5
+        rho = ops.minimum(root, eta) if isinstance(eta, numbers.Number) else ops.minimum(eta, root)
+        eps2, rho, d, one = cast(rms_x, self.epsilon[1], rho, self.d, 1)
         alpha = ops.maximum(rms_x, eps2) * rho
         scale = ops.scalar(alpha / ops.maximum(_rms(u) / d, one), x)
         step = scale * u
         if ops.concrete(self.lambd) != 0:  # (traced: always added)
             step = step + ops.scalar(self.eta * self.lambd, x) * x
         return (*moments, t), step
-
-
-def _check_adafactor(rule: Adafactor) -> None:
-    e1 = rule.epsilon[0]
-    if e1 is not None:
-        if isinstance(e1, bool) or not (isinstance(e1, numbers.Real) or getattr(e1, "shape", None) == ()):
-            raise TypeError(f"Adafactor: epsilon[0] must be None or a real number, got {e1!r}")
-        if isinstance(e1, numbers.Integral):  # a float, so that jit traces it like epsilon[1]
-            object.__setattr__(rule, "epsilon", (float(e1), rule.epsilon[1]))
-    check_range(rule, "beta2_decay", -math.inf, 0.0)
-    check_range(rule, "d", 1.0, math.inf)
-    nonnegative(rule, "epsilon", "lambd")
 
 
 def _second_moment(x, moments, g2, keep, new, eps1):

@@ -15,6 +15,7 @@ from optimisers.rules.common import (
     cast,
     real_zeros,
     state_dtype,
+    step_scalars,
     stored_in,
 )
 
@@ -292,15 +293,11 @@ class AdaBelief(_AdamFamily):
     epsilon: float = 1e-16
 
     def apply(self, state, x, dx):
-        m, s, t = state
-        t = t + 1
-        b1, b2 = self.beta
-        eta, cb1, cm, cb2, cs, bc1, bc2 = cast(x, self.eta, b1, 1 - b1, b2, 1 - b2, 1 - b1**t, 1 - b2**t)
-        eps = ops.epsilon(self.epsilon, x)
-        m = cb1 * m + cm * dx
-        s = cb2 * s + cs * ops.abs2(dx - m) + eps
-        step = eta * (m / bc1) / (ops.sqrt(s / bc2) + eps)
-        return (m, s, t), step
+        t, cb1, cm, cb2, cs, bc1, bc2 = step_scalars(x, state[-1], self.beta)
+        eta, eps = ops.scalar(self.eta, x), ops.epsilon(self.epsilon, x)
+        m = cb1 * state[0] + cm * dx
+        s = cb2 * state[1] + cs * ops.abs2(dx - m) + eps
+        return (m, s, t), eta * (m / bc1) / (ops.sqrt(s / bc2) + eps)
 
 
 @dataclass(frozen=True)
@@ -397,11 +394,10 @@ class AdEMAMix(Moments):
         fast, slow, v, t = state
         t = t + 1
         b1, b2, b3 = self.beta
-        eta = self.eta
         cb1, cg1, cb2, cg2, cb3, cg3 = cast(x, b1, 1 - b1, b2, 1 - b2, b3, 1 - b3)
         # η folded into the scalars: the bias correction of the fast momentum, α, and the decay
         rate_fast, rate_slow, bc2, decay = cast(
-            x, eta / (1 - b1**t), eta * self.alpha, 1 - b2**t, eta * self.lambd
+            x, self.eta / (1 - b1**t), self.eta * self.alpha, 1 - b2**t, self.eta * self.lambd
         )
         eps = ops.epsilon(self.epsilon, x)
         fast = cb1 * fast + cg1 * dx

@@ -42,8 +42,7 @@ class RMSProp(Elementwise):
         return super().adjust(**hyper)
 
     def init(self, x):
-        s = ops.zeros_like(x)
-        return (s, ops.zeros_like(x)) if self.centred else s
+        return (ops.zeros_like(x), ops.zeros_like(x)) if self.centred else ops.zeros_like(x)
 
     def apply(self, state, x, dx):
         eta, rho, keep = cast(x, self.eta, self.rho, 1 - self.rho)

@@ -58,7 +58,7 @@ def adam_moments(x, dx, state, beta):
     """Adam's moment updates of a state `(m, v, ..., t)`: `(m, v, t, 1−β₁ᵗ, 1−β₂ᵗ)` at the new step
     number `t`, the bias corrections as scalars of `x`'s dtype, so that a rule can fold them into
     its other scalars before touching arrays."""
-    t, cb1, cm, cb2, cv, bc1, bc2 = _step_scalars(x, state[-1], beta)
+    t, cb1, cm, cb2, cv, bc1, bc2 = step_scalars(x, state[-1], beta)
     m = cb1 * state[0] + cm * dx
     v = cb2 * state[1] + cv * ops.abs2(dx)
     return m, v, t, bc1, bc2
@@ -79,7 +79,7 @@ def sharing_step_scalars():
         _SHARED.reset(token)
 
 
-def _step_scalars(x, count, beta):
+def step_scalars(x, count, beta):
     """`(t, β₁, 1−β₁, β₂, 1−β₂, 1−β₁ᵗ, 1−β₂ᵗ)` at `t = count + 1`, the rest as scalars of `x`'s
     type, dtype and device; one computation per counter, betas and kind of array of an update."""
     shared, (b1, b2) = _SHARED.get(), beta

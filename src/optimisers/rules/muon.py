@@ -1,8 +1,4 @@
-"""Muon: momentum orthogonalised by a Newton–Schulz iteration, one matrix at a time.
-
-The orthogonalisation couples every element of a matrix, so Muon is not elementwise: a parameter
-array is always stepped whole. The conventions every rule here follows are in `optimisers.rules`.
-"""
+"""Muon: momentum orthogonalised by a Newton–Schulz iteration, one matrix at a time."""
 
 from __future__ import annotations
 
@@ -25,12 +21,6 @@ SCALES = {
     # Moonshot's: the update's RMS matches AdamW's, 0.2·√max(rows, cols)
     "match_rms_adamw": lambda rows, cols: 0.2 * math.sqrt(max(rows, cols)),
 }
-
-
-def matrix_shape(shape) -> tuple[int, int]:
-    """The matrix Muon sees for a parameter of `shape` (at least 2-D): `(shape[0], the product of
-    the rest)`, so a conv filter (out, in, h, w) is a (out, in·h·w) matrix."""
-    return shape[0], math.prod(shape[1:])
 
 
 def newton_schulz(g, coefficients, steps: int, epsilon):
@@ -128,7 +118,7 @@ def _step(rule, state, x, dx, shape):
     beta, keep = cast(dx, rule.beta, 1 - rule.beta)
     m = beta * state + keep * dx
     u = keep * dx + beta * m if rule.nesterov else m
-    rows, cols = matrix_shape(shape)
+    rows, cols = shape[0], math.prod(shape[1:])  # a conv filter (out, in, h, w): (out, in·h·w)
     matrix = at_least_float32(ops.reshape(u, (*x.shape[: len(x.shape) - len(shape)], rows, cols)))
     o = newton_schulz(matrix, rule.ns_coefficients, rule.ns_steps, rule.epsilon)
     o = ops.astype(ops.reshape(o, x.shape), x)

@@ -25,15 +25,12 @@ class MuonOr:
     exclude: tuple
 
     def __call__(self, path, x) -> Rule:
-        return self.muon if self.takes(path, x) else self.other
-
-    def takes(self, path, x) -> bool:
-        """Whether the parameter at `path` goes to Muon: at least 2-D, and no part of its path
-        matches an `exclude` pattern."""
+        """Muon for a parameter at least 2-D where no part of its path matches an `exclude` pattern."""
         if len(getattr(x, "shape", ())) < 2:
-            return False
+            return self.other
         parts = [str(k).lower() for k in path]
-        return not any(fnmatch.fnmatchcase(p, pattern.lower()) for p in parts for pattern in self.exclude)
+        excluded = any(fnmatch.fnmatchcase(p, pattern.lower()) for p in parts for pattern in self.exclude)
+        return self.other if excluded else self.muon
 
 
 def muon_or(other: Rule, *, muon: Rule | None = None, exclude=EMBEDDINGS_AND_HEADS) -> Callable:

@@ -2,7 +2,6 @@
 with no decay schedule, and an average `x` of the base iterates `z` to evaluate at. The parameter
 holds `y = (1−β₁)·z + β₁·x`, where gradients are taken (as in the `schedulefree` package's train
 mode), so a rule returns the new `y`; `x` is recovered from `y` and `z` by `eval_value`.
-The conventions every rule here follows are in `optimisers.rules`.
 """
 
 from __future__ import annotations
@@ -52,40 +51,33 @@ def step_y(y, z, u, lr, b1, c):
     return lerp(y, z, c) + scale * u, z - rate * u
 
 
-def evaluation_point(y, z, b1):
-    """`x = (y − (1−β₁)·z)/β₁`, as the package's `eval()` computes it: `lerp(y, z, 1 − 1/β₁)`."""
-    return lerp(y, z, 1 - 1 / b1)
-
-
 class _ScheduleFree(Elementwise):
     """What both rules share: the checks, the counters and the evaluation point."""
 
     def validate(self):
-        _check_schedule_free(self)
+        name, (b1, label) = type(self).__name__, _b1(self)
+        b1 = concrete(b1)
+        if b1 is not None and not 0.0 < b1 <= 1.0:
+            raise ValueError(
+                f"{name}: {label} must be in (0, 1] (the evaluation point divides by it), got {b1}"
+            )
+        nonnegative(self, "lambd", "r", "weight_lr_power")
+        if self.warmup < 0:
+            raise ValueError(f"{name}: warmup must be >= 0 steps, got {self.warmup}")
+        if isinstance(self.beta, tuple):
+            b2 = concrete(self.beta[1])
+            if b2 is not None and not 0.0 <= b2 < 1.0:
+                raise ValueError(f"{name}: beta[1] must be in [0.0, 1.0), got {b2}")
+            nonnegative(self, "epsilon")
 
     def eval_value(self, state, x):
-        return evaluation_point(x, state[0], _b1(self)[0])
+        # x = (y − (1−β₁)·z)/β₁, as the package's `eval()` computes it
+        return lerp(x, state[0], 1 - 1 / _b1(self)[0])
 
 
 def _b1(rule):
     """β₁ (ScheduleFreeSGD's `beta`, ScheduleFreeAdamW's `beta[0]`) and its name in errors."""
     return (rule.beta[0], "beta[0]") if isinstance(rule.beta, tuple) else (rule.beta, "beta")
-
-
-def _check_schedule_free(rule) -> None:
-    name = type(rule).__name__
-    b1, label = _b1(rule)
-    b1 = concrete(b1)
-    if b1 is not None and not 0.0 < b1 <= 1.0:
-        raise ValueError(f"{name}: {label} must be in (0, 1] (the evaluation point divides by it), got {b1}")
-    nonnegative(rule, "lambd", "r", "weight_lr_power")
-    if rule.warmup < 0:
-        raise ValueError(f"{name}: warmup must be >= 0 steps, got {rule.warmup}")
-    if isinstance(rule.beta, tuple):
-        b2 = concrete(rule.beta[1])
-        if b2 is not None and not 0.0 <= b2 < 1.0:
-            raise ValueError(f"{name}: beta[1] must be in [0.0, 1.0), got {b2}")
-        nonnegative(rule, "epsilon")
 
 
 @dataclass(frozen=True)

@@ -72,7 +72,5 @@ class Nesterov(_MomentumFamily):
 
     def apply(self, state, x, dx):
         eta, rho = self.eta, self.rho
-        cg, cv = cast(x, (1 + rho) * eta, rho * rho)
-        step = cg * dx - cv * state
-        eta, rho = cast(x, eta, rho)
-        return stored_in(rho * state - eta * dx, self.accumulator_dtype), step
+        cg, cv, eta, rho = cast(x, (1 + rho) * eta, rho * rho, eta, rho)
+        return stored_in(rho * state - eta * dx, self.accumulator_dtype), cg * dx - cv * state

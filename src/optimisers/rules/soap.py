@@ -1,9 +1,4 @@
-"""SOAP: Adam run in the eigenbasis of Shampoo's preconditioner.
-
-An array's step couples all its elements (they are rotated together), so SOAP is not elementwise:
-a parameter array is always stepped whole. The conventions every rule here follows are in
-`optimisers.rules`.
-"""
+"""SOAP: Adam run in the eigenbasis of Shampoo's preconditioner (not elementwise: it rotates)."""
 
 from __future__ import annotations
 

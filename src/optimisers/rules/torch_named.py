@@ -1,17 +1,12 @@
-"""Rules with torch.optim's formulas, for the drop-in classes of `optimisers.torch`.
+"""Rules with torch.optim's formulas, for the drop-in classes of `optimisers.torch`, where torch
+computes something the library's rules do not (SGD's momentum keeps the learning rate out of the
+velocity, Adamax adds ε inside the maximum, ...): each writes torch's single-tensor formula in the
+order torch computes it, on `ops`, so it gets ties, flat buffers, checkpoints and every backend
+like any rule. They take the real view of a complex parameter (as torch does): `|g|²` is `g²`.
 
-Where a torch.optim class computes something the library's rules do not (SGD's momentum keeps the
-learning rate out of the velocity and copies the first gradient; Adagrad starts its sum at
-`initial_accumulator_value` and decays the learning rate; Adamax adds ε inside the maximum; NAdam
-has a momentum schedule; RAdam rectifies from ρ > 5 and puts ε beside √v), these rules write out
-torch's single-tensor formula in the order torch computes it, on the library's `ops`, so they
-get ties, flat buffers, checkpoints and every backend like any rule. They take the real view of
-a complex parameter (as torch does), so `|g|²` is `g²` here.
-
-Private: users reach them through `optimisers.torch.SGD`, `RMSprop`, ... whose group keys and
-`state[p]` keys are torch's. Each has `eta` (torch's `lr`) and torch's other names; weight decay
-added to the gradient (torch's `weight_decay` without `decoupled_weight_decay`) and `maximize`
-are applied to the gradient by the drop-in class before the rule sees it, as torch does first.
+Private: users reach them through `optimisers.torch.SGD`, `RMSprop`, ... (torch's group and
+`state[p]` keys). The drop-in class applies torch's L2 `weight_decay` and `maximize` to the
+gradient before the rule sees it, as torch does first; `eta` is torch's `lr`.
 """
 
 from __future__ import annotations
@@ -31,12 +26,13 @@ def _decay(rule, x, step):
     return step + scale * x
 
 
-def _moments(x, dx, m, v, beta):
-    """torch's `m ← β₁·m + (1−β₁)·g`, `v ← β₂·v + (1−β₂)·g·g`, multiplied in torch's order (not
-    `ops.abs2`, which rounds otherwise)."""
+def _moments(x, dx, state, beta):
+    """`(m, v, t)` of a state `(m, v, ..., t)`: torch's `m ← β₁·m + (1−β₁)·g`,
+    `v ← β₂·v + (1−β₂)·g·g`, multiplied in torch's order (not `ops.abs2`, which rounds otherwise),
+    and the new step number."""
     b1, b2 = beta
     cb1, cm, cb2, cv = cast(x, b1, 1 - b1, b2, 1 - b2)
-    return cb1 * m + cm * dx, cb2 * v + cv * dx * dx
+    return cb1 * state[0] + cm * dx, cb2 * state[1] + cv * dx * dx, state[-1] + 1
 
 
 @dataclass(frozen=True)
@@ -179,17 +175,15 @@ class TorchNAdam(_TorchAdam):
         return ops.zeros_like(x), ops.zeros_like(x), 1.0, 0
 
     def apply(self, state, x, dx):
-        m, v, product, t = state
-        t = t + 1
+        m, v, t = _moments(x, dx, state, self.beta)
         b1, b2 = self.beta
         mu = b1 * (1.0 - 0.5 * 0.96 ** (t * self.momentum_decay))
         mu_next = b1 * (1.0 - 0.5 * 0.96 ** ((t + 1) * self.momentum_decay))
-        product = product * mu
+        product = state[2] * mu
         bc2, eps = cast(x, 1 - b2**t, self.eps)
         cg, cmom = cast(
             x, self.eta * (1.0 - mu) / (1.0 - product), self.eta * mu_next / (1.0 - product * mu_next)
         )
-        m, v = _moments(x, dx, m, v, self.beta)
         d = ops.sqrt(v / bc2) + eps
         return (m, v, product, t), _decay(self, x, cg * (dx / d) + cmom * (m / d))
 
@@ -204,10 +198,8 @@ class TorchRAdam(_TorchAdam):
     decoupled_decay: float = 0.0
 
     def apply(self, state, x, dx):
-        m, v, t = state
-        t = t + 1
+        m, v, t = _moments(x, dx, state, self.beta)
         b1, b2 = self.beta
-        m, v = _moments(x, dx, m, v, self.beta)
         bc1, bc2 = 1 - b1**t, 1 - b2**t
         rho_inf = 2 / (1 - b2) - 1
         rho = rho_inf - 2 * t * b2**t / bc2
@@ -252,10 +244,8 @@ class TorchAMSGrad(_TorchAdam):
     moments = 3  # and v̂
 
     def apply(self, state, x, dx):
-        m, v, vmax, t = state
-        t = t + 1
+        m, v, t = _moments(x, dx, state, self.beta)
         b1, b2 = self.beta
         clr, root_bc2, eps = cast(x, self.eta / (1 - b1**t), (1 - b2**t) ** 0.5, self.eps)
-        m, v = _moments(x, dx, m, v, self.beta)
-        vmax = ops.maximum(vmax, v)
+        vmax = ops.maximum(state[2], v)
         return (m, v, vmax, t), _decay(self, x, clr * m / (ops.sqrt(vmax) / root_bc2 + eps))

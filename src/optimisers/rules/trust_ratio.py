@@ -1,10 +1,5 @@
 """Layer-wise adaptive rules: a direction rescaled per parameter array by the trust ratio
-`‖x‖/‖u‖`, so each array moves by a fixed fraction of its own norm.
-
-The trust ratio couples every element of an array (its norms are over the whole array), so these
-rules are not elementwise: a parameter array is always stepped whole. The conventions every rule
-here follows are in `optimisers.rules`.
-"""
+`‖x‖/‖u‖`, so each array moves by a fixed fraction of its own norm (not elementwise)."""
 
 from __future__ import annotations
 

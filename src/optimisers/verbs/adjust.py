@@ -34,7 +34,8 @@ def _state_hint(tree) -> str:
     return "did you pass the model?"
 
 
-def _adjusted_rules(leaves, eta, hyper, name) -> dict[int, Rule]:
+def _adjusted_rules(tree, eta, hyper, name) -> tuple[list, dict[int, Rule]]:
+    leaves = _leaves_of(tree, name)
     if eta is not None:
         hyper = {"eta": eta, **hyper}
     if not hyper:
@@ -52,7 +53,7 @@ def _adjusted_rules(leaves, eta, hyper, name) -> dict[int, Rule]:
             f"{name}: no rule in this state has a hyperparameter {unknown[0]!r}; "
             f"valid names here: {', '.join(valid) or 'none'}"
         )
-    return rules
+    return leaves, rules
 
 
 @eager_under_compile
@@ -60,8 +61,7 @@ def adjust(tree, eta=None, **hyper):
     """A copy of the state (or part of it, or a Leaf) with hyperparameters changed and optimiser
     state kept: `adjust(state, 0.01)` sets the learning rate, `adjust(state, beta=(0.8, 0.99))`
     any named hyperparameter. A name that no rule in the tree has is an error."""
-    leaves = _leaves_of(tree, "adjust")
-    rules = _adjusted_rules(leaves, eta, hyper, "adjust")
+    _, rules = _adjusted_rules(tree, eta, hyper, "adjust")
 
     def fresh(leaf):
         rule = rules[id(leaf.rule)]
@@ -76,8 +76,7 @@ def adjust(tree, eta=None, **hyper):
 @eager_under_compile
 def adjust_(tree, eta=None, **hyper):
     """Like `adjust`, but changes the Leafs in place; returns `tree`."""
-    leaves = _leaves_of(tree, "adjust_")
-    rules = _adjusted_rules(leaves, eta, hyper, "adjust_")
+    leaves, rules = _adjusted_rules(tree, eta, hyper, "adjust_")
     for leaf in leaves:
         leaf.rule = rule = rules[id(leaf.rule)]
         if has_schedules(rule):  # a schedule needs a step count in the state

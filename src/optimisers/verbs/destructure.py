@@ -34,7 +34,10 @@ def destructure(model):
         total += math.prod(int(d) for d in x.shape)
 
     def rebuild(new_flat):
-        length = _length(new_flat)
+        shape = getattr(new_flat, "shape", None)
+        if shape is None or len(shape) != 1:
+            raise ValueError(f"rebuild expects a 1-D vector, got {type(new_flat).__name__} of shape {shape}")
+        length = int(shape[0])
         if length != total:
             raise ValueError(
                 f"rebuild expects a flat vector of length {total} (the model's trainable values), "
@@ -44,10 +47,3 @@ def destructure(model):
 
     rebuild.__doc__ = f"Rebuild the model from a flat vector of length {total}."
     return flat, rebuild
-
-
-def _length(v) -> int:
-    shape = getattr(v, "shape", None)
-    if shape is None or len(shape) != 1:
-        raise ValueError(f"rebuild expects a 1-D vector, got {type(v).__name__} of shape {shape}")
-    return int(shape[0])

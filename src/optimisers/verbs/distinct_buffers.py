@@ -14,18 +14,7 @@ def distinct_buffers(model):
     `State` then records what is tied), and donate the model that `distinct_buffers` returns: the
     update still treats the tied places as one parameter (the gradients of all places are summed,
     the rule runs once, every place gets the new value), and the jitted step returns one buffer per
-    place, so the loop can donate again on every step:
-
-        state = opt.setup(opt.Adam(1e-3), model)      # ties recorded here
-        model = opt.distinct_buffers(model)            # one buffer per place
-
-        @functools.partial(jax.jit, donate_argnums=(0, 1))
-        def train_step(state, model, batch):
-            grads = jax.grad(loss)(model, batch)
-            return opt.update(state, model, grads)
-
-        for batch in batches:
-            state, model = train_step(state, model, batch)
+    place, so the loop can donate again on every step (docs/tied-weights.md shows such a loop).
 
     A container that appears at several places is copied as well (its arrays are repeats). Arrays
     seen for the first time, and everything that is not an array, stay the same objects; the result

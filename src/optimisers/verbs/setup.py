@@ -55,7 +55,6 @@ def setup(rule, model) -> State:
     per_place = not isinstance(rule, Rule)
     built: dict[int, Any] = {}  # id(model node) -> its state sub-tree (None: nothing trainable)
     chosen: dict[int, tuple] = {}  # id(parameter) -> (its first path, the rule chosen there)
-    arrays: list[tuple[tuple, Any]] = []
     keys: dict[tuple, frozenset] = {}  # see State._keys
     made: list[tuple] = []  # (Leaf, rule, parameter, path), in the order of the walk
 
@@ -70,7 +69,6 @@ def setup(rule, model) -> State:
             chosen[key] = (path, r)
             result = Leaf(r, None)  # its state: below, with the others (`initial_states`)
             result._shape, result._owns = tuple(node.shape), True
-            arrays.append((path, node))
             made.append((result, r, node, path))
         else:
             kind = kind_of(node)
@@ -91,10 +89,10 @@ def setup(rule, model) -> State:
     tree = walked(build, model, ())
     for (leaf, *_), state in zip(made, initial_states([m[1:] for m in made])):
         leaf._state = state
-    _check_overlaps(arrays)
+    _check_overlaps([(path, x) for _, _, x, path in made])
     state = State(tree, keys)
-    if arrays and jax is not None:
-        jax.plan_flatten(state, arrays[0][1])
+    if made and jax is not None:
+        jax.plan_flatten(state, made[0][2])
     return state
 
 
@@ -104,7 +102,11 @@ def _confirm_rules(node, path, choose, chosen):
     if is_param(node):
         first_path, first = chosen[id(node)]
         again = choose(path, node)
-        if not _same_rule(again, first):
+        try:
+            same = again is first or bool(again == first)
+        except (TypeError, ValueError):  # a hyperparameter that is an array has no single truth value
+            same = False
+        if not same:
             raise ValueError(
                 f"the rule function chose {first!r} at {format_path(first_path)} and {again!r} at "
                 f"{format_path(path)}, places of one tied array, which has one optimiser state: "
@@ -115,15 +117,6 @@ def _confirm_rules(node, path, choose, chosen):
     if kind is not None:
         for k, child in trainable_children(node, kind):
             _confirm_rules(child, path + (k,), choose, chosen)
-
-
-def _same_rule(a, b) -> bool:
-    if a is b:
-        return True
-    try:
-        return bool(a == b)
-    except (TypeError, ValueError):  # a hyperparameter that is an array has no single truth value
-        return False
 
 
 def _check_overlaps(arrays):

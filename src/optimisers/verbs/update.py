@@ -1,11 +1,5 @@
-"""`update` (pure) and `update_` (in place): the engine steps, then the verb commits.
-
-An update runs in phases so that a failed call changes nothing: the engine
-(`optimisers.engine.execute`) checks every gradient and runs each Leaf's rule once on the sum of
-its contributions, in place for `update_`'s engine groups; then the commit (here) writes the
-other parameters (in place for `update_`) and rebuilds the model and state trees, giving every
-place of a Leaf the same new array and rebuilding each shared container once.
-"""
+"""`update` (pure) and `update_` (in place): the engine steps, then the verb commits, writing the
+parameters and rebuilding the model and state trees (the phases: docs/architecture.md)."""
 
 from __future__ import annotations
 
@@ -37,12 +31,6 @@ def update(state: State, model, *grads):
     """One optimisation step, pure: returns `(new_state, new_model)` and leaves the caller's state,
     model and gradients exactly as they were. Every trainable array of the result is new."""
     _check_args(state, grads, "update")
-    with lock(state):
-        return _update(state, model, grads)
-
-
-def _update(state: State, model, grads: tuple):
-    _, results = execute.out_of_place(state, model, grads[0], pure=True)
     values: dict[int, Any] = {}
 
     def place(leaf, x):
@@ -52,7 +40,9 @@ def _update(state: State, model, grads: tuple):
             values[key] = moved[1] if moved else ops.copy(x)
         return values[key]
 
-    return _next_state(state, results), rebuild(state.tree, model, place)
+    with lock(state):
+        _, results = execute.out_of_place(state, model, grads[0], pure=True)
+        return _next_state(state, results), rebuild(state.tree, model, place)
 
 
 def _next_state(state: State, results: dict) -> State:
@@ -80,19 +70,6 @@ def update_(state: State, model, *grads):
     parameter in place. Returns `(state, model)`; use the returned model, since immutable arrays
     (JAX) are replaced by new ones. Gives the same numbers as `update`, bit for bit."""
     _check_args(state, grads, "update_")
-    with lock(state):
-        return _update_(state, model, grads)
-
-
-def _update_(state: State, model, grads: tuple):
-    stepped_ = execute.in_place(state, model, grads[0])
-    if stepped_ is None:  # every parameter stepped in place, along the last step's route
-        return state, model
-    found, results, in_engine = stepped_
-    for key, (new_state, _) in results.items():
-        found[key].leaf.state = new_state
-    if all(step is None for _, step in results.values()):
-        return state, model  # every parameter was stepped in place (or not at all)
     written: dict[int, Any] = {}  # id(leaf) -> the first updated array, which holds the new value
 
     def place(leaf, x):
@@ -117,7 +94,16 @@ def _update_(state: State, model, grads: tuple):
         written[id(leaf)] = new
         return new
 
-    return state, rebuild(state.tree, model, place)
+    with lock(state):
+        stepped_ = execute.in_place(state, model, grads[0])
+        if stepped_ is None:  # every parameter stepped in place, along the last step's route
+            return state, model
+        found, results, in_engine = stepped_
+        for key, (new_state, _) in results.items():
+            found[key].leaf.state = new_state
+        if all(step is None for _, step in results.values()):
+            return state, model  # every parameter was stepped in place (or not at all)
+        return state, rebuild(state.tree, model, place)
 
 
 def rebuild(tree, model, place):
