@@ -14,6 +14,7 @@ import numpy as np
 from optimisers import ops
 from optimisers.backends import numpy_kernels
 from optimisers.backends.ranges import ByteRanges
+from optimisers.backends.scalar import cond as cond  # (the same on every backend but JAX)
 
 # --- how the update treats NumPy (see optimisers.backends.protocol) ---------------------------
 
@@ -35,7 +36,7 @@ def fit_as_they_are(gs, xs, dtype, device):
 
 def addresses(xs) -> list:
     found = numpy_kernels.data_pointers(xs) if type(xs) is list else None
-    return found if found is not None else [x.__array_interface__["data"][0] for x in xs]
+    return found if found is not None else list(map(_pointer, xs))
 
 
 def flat_span(xs):
@@ -67,12 +68,11 @@ def repeat_each(values, counts):
 
 def snapshot(xs, gs):
     """What a later step's kernels rely on in the parameters `xs` and their gradients `gs` (`gs[i]`
-    the gradient of `xs[i]`; any further ones, a tied parameter's others; none to check the
-    parameters alone), for `unchanged`; None where they cannot be
-    stepped in place as they are: an item that is not exactly an ndarray, a parameter that is not
-    writable or shares a byte with another, a gradient whose strides are not aligned. Read in
-    compiled passes over the arrays' headers where numba reads them (`numpy_kernels.Snapshot`),
-    else with NumPy's public attributes."""
+    the gradient of `xs[i]`; any further ones, a tied parameter's others), for `unchanged`; None
+    where they cannot be stepped in place as they are: an item that is not exactly an ndarray, a
+    parameter that is not writable or shares a byte with another, a gradient whose strides are
+    not aligned. Read by numba from the arrays' headers where it can, else from NumPy's
+    attributes."""
     xs, gs = list(xs), list(gs)
     if numpy_kernels.reads_headers():
         return numpy_kernels.snapshot(xs, gs)
@@ -80,12 +80,10 @@ def snapshot(xs, gs):
 
 
 def unchanged(token, xs, gs) -> bool:
-    """Can the parameters `xs` and gradients `gs` of a later step be stepped exactly as those of
-    `snapshot` (`token`)? True only where each `xs[i]` is the same object, with the same data
-    pointer, shape, strides, dtype and flags (writable among them), and each `gs[i]` is exactly an
-    ndarray (a new one is fine) with the dtype, shape and strides of the gradient at the
-    snapshot, its data pointer aligned and none of its bytes a parameter's (compared as address
-    ranges: through any buffer, whatever owns it)."""
+    """Can `xs` and `gs` of a later step be stepped exactly as those of `snapshot` (`token`)? The
+    same parameter objects with the same data pointer, shape, strides, dtype and flags; gradients
+    exactly ndarrays (new ones are fine) of the snapshot's dtype, shape and strides, aligned, with
+    no byte a parameter's (address ranges: whatever owns the memory)."""
     return token is not None and token.still(xs, gs)
 
 
@@ -486,10 +484,6 @@ def same_values(x, y):
 
 def all_finite(x):
     return np.all(np.isfinite(x))
-
-
-def cond(predicate, if_true, if_false):
-    return if_true() if predicate else if_false()
 
 
 def astype(x, like):

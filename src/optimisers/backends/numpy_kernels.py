@@ -1,17 +1,9 @@
-"""NumPy's own kernels for the engine, compiled by numba where it is installed (optional).
+"""NumPy's own Adam/AdamW kernel for the engine, compiled by numba where it is installed.
 
-A NumPy Adam step written with ufuncs makes about a dozen passes over memory (each operation
-reads its inputs and writes a temporary); the loop below makes one, on every core, and so runs
-at about the memory's bandwidth (`benchmarks/run.py`: 1M float32 elements in ~1 ms against
-~11 ms for the ufuncs). It computes each element with the very operations, in the very order and
-dtype, of the library's `Adam` and `AdamW` (`optimisers.rules.adam`), without fused multiply-adds
-or reassociation (numba's default), so it gives the ufuncs' results bit for bit; the tests check
-it against the per-Leaf path. float16 and bfloat16 (computed in float32 by the engine) keep the
-ufunc path.
-
-Without numba (or with `OPTIMISERS_NUMBA=0` in the environment) NumPy has no kernels and the
-engine's chunks run the rules' own maths. numba compiles a kernel the first time a group uses it
-(about a second, kept on disk for the next process).
+One pass over memory instead of a ufunc step's dozen, computing each element with the very
+operations, order and dtype of `optimisers.rules.adam` (no fused multiply-adds), so bit for bit
+the ufuncs' results (docs/backends.md, "Speed"). Without numba, or with `OPTIMISERS_NUMBA=0`,
+NumPy has no kernels; float16 and bfloat16 keep the ufunc path.
 """
 
 from __future__ import annotations
@@ -24,11 +16,10 @@ import os
 import platform
 import queue
 import threading
-from collections.abc import Callable
-from typing import NamedTuple
 
 import numpy as np
 
+from optimisers.backends.protocol import FastPath
 from optimisers.backends.ranges import ByteRanges
 
 AVAILABLE = os.environ.get("OPTIMISERS_NUMBA", "1") != "0" and importlib.util.find_spec("numba") is not None
@@ -163,7 +154,7 @@ def _blocks(dtype, lists):
     lists = [a if type(a) is list else list(a) for a in lists]
     n = len(lists[0])
     out = np.empty((5, n), np.int64)
-    found = reader.blocks_in(np.array([id(a) for a in lists], np.int64), _NDARRAY, id(dtype),
+    found = reader.blocks(np.array([id(a) for a in lists], np.int64), _NDARRAY, id(dtype),
                              np.empty((4, n), np.int64), out)
     return (out[:4], out[4]) if found else None
 
@@ -178,17 +169,8 @@ def list_reader():
     return None if reader is None else reader.same_items
 
 
-def _no_apply(args, state, x, dx):
-    """One parameter on the per-Leaf path: the rule's own maths (None)."""
-    return None
-
-
-class _FastPath(NamedTuple):
-    apply: Callable  # (args, state, x, dx) -> None: the per-Leaf path keeps the rule's maths
-    step_many: Callable  # (args, xs, dxs, *state parts, t) -> whether it stepped them
-
-
-FAST_PATHS = {"adam": _FastPath(_no_apply, _adam_step_many)} if AVAILABLE else {}
+# (one parameter on the per-Leaf path keeps the rule's own maths: no `apply`)
+FAST_PATHS = {"adam": FastPath(lambda args, state, x, dx: None, _adam_step_many)} if AVAILABLE else {}
 
 
 @functools.cache

@@ -27,9 +27,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 Array = Any
+
+
+class FastPath(NamedTuple):
+    """A backend's own kernel for a rule, as `optimisers.engine.fused` calls it."""
+
+    apply: Callable  # (args, state, x, dx) -> (new state, NewValue), or None: the rule's own maths
+    step_many: Callable  # (args, xs, dxs, *state parts, t) -> whether it stepped them
 
 
 @runtime_checkable
@@ -133,9 +140,7 @@ class Parameters(Protocol):
 
     SHARE_SCALAR_STATE: bool  # one step count per group of leaves (JAX: fewer traced values)
     IN_PLACE_ENGINE: bool  # whether this module is also an InPlaceEngine
-    # A backend's own kernels for some rules, by name ("adam": see optimisers.engine.fused,
-    # which maps rules to these names and arguments); empty where there are none.
-    FAST_PATHS: Mapping[str, Callable]
+    FAST_PATHS: Mapping[str, FastPath]  # own kernels for some rules, by name ("adam"); may be empty
 
 
 @runtime_checkable

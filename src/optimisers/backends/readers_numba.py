@@ -73,12 +73,24 @@ def _alike(a, x, nd):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True)
-def blocks(addresses, descr, out) -> bool:  # pragma: no cover - compiled
-    """For the arrays at `addresses[:, i]` (a parameter, its gradient, its two moments): their data
-    pointers in `out[:4, i]` and the parameter's size in `out[4, i]`. True where each is of the
-    dtype `descr`, fills one aligned block of memory, the gradient is laid out as the parameter,
-    each moment too or 1-D of its size, and the parameter and moments are writable."""
-    for i in range(addresses.shape[1]):
+def blocks(lists, ndarray, descr, addresses, out) -> bool:  # pragma: no cover - compiled
+    """For the arrays held by the 4 lists at `lists` (parameters, gradients, first and second
+    moments), each of `addresses.shape[1]` items: their addresses in `addresses`, their data
+    pointers in `out[:4, i]` and the parameter's size in `out[4, i]`. True where each is exactly
+    an ndarray (of the type at `ndarray`) of the dtype `descr` and fills one aligned block of
+    memory, the gradient is laid out as the parameter, each moment too or 1-D of its size, and
+    the parameter and moments are writable."""
+    n = addresses.shape[1]
+    for j in range(4):
+        if _word(lists[j] + _LENGTH) != n:
+            return False
+        items = _word(lists[j] + _ITEMS)
+        for i in range(n):
+            a = _word(items + 8 * i)
+            if _word(a + _TYPE) != ndarray:
+                return False
+            addresses[j, i] = a
+    for i in range(n):
         x = addresses[0, i]
         nd = _word(x + _ND) & _INT
         size, dims = 1, _word(x + _DIMS)
@@ -96,23 +108,6 @@ def blocks(addresses, descr, out) -> bool:  # pragma: no cover - compiled
             out[j, i] = _word(a + _DATA)
         out[4, i] = size
     return True
-
-
-@numba.njit(cache=True)
-def blocks_in(lists, ndarray, descr, addresses, out) -> bool:  # pragma: no cover - compiled
-    """`blocks` of the arrays held by the 4 lists at `lists`, each of `addresses.shape[1]` items,
-    each exactly an ndarray (of the type at `ndarray`); their addresses go to `addresses`."""
-    n = addresses.shape[1]
-    for j in range(4):
-        if _word(lists[j] + _LENGTH) != n:
-            return False
-        items = _word(lists[j] + _ITEMS)
-        for i in range(n):
-            a = _word(items + 8 * i)
-            if _word(a + _TYPE) != ndarray:
-                return False
-            addresses[j, i] = a
-    return blocks(addresses, descr, out)
 
 
 @numba.njit(cache=True)

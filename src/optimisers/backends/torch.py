@@ -1,16 +1,8 @@
-"""PyTorch tensors and `torch.nn.Module`s.
+"""PyTorch tensors and `torch.nn.Module`s (imported when a model first holds a torch object).
 
-Imported only when the user's model holds torch objects (`optimisers.core.dispatch` looks it up
-from a tensor's type, and for `nn.Module`s only when torch is already in `sys.modules`).
-
-Conventions that differ from NumPy:
-- hyperparameters are Python floats (complex for complex tensors): torch kernels keep the tensor's
-  dtype for a Python scalar, whereas a 0-d tensor of another dtype could promote it;
-- in-place writes run under `torch.no_grad()`, so parameters stay leaves with `requires_grad` and
-  their `.grad` is untouched, exactly as with `torch.optim`;
-- pure results of a parameter are new leaves with the same `requires_grad` (an `nn.Parameter` for
-  an `nn.Parameter`), so the next forward/backward works on them directly;
-- `flatten` / `unflatten_one` stay on the autograd graph, so `destructure` is differentiable.
+Hyperparameters are Python floats (complex for complex tensors): torch keeps the tensor's dtype
+for a Python scalar, where a 0-d tensor of another dtype could promote it. In-place writes run
+under `torch.no_grad()`; pure results are new leaves with the parameter's `requires_grad`.
 """
 
 from __future__ import annotations
@@ -30,7 +22,9 @@ from torch import nn
 from optimisers import ops
 from optimisers.backends import numpy as _numpy
 from optimisers.backends.objects import SameObjects
+from optimisers.backends.protocol import FastPath
 from optimisers.backends.ranges import ByteRanges
+from optimisers.backends.scalar import cond as cond  # (the same on every backend but JAX)
 from optimisers.core import eager
 from optimisers.core.rule import NewValue
 from optimisers.core.state import flatten_state
@@ -85,16 +79,20 @@ def _local(x):
     return x
 
 
+def _extent(x) -> int:
+    """The bytes `x`'s elements span from its first (0 for an empty one): torch strides are never
+    negative, so the last element is at sum((size - 1) * stride)."""
+    if not x.numel():
+        return 0
+    return (builtins.sum((n - 1) * s for n, s in zip(x.shape, x.stride())) + 1) * x.element_size()
+
+
 def memory_span(x):
     """(start, stop) byte addresses of the elements `x` may touch (a DTensor: its local shard)."""
     x = _local(x)
     if x.numel() == 0 or x.is_meta:  # meta tensors (shape-only models) have no memory at all
         return 0, 0
-    item = x.element_size()
-    start = x.data_ptr()
-    # torch strides are never negative, so the last element is at sum((size - 1) * stride)
-    last = builtins.sum((n - 1) * s for n, s in zip(x.shape, x.stride()))
-    return start, start + (last + 1) * item
+    return x.data_ptr(), x.data_ptr() + _extent(x)
 
 
 def _storage_ptr(x) -> int:
@@ -102,10 +100,9 @@ def _storage_ptr(x) -> int:
 
 
 def memory_owners(tensors) -> list:
-    """What owns the memory of each tensor (its storage): tensors with different owners never
-    overlap, unless two storages were made over one memory (`from_blob`): the checks that must
-    hold whatever the storage compare byte ranges (`unchanged`, `ranges.ByteRanges`)."""
-    return [(x if type(x) in _PLAIN_TYPES else _local(x)).untyped_storage().data_ptr() for x in tensors]
+    """What owns the memory of each tensor (its storage); two storages may be made over one
+    memory (`from_blob`), so the checks that must hold whatever the storage compare byte ranges."""
+    return [_storage_ptr(x if type(x) in _PLAIN_TYPES else _local(x)) for x in tensors]
 
 
 def shares_memory(x, y) -> bool:
@@ -231,15 +228,6 @@ def repeat_each(values, counts):
         return torch.repeat_interleave(values, torch.tensor(counts, device=values.device))
 
 
-def _reach(xs) -> list:
-    """The bytes each tensor's elements span from its first (0 for an empty one)."""
-    return [
-        (builtins.sum((n - 1) * s for n, s in zip(x.shape, x.stride())) + 1) * x.element_size()
-        if x.numel() else 0
-        for x in xs
-    ]
-
-
 class _Snapshot(NamedTuple):
     same: SameObjects  # the parameters, by identity
     guard: Callable  # type, dtype, device, layout, shape, strides, requires_grad of every tensor
@@ -258,9 +246,9 @@ def snapshot(xs, gs):
     if not all(map(engine_ok, xs)) or any(g.requires_grad for g in gs):
         return None
     where = addresses(xs)
-    spans = ByteRanges(where, np.add(where, _reach(xs)))
+    spans = ByteRanges(where, np.add(where, list(map(_extent, xs))))
     token = _Snapshot(SameObjects(xs), (_tensor_guard() or _attribute_guard)([*xs, *gs]), where, spans,
-                      np.asarray(_reach(gs), np.int64), [None])
+                      np.fromiter(map(_extent, gs), np.int64, len(gs)), [None])
     return token if _apart(token, gs) else None
 
 
@@ -272,12 +260,9 @@ def _apart(token, gs) -> bool:
 
 
 def unchanged(token, xs, gs) -> bool:
-    """Can `xs` and `gs` (lists) be stepped as the ones of `snapshot` were? The same parameter
-    objects at the same data pointers; every tensor of the same type, dtype, device, layout,
-    shape, strides and requires_grad (torch's tensor guard: a `.data` swap, `t_()`, `.to()`,
-    `requires_grad_(False)` or an inference tensor all differ); no gradient reaching into a
-    parameter's memory, whichever storage it belongs to. Public APIs only: one guard call and a
-    data pointer per tensor."""
+    """Can `xs` and `gs` (lists) be stepped as the ones of `snapshot` were? (docs/architecture.md:
+    "What each kernel relies on": a `.data` swap, `t_()`, `.to()`, `requires_grad_(False)` or an
+    inference tensor all differ.)"""
     if not (token.same(xs) and token.guard([*xs, *gs]) and addresses(xs) == token.where):
         return False
     return _apart(token, gs)
@@ -318,7 +303,6 @@ def _attributes(ts) -> list:
 
 
 def _attribute_guard(ts):
-    """`_tensor_guard`'s check, by reading each tensor's attributes (where torch has no guard)."""
     expected = _attributes(ts)
     return lambda ys: _attributes(ys) == expected
 
@@ -429,23 +413,9 @@ _SMALL = 1 << 15  # elements (torch's grain size)
 
 def _fused_call(kernel, args, t, xs, dxs, ms, vs):
     steps = [torch.tensor(float(t), dtype=torch.float32, device=xs[0].device)] * len(xs)
-    kernel(
-        xs,
-        dxs,
-        ms,
-        vs,
-        [],
-        steps,
-        amsgrad=False,
-        lr=args.lr,
-        beta1=args.beta1,
-        beta2=args.beta2,
-        weight_decay=args.weight_decay,
-        eps=args.epsilon,
-        maximize=False,
-        grad_scale=None,
-        found_inf=None,
-    )
+    kernel(xs, dxs, ms, vs, [], steps, lr=args.lr, beta1=args.beta1, beta2=args.beta2,
+           weight_decay=args.weight_decay, eps=args.epsilon,
+           amsgrad=False, maximize=False, grad_scale=None, found_inf=None)
 
 
 def _adam_apply(args, state, x, dx):
@@ -520,13 +490,7 @@ def _adam_step_many(args, xs, dxs, ms, vs, t) -> bool:
     return True
 
 
-class _FastPath(NamedTuple):
-    apply: Callable  # (args, state, x, dx) -> (new state, NewValue) or None
-    step_many: Callable  # (args, xs, dxs, *state parts, t) -> whether it stepped them
-
-
-# torch's fused kernels, named for optimisers.engine.fused
-FAST_PATHS = {"adam": _FastPath(_adam_apply, _adam_step_many)}
+FAST_PATHS = {"adam": FastPath(_adam_apply, _adam_step_many)}
 
 
 def concat(tensors):
@@ -686,10 +650,6 @@ def same_values(x, y):
 
 def all_finite(x):
     return torch.isfinite(x).all()
-
-
-def cond(predicate, if_true, if_false):
-    return if_true() if predicate else if_false()
 
 
 def astype(x, like):
