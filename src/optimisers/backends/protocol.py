@@ -1,26 +1,10 @@
 """The written contract of a backend: what each layer of the library asks of an array library.
 
-A backend is a module of functions (`optimisers.backends.numpy`, `.torch`, `.jax`; `.scalar` for
-Python numbers), registered with the core in `optimisers/backends/__init__.py`. Each class here is
-what one layer needs of it:
-
-- `Maths`: rules, through `optimisers.ops`; every backend has it, the scalar one included.
-  `ArrayMaths`: the rest of `ops`, which Python numbers lack (values of a shape, matrix maths).
-- `ScheduleMaths`: `optimisers.schedules` (a step may be a Python int).
-- `TreeWalk`: `optimisers.core.tree`, which values are arrays and parameters, and containers.
-- `HostTransfer`: `optimisers.checkpoints`, arrays to and from the host as NumPy arrays.
-- `Parameters`: `optimisers.verbs`, writing parameters and how an update treats the library.
-- `Backend`: all of these, an array library; `scalar` is `ScheduleMaths` only.
-- `InPlaceEngine`: `optimisers.engine`, many parameters stepped in place through flat chunks
-  (NumPy and PyTorch: JAX arrays are immutable, so JAX sets `IN_PLACE_ENGINE = False`).
-- `PytreeState`: `optimisers.verbs.setup`, where a State is a pytree of the library (JAX).
-
-`tests/test_backend_protocol.py` checks every backend against the classes it serves: each name must
-be there, and each function must take the parameters named here.
-
-A new backend is one module that defines these names, plus one `dispatch.register` line in
-`optimisers/backends/__init__.py`. A new array operation for rules is one function in
-`optimisers.ops` and one function of that name in each backend, listed in `Maths` or `ArrayMaths`.
+A backend is a module of functions, registered with the core in `optimisers/backends/__init__.py`;
+each class here is what one layer needs of it (`Backend`: every layer but the engine;
+`InPlaceEngine`: NumPy and PyTorch, whose arrays can be written in place; `PytreeState`: JAX).
+`tests/test_backend_protocol.py` checks every backend against the classes it serves, names and
+parameters. docs/architecture.md, "Adding a backend", says how to add one.
 """
 
 from __future__ import annotations

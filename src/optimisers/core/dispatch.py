@@ -20,20 +20,17 @@ _SCALAR_MODULE = ""  # the module for Python numbers
 _BY_TYPE: dict[type, ModuleType] = {}
 
 
-def register(libraries: str | tuple[str, ...], module: str, *, fallback: bool = False) -> None:
-    """Serve values whose type comes from `libraries` with the backend module named `module`."""
-    global _FALLBACK
+def register(libraries: str | tuple[str, ...], module: str, *, fallback: bool = False,
+             scalars: bool = False) -> None:
+    """Serve values whose type comes from `libraries` with the backend module named `module`
+    (`fallback`: also types of no registered library; `scalars`: Python numbers)."""
+    global _FALLBACK, _SCALAR_MODULE
     for library in (libraries,) if isinstance(libraries, str) else libraries:
         _MODULE_OF_LIBRARY[library] = module
     if fallback:
         _FALLBACK = module
-    _BY_TYPE.clear()
-
-
-def register_scalars(module: str) -> None:
-    """Serve Python numbers (bool, int, float, complex) with the backend module named `module`."""
-    global _SCALAR_MODULE
-    _SCALAR_MODULE = module
+    if scalars:
+        _SCALAR_MODULE = module
     _BY_TYPE.clear()
 
 
