@@ -151,6 +151,7 @@ try:  # NumPy >= 2
     from numpy.lib.array_utils import byte_bounds as _byte_bounds
 except ImportError:  # pragma: no cover - NumPy 1.x
     _byte_bounds = np.byte_bounds
+memory_span = _byte_bounds  # (start, stop) byte addresses of the memory an array may touch
 
 _FLOAT16 = np.dtype(np.float16)
 
@@ -171,11 +172,6 @@ def is_array(x) -> bool:
 
 def writable(x) -> bool:
     return bool(x.flags.writeable)
-
-
-def memory_span(x):
-    """(start, stop) byte addresses of the memory `x` may touch."""
-    return _byte_bounds(x)
 
 
 def memory_owners(arrays) -> list:
@@ -232,8 +228,6 @@ ENGINE_THREADS = True  # ufuncs release the GIL, so chunks run on all cores
 # adaptive scheme grows them to (32 MiB, and twice that for trimming) keeps freed temporaries for
 # reuse (`optimisers bench` shows the difference: `OPTIMISERS_MALLOC=default` keeps glibc's). A
 # lower mmap threshold would hurt: allocations above it are page-faulted on every use.
-MMAP_THRESHOLD = 32 << 20
-TRIM_THRESHOLD = 64 << 20
 _allocator_tuned = False
 
 
@@ -250,8 +244,8 @@ def engine_start() -> None:
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):  # pragma: no cover - a glibc without mallopt
         return
-    mallopt(-3, MMAP_THRESHOLD)  # M_MMAP_THRESHOLD
-    mallopt(-1, TRIM_THRESHOLD)  # M_TRIM_THRESHOLD
+    mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD
+    mallopt(-1, 64 << 20)  # M_TRIM_THRESHOLD
 
 
 def raises_on_values() -> bool:

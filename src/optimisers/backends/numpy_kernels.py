@@ -31,12 +31,10 @@ _LIKE = {dtype: np.empty(0, dtype) for dtype in _DTYPES}  # (one compiled kernel
 
 
 def _adam_step_many(args, xs, dxs, ms, vs, t) -> bool:
-    """Adam or AdamW steps in place (`t` counts this step) of parameters `xs` that each fill one
-    block of memory, their gradients `dxs` laid out alike and their moments `ms`, `vs` 1-D in
-    that order. Each array is found by its header's data pointer (`_blocks`), so all the small
-    ones step in one call and nothing is copied; the step's elements are cut into equal shares, one
-    per thread (`_run`). False where the kernel cannot take them (another dtype, an array that is
-    not one block)."""
+    """Adam or AdamW steps in place (`t` counts this step) of parameters `xs`, gradients `dxs` and
+    moments `ms`, `vs`, each array found by its header's data pointer (`_blocks`) and the step's
+    elements cut into equal shares, one per thread (`_run`). False where the kernel cannot take
+    them (another dtype, an array that is not one block)."""
     dtype = xs[0].dtype
     blocks = _blocks(dtype, (xs, dxs, ms, vs)) if dtype in _DTYPES else None
     if blocks is None:
@@ -155,7 +153,7 @@ def _blocks(dtype, lists):
     n = len(lists[0])
     out = np.empty((5, n), np.int64)
     found = reader.blocks(np.array([id(a) for a in lists], np.int64), _NDARRAY, id(dtype),
-                             np.empty((4, n), np.int64), out)
+                          np.empty((4, n), np.int64), out)
     return (out[:4], out[4]) if found else None
 
 
@@ -266,10 +264,7 @@ def reads_headers() -> bool:
 
 
 def snapshot(xs, gs):
-    """A `Snapshot` of the lists `xs` and `gs` (one length, every item exactly an ndarray, each
-    parameter writable), read in compiled passes; None where numba does not read them, or the
-    parameters overlap one another or are not writable, or a gradient's strides are not
-    aligned."""
+    """`numpy.snapshot`, read in compiled passes; None also where numba does not read them."""
     reader = _reader()
     if reader is None:
         return None
@@ -278,7 +273,7 @@ def snapshot(xs, gs):
     if g is None:
         return None
     (x_rows, x_shapes, x_reach, x_dtypes), (g_rows, g_shapes, g_reach, g_dtypes) = x, g
-    if not (x_rows[:, 4] & _WRITEABLE).all() or (g_reach[:, 3] == 0).any():
+    if not (x_rows[:, 4] & reader._WRITEABLE).all() or (g_reach[:, 3] == 0).any():
         return None
     params = ByteRanges(x_rows[:, 1] + x_reach[:, 0], x_rows[:, 1] + x_reach[:, 1])
     if params.overlap_one_another():
@@ -286,9 +281,6 @@ def snapshot(xs, gs):
     reach = np.ascontiguousarray(g_reach[:, :3])
     args = (x_rows, x_shapes, g_rows, g_shapes, reach, params.starts, params.ends)
     return Snapshot(list(xs), (x_dtypes, g_dtypes), args)
-
-
-_WRITEABLE = 0x400  # NumPy's flag (ndarraytypes.h)
 
 
 # the dtypes whose descr `readers_numba.layouts` knows (kept: their addresses stay theirs), with

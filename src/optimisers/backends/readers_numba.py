@@ -1,15 +1,9 @@
-"""Readers of many objects in one call, compiled by numba (imported only where numba is installed,
-at the first read): NumPy's array headers (`optimisers.backends.numpy_kernels`: `blocks`,
-`layouts` and `still` for `optimisers.backends.numpy.snapshot` and `unchanged`) and Python lists
-(`optimisers.backends.objects`).
-
-It reads the fields of NumPy's `PyArrayObject_fields` at their places in NumPy's public ABI (the
-header `ndarraytypes.h`; compiled extensions read them with `PyArray_DATA`, `PyArray_DIMS` & co.),
-given each array's address, which CPython's `id` is, a list's length and item pointers where
-CPython's `PyListObject` has them (`listobject.h`). Before anything here reads an object, its
-caller checks every offset it reads with ctypes against Python's own answers on samples
-(`numpy_kernels._offsets_agree`, which follows no pointer before the fields beside it agree).
-None of these release the GIL: the objects they read cannot change while they do.
+"""Readers of many objects in one call, compiled by numba (imported where numba is installed):
+NumPy's array headers (`PyArrayObject_fields` at their places in NumPy's public ABI,
+`ndarraytypes.h`) and CPython's lists (`listobject.h`), found by address (CPython's `id`). Every
+offset read here is first checked with ctypes against Python's own answers on samples
+(`numpy_kernels._offsets_agree`). None of these release the GIL: the objects they read cannot
+change while they do.
 """
 
 from __future__ import annotations

@@ -183,7 +183,7 @@ def engine_ok(x) -> bool:
     return (
         isinstance(x, torch.Tensor)
         and x.layout is torch.strided
-        and (x.is_contiguous() or _dense(x))  # channels_last, transposed: stepped in memory order
+        and (x.is_contiguous() or _numpy.dense(x.shape, x.stride(), 1))  # channels_last, transposed
         and x.dim() > 0
         and x.numel() > 0
         and not x.is_inference()
@@ -361,10 +361,8 @@ def shaped_in(flat, shape, order):
 
 
 def laid_out_like(t, x):
-    """`t`, or a copy of it, with the strides of dense `x`. torch's fused kernels walk every
-    tensor of a step in memory order, so the gradient and moments must be laid out as the
-    parameter is, or one element's step would use another's gradient (a channels_last weight
-    with a contiguous gradient); the update engine's chunks read them in memory order too."""
+    """`t`, or a copy of it, with the strides of dense `x`: the fused kernels and the engine's
+    chunks walk a step's tensors in memory order (docs/backends.md, "Memory layouts")."""
     if t.stride() == x.stride():
         return t
     with torch.no_grad():
@@ -375,9 +373,8 @@ _FUSED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
 def _fused_kernel(args, x):
-    """torch's fused Adam or AdamW kernel for `x`, or None where it has none. For float16 and
-    bfloat16 it computes in float32 and stores in the parameter's dtype, as every update does
-    (see `optimisers.engine.precision`)."""
+    """torch's fused Adam or AdamW kernel for `x` (float16 and bfloat16: computed in float32, as
+    every update does), or None where it has none."""
     if x.dtype not in _FUSED_DTYPES or x.device.type not in ("cpu", "cuda"):
         return None
     return torch._fused_adamw_ if args.decoupled else torch._fused_adam_
@@ -386,7 +383,13 @@ def _fused_kernel(args, x):
 def _run_fused(kernel, args, xs, dxs, ms, vs, t):
     """One fused step on lists of tensors, in place; `t` counts steps including this one. On
     the CPU, small tensors step on one thread (`_SMALL`)."""
-    run = functools.partial(_fused_call, kernel, args, t)
+
+    def run(xs, dxs, ms, vs):
+        steps = [torch.tensor(float(t), dtype=torch.float32, device=xs[0].device)] * len(xs)
+        kernel(xs, dxs, ms, vs, [], steps, lr=args.lr, beta1=args.beta1, beta2=args.beta2,
+               weight_decay=args.weight_decay, eps=args.epsilon,
+               amsgrad=False, maximize=False, grad_scale=None, found_inf=None)
+
     if xs[0].device.type != "cpu" or torch.get_num_threads() == 1:
         return run(xs, dxs, ms, vs)
     sizes = list(map(torch.Tensor.numel, xs))
@@ -411,13 +414,6 @@ def _run_fused(kernel, args, xs, dxs, ms, vs, t):
 _SMALL = 1 << 15  # elements (torch's grain size)
 
 
-def _fused_call(kernel, args, t, xs, dxs, ms, vs):
-    steps = [torch.tensor(float(t), dtype=torch.float32, device=xs[0].device)] * len(xs)
-    kernel(xs, dxs, ms, vs, [], steps, lr=args.lr, beta1=args.beta1, beta2=args.beta2,
-           weight_decay=args.weight_decay, eps=args.epsilon,
-           amsgrad=False, maximize=False, grad_scale=None, found_inf=None)
-
-
 def _adam_apply(args, state, x, dx):
     """An Adam step `(m, v, t)` -> `(new state, NewValue)` through torch's fused kernel on
     copies, or None where it has none. Both the pure and the in-place update use the kernel, so
@@ -439,7 +435,7 @@ def _adam_apply(args, state, x, dx):
         x, m, v = x.detach().clone(), m.clone(), v.clone()
         # elementwise: the kernel steps each process's shards of a DTensor
         x_, dx_, m_, v_ = (a.to_local() for a in (x, dx, m, v)) if sharded else (x, dx, m, v)
-        if not _dense(x_):
+        if not _numpy.dense(x_.shape, x_.stride(), 1):
             return None  # (a clone is dense; a DTensor's local shard might not be)
         m_kernel, v_kernel = laid_out_like(m_, x_), laid_out_like(v_, x_)
         _run_fused(found, args, [x_], [laid_out_like(dx_, x_)], [m_kernel], [v_kernel], t + 1)
@@ -447,12 +443,6 @@ def _adam_apply(args, state, x, dx):
             if used is not mine:
                 mine.copy_(used)
     return (m, v, t + 1), NewValue(x)
-
-
-def _dense(x) -> bool:
-    """Do `x`'s elements fill its memory without gaps or overlaps, in some order of its
-    dimensions (contiguous, channels_last, a transposed matrix)?"""
-    return _numpy.dense(x.shape, x.stride(), 1)
 
 
 def _check_sharded_state(state, x):
