@@ -311,8 +311,7 @@ def numel(x) -> int:
     return x.size
 
 
-def concat(arrays):
-    return np.concatenate(arrays)
+concat = np.concatenate
 
 
 def empty_flat(n, like):
@@ -364,14 +363,7 @@ def epsilon(value, like):
     return real.type(value)
 
 
-def zeros_like(x):
-    return np.zeros_like(x)
-
-
-def full_like(x, value):
-    return np.full_like(x, value)
-
-
+zeros_like, full_like = np.zeros_like, np.full_like
 sqrt = np.sqrt
 abs = np.abs  # noqa: A001
 sign = np.sign
@@ -525,12 +517,7 @@ def is_integer(x):
     return bool(np.issubdtype(np.asarray(x).dtype, np.integer))
 
 
-def as_integer(x):
-    return np.int64(x)
-
-
-def as_real(x):
-    return np.float64(x)
+as_integer, as_real = np.int64, np.float64
 
 
 def real_scalar(value, like):
