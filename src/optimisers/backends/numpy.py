@@ -13,14 +13,15 @@ import numpy as np
 
 from optimisers import ops
 from optimisers.backends import numpy_kernels
+from optimisers.backends import scalar as _scalar
 from optimisers.backends.ranges import ByteRanges
-from optimisers.backends.scalar import cond as cond  # (the same on every backend but JAX)
 
 # --- how the update treats NumPy (see optimisers.backends.protocol) ---------------------------
 
 no_grad = contextlib.nullcontext  # no autograd
 SHARE_SCALAR_STATE = False
 IN_PLACE_ENGINE = True
+cond, is_traced = _scalar.cond, _scalar.is_traced  # as for Python numbers (not as JAX)
 # Adam/AdamW compiled by numba where it is installed; else none: the engine's chunks are NumPy's
 # fast path
 FAST_PATHS = numpy_kernels.FAST_PATHS
@@ -540,10 +541,6 @@ def dtype_name(x):
     if isinstance(x, type) and issubclass(x, np.generic):  # np.float32, ml_dtypes.bfloat16
         return np.dtype(x).name
     return None
-
-
-def is_traced(x):
-    return False
 
 
 def to_host_bits(x):

@@ -41,6 +41,10 @@ def cond(predicate, if_true, if_false):
     return if_true() if predicate else if_false()
 
 
+def is_traced(x):  # (NumPy's and torch's values are never traced either)
+    return False
+
+
 def scalar(value, like):
     return type(like)(value)
 

@@ -21,10 +21,10 @@ from torch import nn
 
 from optimisers import ops
 from optimisers.backends import numpy as _numpy
+from optimisers.backends import scalar as _scalar
 from optimisers.backends.objects import SameObjects
 from optimisers.backends.protocol import FastPath
 from optimisers.backends.ranges import ByteRanges
-from optimisers.backends.scalar import cond as cond  # (the same on every backend but JAX)
 from optimisers.core import eager
 from optimisers.core.rule import NewValue
 from optimisers.core.state import flatten_state
@@ -120,6 +120,7 @@ def shares_memory(x, y) -> bool:
 no_grad = torch.no_grad
 SHARE_SCALAR_STATE = False
 IN_PLACE_ENGINE = True
+cond, is_traced = _scalar.cond, _scalar.is_traced  # as for Python numbers (not as JAX)
 
 
 def engine_start() -> None:
@@ -192,7 +193,6 @@ def engine_ok(x) -> bool:
 
 
 _PLAIN_TYPES = {torch.Tensor, nn.Parameter}  # (not a DTensor, not a subclass)
-_PLAIN = tuple(_PLAIN_TYPES)
 _DATA_PTR = torch.Tensor.data_ptr
 
 
@@ -287,7 +287,7 @@ def fit_as_they_are(gs, xs, dtype, device) -> list:
     ):
         return [True] * len(gs)
     return [
-        type(g) in _PLAIN
+        type(g) in _PLAIN_TYPES
         and g.layout is _STRIDED
         and not g.requires_grad
         and g.dtype == dtype
@@ -598,7 +598,7 @@ def norm(x, p):
     if x.numel() == 0:
         fill = float("inf") if p == -float("inf") else 0.0
         return torch.full((), fill, dtype=_real_dtype(x.dtype), device=x.device)
-    if x.numel() > _NORM_CHUNK and type(x) in _PLAIN and p not in (0, float("inf"), -float("inf")):
+    if x.numel() > _NORM_CHUNK and type(x) in _PLAIN_TYPES and p not in (0, float("inf"), -float("inf")):
         # One vector_norm over millions of float32 elements accumulates in a few long running
         # sums (relative error 1e-4 on 4M elements, NumPy's pairwise sum 1e-6): the p-norm of
         # the chunks' p-norms is the same norm, each partial sum short. Chunks of a 1-D view in
@@ -910,10 +910,6 @@ cos = torch.cos
 
 def dtype_name(x):
     return str(x).removeprefix("torch.") if isinstance(x, torch.dtype) else None
-
-
-def is_traced(x):
-    return False
 
 
 def to_host(x):

@@ -1,10 +1,6 @@
-"""Which backend serves a value.
-
-A table from array libraries (the top-level module that defines a value's type: `torch`, `jax`,
-`numpy`) to the backend modules that serve them. `optimisers.backends` fills it in when the
-package is imported; the table holds module names, and a backend module is imported on its first
-use, so `import optimisers` imports neither torch nor jax. The core asks this table and never
-imports a backend itself.
+"""Which backend serves a value: a table from array libraries (the top-level module of a value's
+type) to backend module names, filled in by `optimisers.backends`; each backend is imported on its
+first use, so `import optimisers` imports neither torch nor jax (docs/architecture.md, "Layers").
 """
 
 from __future__ import annotations
