@@ -759,10 +759,8 @@ def _module_rebuild(m, changes):
     for k, v in changes.items():
         if k in params:
             params[k] = _as_parameter(v, params[k])
-        elif k in modules:
+        else:  # a submodule (the tree layer only passes keys from `_module_children`)
             modules[k] = v
-        else:  # pragma: no cover - the tree layer only passes keys from `_module_children`
-            raise KeyError(f"{type(m).__name__} has no parameter or submodule {k!r}")
     return new
 
 
@@ -913,14 +911,12 @@ def dtype_name(x):
 
 
 def to_host(x):
-    t = x.detach().cpu()
-    try:
-        return t.numpy().copy()
-    except TypeError:  # bfloat16, float8: NumPy holds them as ml_dtypes' (exact through float32)
-        import ml_dtypes
+    host, name = to_host_bits(x)
+    if name is None:
+        return host
+    import ml_dtypes  # bfloat16, float8: NumPy holds them as ml_dtypes'
 
-        target = getattr(ml_dtypes, dtype_name(t.dtype))
-        return t.to(torch.float32).numpy().astype(target)
+    return host.view(getattr(ml_dtypes, name))
 
 
 _SIGNED_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
