@@ -22,15 +22,12 @@ no_grad = contextlib.nullcontext  # no autograd
 SHARE_SCALAR_STATE = False
 IN_PLACE_ENGINE = True
 cond, is_traced = _scalar.cond, _scalar.is_traced  # as for Python numbers (not as JAX)
-# Adam/AdamW compiled by numba where it is installed; else none: the engine's chunks are NumPy's
-# fast path
+# Adam/AdamW compiled by numba where it is installed; else none
 FAST_PATHS = numpy_kernels.FAST_PATHS
 
 
 def fit_as_they_are(gs, xs, dtype, device):
-    """For each gradient, whether it already is what the engine steps its parameter with (an
-    ndarray of the group's `dtype`, laid out as its parameter): `astype` and `laid_out_like` would
-    hand it back unchanged."""
+    """For each gradient, whether `astype` and `laid_out_like` would hand it back unchanged."""
     ndarray = np.ndarray
     return [type(g) is ndarray and g.dtype is dtype and g.strides == x.strides for g, x in zip(gs, xs)]
 
@@ -223,12 +220,8 @@ ENGINE_CHUNK = 1 << 18  # 1 MiB of float32: big enough to amortise Python, small
 ENGINE_THREADS = True  # ufuncs release the GIL, so chunks run on all cores
 
 
-# glibc's malloc page-faults a chunk's 1 MiB temporaries afresh at every step when left to its
-# defaults: it serves them from mmap, or trims them back to the kernel as soon as they are freed,
-# most of all in the worker threads' arenas. Fixing both thresholds at the maxima that glibc's own
-# adaptive scheme grows them to (32 MiB, and twice that for trimming) keeps freed temporaries for
-# reuse (`optimisers bench` shows the difference: `OPTIMISERS_MALLOC=default` keeps glibc's). A
-# lower mmap threshold would hurt: allocations above it are page-faulted on every use.
+# (docs/backends.md, "NumPy and malloc"; a lower mmap threshold would hurt: allocations above it
+# are page-faulted on every use)
 _allocator_tuned = False
 
 
@@ -391,10 +384,8 @@ def _magnitudes(x):
 
 
 def norm(x, p):
-    """The p-norm of all entries, computed over chunks of `_NORM_CHUNK` elements so that its
-    temporaries (|x| and its powers) stay small: a chunk's partial result (a sum, a max...) and
-    then one reduction over the partials. An array of at most one chunk gives exactly what one
-    NumPy reduction over the whole array gives."""
+    """The p-norm of all entries, over chunks of `_NORM_CHUNK` elements so that its temporaries
+    stay small: one reduction over the chunks' partial results (one chunk: NumPy's own bits)."""
     flat = np.ravel(x)  # a view for a contiguous array
     if flat.size == 0:
         a = _magnitudes(flat)

@@ -147,7 +147,7 @@ def _blocks(dtype, lists):
     second moments), read from the lists and the arrays' headers in one compiled call
     (`readers_numba.blocks` says what it checks), where each is an ndarray; else None."""
     reader = _reader()
-    if reader is None or list_reader() is None:
+    if reader is None:
         return None
     lists = [a if type(a) is list else list(a) for a in lists]
     n = len(lists[0])
@@ -161,8 +161,7 @@ _NDARRAY = id(np.ndarray)
 
 
 def list_reader():
-    """`readers_numba.same_items`, where numba compiles it and CPython's lists hold what it reads
-    where it reads it (`_offsets_agree`, checked before anything compiled reads an object)."""
+    """`readers_numba.same_items`, where `_reader` gives one; else None."""
     reader = _reader()
     return None if reader is None else reader.same_items
 
@@ -173,9 +172,8 @@ FAST_PATHS = {"adam": FastPath(lambda args, state, x, dx: None, _adam_step_many)
 
 @functools.cache
 def _reader():
-    """`readers_numba`, where numba is installed and the byte offsets it reads objects at hold
-    there what it expects (`_offsets_agree`, read with ctypes before anything compiled reads an
-    object); else None."""
+    """`readers_numba`, where numba is installed and the offsets it reads hold what it expects
+    (`_offsets_agree`, before anything compiled reads an object); else None."""
     if not (AVAILABLE and platform.python_implementation() == "CPython"
             and ctypes.sizeof(ctypes.c_void_p) == 8):
         return None
@@ -190,12 +188,10 @@ def _word(address) -> int:
 
 def _offsets_agree(at) -> bool:
     """Do CPython's objects and NumPy's arrays hold, at the byte offsets `readers_numba` (`at`)
-    reads, what Python's and NumPy's public attributes say, for samples of every kind of layout?
-    Read with ctypes, in an order that never follows a pointer it has not checked: first the
-    fields inside each object (within its type's `__basicsize__`) that public attributes give,
-    then, only where all agree, the pointers to a list's items and an array's shape and strides,
-    each where it looks like one (an aligned address past the first page; an array's strides
-    right after its shape, as NumPy allocates them), and what they point at."""
+    reads, what their public attributes say, for samples of every kind of layout? Read with
+    ctypes, never following a pointer not checked first: the fields within each object's
+    `__basicsize__`, then, only where all agree, the pointers to a list's items and an array's
+    shape and strides (where each looks like one), and what they point at."""
     array_fields = (at._DATA, at._ND, at._DIMS, at._STRIDES, at._BASE, at._DESCR, at._FLAGS, at._TYPE)
     list_fields = (at._LENGTH, at._ITEMS, at._TYPE)
     if max(array_fields) + 8 > np.ndarray.__basicsize__ or max(list_fields) + 8 > list.__basicsize__:

@@ -274,9 +274,8 @@ def gradients_at(token):
 
 
 def fit_as_they_are(gs, xs, dtype, device) -> list:
-    """For each gradient, whether it already is what the engine steps its parameter with (of the
-    group's `dtype` and `device`): `astype` and `laid_out_like` would hand it back unchanged. The
-    usual case (plain tensors, all fit) is decided in bulk."""
+    """For each gradient, whether `astype` and `laid_out_like` would hand it back unchanged (the
+    usual case, plain tensors all fit, decided in bulk)."""
     if (
         set(map(type, gs)) <= _PLAIN_TYPES
         and {g.dtype for g in gs} == {dtype}
@@ -610,10 +609,9 @@ def norm(x, p):
 
 
 def norms(xs, p):
-    """Each tensor's `norm`, as a 1-D tensor. On the CPU, one `torch._foreach_norm` call for
-    tensors that `norm` takes whole: a loop in C++ over the very kernel `norm` calls, so the same
-    bits (clip_grad_norm_ uses it too). Elsewhere (CUDA's foreach kernel sums in another order)
-    a `norm` per tensor."""
+    """Each tensor's `norm`, as a 1-D tensor: on the CPU one `torch._foreach_norm` call (the very
+    kernel `norm` calls, so the same bits) for tensors `norm` takes whole; elsewhere (CUDA's
+    foreach kernel sums in another order) a `norm` per tensor."""
     if (
         p in _FOREACH_NORM_P
         and set(map(type, xs)) <= _PLAIN_TYPES
@@ -643,10 +641,8 @@ def all_finite(x):
 
 
 def astype(x, like):
-    """`x` on `like`'s dtype and device, off the autograd graph (no copy when it already matches).
-
-    Gradients are data to the optimiser: a gradient made with `create_graph=True` must not drag
-    its graph into the optimiser state."""
+    """`x` on `like`'s dtype and device, off the autograd graph (no copy when it already matches):
+    a gradient made with `create_graph=True` must not drag its graph into the optimiser state."""
     if isinstance(x, torch.Tensor):
         if not x.requires_grad and x.dtype == like.dtype and x.device == like.device and x.layout is _STRIDED:
             return x  # the usual gradient: nothing to do, and detach() costs a microsecond
