@@ -720,10 +720,8 @@ def _module_children(m):
 
 def _as_parameter(new, old):
     """What to store in a parameter slot whose old value was `old`: a Parameter stays a Parameter,
-    except for a value on the autograd graph (a differentiable `destructure` rebuild).
-
-    A plain tensor placed at several tied slots must become one Parameter shared by all of them,
-    so the wrapper is remembered on the tensor itself (it lives exactly as long as the tensor)."""
+    except for a value on the autograd graph (a differentiable `destructure` rebuild). A plain
+    tensor at several tied slots becomes one Parameter, remembered on the tensor itself."""
     if isinstance(new, nn.Parameter) or not isinstance(old, nn.Parameter) or new.requires_grad:
         return new
     wrapped = getattr(new, "_optimisers_parameter", None)
@@ -741,11 +739,9 @@ def _registries() -> tuple[str, ...]:
 
 
 def _module_rebuild(m, changes):
-    """A new module object, sharing everything with `m` but its parameter and submodule slots.
-
-    The dicts and sets that registration writes to (parameters, buffers, submodules, hooks) are
-    copied, so registering on one of the two modules does not change the other; buffers, hook
-    functions and all other attributes are the same objects."""
+    """A new module object, sharing everything with `m` but its parameter and submodule slots; the
+    dicts and sets that registration writes to are copied, so registering on one of the two
+    modules does not change the other."""
     new = _copy.copy(m)
     d = new.__dict__
     for name in _registries():
