@@ -220,8 +220,7 @@ def flat_span(xs):
 
 
 def repeat_each(values, counts):
-    """A 1-D tensor of each of `values` (0-d tensors, or one 1-D tensor) repeated `counts` times,
-    in their dtype."""
+    """A 1-D tensor of each of `values` (0-d tensors, or one 1-D tensor) repeated `counts` times."""
     with torch.no_grad():
         if not isinstance(values, torch.Tensor):
             values = torch.stack(values)
@@ -445,8 +444,8 @@ def _adam_apply(args, state, x, dx):
 
 
 def _check_sharded_state(state, x):
-    """A DTensor parameter with state of plain tensors: `setup` ran before `fully_shard`
-    replaced the parameters. DTensor maths would fail on the mix, less clearly."""
+    """Refuse a DTensor parameter with state of plain tensors (`setup` ran before `fully_shard`):
+    DTensor maths would fail on the mix, less clearly."""
     parts: list = []
     flatten_state(state, parts)
     if any(isinstance(p, torch.Tensor) and p.dim() > 0 and not is_dtensor(p) for p in parts):
@@ -493,15 +492,13 @@ def empty_flat(n, like):
 
 
 def join_into(out, tensors, orders):
-    """Every element of `tensors`, each raveled in its memory order `orders[i]`, joined into the
-    1-D `out` with one call."""
+    """Every element of `tensors`, each in its memory order, joined into the 1-D `out` (one call)."""
     with torch.no_grad():
         torch.cat([t if t.dim() == 1 else flat_in(t, o) for t, o in zip(tensors, orders)], out=out)
 
 
 def split_into(flat, tensors, orders):
-    """Copy the consecutive pieces of the 1-D `flat` into `tensors`, each in its memory order,
-    with one call."""
+    """Copy the consecutive pieces of the 1-D `flat` into `tensors`, each in its memory order."""
     with torch.no_grad():
         outs = [t if t.dim() == 1 else flat_in(t, o) for t, o in zip(tensors, orders)]
         torch.split_with_sizes_copy(flat, [t.numel() for t in outs], out=outs)
