@@ -273,17 +273,7 @@ def gradients_at(token):
 
 
 def fit_as_they_are(gs, xs, dtype, device) -> list:
-    """For each gradient, whether `astype` and `laid_out_like` would hand it back unchanged (the
-    usual case, plain tensors all fit, decided in bulk)."""
-    if (
-        set(map(type, gs)) <= _PLAIN_TYPES
-        and {g.dtype for g in gs} == {dtype}
-        and {g.device for g in gs} == {device}
-        and {g.layout for g in gs} == {_STRIDED}
-        and not any([g.requires_grad for g in gs])
-        and [g.stride() for g in gs] == [x.stride() for x in xs]
-    ):
-        return [True] * len(gs)
+    """For each gradient, whether `astype` and `laid_out_like` would hand it back unchanged."""
     return [
         type(g) in _PLAIN_TYPES
         and g.layout is _STRIDED
