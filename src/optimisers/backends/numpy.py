@@ -109,8 +109,8 @@ class _Snapshot:
     def of(cls, xs, gs):
         if not all(type(a) is np.ndarray for a in (*xs, *gs)) or not all(x.flags.writeable for x in xs):
             return None
-        if not all(_aligned_strides(g) for g in gs):
-            return None
+        if not all(n <= 1 or s % g.dtype.alignment == 0 for g in gs for n, s in zip(g.shape, g.strides)):
+            return None  # (a gradient's strides not aligned, as NumPy's ALIGNED flag says)
         params = ByteRanges(*_spans(xs))
         if params.overlap_one_another():
             return None
@@ -139,10 +139,6 @@ class _Snapshot:
 
 def _param(x):
     return _pointer(x), x.shape, x.strides, x.dtype, x.flags  # (flags compare by value)
-
-
-def _aligned_strides(a) -> bool:
-    return all(n <= 1 or s % a.dtype.alignment == 0 for n, s in zip(a.shape, a.strides))
 
 
 try:  # NumPy >= 2
