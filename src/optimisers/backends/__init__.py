@@ -7,4 +7,4 @@ from optimisers.core import dispatch
 dispatch.register("numpy", "optimisers.backends.numpy", fallback=True)
 dispatch.register("torch", "optimisers.backends.torch")
 dispatch.register(("jax", "jaxlib"), "optimisers.backends.jax")
-dispatch.register_scalars("optimisers.backends.scalar")
+dispatch.register((), "optimisers.backends.scalar", scalars=True)

@@ -13,6 +13,7 @@ import numpy as np
 
 from optimisers import ops
 from optimisers.backends import numpy_kernels
+from optimisers.backends import scalar as _scalar
 from optimisers.backends.ranges import ByteRanges
 
 # --- how the update treats NumPy (see optimisers.backends.protocol) ---------------------------
@@ -20,22 +21,20 @@ from optimisers.backends.ranges import ByteRanges
 no_grad = contextlib.nullcontext  # no autograd
 SHARE_SCALAR_STATE = False
 IN_PLACE_ENGINE = True
-# Adam/AdamW compiled by numba where it is installed; else none: the engine's chunks are NumPy's
-# fast path
+cond, is_traced = _scalar.cond, _scalar.is_traced  # as for Python numbers (not as JAX)
+# Adam/AdamW compiled by numba where it is installed; else none
 FAST_PATHS = numpy_kernels.FAST_PATHS
 
 
 def fit_as_they_are(gs, xs, dtype, device):
-    """For each gradient, whether it already is what the engine steps its parameter with (an
-    ndarray of the group's `dtype`, laid out as its parameter): `astype` and `laid_out_like` would
-    hand it back unchanged."""
+    """For each gradient, whether `astype` and `laid_out_like` would hand it back unchanged."""
     ndarray = np.ndarray
     return [type(g) is ndarray and g.dtype is dtype and g.strides == x.strides for g, x in zip(gs, xs)]
 
 
 def addresses(xs) -> list:
     found = numpy_kernels.data_pointers(xs) if type(xs) is list else None
-    return found if found is not None else [x.__array_interface__["data"][0] for x in xs]
+    return found if found is not None else list(map(_pointer, xs))
 
 
 def flat_span(xs):
@@ -67,12 +66,11 @@ def repeat_each(values, counts):
 
 def snapshot(xs, gs):
     """What a later step's kernels rely on in the parameters `xs` and their gradients `gs` (`gs[i]`
-    the gradient of `xs[i]`; any further ones, a tied parameter's others; none to check the
-    parameters alone), for `unchanged`; None where they cannot be
-    stepped in place as they are: an item that is not exactly an ndarray, a parameter that is not
-    writable or shares a byte with another, a gradient whose strides are not aligned. Read in
-    compiled passes over the arrays' headers where numba reads them (`numpy_kernels.Snapshot`),
-    else with NumPy's public attributes."""
+    the gradient of `xs[i]`; any further ones, a tied parameter's others), for `unchanged`; None
+    where they cannot be stepped in place as they are: an item that is not exactly an ndarray, a
+    parameter that is not writable or shares a byte with another, a gradient whose strides are
+    not aligned. Read by numba from the arrays' headers where it can, else from NumPy's
+    attributes."""
     xs, gs = list(xs), list(gs)
     if numpy_kernels.reads_headers():
         return numpy_kernels.snapshot(xs, gs)
@@ -80,12 +78,10 @@ def snapshot(xs, gs):
 
 
 def unchanged(token, xs, gs) -> bool:
-    """Can the parameters `xs` and gradients `gs` of a later step be stepped exactly as those of
-    `snapshot` (`token`)? True only where each `xs[i]` is the same object, with the same data
-    pointer, shape, strides, dtype and flags (writable among them), and each `gs[i]` is exactly an
-    ndarray (a new one is fine) with the dtype, shape and strides of the gradient at the
-    snapshot, its data pointer aligned and none of its bytes a parameter's (compared as address
-    ranges: through any buffer, whatever owns it)."""
+    """Can `xs` and `gs` of a later step be stepped exactly as those of `snapshot` (`token`)? The
+    same parameter objects with the same data pointer, shape, strides, dtype and flags; gradients
+    exactly ndarrays (new ones are fine) of the snapshot's dtype, shape and strides, aligned, with
+    no byte a parameter's (address ranges: whatever owns the memory)."""
     return token is not None and token.still(xs, gs)
 
 
@@ -113,8 +109,8 @@ class _Snapshot:
     def of(cls, xs, gs):
         if not all(type(a) is np.ndarray for a in (*xs, *gs)) or not all(x.flags.writeable for x in xs):
             return None
-        if not all(_aligned_strides(g) for g in gs):
-            return None
+        if not all(n <= 1 or s % g.dtype.alignment == 0 for g in gs for n, s in zip(g.shape, g.strides)):
+            return None  # (a gradient's strides not aligned, as NumPy's ALIGNED flag says)
         params = ByteRanges(*_spans(xs))
         if params.overlap_one_another():
             return None
@@ -145,14 +141,11 @@ def _param(x):
     return _pointer(x), x.shape, x.strides, x.dtype, x.flags  # (flags compare by value)
 
 
-def _aligned_strides(a) -> bool:
-    return all(n <= 1 or s % a.dtype.alignment == 0 for n, s in zip(a.shape, a.strides))
-
-
 try:  # NumPy >= 2
     from numpy.lib.array_utils import byte_bounds as _byte_bounds
 except ImportError:  # pragma: no cover - NumPy 1.x
     _byte_bounds = np.byte_bounds
+memory_span = _byte_bounds  # (start, stop) byte addresses of the memory an array may touch
 
 _FLOAT16 = np.dtype(np.float16)
 
@@ -173,11 +166,6 @@ def is_array(x) -> bool:
 
 def writable(x) -> bool:
     return bool(x.flags.writeable)
-
-
-def memory_span(x):
-    """(start, stop) byte addresses of the memory `x` may touch."""
-    return _byte_bounds(x)
 
 
 def memory_owners(arrays) -> list:
@@ -228,14 +216,8 @@ ENGINE_CHUNK = 1 << 18  # 1 MiB of float32: big enough to amortise Python, small
 ENGINE_THREADS = True  # ufuncs release the GIL, so chunks run on all cores
 
 
-# glibc's malloc page-faults a chunk's 1 MiB temporaries afresh at every step when left to its
-# defaults: it serves them from mmap, or trims them back to the kernel as soon as they are freed,
-# most of all in the worker threads' arenas. Fixing both thresholds at the maxima that glibc's own
-# adaptive scheme grows them to (32 MiB, and twice that for trimming) keeps freed temporaries for
-# reuse (`optimisers bench` shows the difference: `OPTIMISERS_MALLOC=default` keeps glibc's). A
-# lower mmap threshold would hurt: allocations above it are page-faulted on every use.
-MMAP_THRESHOLD = 32 << 20
-TRIM_THRESHOLD = 64 << 20
+# (docs/backends.md, "NumPy and malloc"; a lower mmap threshold would hurt: allocations above it
+# are page-faulted on every use)
 _allocator_tuned = False
 
 
@@ -252,8 +234,8 @@ def engine_start() -> None:
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):  # pragma: no cover - a glibc without mallopt
         return
-    mallopt(-3, MMAP_THRESHOLD)  # M_MMAP_THRESHOLD
-    mallopt(-1, TRIM_THRESHOLD)  # M_TRIM_THRESHOLD
+    mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD
+    mallopt(-1, 64 << 20)  # M_TRIM_THRESHOLD
 
 
 def raises_on_values() -> bool:
@@ -319,8 +301,7 @@ def numel(x) -> int:
     return x.size
 
 
-def concat(arrays):
-    return np.concatenate(arrays)
+concat = np.concatenate
 
 
 def empty_flat(n, like):
@@ -329,8 +310,7 @@ def empty_flat(n, like):
 
 
 def join_into(out, arrays, orders):
-    """Every element of `arrays`, each raveled in its memory order `orders[i]`, joined into the
-    1-D `out` (one call where all are row major)."""
+    """Every element of `arrays`, each in its memory order, joined into the 1-D `out`."""
     if any(o is not None for o in orders):
         arrays = [a if o is None else flat_in(a, o) for a, o in zip(arrays, orders)]
     np.concatenate(arrays, axis=None, out=out)
@@ -372,14 +352,7 @@ def epsilon(value, like):
     return real.type(value)
 
 
-def zeros_like(x):
-    return np.zeros_like(x)
-
-
-def full_like(x, value):
-    return np.full_like(x, value)
-
-
+zeros_like, full_like = np.zeros_like, np.full_like
 sqrt = np.sqrt
 abs = np.abs  # noqa: A001
 sign = np.sign
@@ -406,10 +379,8 @@ def _magnitudes(x):
 
 
 def norm(x, p):
-    """The p-norm of all entries, computed over chunks of `_NORM_CHUNK` elements so that its
-    temporaries (|x| and its powers) stay small: a chunk's partial result (a sum, a max...) and
-    then one reduction over the partials. An array of at most one chunk gives exactly what one
-    NumPy reduction over the whole array gives."""
+    """The p-norm of all entries, over chunks of `_NORM_CHUNK` elements so that its temporaries
+    stay small: one reduction over the chunks' partial results (one chunk: NumPy's own bits)."""
     flat = np.ravel(x)  # a view for a contiguous array
     if flat.size == 0:
         a = _magnitudes(flat)
@@ -488,10 +459,6 @@ def all_finite(x):
     return np.all(np.isfinite(x))
 
 
-def cond(predicate, if_true, if_false):
-    return if_true() if predicate else if_false()
-
-
 def astype(x, like):
     dtype = getattr(x, "dtype", None)
     if dtype is not like.dtype:
@@ -537,12 +504,7 @@ def is_integer(x):
     return bool(np.issubdtype(np.asarray(x).dtype, np.integer))
 
 
-def as_integer(x):
-    return np.int64(x)
-
-
-def as_real(x):
-    return np.float64(x)
+as_integer, as_real = np.int64, np.float64
 
 
 def real_scalar(value, like):
@@ -565,10 +527,6 @@ def dtype_name(x):
     if isinstance(x, type) and issubclass(x, np.generic):  # np.float32, ml_dtypes.bfloat16
         return np.dtype(x).name
     return None
-
-
-def is_traced(x):
-    return False
 
 
 def to_host_bits(x):

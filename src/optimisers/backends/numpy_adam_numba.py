@@ -10,22 +10,8 @@ from __future__ import annotations
 
 import numba
 import numpy as np
-from numba import types
+from numba import carray, types
 from numba.extending import intrinsic
-
-
-@numba.njit(inline="always")
-def _element(x, g, m, v, i, cb1, cm, cb2, cv, scale, bc2, eps, decay, decoupled):  # pragma: no cover
-    # the operations of `adam_moments` and `adam_direction` (+ AdamW's `decay * x`), in their order
-    gi = g[i]
-    mi = cb1 * m[i] + cm * gi
-    vi = cb2 * v[i] + cv * (gi * gi)
-    m[i] = mi
-    v[i] = vi
-    step = scale * mi / (np.sqrt(vi / bc2) + eps)
-    if decoupled:
-        step = step + decay * x[i]
-    x[i] = x[i] - step
 
 
 @intrinsic
@@ -37,16 +23,6 @@ def _pointer(typingctx, address, like):  # pragma: no cover - compiled
         return builder.inttoptr(args[0], context.get_value_type(pointer))
 
     return pointer(types.int64, like), codegen
-
-
-@numba.njit(inline="always")
-def _piece(data, i, skip, n, like, cb1, cm, cb2, cv, scale, bc2, eps, decay, decoupled):  # pragma: no cover
-    """Elements skip..skip+n of block i."""
-    at = skip * like.itemsize
-    x, g = numba.carray(_pointer(data[0, i] + at, like), n), numba.carray(_pointer(data[1, i] + at, like), n)
-    m, v = numba.carray(_pointer(data[2, i] + at, like), n), numba.carray(_pointer(data[3, i] + at, like), n)
-    for j in range(n):
-        _element(x, g, m, v, j, cb1, cm, cb2, cv, scale, bc2, eps, decay, decoupled)
 
 
 # error_model="numpy": a division by zero gives IEEE's inf or nan, as NumPy's ufuncs do, rather
@@ -63,6 +39,19 @@ def adam_blocks(
     while i < ends.shape[0] and lo < hi:
         start = ends[i - 1] if i > 0 else 0
         stop = min(hi, ends[i])
-        _piece(data, i, lo - start, stop - lo, like, cb1, cm, cb2, cv, scale, bc2, eps, decay, decoupled)
+        at, n = (lo - start) * like.itemsize, stop - lo  # the block's elements lo..stop
+        x, g = carray(_pointer(data[0, i] + at, like), n), carray(_pointer(data[1, i] + at, like), n)
+        m, v = carray(_pointer(data[2, i] + at, like), n), carray(_pointer(data[3, i] + at, like), n)
+        for j in range(n):
+            # the operations of `adam_moments` and `adam_direction` (+ AdamW's `decay * x`), in order
+            gj = g[j]
+            mj = cb1 * m[j] + cm * gj
+            vj = cb2 * v[j] + cv * (gj * gj)
+            m[j] = mj
+            v[j] = vj
+            step = scale * mj / (np.sqrt(vj / bc2) + eps)
+            if decoupled:
+                step = step + decay * x[j]
+            x[j] = x[j] - step
         lo = stop
         i += 1

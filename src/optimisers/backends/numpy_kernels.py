@@ -1,17 +1,9 @@
-"""NumPy's own kernels for the engine, compiled by numba where it is installed (optional).
+"""NumPy's own Adam/AdamW kernel for the engine, compiled by numba where it is installed.
 
-A NumPy Adam step written with ufuncs makes about a dozen passes over memory (each operation
-reads its inputs and writes a temporary); the loop below makes one, on every core, and so runs
-at about the memory's bandwidth (`benchmarks/run.py`: 1M float32 elements in ~1 ms against
-~11 ms for the ufuncs). It computes each element with the very operations, in the very order and
-dtype, of the library's `Adam` and `AdamW` (`optimisers.rules.adam`), without fused multiply-adds
-or reassociation (numba's default), so it gives the ufuncs' results bit for bit; the tests check
-it against the per-Leaf path. float16 and bfloat16 (computed in float32 by the engine) keep the
-ufunc path.
-
-Without numba (or with `OPTIMISERS_NUMBA=0` in the environment) NumPy has no kernels and the
-engine's chunks run the rules' own maths. numba compiles a kernel the first time a group uses it
-(about a second, kept on disk for the next process).
+One pass over memory instead of a ufunc step's dozen, computing each element with the very
+operations, order and dtype of `optimisers.rules.adam` (no fused multiply-adds), so bit for bit
+the ufuncs' results (docs/backends.md, "Speed"). Without numba, or with `OPTIMISERS_NUMBA=0`,
+NumPy has no kernels; float16 and bfloat16 keep the ufunc path.
 """
 
 from __future__ import annotations
@@ -24,11 +16,10 @@ import os
 import platform
 import queue
 import threading
-from collections.abc import Callable
-from typing import NamedTuple
 
 import numpy as np
 
+from optimisers.backends.protocol import FastPath
 from optimisers.backends.ranges import ByteRanges
 
 AVAILABLE = os.environ.get("OPTIMISERS_NUMBA", "1") != "0" and importlib.util.find_spec("numba") is not None
@@ -40,12 +31,10 @@ _LIKE = {dtype: np.empty(0, dtype) for dtype in _DTYPES}  # (one compiled kernel
 
 
 def _adam_step_many(args, xs, dxs, ms, vs, t) -> bool:
-    """Adam or AdamW steps in place (`t` counts this step) of parameters `xs` that each fill one
-    block of memory, their gradients `dxs` laid out alike and their moments `ms`, `vs` 1-D in
-    that order. Each array is found by its header's data pointer (`_blocks`), so all the small
-    ones step in one call and nothing is copied; the step's elements are cut into equal shares, one
-    per thread (`_run`). False where the kernel cannot take them (another dtype, an array that is
-    not one block)."""
+    """Adam or AdamW steps in place (`t` counts this step) of parameters `xs`, gradients `dxs` and
+    moments `ms`, `vs`, each array found by its header's data pointer (`_blocks`) and the step's
+    elements cut into equal shares, one per thread (`_run`). False where the kernel cannot take
+    them (another dtype, an array that is not one block)."""
     dtype = xs[0].dtype
     blocks = _blocks(dtype, (xs, dxs, ms, vs)) if dtype in _DTYPES else None
     if blocks is None:
@@ -158,13 +147,13 @@ def _blocks(dtype, lists):
     second moments), read from the lists and the arrays' headers in one compiled call
     (`readers_numba.blocks` says what it checks), where each is an ndarray; else None."""
     reader = _reader()
-    if reader is None or list_reader() is None:
+    if reader is None:
         return None
     lists = [a if type(a) is list else list(a) for a in lists]
     n = len(lists[0])
     out = np.empty((5, n), np.int64)
-    found = reader.blocks_in(np.array([id(a) for a in lists], np.int64), _NDARRAY, id(dtype),
-                             np.empty((4, n), np.int64), out)
+    found = reader.blocks(np.array([id(a) for a in lists], np.int64), _NDARRAY, id(dtype),
+                          np.empty((4, n), np.int64), out)
     return (out[:4], out[4]) if found else None
 
 
@@ -172,30 +161,19 @@ _NDARRAY = id(np.ndarray)
 
 
 def list_reader():
-    """`readers_numba.same_items`, where numba compiles it and CPython's lists hold what it reads
-    where it reads it (`_offsets_agree`, checked before anything compiled reads an object)."""
+    """`readers_numba.same_items`, where `_reader` gives one; else None."""
     reader = _reader()
     return None if reader is None else reader.same_items
 
 
-def _no_apply(args, state, x, dx):
-    """One parameter on the per-Leaf path: the rule's own maths (None)."""
-    return None
-
-
-class _FastPath(NamedTuple):
-    apply: Callable  # (args, state, x, dx) -> None: the per-Leaf path keeps the rule's maths
-    step_many: Callable  # (args, xs, dxs, *state parts, t) -> whether it stepped them
-
-
-FAST_PATHS = {"adam": _FastPath(_no_apply, _adam_step_many)} if AVAILABLE else {}
+# (one parameter on the per-Leaf path keeps the rule's own maths: no `apply`)
+FAST_PATHS = {"adam": FastPath(lambda args, state, x, dx: None, _adam_step_many)} if AVAILABLE else {}
 
 
 @functools.cache
 def _reader():
-    """`readers_numba`, where numba is installed and the byte offsets it reads objects at hold
-    there what it expects (`_offsets_agree`, read with ctypes before anything compiled reads an
-    object); else None."""
+    """`readers_numba`, where numba is installed and the offsets it reads hold what it expects
+    (`_offsets_agree`, before anything compiled reads an object); else None."""
     if not (AVAILABLE and platform.python_implementation() == "CPython"
             and ctypes.sizeof(ctypes.c_void_p) == 8):
         return None
@@ -210,12 +188,10 @@ def _word(address) -> int:
 
 def _offsets_agree(at) -> bool:
     """Do CPython's objects and NumPy's arrays hold, at the byte offsets `readers_numba` (`at`)
-    reads, what Python's and NumPy's public attributes say, for samples of every kind of layout?
-    Read with ctypes, in an order that never follows a pointer it has not checked: first the
-    fields inside each object (within its type's `__basicsize__`) that public attributes give,
-    then, only where all agree, the pointers to a list's items and an array's shape and strides,
-    each where it looks like one (an aligned address past the first page; an array's strides
-    right after its shape, as NumPy allocates them), and what they point at."""
+    reads, what their public attributes say, for samples of every kind of layout? Read with
+    ctypes, never following a pointer not checked first: the fields within each object's
+    `__basicsize__`, then, only where all agree, the pointers to a list's items and an array's
+    shape and strides (where each looks like one), and what they point at."""
     array_fields = (at._DATA, at._ND, at._DIMS, at._STRIDES, at._BASE, at._DESCR, at._FLAGS, at._TYPE)
     list_fields = (at._LENGTH, at._ITEMS, at._TYPE)
     if max(array_fields) + 8 > np.ndarray.__basicsize__ or max(list_fields) + 8 > list.__basicsize__:
@@ -284,10 +260,7 @@ def reads_headers() -> bool:
 
 
 def snapshot(xs, gs):
-    """A `Snapshot` of the lists `xs` and `gs` (one length, every item exactly an ndarray, each
-    parameter writable), read in compiled passes; None where numba does not read them, or the
-    parameters overlap one another or are not writable, or a gradient's strides are not
-    aligned."""
+    """`numpy.snapshot`, read in compiled passes; None also where numba does not read them."""
     reader = _reader()
     if reader is None:
         return None
@@ -296,7 +269,7 @@ def snapshot(xs, gs):
     if g is None:
         return None
     (x_rows, x_shapes, x_reach, x_dtypes), (g_rows, g_shapes, g_reach, g_dtypes) = x, g
-    if not (x_rows[:, 4] & _WRITEABLE).all() or (g_reach[:, 3] == 0).any():
+    if not (x_rows[:, 4] & reader._WRITEABLE).all() or (g_reach[:, 3] == 0).any():
         return None
     params = ByteRanges(x_rows[:, 1] + x_reach[:, 0], x_rows[:, 1] + x_reach[:, 1])
     if params.overlap_one_another():
@@ -304,9 +277,6 @@ def snapshot(xs, gs):
     reach = np.ascontiguousarray(g_reach[:, :3])
     args = (x_rows, x_shapes, g_rows, g_shapes, reach, params.starts, params.ends)
     return Snapshot(list(xs), (x_dtypes, g_dtypes), args)
-
-
-_WRITEABLE = 0x400  # NumPy's flag (ndarraytypes.h)
 
 
 # the dtypes whose descr `readers_numba.layouts` knows (kept: their addresses stay theirs), with

@@ -1,35 +1,26 @@
 """The written contract of a backend: what each layer of the library asks of an array library.
 
-A backend is a module of functions (`optimisers.backends.numpy`, `.torch`, `.jax`; `.scalar` for
-Python numbers), registered with the core in `optimisers/backends/__init__.py`. Each class here is
-what one layer needs of it:
-
-- `Maths`: rules, through `optimisers.ops`; every backend has it, the scalar one included.
-  `ArrayMaths`: the rest of `ops`, which Python numbers lack (values of a shape, matrix maths).
-- `ScheduleMaths`: `optimisers.schedules` (a step may be a Python int).
-- `TreeWalk`: `optimisers.core.tree`, which values are arrays and parameters, and containers.
-- `HostTransfer`: `optimisers.checkpoints`, arrays to and from the host as NumPy arrays.
-- `Parameters`: `optimisers.verbs`, writing parameters and how an update treats the library.
-- `Backend`: all of these, an array library; `scalar` is `ScheduleMaths` only.
-- `InPlaceEngine`: `optimisers.engine`, many parameters stepped in place through flat chunks
-  (NumPy and PyTorch: JAX arrays are immutable, so JAX sets `IN_PLACE_ENGINE = False`).
-- `PytreeState`: `optimisers.verbs.setup`, where a State is a pytree of the library (JAX).
-
-`tests/test_backend_protocol.py` checks every backend against the classes it serves: each name must
-be there, and each function must take the parameters named here.
-
-A new backend is one module that defines these names, plus one `dispatch.register` line in
-`optimisers/backends/__init__.py`. A new array operation for rules is one function in
-`optimisers.ops` and one function of that name in each backend, listed in `Maths` or `ArrayMaths`.
+A backend is a module of functions, registered with the core in `optimisers/backends/__init__.py`;
+each class here is what one layer needs of it (`Backend`: every layer but the engine;
+`InPlaceEngine`: NumPy and PyTorch, whose arrays can be written in place; `PytreeState`: JAX).
+`tests/test_backend_protocol.py` checks every backend against the classes it serves, names and
+parameters. docs/architecture.md, "Adding a backend", says how to add one.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 Array = Any
+
+
+class FastPath(NamedTuple):
+    """A backend's own kernel for a rule, as `optimisers.engine.fused` calls it."""
+
+    apply: Callable  # (args, state, x, dx) -> (new state, NewValue), or None: the rule's own maths
+    step_many: Callable  # (args, xs, dxs, *state parts, t) -> whether it stepped them
 
 
 @runtime_checkable
@@ -133,9 +124,7 @@ class Parameters(Protocol):
 
     SHARE_SCALAR_STATE: bool  # one step count per group of leaves (JAX: fewer traced values)
     IN_PLACE_ENGINE: bool  # whether this module is also an InPlaceEngine
-    # A backend's own kernels for some rules, by name ("adam": see optimisers.engine.fused,
-    # which maps rules to these names and arguments); empty where there are none.
-    FAST_PATHS: Mapping[str, Callable]
+    FAST_PATHS: Mapping[str, FastPath]  # own kernels for some rules, by name ("adam"); may be empty
 
 
 @runtime_checkable

@@ -1,15 +1,9 @@
-"""Readers of many objects in one call, compiled by numba (imported only where numba is installed,
-at the first read): NumPy's array headers (`optimisers.backends.numpy_kernels`: `blocks`,
-`layouts` and `still` for `optimisers.backends.numpy.snapshot` and `unchanged`) and Python lists
-(`optimisers.backends.objects`).
-
-It reads the fields of NumPy's `PyArrayObject_fields` at their places in NumPy's public ABI (the
-header `ndarraytypes.h`; compiled extensions read them with `PyArray_DATA`, `PyArray_DIMS` & co.),
-given each array's address, which CPython's `id` is, a list's length and item pointers where
-CPython's `PyListObject` has them (`listobject.h`). Before anything here reads an object, its
-caller checks every offset it reads with ctypes against Python's own answers on samples
-(`numpy_kernels._offsets_agree`, which follows no pointer before the fields beside it agree).
-None of these release the GIL: the objects they read cannot change while they do.
+"""Readers of many objects in one call, compiled by numba (imported where numba is installed):
+NumPy's array headers (`PyArrayObject_fields` at their places in NumPy's public ABI,
+`ndarraytypes.h`) and CPython's lists (`listobject.h`), found by address (CPython's `id`). Every
+offset read here is first checked with ctypes against Python's own answers on samples
+(`numpy_kernels._offsets_agree`). None of these release the GIL: the objects they read cannot
+change while they do.
 """
 
 from __future__ import annotations
@@ -73,12 +67,24 @@ def _alike(a, x, nd):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True)
-def blocks(addresses, descr, out) -> bool:  # pragma: no cover - compiled
-    """For the arrays at `addresses[:, i]` (a parameter, its gradient, its two moments): their data
-    pointers in `out[:4, i]` and the parameter's size in `out[4, i]`. True where each is of the
-    dtype `descr`, fills one aligned block of memory, the gradient is laid out as the parameter,
-    each moment too or 1-D of its size, and the parameter and moments are writable."""
-    for i in range(addresses.shape[1]):
+def blocks(lists, ndarray, descr, addresses, out) -> bool:  # pragma: no cover - compiled
+    """For the arrays held by the 4 lists at `lists` (parameters, gradients, first and second
+    moments), each of `addresses.shape[1]` items: their addresses in `addresses`, their data
+    pointers in `out[:4, i]` and the parameter's size in `out[4, i]`. True where each is exactly
+    an ndarray (of the type at `ndarray`) of the dtype `descr` and fills one aligned block of
+    memory, the gradient is laid out as the parameter, each moment too or 1-D of its size, and
+    the parameter and moments are writable."""
+    n = addresses.shape[1]
+    for j in range(4):
+        if _word(lists[j] + _LENGTH) != n:
+            return False
+        items = _word(lists[j] + _ITEMS)
+        for i in range(n):
+            a = _word(items + 8 * i)
+            if _word(a + _TYPE) != ndarray:
+                return False
+            addresses[j, i] = a
+    for i in range(n):
         x = addresses[0, i]
         nd = _word(x + _ND) & _INT
         size, dims = 1, _word(x + _DIMS)
@@ -96,23 +102,6 @@ def blocks(addresses, descr, out) -> bool:  # pragma: no cover - compiled
             out[j, i] = _word(a + _DATA)
         out[4, i] = size
     return True
-
-
-@numba.njit(cache=True)
-def blocks_in(lists, ndarray, descr, addresses, out) -> bool:  # pragma: no cover - compiled
-    """`blocks` of the arrays held by the 4 lists at `lists`, each of `addresses.shape[1]` items,
-    each exactly an ndarray (of the type at `ndarray`); their addresses go to `addresses`."""
-    n = addresses.shape[1]
-    for j in range(4):
-        if _word(lists[j] + _LENGTH) != n:
-            return False
-        items = _word(lists[j] + _ITEMS)
-        for i in range(n):
-            a = _word(items + 8 * i)
-            if _word(a + _TYPE) != ndarray:
-                return False
-            addresses[j, i] = a
-    return blocks(addresses, descr, out)
 
 
 @numba.njit(cache=True)

@@ -14,8 +14,7 @@ def sqrt(x):
     return cmath.sqrt(x) if isinstance(x, complex) else math.sqrt(x)
 
 
-def abs(x):  # noqa: A001
-    return builtins.abs(x)
+abs, maximum, minimum = builtins.abs, builtins.max, builtins.min  # noqa: A001
 
 
 def abs2(x):
@@ -24,14 +23,6 @@ def abs2(x):
 
 def sign(x):
     return (x > 0) - (x < 0)
-
-
-def maximum(x, y):
-    return builtins.max(x, y)
-
-
-def minimum(x, y):
-    return builtins.min(x, y)
 
 
 def clip(x, low, high):
@@ -50,6 +41,10 @@ def cond(predicate, if_true, if_false):
     return if_true() if predicate else if_false()
 
 
+def is_traced(x):  # (NumPy's and torch's values are never traced either)
+    return False
+
+
 def scalar(value, like):
     return type(like)(value)
 
@@ -65,20 +60,12 @@ def is_integer(x):
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
-def as_integer(x):
-    return int(x)
-
-
-def as_real(x):
-    return float(x)
+as_integer, as_real = int, float
 
 
 def real_scalar(value, like):
     return float(value)
 
 
-def real_where(condition, x, y):
-    return x if condition else y
-
-
+real_where = where
 cos = math.cos

@@ -1,16 +1,8 @@
-"""PyTorch tensors and `torch.nn.Module`s.
+"""PyTorch tensors and `torch.nn.Module`s (imported when a model first holds a torch object).
 
-Imported only when the user's model holds torch objects (`optimisers.core.dispatch` looks it up
-from a tensor's type, and for `nn.Module`s only when torch is already in `sys.modules`).
-
-Conventions that differ from NumPy:
-- hyperparameters are Python floats (complex for complex tensors): torch kernels keep the tensor's
-  dtype for a Python scalar, whereas a 0-d tensor of another dtype could promote it;
-- in-place writes run under `torch.no_grad()`, so parameters stay leaves with `requires_grad` and
-  their `.grad` is untouched, exactly as with `torch.optim`;
-- pure results of a parameter are new leaves with the same `requires_grad` (an `nn.Parameter` for
-  an `nn.Parameter`), so the next forward/backward works on them directly;
-- `flatten` / `unflatten_one` stay on the autograd graph, so `destructure` is differentiable.
+Hyperparameters are Python floats (complex for complex tensors): torch keeps the tensor's dtype
+for a Python scalar, where a 0-d tensor of another dtype could promote it. In-place writes run
+under `torch.no_grad()`; pure results are new leaves with the parameter's `requires_grad`.
 """
 
 from __future__ import annotations
@@ -29,7 +21,9 @@ from torch import nn
 
 from optimisers import ops
 from optimisers.backends import numpy as _numpy
+from optimisers.backends import scalar as _scalar
 from optimisers.backends.objects import SameObjects
+from optimisers.backends.protocol import FastPath
 from optimisers.backends.ranges import ByteRanges
 from optimisers.core import eager
 from optimisers.core.rule import NewValue
@@ -85,16 +79,20 @@ def _local(x):
     return x
 
 
+def _extent(x) -> int:
+    """The bytes `x`'s elements span from its first (0 for an empty one): torch strides are never
+    negative, so the last element is at sum((size - 1) * stride)."""
+    if not x.numel():
+        return 0
+    return (builtins.sum((n - 1) * s for n, s in zip(x.shape, x.stride())) + 1) * x.element_size()
+
+
 def memory_span(x):
     """(start, stop) byte addresses of the elements `x` may touch (a DTensor: its local shard)."""
     x = _local(x)
     if x.numel() == 0 or x.is_meta:  # meta tensors (shape-only models) have no memory at all
         return 0, 0
-    item = x.element_size()
-    start = x.data_ptr()
-    # torch strides are never negative, so the last element is at sum((size - 1) * stride)
-    last = builtins.sum((n - 1) * s for n, s in zip(x.shape, x.stride()))
-    return start, start + (last + 1) * item
+    return x.data_ptr(), x.data_ptr() + _extent(x)
 
 
 def _storage_ptr(x) -> int:
@@ -102,10 +100,9 @@ def _storage_ptr(x) -> int:
 
 
 def memory_owners(tensors) -> list:
-    """What owns the memory of each tensor (its storage): tensors with different owners never
-    overlap, unless two storages were made over one memory (`from_blob`): the checks that must
-    hold whatever the storage compare byte ranges (`unchanged`, `ranges.ByteRanges`)."""
-    return [(x if type(x) in _PLAIN_TYPES else _local(x)).untyped_storage().data_ptr() for x in tensors]
+    """What owns the memory of each tensor (its storage); two storages may be made over one
+    memory (`from_blob`), so the checks that must hold whatever the storage compare byte ranges."""
+    return [_storage_ptr(x if type(x) in _PLAIN_TYPES else _local(x)) for x in tensors]
 
 
 def shares_memory(x, y) -> bool:
@@ -123,6 +120,7 @@ def shares_memory(x, y) -> bool:
 no_grad = torch.no_grad
 SHARE_SCALAR_STATE = False
 IN_PLACE_ENGINE = True
+cond, is_traced = _scalar.cond, _scalar.is_traced  # as for Python numbers (not as JAX)
 
 
 def engine_start() -> None:
@@ -186,7 +184,7 @@ def engine_ok(x) -> bool:
     return (
         isinstance(x, torch.Tensor)
         and x.layout is torch.strided
-        and (x.is_contiguous() or _dense(x))  # channels_last, transposed: stepped in memory order
+        and (x.is_contiguous() or _numpy.dense(x.shape, x.stride(), 1))  # channels_last, transposed
         and x.dim() > 0
         and x.numel() > 0
         and not x.is_inference()
@@ -195,7 +193,6 @@ def engine_ok(x) -> bool:
 
 
 _PLAIN_TYPES = {torch.Tensor, nn.Parameter}  # (not a DTensor, not a subclass)
-_PLAIN = tuple(_PLAIN_TYPES)
 _DATA_PTR = torch.Tensor.data_ptr
 
 
@@ -223,21 +220,11 @@ def flat_span(xs):
 
 
 def repeat_each(values, counts):
-    """A 1-D tensor of each of `values` (0-d tensors, or one 1-D tensor) repeated `counts` times,
-    in their dtype."""
+    """A 1-D tensor of each of `values` (0-d tensors, or one 1-D tensor) repeated `counts` times."""
     with torch.no_grad():
         if not isinstance(values, torch.Tensor):
             values = torch.stack(values)
         return torch.repeat_interleave(values, torch.tensor(counts, device=values.device))
-
-
-def _reach(xs) -> list:
-    """The bytes each tensor's elements span from its first (0 for an empty one)."""
-    return [
-        (builtins.sum((n - 1) * s for n, s in zip(x.shape, x.stride())) + 1) * x.element_size()
-        if x.numel() else 0
-        for x in xs
-    ]
 
 
 class _Snapshot(NamedTuple):
@@ -258,9 +245,9 @@ def snapshot(xs, gs):
     if not all(map(engine_ok, xs)) or any(g.requires_grad for g in gs):
         return None
     where = addresses(xs)
-    spans = ByteRanges(where, np.add(where, _reach(xs)))
+    spans = ByteRanges(where, np.add(where, list(map(_extent, xs))))
     token = _Snapshot(SameObjects(xs), (_tensor_guard() or _attribute_guard)([*xs, *gs]), where, spans,
-                      np.asarray(_reach(gs), np.int64), [None])
+                      np.fromiter(map(_extent, gs), np.int64, len(gs)), [None])
     return token if _apart(token, gs) else None
 
 
@@ -272,12 +259,9 @@ def _apart(token, gs) -> bool:
 
 
 def unchanged(token, xs, gs) -> bool:
-    """Can `xs` and `gs` (lists) be stepped as the ones of `snapshot` were? The same parameter
-    objects at the same data pointers; every tensor of the same type, dtype, device, layout,
-    shape, strides and requires_grad (torch's tensor guard: a `.data` swap, `t_()`, `.to()`,
-    `requires_grad_(False)` or an inference tensor all differ); no gradient reaching into a
-    parameter's memory, whichever storage it belongs to. Public APIs only: one guard call and a
-    data pointer per tensor."""
+    """Can `xs` and `gs` (lists) be stepped as the ones of `snapshot` were? (docs/architecture.md:
+    "What each kernel relies on": a `.data` swap, `t_()`, `.to()`, `requires_grad_(False)` or an
+    inference tensor all differ.)"""
     if not (token.same(xs) and token.guard([*xs, *gs]) and addresses(xs) == token.where):
         return False
     return _apart(token, gs)
@@ -289,20 +273,9 @@ def gradients_at(token):
 
 
 def fit_as_they_are(gs, xs, dtype, device) -> list:
-    """For each gradient, whether it already is what the engine steps its parameter with (of the
-    group's `dtype` and `device`): `astype` and `laid_out_like` would hand it back unchanged. The
-    usual case (plain tensors, all fit) is decided in bulk."""
-    if (
-        set(map(type, gs)) <= _PLAIN_TYPES
-        and {g.dtype for g in gs} == {dtype}
-        and {g.device for g in gs} == {device}
-        and {g.layout for g in gs} == {_STRIDED}
-        and not any([g.requires_grad for g in gs])
-        and [g.stride() for g in gs] == [x.stride() for x in xs]
-    ):
-        return [True] * len(gs)
+    """For each gradient, whether `astype` and `laid_out_like` would hand it back unchanged."""
     return [
-        type(g) in _PLAIN
+        type(g) in _PLAIN_TYPES
         and g.layout is _STRIDED
         and not g.requires_grad
         and g.dtype == dtype
@@ -318,7 +291,6 @@ def _attributes(ts) -> list:
 
 
 def _attribute_guard(ts):
-    """`_tensor_guard`'s check, by reading each tensor's attributes (where torch has no guard)."""
     expected = _attributes(ts)
     return lambda ys: _attributes(ys) == expected
 
@@ -377,10 +349,8 @@ def shaped_in(flat, shape, order):
 
 
 def laid_out_like(t, x):
-    """`t`, or a copy of it, with the strides of dense `x`. torch's fused kernels walk every
-    tensor of a step in memory order, so the gradient and moments must be laid out as the
-    parameter is, or one element's step would use another's gradient (a channels_last weight
-    with a contiguous gradient); the update engine's chunks read them in memory order too."""
+    """`t`, or a copy of it, with the strides of dense `x`: the fused kernels and the engine's
+    chunks walk a step's tensors in memory order (docs/backends.md, "Memory layouts")."""
     if t.stride() == x.stride():
         return t
     with torch.no_grad():
@@ -391,9 +361,8 @@ _FUSED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
 def _fused_kernel(args, x):
-    """torch's fused Adam or AdamW kernel for `x`, or None where it has none. For float16 and
-    bfloat16 it computes in float32 and stores in the parameter's dtype, as every update does
-    (see `optimisers.engine.precision`)."""
+    """torch's fused Adam or AdamW kernel for `x` (float16 and bfloat16: computed in float32, as
+    every update does), or None where it has none."""
     if x.dtype not in _FUSED_DTYPES or x.device.type not in ("cpu", "cuda"):
         return None
     return torch._fused_adamw_ if args.decoupled else torch._fused_adam_
@@ -402,7 +371,13 @@ def _fused_kernel(args, x):
 def _run_fused(kernel, args, xs, dxs, ms, vs, t):
     """One fused step on lists of tensors, in place; `t` counts steps including this one. On
     the CPU, small tensors step on one thread (`_SMALL`)."""
-    run = functools.partial(_fused_call, kernel, args, t)
+
+    def run(xs, dxs, ms, vs):
+        steps = [torch.tensor(float(t), dtype=torch.float32, device=xs[0].device)] * len(xs)
+        kernel(xs, dxs, ms, vs, [], steps, lr=args.lr, beta1=args.beta1, beta2=args.beta2,
+               weight_decay=args.weight_decay, eps=args.epsilon,
+               amsgrad=False, maximize=False, grad_scale=None, found_inf=None)
+
     if xs[0].device.type != "cpu" or torch.get_num_threads() == 1:
         return run(xs, dxs, ms, vs)
     sizes = list(map(torch.Tensor.numel, xs))
@@ -427,27 +402,6 @@ def _run_fused(kernel, args, xs, dxs, ms, vs, t):
 _SMALL = 1 << 15  # elements (torch's grain size)
 
 
-def _fused_call(kernel, args, t, xs, dxs, ms, vs):
-    steps = [torch.tensor(float(t), dtype=torch.float32, device=xs[0].device)] * len(xs)
-    kernel(
-        xs,
-        dxs,
-        ms,
-        vs,
-        [],
-        steps,
-        amsgrad=False,
-        lr=args.lr,
-        beta1=args.beta1,
-        beta2=args.beta2,
-        weight_decay=args.weight_decay,
-        eps=args.epsilon,
-        maximize=False,
-        grad_scale=None,
-        found_inf=None,
-    )
-
-
 def _adam_apply(args, state, x, dx):
     """An Adam step `(m, v, t)` -> `(new state, NewValue)` through torch's fused kernel on
     copies, or None where it has none. Both the pure and the in-place update use the kernel, so
@@ -469,7 +423,7 @@ def _adam_apply(args, state, x, dx):
         x, m, v = x.detach().clone(), m.clone(), v.clone()
         # elementwise: the kernel steps each process's shards of a DTensor
         x_, dx_, m_, v_ = (a.to_local() for a in (x, dx, m, v)) if sharded else (x, dx, m, v)
-        if not _dense(x_):
+        if not _numpy.dense(x_.shape, x_.stride(), 1):
             return None  # (a clone is dense; a DTensor's local shard might not be)
         m_kernel, v_kernel = laid_out_like(m_, x_), laid_out_like(v_, x_)
         _run_fused(found, args, [x_], [laid_out_like(dx_, x_)], [m_kernel], [v_kernel], t + 1)
@@ -479,15 +433,9 @@ def _adam_apply(args, state, x, dx):
     return (m, v, t + 1), NewValue(x)
 
 
-def _dense(x) -> bool:
-    """Do `x`'s elements fill its memory without gaps or overlaps, in some order of its
-    dimensions (contiguous, channels_last, a transposed matrix)?"""
-    return _numpy.dense(x.shape, x.stride(), 1)
-
-
 def _check_sharded_state(state, x):
-    """A DTensor parameter with state of plain tensors: `setup` ran before `fully_shard`
-    replaced the parameters. DTensor maths would fail on the mix, less clearly."""
+    """Refuse a DTensor parameter with state of plain tensors (`setup` ran before `fully_shard`):
+    DTensor maths would fail on the mix, less clearly."""
     parts: list = []
     flatten_state(state, parts)
     if any(isinstance(p, torch.Tensor) and p.dim() > 0 and not is_dtensor(p) for p in parts):
@@ -520,13 +468,7 @@ def _adam_step_many(args, xs, dxs, ms, vs, t) -> bool:
     return True
 
 
-class _FastPath(NamedTuple):
-    apply: Callable  # (args, state, x, dx) -> (new state, NewValue) or None
-    step_many: Callable  # (args, xs, dxs, *state parts, t) -> whether it stepped them
-
-
-# torch's fused kernels, named for optimisers.engine.fused
-FAST_PATHS = {"adam": _FastPath(_adam_apply, _adam_step_many)}
+FAST_PATHS = {"adam": FastPath(_adam_apply, _adam_step_many)}
 
 
 def concat(tensors):
@@ -540,15 +482,13 @@ def empty_flat(n, like):
 
 
 def join_into(out, tensors, orders):
-    """Every element of `tensors`, each raveled in its memory order `orders[i]`, joined into the
-    1-D `out` with one call."""
+    """Every element of `tensors`, each in its memory order, joined into the 1-D `out` (one call)."""
     with torch.no_grad():
         torch.cat([t if t.dim() == 1 else flat_in(t, o) for t, o in zip(tensors, orders)], out=out)
 
 
 def split_into(flat, tensors, orders):
-    """Copy the consecutive pieces of the 1-D `flat` into `tensors`, each in its memory order,
-    with one call."""
+    """Copy the consecutive pieces of the 1-D `flat` into `tensors`, each in its memory order."""
     with torch.no_grad():
         outs = [t if t.dim() == 1 else flat_in(t, o) for t, o in zip(tensors, orders)]
         torch.split_with_sizes_copy(flat, [t.numel() for t in outs], out=outs)
@@ -644,7 +584,7 @@ def norm(x, p):
     if x.numel() == 0:
         fill = float("inf") if p == -float("inf") else 0.0
         return torch.full((), fill, dtype=_real_dtype(x.dtype), device=x.device)
-    if x.numel() > _NORM_CHUNK and type(x) in _PLAIN and p not in (0, float("inf"), -float("inf")):
+    if x.numel() > _NORM_CHUNK and type(x) in _PLAIN_TYPES and p not in (0, float("inf"), -float("inf")):
         # One vector_norm over millions of float32 elements accumulates in a few long running
         # sums (relative error 1e-4 on 4M elements, NumPy's pairwise sum 1e-6): the p-norm of
         # the chunks' p-norms is the same norm, each partial sum short. Chunks of a 1-D view in
@@ -656,10 +596,9 @@ def norm(x, p):
 
 
 def norms(xs, p):
-    """Each tensor's `norm`, as a 1-D tensor. On the CPU, one `torch._foreach_norm` call for
-    tensors that `norm` takes whole: a loop in C++ over the very kernel `norm` calls, so the same
-    bits (clip_grad_norm_ uses it too). Elsewhere (CUDA's foreach kernel sums in another order)
-    a `norm` per tensor."""
+    """Each tensor's `norm`, as a 1-D tensor: on the CPU one `torch._foreach_norm` call (the very
+    kernel `norm` calls, so the same bits) for tensors `norm` takes whole; elsewhere (CUDA's
+    foreach kernel sums in another order) a `norm` per tensor."""
     if (
         p in _FOREACH_NORM_P
         and set(map(type, xs)) <= _PLAIN_TYPES
@@ -688,15 +627,9 @@ def all_finite(x):
     return torch.isfinite(x).all()
 
 
-def cond(predicate, if_true, if_false):
-    return if_true() if predicate else if_false()
-
-
 def astype(x, like):
-    """`x` on `like`'s dtype and device, off the autograd graph (no copy when it already matches).
-
-    Gradients are data to the optimiser: a gradient made with `create_graph=True` must not drag
-    its graph into the optimiser state."""
+    """`x` on `like`'s dtype and device, off the autograd graph (no copy when it already matches):
+    a gradient made with `create_graph=True` must not drag its graph into the optimiser state."""
     if isinstance(x, torch.Tensor):
         if not x.requires_grad and x.dtype == like.dtype and x.device == like.device and x.layout is _STRIDED:
             return x  # the usual gradient: nothing to do, and detach() costs a microsecond
@@ -774,10 +707,8 @@ def _module_children(m):
 
 def _as_parameter(new, old):
     """What to store in a parameter slot whose old value was `old`: a Parameter stays a Parameter,
-    except for a value on the autograd graph (a differentiable `destructure` rebuild).
-
-    A plain tensor placed at several tied slots must become one Parameter shared by all of them,
-    so the wrapper is remembered on the tensor itself (it lives exactly as long as the tensor)."""
+    except for a value on the autograd graph (a differentiable `destructure` rebuild). A plain
+    tensor at several tied slots becomes one Parameter, remembered on the tensor itself."""
     if isinstance(new, nn.Parameter) or not isinstance(old, nn.Parameter) or new.requires_grad:
         return new
     wrapped = getattr(new, "_optimisers_parameter", None)
@@ -795,11 +726,9 @@ def _registries() -> tuple[str, ...]:
 
 
 def _module_rebuild(m, changes):
-    """A new module object, sharing everything with `m` but its parameter and submodule slots.
-
-    The dicts and sets that registration writes to (parameters, buffers, submodules, hooks) are
-    copied, so registering on one of the two modules does not change the other; buffers, hook
-    functions and all other attributes are the same objects."""
+    """A new module object, sharing everything with `m` but its parameter and submodule slots; the
+    dicts and sets that registration writes to are copied, so registering on one of the two
+    modules does not change the other."""
     new = _copy.copy(m)
     d = new.__dict__
     for name in _registries():
@@ -809,10 +738,8 @@ def _module_rebuild(m, changes):
     for k, v in changes.items():
         if k in params:
             params[k] = _as_parameter(v, params[k])
-        elif k in modules:
+        else:  # a submodule (the tree layer only passes keys from `_module_children`)
             modules[k] = v
-        else:  # pragma: no cover - the tree layer only passes keys from `_module_children`
-            raise KeyError(f"{type(m).__name__} has no parameter or submodule {k!r}")
     return new
 
 
@@ -962,19 +889,13 @@ def dtype_name(x):
     return str(x).removeprefix("torch.") if isinstance(x, torch.dtype) else None
 
 
-def is_traced(x):
-    return False
-
-
 def to_host(x):
-    t = x.detach().cpu()
-    try:
-        return t.numpy().copy()
-    except TypeError:  # bfloat16, float8: NumPy holds them as ml_dtypes' (exact through float32)
-        import ml_dtypes
+    host, name = to_host_bits(x)
+    if name is None:
+        return host
+    import ml_dtypes  # bfloat16, float8: NumPy holds them as ml_dtypes'
 
-        target = getattr(ml_dtypes, dtype_name(t.dtype))
-        return t.to(torch.float32).numpy().astype(target)
+    return host.view(getattr(ml_dtypes, name))
 
 
 _SIGNED_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

@@ -1,10 +1,6 @@
-"""Which backend serves a value.
-
-A table from array libraries (the top-level module that defines a value's type: `torch`, `jax`,
-`numpy`) to the backend modules that serve them. `optimisers.backends` fills it in when the
-package is imported; the table holds module names, and a backend module is imported on its first
-use, so `import optimisers` imports neither torch nor jax. The core asks this table and never
-imports a backend itself.
+"""Which backend serves a value: a table from array libraries (the top-level module of a value's
+type) to backend module names, filled in by `optimisers.backends`; each backend is imported on its
+first use, so `import optimisers` imports neither torch nor jax (docs/architecture.md, "Layers").
 """
 
 from __future__ import annotations
@@ -20,20 +16,17 @@ _SCALAR_MODULE = ""  # the module for Python numbers
 _BY_TYPE: dict[type, ModuleType] = {}
 
 
-def register(libraries: str | tuple[str, ...], module: str, *, fallback: bool = False) -> None:
-    """Serve values whose type comes from `libraries` with the backend module named `module`."""
-    global _FALLBACK
+def register(libraries: str | tuple[str, ...], module: str, *, fallback: bool = False,
+             scalars: bool = False) -> None:
+    """Serve values whose type comes from `libraries` with the backend module named `module`
+    (`fallback`: also types of no registered library; `scalars`: Python numbers)."""
+    global _FALLBACK, _SCALAR_MODULE
     for library in (libraries,) if isinstance(libraries, str) else libraries:
         _MODULE_OF_LIBRARY[library] = module
     if fallback:
         _FALLBACK = module
-    _BY_TYPE.clear()
-
-
-def register_scalars(module: str) -> None:
-    """Serve Python numbers (bool, int, float, complex) with the backend module named `module`."""
-    global _SCALAR_MODULE
-    _SCALAR_MODULE = module
+    if scalars:
+        _SCALAR_MODULE = module
     _BY_TYPE.clear()
 
 

@@ -1,12 +1,8 @@
-"""Library calls met inside `torch.compile` run eagerly.
-
-The tree walk, the grouping and the rules' bookkeeping are Python over object identities and
-Python-number hyperparameters; traced by dynamo they would become guards that fail on every step
-(new gradient objects, a changed learning rate), i.e. a recompilation per step. So each entry point
-is decorated with `eager_under_compile`: under dynamo it calls its undecorated self wrapped in
-`torch.compiler.disable`, which makes one graph break, no guards on the optimiser, and the same
-kernels and numbers as eagerly. The torch backend calls `install` when it is imported, so this
-module never imports torch.
+"""Library calls met inside `torch.compile` run eagerly: traced by dynamo, the tree walk and the
+rules' bookkeeping (Python over object identities and numbers) would become guards that fail on
+every step. Under dynamo an entry point calls its undecorated self wrapped in
+`torch.compiler.disable`: one graph break (docs/torch-compile.md). The torch backend calls
+`install` when it is imported, so this module never imports torch.
 """
 
 from __future__ import annotations

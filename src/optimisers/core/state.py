@@ -46,17 +46,14 @@ class Leaf:
         init(self, "rule", rule)
         init(self, "_state", state)
         init(self, "frozen", frozen)
-        # the shape of the parameter the state was made for (`setup` records it; None: not known
-        # yet, read from the state's arrays at the next update). An update refuses a parameter of
-        # another shape: the state's arrays would not fit it.
+        # the shape of the parameter the state was made for (None: read from the state's arrays at
+        # the next update), which an update requires: the state's arrays would not fit another
         init(self, "_shape", None)
         # placed at another position by hand (`state["b"] = state["a"]`): its places may hold
-        # different arrays, which the next update makes equal. Otherwise other values at a tied
-        # place mean the model changed after setup, and an update refuses them.
+        # different arrays, which the next update makes equal (else an update refuses them)
         init(self, "_placed", False)
-        # its state's arrays are its own alone (made for it by setup, a copy or a load): the
-        # update engine may keep them as its buffers and step them in place instead of copying
-        # them (arrays that a user assigned, or that another State shares, are copied)
+        # its state's arrays are its own alone (made by setup, a copy or a load): the engine may
+        # step them in place as its buffers (arrays a user assigned, or another State shares, are copied)
         init(self, "_owns", False)
 
     def _successor(self, rule, state) -> Leaf:

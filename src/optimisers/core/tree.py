@@ -17,24 +17,20 @@ Path = tuple
 
 
 class NodeKind(NamedTuple):
-    """How to take a container apart and put it back together.
-
-    `children(node)` lists `(key, child)` pairs; `rebuild(node, changes)` returns a node equal to `node`
-    except that each key of `changes` holds its new child. `grad_children(node, grad, path)`, when
-    given, reads a gradient for `node` in a form other than the generic ones (mapping, sequence, same
-    type), returning a dict from key to gradient or `None` when it does not recognise `grad`.
-    `why_not_child(node, key)`, when given, explains a key the state has but `children` lacks (a
-    torch parameter frozen with `requires_grad_(False)` after setup), for the error message.
-    `fields(node)`, when given, is the tuple of dicts that hold the node's children where they are
-    (a module's parameters and submodules), which a replayed step reads without calling `children`.
-    """
+    """How to take a container apart and put it back together."""
 
     name: str
-    children: Callable[[Any], list]
-    rebuild: Callable[[Any, dict], Any]
+    children: Callable[[Any], list]  # node -> [(key, child), ...]
+    rebuild: Callable[[Any, dict], Any]  # (node, {key: new child}) -> a node with those children
+    # (node, grad, path) -> {key: gradient} for a form other than the generic ones (mapping,
+    # sequence, same type), or None where it does not recognise `grad`
     grad_children: Callable | None = None
-    why_not_child: Callable | None = None  # (node, key) -> why `key` is not a child now, or None
-    fields: Callable | None = None  # node -> the dicts holding its children
+    # (node, key) -> why a key the state has is not a child now (a torch parameter frozen with
+    # `requires_grad_(False)` after setup), or None
+    why_not_child: Callable | None = None
+    # node -> the tuple of dicts that hold its children where they are (a module's parameters and
+    # submodules), which a replayed step reads without calling `children`
+    fields: Callable | None = None
 
 
 # --- the built-in kinds ------------------------------------------------------------------------
