@@ -96,7 +96,7 @@ def _copied(snode) -> dict:
 
 
 def _compiled(nodes):
-    """The route's walk as one Python function of `(model, grads)`, written out node by node (a
+    """The route's walk as a Python function of `(model, grads)`, written out node by node (a
     loop over nodes cost more per container than the work itself): each place's parameter and
     gradient in the route's order; `_Off` where the model differs from the route (the caller
     compares the state tree with its copy).
@@ -111,50 +111,70 @@ def _compiled(nodes):
             names[names_key] = value
         return shared[value]
 
-    lines = ["def walk(model, grads):", "    xs = []; gs = []"]
+    parts: list[list] = []  # each node's lines, in parts of `_PART` nodes compiled one by one
+    depth = [0] * len(nodes)
     for i, r in enumerate(nodes):
+        if i % _PART == 0:
+            parts.append([])
+        lines = parts[-1]
+        # a node's locals are named by its depth: depth first, its parent's are still in them
+        # (a few dozen locals whatever the model's size: compiling is then linear in the nodes)
         names[f"N{i}"] = r
         t, c = one(r.type), r.child_keys if r.seq else one(r.child_keys)
         if i == 0:
-            lines.append("    n0 = model; g0 = grads")
+            d = 0  # (n0 and g0: the model and the gradients, given to the first part)
         else:
-            p, parent = r.parent, nodes[r.parent]
+            parent = nodes[r.parent]
+            p = depth[r.parent]
+            d = depth[i] = p + 1
             key = _literal(r.key, names, f"K{i}")
             if parent.fields is not None:
-                lines.append(f"    n{i} = f{p}[{parent.field_of[r.key]}][{key}]")
+                lines.append(f"    n{d} = f{p}[{parent.field_of[r.key]}][{key}]")
             else:
-                lines.append(f"    n{i} = {'n' if parent.seq or parent.type is dict else 'k'}{p}[{key}]")
-            lines.append(f"    g{i} = None if get{p} is None else get{p}({key})")
-        lines.append(f"    if type(n{i}) is not {t}: raise Off")
+                lines.append(f"    n{d} = {'n' if parent.seq or parent.type is dict else 'k'}{p}[{key}]")
+            lines.append(f"    g{d} = None if get{p} is None else get{p}({key})")
+        lines.append(f"    if type(n{d}) is not {t}: raise Off")
         if r.seq:
-            lines.append(f"    if len(n{i}) != {c}: raise Off")
+            lines.append(f"    if len(n{d}) != {c}: raise Off")
         elif r.type is dict:
-            lines.append(f"    if n{i}.keys() != {c}: raise Off")
+            lines.append(f"    if n{d}.keys() != {c}: raise Off")
         elif r.fields is not None:  # the dicts holding its children, read where they are
-            lines.append(f"    f{i} = {one(r.kind.fields)}(n{i})")
+            lines.append(f"    f{d} = {one(r.kind.fields)}(n{d})")
             for j, keys in enumerate(r.fields):
-                lines.append(f"    if f{i}[{j}].keys() != {one(keys)}: raise Off")
+                lines.append(f"    if f{d}[{j}].keys() != {one(keys)}: raise Off")
         else:
-            lines.append(f"    k{i} = N{i}.children(n{i})")
-        fast = f"type(g{i}) in SEQ and len(g{i}) == {c}" if r.seq else (
-            f"type(g{i}) is dict and g{i}.keys() <= {c}")
+            lines.append(f"    k{d} = N{i}.children(n{d})")
+        fast = f"type(g{d}) in SEQ and len(g{d}) == {c}" if r.seq else (
+            f"type(g{d}) is dict and g{d}.keys() <= {c}")
         getter = "__getitem__" if r.seq else "get"
-        lines.append(f"    get{i} = None if g{i} is None else g{i}.{getter} if {fast} "
-                     f"else N{i}.gradients(n{i}, g{i})")
+        lines.append(f"    get{d} = None if g{d} is None else g{d}.{getter} if {fast} "
+                     f"else N{i}.gradients(n{d}, g{d})")
         if r.leaf_keys:
-            kids = f"n{i}" if r.seq or r.type is dict else f"k{i}"
+            kids = f"n{d}" if r.seq or r.type is dict else f"k{d}"
             if r.fields is not None:
                 held_in = {r.field_of[k] for k in r.leaf_keys}
-                kids = f"f{i}[{held_in.pop()}]" if len(held_in) == 1 else f"N{i}.children(n{i})"
+                kids = f"f{d}[{held_in.pop()}]" if len(held_in) == 1 else f"N{i}.children(n{d})"
             keys = _literal(tuple(r.leaf_keys), names, f"L{i}")
             whole = r.seq and r.leaf_keys == list(range(r.child_keys))  # (every entry a place)
             lines.append(f"    xs += {kids}" if whole else f"    xs += map({kids}.__getitem__, {keys})")
-            given = f"g{i} if type(g{i}) in SEQ else " if whole else ""
+            given = f"g{d} if type(g{d}) in SEQ else " if whole else ""
             nones = (None,) * len(r.leaf_keys)
-            lines.append(f"    gs += {nones} if get{i} is None else {given}map(get{i}, {keys})")
-    lines.append("    return xs, gs")
-    exec(compile("\n".join(lines), "<the route's walk>", "exec"), names)  # noqa: S102 - our own code
+            lines.append(f"    gs += {nones} if get{d} is None else {given}map(get{d}, {keys})")
+    # the parts hand the locals on, named by depth (`walk` starts them: the root is n0, g0)
+    local = [f"{v}{d}" for d in range(max(depth) + 1) for v in ("n", "g", "get", "f", "k")]
+    held = ", ".join(local)
+    walk = ["def walk(model, grads):", "    xs = []; gs = []",
+            f"    {held} = (model, grads) + (None,) * {len(local) - 2}"]
+    for j, lines in enumerate(parts):
+        source = "\n".join([f"def P{j}(xs, gs, {held}):", *lines, f"    return {held}"])
+        exec(compile(source, f"<the route's walk, part {j}>", "exec"), names)  # noqa: S102 - our own code
+        walk.append(f"    {held} = P{j}(xs, gs, {held})")
+    walk.append("    return xs, gs")
+    exec(compile("\n".join(walk), "<the route's walk>", "exec"), names)  # noqa: S102 - our own code
     return names.pop("walk")  # (its globals are `names`: kept there, it would be a reference cycle)
+
+
+_PART = 200  # nodes a function: compiling one function of thousands of nodes takes ~100 MB
 
 
 def _literal(key, names, name) -> str:
