@@ -165,13 +165,15 @@ def _compiled(nodes):
     held = ", ".join(local)
     walk = ["def walk(model, grads):", "    xs = []; gs = []",
             f"    {held} = (model, grads) + (None,) * {len(local) - 2}"]
+    outer: dict = {}  # the parts, for `walk` (kept in `names`, their globals, a reference cycle)
     for j, lines in enumerate(parts):
         source = "\n".join([f"def P{j}(xs, gs, {held}):", *lines, f"    return {held}"])
         exec(compile(source, f"<the route's walk, part {j}>", "exec"), names)  # noqa: S102 - our own code
+        outer[f"P{j}"] = names.pop(f"P{j}")
         walk.append(f"    {held} = P{j}(xs, gs, {held})")
     walk.append("    return xs, gs")
-    exec(compile("\n".join(walk), "<the route's walk>", "exec"), names)  # noqa: S102 - our own code
-    return names.pop("walk")  # (its globals are `names`: kept there, it would be a reference cycle)
+    exec(compile("\n".join(walk), "<the route's walk>", "exec"), outer)  # noqa: S102 - our own code
+    return outer.pop("walk")  # (kept in its globals, `outer`, it would be a reference cycle)
 
 
 _PART = 200  # nodes a function: compiling one function of thousands of nodes takes ~100 MB
