@@ -332,3 +332,27 @@ def test_a_module_changed_between_replayed_steps_is_seen(change, error, replays)
     with pytest.raises((KeyError, ValueError), match=error):
         opt.update_(state, model, grads(model))
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+
+
+def test_a_model_of_many_containers_replays_across_the_walks_parts(replays):
+    """The route's walk is compiled in parts of a few hundred containers: a model of 302 of them
+    replays with `update`'s numbers, and an array replaced in the last part is seen."""
+    rng = np.random.default_rng(3)
+
+    def arr(*shape):
+        return rng.standard_normal(shape).astype(np.float32)
+
+    model = {"blocks": [{"a": {"w": arr(3, 2), "b": arr(2)}, "c": [arr(4), arr(1)]} for _ in range(100)]}
+    reference = copy.deepcopy(model)
+    state, ref_state = opt.setup(opt.Adam(1e-2), model), opt.setup(opt.Adam(1e-2), reference)
+    for step in range(6):
+        if step == 4:
+            model["blocks"][99]["c"][1] = new = arr(1)
+            reference["blocks"][99]["c"][1] = new.copy()
+        grads = {"blocks": [{"a": {"w": arr(3, 2), "b": arr(2)}, "c": [arr(4), arr(1)]} for _ in range(100)]}
+        state, model = opt.update_(state, model, grads)
+        ref_state, reference = opt.update(ref_state, reference, copy.deepcopy(grads))
+        for x, y in zip(opt.trainables(model), opt.trainables(reference), strict=True):
+            np.testing.assert_array_equal(x, y)
+    assert model["blocks"][99]["c"][1] is new
+    assert replays[1:] == [True, True, True, False, True]
