@@ -23,6 +23,19 @@ Conventions shared by every rule here:
 * `x_new = x - step`. In the formulas `g` is the gradient and `t` the step number.
 """
 
+from optimisers.rules import (
+    adafactor,
+    adam,
+    adaptive,
+    combinators,
+    gradient,
+    muon,
+    routing,
+    schedule_free,
+    sgd,
+    soap,
+    trust_ratio,
+)
 from optimisers.rules.adafactor import *  # noqa: F403
 from optimisers.rules.adam import *  # noqa: F403
 from optimisers.rules.adaptive import *  # noqa: F403
@@ -35,6 +48,16 @@ from optimisers.rules.sgd import *  # noqa: F403
 from optimisers.rules.soap import *  # noqa: F403
 from optimisers.rules.trust_ratio import *  # noqa: F403
 
-# the submodules, bound here by the imports above, in the order of the docs
-_FAMILIES = (sgd, adaptive, adam, trust_ratio, soap, adafactor, schedule_free, muon, routing)  # noqa: F405
-__all__ = [name for family in (*_FAMILIES, gradient, combinators) for name in family.__all__]  # noqa: F405
+__all__ = [
+    *sgd.__all__,
+    *adaptive.__all__,
+    *adam.__all__,
+    *trust_ratio.__all__,
+    *soap.__all__,
+    *adafactor.__all__,
+    *schedule_free.__all__,
+    *muon.__all__,
+    *routing.__all__,
+    *gradient.__all__,
+    *combinators.__all__,
+]
