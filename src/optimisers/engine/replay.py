@@ -1,6 +1,6 @@
 """Replay: a later `update_` that reuses the plan of the step before (docs/architecture.md, step
 2). Where every Leaf stepped in the engine's groups, `Route.record` keeps what the general step
-walked; a later step walks it in one function written for the route, applies the one tie policy
+walked; a later step walks it in code written for the route (`_compiled`), applies the tie policy
 (`ties.given`) and asks each group's backend one question (`Group.still`). If anything differs,
 nothing has been written: the general path runs, reports any error, and records the route anew.
 """
