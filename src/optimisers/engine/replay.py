@@ -95,72 +95,36 @@ def _copied(snode) -> dict:
     return {k: _copied(v) if type(v) is dict else v for k, v in snode.items()}
 
 
+def _namer(names: dict):
+    """`one(value)`: the global of the walk's code (in `names`) that holds `value`, one for each
+    distinct type, key set or accessor."""
+    named: dict = {}
+
+    def one(value) -> str:
+        if value not in named:
+            named[value] = f"V{len(named)}"
+            names[named[value]] = value
+        return named[value]
+
+    return one
+
+
 def _compiled(nodes):
     """The route's walk as a Python function of `(model, grads)`, written out node by node (a
     loop over nodes cost more per container than the work itself): each place's parameter and
     gradient in the route's order; `_Off` where the model differs from the route (the caller
-    compares the state tree with its copy).
-    Lists, tuples and dicts, and dicts of gradients, are read where they are; any other node
-    through its `_Node` (`children`, `gradients`)."""
+    compares the state tree with its copy). A node's locals are named by its depth (depth first,
+    its parent's are still in them), and the code is compiled in parts of `_PART` nodes."""
     names: dict = {"Off": _Off, "SEQ": _SEQUENCES}
-    shared: dict = {}
-
-    def one(value) -> str:  # one global for each distinct type, key set, accessor
-        if value not in shared:
-            shared[value] = names_key = f"V{len(shared)}"
-            names[names_key] = value
-        return shared[value]
-
-    parts: list[list] = []  # each node's lines, in parts of `_PART` nodes compiled one by one
+    one = _namer(names)
+    parts: list[list] = []
     depth = [0] * len(nodes)
     for i, r in enumerate(nodes):
         if i % _PART == 0:
             parts.append([])
-        lines = parts[-1]
-        # a node's locals are named by its depth: depth first, its parent's are still in them
-        # (a few dozen locals whatever the model's size: compiling is then linear in the nodes)
-        names[f"N{i}"] = r
-        t, c = one(r.type), r.child_keys if r.seq else one(r.child_keys)
-        if i == 0:
-            d = 0  # (n0 and g0: the model and the gradients, given to the first part)
-        else:
-            parent = nodes[r.parent]
-            p = depth[r.parent]
-            d = depth[i] = p + 1
-            key = _literal(r.key, names, f"K{i}")
-            if parent.fields is not None:
-                lines.append(f"    n{d} = f{p}[{parent.field_of[r.key]}][{key}]")
-            else:
-                lines.append(f"    n{d} = {'n' if parent.seq or parent.type is dict else 'k'}{p}[{key}]")
-            lines.append(f"    g{d} = None if get{p} is None else get{p}({key})")
-        lines.append(f"    if type(n{d}) is not {t}: raise Off")
-        if r.seq:
-            lines.append(f"    if len(n{d}) != {c}: raise Off")
-        elif r.type is dict:
-            lines.append(f"    if n{d}.keys() != {c}: raise Off")
-        elif r.fields is not None:  # the dicts holding its children, read where they are
-            lines.append(f"    f{d} = {one(r.kind.fields)}(n{d})")
-            for j, keys in enumerate(r.fields):
-                lines.append(f"    if f{d}[{j}].keys() != {one(keys)}: raise Off")
-        else:
-            lines.append(f"    k{d} = N{i}.children(n{d})")
-        fast = f"type(g{d}) in SEQ and len(g{d}) == {c}" if r.seq else (
-            f"type(g{d}) is dict and g{d}.keys() <= {c}")
-        getter = "__getitem__" if r.seq else "get"
-        lines.append(f"    get{d} = None if g{d} is None else g{d}.{getter} if {fast} "
-                     f"else N{i}.gradients(n{d}, g{d})")
-        if r.leaf_keys:
-            kids = f"n{d}" if r.seq or r.type is dict else f"k{d}"
-            if r.fields is not None:
-                held_in = {r.field_of[k] for k in r.leaf_keys}
-                kids = f"f{d}[{held_in.pop()}]" if len(held_in) == 1 else f"N{i}.children(n{d})"
-            keys = _literal(tuple(r.leaf_keys), names, f"L{i}")
-            whole = r.seq and r.leaf_keys == list(range(r.child_keys))  # (every entry a place)
-            lines.append(f"    xs += {kids}" if whole else f"    xs += map({kids}.__getitem__, {keys})")
-            given = f"g{d} if type(g{d}) in SEQ else " if whole else ""
-            nones = (None,) * len(r.leaf_keys)
-            lines.append(f"    gs += {nones} if get{d} is None else {given}map(get{d}, {keys})")
-    # the parts hand the locals on, named by depth (`walk` starts them: the root is n0, g0)
+        d = depth[i] = depth[r.parent] + 1 if i else 0
+        parts[-1] += _lines(i, r, nodes[r.parent], d, names, one)
+    # the parts hand the locals on (`walk` starts them: the root is n0, g0)
     local = [f"{v}{d}" for d in range(max(depth) + 1) for v in ("n", "g", "get", "f", "k")]
     held = ", ".join(local)
     walk = ["def walk(model, grads):", "    xs = []; gs = []",
@@ -174,6 +138,49 @@ def _compiled(nodes):
     walk.append("    return xs, gs")
     exec(compile("\n".join(walk), "<the route's walk>", "exec"), outer)  # noqa: S102 - our own code
     return outer.pop("walk")  # (kept in its globals, `outer`, it would be a reference cycle)
+
+
+def _lines(i, r, parent, d, names, one) -> list:
+    """The walk's code for node `i` (`r`, at depth `d`): lists, tuples and dicts, and dicts of
+    gradients, read where they are, a module's parameter and submodule dicts too (`fields`); any
+    other node through its `_Node` (`children`, `gradients`)."""
+    names[f"N{i}"] = r
+    lines, p = [], d - 1
+    t, c = one(r.type), r.child_keys if r.seq else one(r.child_keys)
+    if i:
+        key = _literal(r.key, names, f"K{i}")
+        if parent.fields is not None:
+            lines.append(f"    n{d} = f{p}[{parent.field_of[r.key]}][{key}]")
+        else:
+            lines.append(f"    n{d} = {'n' if parent.seq or parent.type is dict else 'k'}{p}[{key}]")
+        lines.append(f"    g{d} = None if get{p} is None else get{p}({key})")
+    lines.append(f"    if type(n{d}) is not {t}: raise Off")
+    if r.seq:
+        lines.append(f"    if len(n{d}) != {c}: raise Off")
+    elif r.type is dict:
+        lines.append(f"    if n{d}.keys() != {c}: raise Off")
+    elif r.fields is not None:
+        lines.append(f"    f{d} = {one(r.kind.fields)}(n{d})")
+        lines += [f"    if f{d}[{j}].keys() != {one(keys)}: raise Off" for j, keys in enumerate(r.fields)]
+    else:
+        lines.append(f"    k{d} = N{i}.children(n{d})")
+    fast = f"type(g{d}) in SEQ and len(g{d}) == {c}" if r.seq else (
+        f"type(g{d}) is dict and g{d}.keys() <= {c}")
+    getter = "__getitem__" if r.seq else "get"
+    lines.append(f"    get{d} = None if g{d} is None else g{d}.{getter} if {fast} "
+                 f"else N{i}.gradients(n{d}, g{d})")
+    if r.leaf_keys:
+        kids = f"n{d}" if r.seq or r.type is dict else f"k{d}"
+        if r.fields is not None:
+            held_in = {r.field_of[k] for k in r.leaf_keys}
+            kids = f"f{d}[{held_in.pop()}]" if len(held_in) == 1 else f"N{i}.children(n{d})"
+        keys = _literal(tuple(r.leaf_keys), names, f"L{i}")
+        whole = r.seq and r.leaf_keys == list(range(r.child_keys))  # (every entry a place)
+        lines.append(f"    xs += {kids}" if whole else f"    xs += map({kids}.__getitem__, {keys})")
+        given = f"g{d} if type(g{d}) in SEQ else " if whole else ""
+        nones = (None,) * len(r.leaf_keys)
+        lines.append(f"    gs += {nones} if get{d} is None else {given}map(get{d}, {keys})")
+    return lines
 
 
 _PART = 200  # nodes a function: compiling one function of thousands of nodes takes ~100 MB

@@ -9,9 +9,22 @@ on the parameters, and on the span's buffer itself).
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import numpy as np
 
 from optimisers.backends.objects import SameObjects
+
+
+class _Kept(NamedTuple):
+    """What a step found its gradients to be: compared with a later step's (`Span._found`)."""
+
+    same: SameObjects  # the gradients
+    at: list  # where each one starts (and `at_array`, the same as an array)
+    result: Any  # the view of their buffer (`gradient`), or the pieces (`gradient_pieces`)
+    views: list  # the views `result` holds
+    views_at: list  # where they start: a storage freed by `resize_(0)` moves them
+    at_array: np.ndarray
 
 
 class Span:
@@ -22,7 +35,7 @@ class Span:
     def __init__(self, b, flat):
         self.b, self.flat = b, flat
         self.token = b.snapshot([flat], [])
-        self.grads = None  # (the gradients last found to be views of one buffer, that view: `_keep`)
+        self.grads = None  # `_Kept`: the gradients last found to be views of one buffer
         self.pieces = None  # the same for `gradient_pieces`
         self.now = None  # this replayed step's gradient view, found by `expect` (used once)
 
@@ -47,34 +60,34 @@ class Span:
         """Before a replayed step, whose check just read the gradients' pointers `at` (None where
         the backend keeps none): if `gs` begin with the gradients last found to be views of one
         buffer, where they were, that view is this step's (`gradient`). Always True."""
-        found, n = self.grads, len(self.grads[1]) if self.grads else 0
-        self.now = None
-        if found is not None and at is not None and found[0](gs[:n]) and np.array_equal(at[:n], found[5]):
-            self.now = found[2] if self._alive(found) else None
+        found, self.now = self.grads, None
+        if found is None or at is None:
+            return True
+        n = len(found.at)
+        if found.same(gs[:n]) and np.array_equal(at[:n], found.at_array) and self._alive(found):
+            self.now = found.result
         return True
 
     def _found(self, found, dxs):
-        """`found`'s result where `dxs` are the gradients it was made of, where they were, and its
-        views where they were (a storage freed by `resize_(0)` moves them)."""
-        if found is None or not found[0](dxs) or self.b.addresses(dxs) != found[1]:
+        """`found.result` where `dxs` are the gradients it was made of, where they were, and its
+        views where they were."""
+        if found is None or not found.same(dxs) or self.b.addresses(dxs) != found.at:
             return None
-        return found[2] if self._alive(found) else None
+        return found.result if self._alive(found) else None
 
-    def _alive(self, found) -> bool:  # (the views where they were)
-        return self.b.addresses(found[3]) == found[4]
+    def _alive(self, found) -> bool:
+        return self.b.addresses(found.views) == found.views_at
 
-    def _keep(self, dxs, result):
-        """What `_found` and `expect` compare with: the gradients and where they are, `result`, its
-        views and where they are, and where the gradients are as an array."""
+    def _keep(self, dxs, result) -> _Kept:
         views = [v for *_, v in result] if type(result) is list else [result]
         at = self.b.addresses(dxs)
-        return SameObjects(dxs), at, result, views, self.b.addresses(views), np.asarray(at, np.int64)
+        return _Kept(SameObjects(dxs), at, result, views, self.b.addresses(views), np.asarray(at, np.int64))
 
     def gradient(self, dxs, group):
         """The gradients `dxs` as one 1-D array in the span's order: a view of the flat buffer
         they are views of (kept to compare with the next step's), else joined into a new one."""
         b, flat, self.now = self.b, self.now, None
-        if flat is None or not self.grads[0](dxs):  # (a tied member's sum is not the one found)
+        if flat is None or not self.grads.same(dxs):  # (a tied member's sum is not the one found)
             flat = self._found(self.grads, dxs)
         if flat is not None:
             return flat
