@@ -88,6 +88,17 @@ def test_a_frozen_parameter_is_stepped_while_it_has_a_gradient_as_torch_optim_do
     assert isinstance(ps[FROZEN], nn.Parameter) and ps[FROZEN].requires_grad
 
 
+def _step_both(ps, qs, o, t, step: int) -> None:
+    """A gradient set by hand on every parameter, frozen or not; one step of each optimiser; the
+    same numbers."""
+    for x in (*ps, *qs):
+        x.grad = torch.full((64,), step + 1.0)
+    o.step()
+    t.step()
+    for p, q in zip(ps, qs):
+        assert torch.equal(p.detach(), q.detach())
+
+
 def test_a_parameter_frozen_before_its_first_gradient_gets_state_from_a_gradient_set_by_hand():
     ps = [nn.Parameter(torch.ones(64)), nn.Parameter(torch.ones(64))]
     qs = [nn.Parameter(torch.ones(64)), nn.Parameter(torch.ones(64))]
@@ -95,12 +106,7 @@ def test_a_parameter_frozen_before_its_first_gradient_gets_state_from_a_gradient
     qs[1].requires_grad_(False)
     o, t = ot.Adam(ps, lr=0.1), torch.optim.Adam(qs, lr=0.1, fused=True)
     for step in range(3):
-        for x in (*ps, *qs):
-            x.grad = torch.full((64,), step + 1.0)
-        o.step()
-        t.step()
-        for p, q in zip(ps, qs):
-            assert torch.equal(p.detach(), q.detach())
+        _step_both(ps, qs, o, t, step)
     assert not ps[1].requires_grad and ps[1] in o.state and qs[1] in t.state
 
 
@@ -125,10 +131,5 @@ def test_the_step_follows_update_refusing_a_frozen_parameter(monkeypatch):
         if step == 1:
             ps[0].requires_grad_(False)
             qs[0].requires_grad_(False)
-        for x in (*ps, *qs):
-            x.grad = torch.full((64,), step + 1.0)
-        o.step()
-        t.step()
-        for p, q in zip(ps, qs):
-            assert torch.equal(p.detach(), q.detach())
+        _step_both(ps, qs, o, t, step)
     assert calls == [0, 1, 0, 0, 0]  # refused once; later steps hand it over detached
