@@ -13,6 +13,7 @@ import pytest
 
 import optimisers as opt
 import optimisers.engine.chunks as _engine_chunks
+import optimisers.engine.compiled as _engine_compiled
 from optimisers.core.state import flatten_state
 
 RULES = [
@@ -54,6 +55,7 @@ def test_pure_update_in_chunks_gives_the_whole_array_numbers(rule, monkeypatch, 
         return result
 
     monkeypatch.setattr(_engine_chunks, "pure_step", spy)
+    monkeypatch.setattr(_engine_compiled, "ENABLED", False)  # the eager chunks, as without numba
     rng = np.random.default_rng(0)
     x = rng.standard_normal((37, 29)).astype(np.float32)
     x_orig = x.copy()

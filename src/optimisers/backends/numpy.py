@@ -12,7 +12,7 @@ import platform
 import numpy as np
 
 from optimisers import ops
-from optimisers.backends import numpy_kernels
+from optimisers.backends import numba_lowering, numpy_kernels
 from optimisers.backends import scalar as _scalar
 from optimisers.backends.ranges import ByteRanges
 
@@ -199,6 +199,11 @@ def assign_(x, value):
 copy_into = assign_  # the engine's copy of one chunk into another
 
 
+def adopt(value, like):
+    """The engine's new array `value` as a parameter like `like` (for NumPy, as it is)."""
+    return value
+
+
 def replaced(x, value):
     """A new parameter like `x` holding `value`."""
     return np.array(value, dtype=x.dtype, copy=True)
@@ -334,6 +339,25 @@ def sum_into(dst, arrays):
 
 def is_buffer(value) -> bool:
     return isinstance(value, np.ndarray) and value.ndim > 0
+
+
+def elementwise_kernel(program, device):
+    """`run(arrays, consts)`: a traced elementwise step (`backends.traced`) compiled for 1-D
+    arrays, or None (`optimisers.engine.compiled`)."""
+    loop = numba_lowering.kernel(program)
+    if loop is None:
+        return None
+    halves = [k for k, d in enumerate([*program.inputs, *(d for _, d in program.outputs)]) if d.itemsize == 2]
+    if not halves:
+        return lambda arrays, consts: loop(*arrays, consts)
+
+    def run(arrays, consts):
+        arrays = list(arrays)
+        for k in halves:  # (the loop reads float16 and bfloat16 as their bits)
+            arrays[k] = arrays[k].view(np.uint16)
+        loop(*arrays, consts)
+
+    return run
 
 
 # --- what the rules ask -----------------------------------------------------------------------

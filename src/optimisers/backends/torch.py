@@ -156,6 +156,9 @@ def _fresh_like(value, like):
     return value
 
 
+adopt = _fresh_like  # the engine's new array made a parameter like `like`
+
+
 def replaced(x, value):
     """A new parameter like `x` (an nn.Parameter for one, same requires_grad) holding `value`."""
     with torch.no_grad():
@@ -511,6 +514,23 @@ def is_buffer(value) -> bool:
 
 def _real_dtype(dtype):
     return dtype.to_real() if dtype.is_complex else dtype
+
+
+def elementwise_kernel(program, device):
+    """`run(tensors, consts)`: a traced elementwise step (`backends.traced`) compiled for 1-D
+    tensors, or None (`optimisers.engine.compiled`). On the CPU, numba's loop over the
+    tensors' memory (NumPy views of it; float16 and bfloat16 as their bits)."""
+    if device is None or device.type != "cpu":
+        return None
+    loop = _numpy.numba_lowering.kernel(program)
+    if loop is None:
+        return None
+    halves = {k for k, d in enumerate([*program.inputs, *(d for _, d in program.outputs)]) if d.itemsize == 2}
+
+    def run(tensors, consts):
+        loop(*[(t.view(torch.int16) if k in halves else t).numpy() for k, t in enumerate(tensors)], consts)
+
+    return run
 
 
 def scalar(value, like):

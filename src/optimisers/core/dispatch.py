@@ -14,6 +14,7 @@ _MODULE_OF_LIBRARY: dict[str, str] = {}  # "torch" -> "optimisers.backends.torch
 _FALLBACK = ""  # the module for every other type (NumPy's: it takes lists, NumPy scalars, ...)
 _SCALAR_MODULE = ""  # the module for Python numbers
 _BY_TYPE: dict[type, ModuleType] = {}
+_MODULE_OF_TYPE: dict[type, str] = {}  # types served apart from their library (a tracer's arrays)
 
 
 def register(libraries: str | tuple[str, ...], module: str, *, fallback: bool = False,
@@ -30,6 +31,12 @@ def register(libraries: str | tuple[str, ...], module: str, *, fallback: bool = 
     _BY_TYPE.clear()
 
 
+def register_type(t: type, module: str) -> None:
+    """Serve values of exactly type `t` with the backend module named `module`."""
+    _MODULE_OF_TYPE[t] = module
+    _BY_TYPE.pop(t, None)
+
+
 def library_of(t: type) -> str:
     return t.__module__.partition(".")[0]
 
@@ -44,7 +51,7 @@ def backend(x) -> ModuleType:
     t = type(x)
     found = _BY_TYPE.get(t)
     if found is None:
-        name = _MODULE_OF_LIBRARY.get(library_of(t))
+        name = _MODULE_OF_TYPE.get(t) or _MODULE_OF_LIBRARY.get(library_of(t))
         if name is None:
             # np.float64 subclasses float but is NumPy's
             name = _SCALAR_MODULE if issubclass(t, _SCALARS) else _FALLBACK

@@ -11,7 +11,7 @@ from optimisers import ops
 from optimisers.backends.ranges import ByteRanges
 from optimisers.core.state import path_of
 from optimisers.core.tree import format_path
-from optimisers.engine import checks, chunks, fused, plan, precision, replay, ties
+from optimisers.engine import checks, chunks, compiled, fused, plan, precision, replay, ties
 from optimisers.engine import stacked as stacks
 from optimisers.engine.gather import gather
 from optimisers.rules.common import sharing_step_scalars
@@ -31,6 +31,8 @@ def step(c=None, group=None, *, xs=None, dxs=None, factors=None, stacked=None, p
         kernel = fused.find(group.b, group.leaves[0].rule) if factors is None else None
         if kernel is not None and fused.step_group(group, kernel, xs, dxs):
             return None  # fused: every member (a span as one array) in one kernel call
+        if factors is None and compiled.step_group(group, xs, dxs):
+            return None  # compiled: the rule's own maths, traced, in one pass over each array
         return chunks.step(group, xs, dxs, factors)  # span, or flat chunks of members and runs
     if id(c.leaf) in stacked:
         return stacked[id(c.leaf)]  # stack: computed with the others of its stack
@@ -43,6 +45,9 @@ def step(c=None, group=None, *, xs=None, dxs=None, factors=None, stacked=None, p
         result = None if kernel is None else fused.step_leaf(kernel, state, x, dx)
         if result is not None:
             return result  # fused
+        result = compiled.step_leaf(rule, state, x, dx, pure)
+        if result is not None:  # compiled: the rule's own maths, traced, in one pass
+            return _Applied(result) if pure and result[1] is not None else result
         if pure:
             result = chunks.pure_step(rule, state, x, dx)
             if result is not None:
@@ -57,7 +62,7 @@ def compute(found, tree, skip=frozenset(), pure=False) -> dict[int, tuple]:
     is applied to a new array at once, so that no step outlives its Leaf's turn."""
     results = {}
     stacked = stacks.stacked_results(found, skip)  # small arrays of a rule that stacks: one call
-    with sharing_step_scalars():
+    with sharing_step_scalars(), compiled.one_update():
         for key, c in found.items():
             if c.leaf.frozen or not c.grads or key in skip:
                 continue

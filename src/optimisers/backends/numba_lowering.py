@@ -1,0 +1,224 @@
+"""A traced elementwise step (`optimisers.backends.traced.Program`) compiled by numba into one
+loop over memory: each element is read once, stepped in registers, and written once, with no
+temporaries. Used for NumPy arrays and for torch's CPU tensors (as NumPy views of their memory).
+
+The loop does what the eager step does, operation for operation, in the dtypes the traced
+library gave each node (float32 maths stays float32; IEEE's add, multiply, divide and square
+root round alike everywhere), so on NumPy the result equals the eager step bit for bit. float16
+and bfloat16 arrays are read and written as their 16 bits and converted in the loop (numba has
+no such types; the conversions round to nearest even, as NumPy's and torch's casts do).
+
+Each program's source is written once to a file in the kernel cache (`OPTIMISERS_CACHE`, else
+`~/.cache/optimisers`), named by its hash, so that numba's own cache keeps the compiled code
+between processes. Without numba (or with `OPTIMISERS_NUMBA=0`) there are no kernels.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import sys
+import tempfile
+
+from optimisers.backends import numpy_kernels
+
+_NUMBERS = {"float32", "float64", "bool"}  # dtypes the loop computes in
+_HALVES = {"float16", "bfloat16"}  # dtypes stored as 16 bits, computed in float32
+_KERNELS: dict = {}  # program -> its compiled loop, or None where it cannot be compiled
+_SYMBOLS = {"add": "+", "sub": "-", "mul": "*", "truediv": "/", "lt": "<", "le": "<=", "gt": ">",
+            "ge": ">=", "eq": "==", "ne": "!=", "and": "&", "or": "|"}
+_CALLS = {"sqrt": "np.sqrt", "abs": "abs", "sign": "_sign", "maximum": "_maximum", "minimum": "_minimum"}
+_PRELUDE = '''import numba
+import numpy as np
+from numba import float32, float64, uint16, uint32
+
+
+@numba.njit(cache=True)
+def _maximum(a, b):
+    return a if a >= b or a != a else b
+
+
+@numba.njit(cache=True)
+def _minimum(a, b):
+    return a if a <= b or a != a else b
+
+
+@numba.njit(cache=True)
+def _sign(a):
+    return type(a)(1) if a > 0 else type(a)(-1) if a < 0 else a if a != a else type(a)(0)
+
+
+@numba.njit(cache=True)
+def _from_bfloat16(h):
+    return np.uint32(np.uint32(h) << np.uint32(16))
+
+
+@numba.njit(cache=True)
+def _to_bfloat16(bits):
+    if (bits & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
+        return np.uint16((bits >> np.uint32(16)) | np.uint32(0x40))  # NaN stays a quiet NaN
+    bias = np.uint32(np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1)))
+    return np.uint16(np.uint32(bits + bias) >> np.uint32(16))
+
+
+@numba.njit(cache=True)
+def _from_float16(h):
+    h = np.uint32(h)
+    sign = np.uint32((h & np.uint32(0x8000)) << np.uint32(16))
+    exponent = np.uint32((h >> np.uint32(10)) & np.uint32(0x1F))
+    mantissa = np.uint32(h & np.uint32(0x3FF))
+    if exponent == np.uint32(31):
+        return np.uint32(sign | np.uint32(0x7F800000) | np.uint32(mantissa << np.uint32(13)))
+    if exponent == np.uint32(0):
+        value = np.float32(mantissa) * np.float32(2.0 ** -24)  # a subnormal: exact in float32
+        return np.uint32(sign | np.float32(value).view(np.uint32))
+    biased = np.uint32(np.uint32(exponent + np.uint32(112)) << np.uint32(23))
+    return np.uint32(sign | biased | np.uint32(mantissa << np.uint32(13)))
+
+
+@numba.njit(cache=True)
+def _to_float16(bits):
+    sign = np.uint16((bits >> np.uint32(16)) & np.uint32(0x8000))
+    magnitude = np.uint32(bits & np.uint32(0x7FFFFFFF))
+    if magnitude > np.uint32(0x7F800000):  # NaN: kept quiet, with its top payload bits
+        return np.uint16(sign | np.uint16(0x7E00) | np.uint16((magnitude >> np.uint32(13)) & np.uint32(0x3FF)))
+    if magnitude >= np.uint32(0x477FF000):  # rounds to 65520 or more: infinity
+        return np.uint16(sign | np.uint16(0x7C00))
+    if magnitude < np.uint32(0x38800000):  # below float16's smallest normal: a subnormal or zero
+        units = np.rint(np.float32(np.uint32(magnitude).view(np.float32) * np.float32(2.0 ** 24)))  # (exact; ties to even)
+        return np.uint16(sign | np.uint16(units))
+    bias = np.uint32(np.uint32(0xFFF) + ((magnitude >> np.uint32(13)) & np.uint32(1)))
+    return np.uint16(sign | np.uint16(np.uint32(magnitude - np.uint32(0x38000000) + bias) >> np.uint32(13)))
+'''
+
+
+def available() -> bool:
+    return numpy_kernels.AVAILABLE
+
+
+def kernel(program):
+    """The loop `kernel(*inputs, *outputs, consts)` of `program` over 1-D NumPy arrays of one
+    length (float16 and bfloat16 as views of their bits as uint16; an output may be its input's
+    own memory), or None where it has what the loop cannot compute."""
+    if program not in _KERNELS:
+        source = source_of(program)
+        _KERNELS[program] = None if source is None or not available() else _load(source)
+    return _KERNELS[program]
+
+
+def _name(dtype) -> str:
+    return str(dtype).rpartition(".")[2]
+
+
+def source_of(program) -> str | None:
+    """The loop's Python source, or None."""
+    names = [_name(dtype) for _, _, dtype in program.nodes]
+    if not set(names) | {_name(d) for _, d in program.outputs} <= _NUMBERS | _HALVES:
+        return None
+    inputs = [_name(d) for d in program.inputs]
+    computes = ["float32" if n in _HALVES else n for n in names]
+    consts, body = {}, []
+    for n, (op, args, _) in enumerate(program.nodes):
+        line = _line(op, args, computes[n], computes, consts, names[n])
+        if line is None:
+            return None
+        body.append(f"        v{n} = {line}")
+    arrays = [f"a{k}" for k in range(len(inputs))] + [f"o{m}" for m in range(len(program.outputs))]
+    lines = [f"def kernel({', '.join(arrays)}, c):"]
+    lines += [f"    k{k}_{t} = np.{t}(c[{k}])" for k, t in consts]
+    lines.append(f"    for i in range({arrays[0]}.shape[0]):")
+    lines += body
+    for m, (n, dtype) in enumerate(program.outputs):  # (every element read before any is written)
+        lines.append(f"        o{m}[i] = {_store(f'v{n}', computes[n], _name(dtype))}")
+    return _PRELUDE + "\n\n@numba.njit(cache=True, nogil=True, error_model='numpy')\n" + "\n".join(lines) + "\n"
+
+
+def _operand(arg, to, computes, consts) -> str:
+    """Node or constant `arg` as a value of dtype `to`."""
+    if arg < 0:
+        consts[(~arg, to)] = None
+        return f"k{~arg}_{to}"
+    return f"v{arg}" if computes[arg] == to else f"np.{to}(v{arg})"
+
+
+def _line(op, args, t, computes, consts, stored):
+    """The expression of one node of dtype `t` (`stored`: how its inputs are kept)."""
+    if op == "in":
+        if stored == "bfloat16":
+            return f"np.uint32(_from_bfloat16(a{args[0]}[i])).view(np.float32)"
+        if stored == "float16":
+            return f"np.uint32(_from_float16(a{args[0]}[i])).view(np.float32)"
+        return f"a{args[0]}[i]"
+    if op in _SYMBOLS:
+        # a comparison computes in its operands' dtype: a node's, or the wider of two nodes'
+        nodes = [computes[a] for a in args if a >= 0]
+        common = t if t != "bool" else ("float64" if "float64" in nodes else nodes[0] if nodes else "float64")
+        a, b = (_operand(a, common, computes, consts) for a in args)
+        return f"({a} {_SYMBOLS[op]} {b})"
+    if op in _CALLS:
+        return f"{_CALLS[op]}({', '.join(_operand(a, t, computes, consts) for a in args)})"
+    if op == "neg":
+        return f"-{_operand(args[0], t, computes, consts)}"
+    if op == "cast":
+        value = _operand(args[0], t, computes, consts)
+        if stored in _HALVES:  # rounded to the narrow dtype, computed on in float32
+            return f"np.uint32(_from_{stored}(_to_{stored}(np.float32({value}).view(np.uint32)))).view(np.float32)"
+        return value
+    if op == "full":
+        return _operand(args[1], t, computes, consts)
+    if op == "where":
+        c = _operand(args[0], "bool", computes, consts)
+        a, b = (_operand(a, t, computes, consts) for a in args[1:])
+        return f"({a} if {c} else {b})"
+    if op.startswith("pow"):
+        return _power(op, args, t, computes, consts)
+    return None
+
+
+def _power(op, args, t, computes, consts):
+    a = _operand(args[0], t, computes, consts)
+    if op == "pow":
+        return f"({a} ** {_operand(args[1], t, computes, consts)})"
+    p = float(op.split()[1])
+    # as NumPy and torch take these exponents: a product, a square root, a reciprocal
+    special = {2.0: f"({a} * {a})", 0.5: f"np.sqrt({a})", 1.0: a, -1.0: f"(np.{t}(1) / {a})", 0.0: f"np.{t}(1)"}
+    return special.get(p, f"({a} ** np.{t}({p!r}))")
+
+
+def _store(value, computed, stored) -> str:
+    if stored == "bfloat16":
+        return f"_to_bfloat16(np.float32({value}).view(np.uint32))"
+    if stored == "float16":
+        return f"_to_float16(np.float32({value}).view(np.uint32))"
+    return value if computed == stored else f"np.{stored}({value})"
+
+
+def _cache_dir() -> str:
+    base = os.environ.get("OPTIMISERS_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "optimisers")
+    path = os.path.join(base, "kernels")
+    try:
+        os.makedirs(path, exist_ok=True)
+        if os.access(path, os.W_OK):
+            return path
+    except OSError:
+        pass
+    path = os.path.join(tempfile.gettempdir(), f"optimisers-kernels-{os.getuid() if hasattr(os, 'getuid') else 0}")
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def _load(source: str):
+    """The `kernel` of `source`, from its file in the cache (written once, atomically)."""
+    name = "optimisers_kernel_" + hashlib.sha256(source.encode()).hexdigest()[:24]
+    path = os.path.join(_cache_dir(), name + ".py")
+    if not os.path.exists(path):
+        fd, scratch = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            f.write(source)
+        os.replace(scratch, path)
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # (numba's cache finds a function by its module)
+    spec.loader.exec_module(module)
+    return module.kernel

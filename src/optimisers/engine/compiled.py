@@ -1,0 +1,231 @@
+"""The compiled way: an elementwise rule's step as one pass over memory, for any rule.
+
+A step traces the rule once (`optimisers.backends.traced`): its `apply`, with the engine's
+float32 maths for float16/bfloat16 (`precision.run`), runs on stand-ins for the arrays and
+records a program; its scalars (hyperparameters, step counts, bias corrections) are computed as
+the eager step computes them and become the kernel's arguments. The backend compiles each
+distinct program once (`elementwise_kernel`: numba for NumPy and torch's CPU tensors), and the
+kernel reads the parameter, its gradient and the state arrays and writes the new ones: each
+element once, no temporaries. An engine group steps each big member, the packed members'
+staging buffers or a span whole and in place; a lone parameter (`update`, or one the engine
+does not take) gets new arrays. Every path of a backend computes one program, so `update`,
+`update_` and the engine agree bit for bit. A rule whose step cannot be traced (it reads an
+array's values, or needs a whole array: a norm), a backend without a compiler, and a scaled
+group (ClipNorm first) run eagerly, as before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from typing import NamedTuple
+
+import numpy as np
+
+from optimisers import ops
+from optimisers.backends import traced
+from optimisers.core.rule import NewValue
+from optimisers.core.state import flatten_state, unflatten_state
+from optimisers.engine import chunks, precision
+
+ENABLED = os.environ.get("OPTIMISERS_COMPILE", "1") != "0"  # tests compare with the eager maths
+_SHARE = 1 << 16  # elements: pieces at least twice this long are split among the threads
+_SAMPLES: dict = {}  # (backend, dtype, device) -> a one-element array of ones
+_UNTRACEABLE: set = set()  # the kinds of rule (`_kind`) whose step could not be traced
+_TRACES: dict | None = None  # within one update (`one_update`): a trace per rule and scalars
+
+
+class Step(NamedTuple):
+    """A traced step: its program, the values of its constant slots, the new scalar parts of
+    the state, what each output of the program is (a state part's number, or "x") and a
+    one-element array of its dtype, and whether "x" is a new value rather than a step."""
+
+    program: traced.Program
+    consts: np.ndarray
+    scalars: list
+    writes: tuple
+    samples: tuple
+    new_value: bool
+
+
+@contextlib.contextmanager
+def one_update():
+    """Leafs of one rule and step count share one trace within an update."""
+    global _TRACES
+    outer, _TRACES = _TRACES, {}
+    try:
+        yield
+    finally:
+        _TRACES = outer
+
+
+def trace(rule, spec, array_at, scalars, samples, mode: str) -> Step:
+    """Trace one step of `rule` on a state of structure `spec` (`array_at`: which parts are
+    arrays; `scalars`: the others' values) for inputs of the dtypes of `samples` (the parameter,
+    its gradient, the state arrays). `mode` "in place": each new state array is stored in the
+    dtype the old one had, and the last output is the new parameter; "new": the state in the
+    dtypes the rule gives it, as for "step", whose last output is the step itself (which the
+    caller subtracts). Raises `traced.Untraceable`."""
+    key = (id(rule), tuple(map(repr, scalars)), tuple(s.dtype for s in samples), mode)
+    kept = None if _TRACES is None else _TRACES.get(key)
+    if kept is not None and kept[0] is rule:
+        return kept[1]
+    rec = traced.Recorder(1)
+    inputs = iter([rec.input(k, s) for k, s in enumerate(samples)])
+    x, dx = next(inputs), next(inputs)
+    parts = [next(inputs) if a else s for a, s in zip(array_at, scalars)]
+    new_state, step = precision.run(rule.apply, unflatten_state(spec, iter(parts)), x, dx)
+    new_parts: list = []
+    if flatten_state(new_state, new_parts) != spec:
+        raise traced.Untraceable("a state of another structure")
+    outputs, writes = [], []  # (value, stored as this one's dtype), what it is
+    for k, (a, old, new) in enumerate(zip(array_at, parts, new_parts)):
+        if a != isinstance(new, traced.Traced):
+            raise traced.Untraceable("a state array made a number, or a number made an array")
+        if a and new is not old:  # (an array the step leaves as it was is not written)
+            outputs.append((new, old if mode == "in place" else new))  # (the engine's buffer's dtype)
+            writes.append(k)
+    new_value = isinstance(step, NewValue)
+    if new_value:
+        outputs.append((_array(step.value), x))
+    elif step is not None:
+        value = _array(step) if mode == "step" else x - _array(step)
+        outputs.append((value, value if mode == "step" else x))
+    writes += ["x"] * (step is not None)
+    program = rec.program([(rec.operand(v), like.dtype) for v, like in outputs])
+    scalars = [None if a else p for a, p in zip(array_at, new_parts)]
+    found = Step(program, np.array(rec.consts, dtype=np.float64), scalars, tuple(writes),
+                 tuple(like.sample for _, like in outputs), new_value)
+    if _TRACES is not None:
+        _TRACES[key] = (rule, found)
+    return found
+
+
+def _array(value):
+    if not isinstance(value, traced.Traced):
+        raise traced.Untraceable("a step that is a number, not an array")
+    return value
+
+
+def _kernel(b, rule, spec, array_at, scalars, samples, device, mode="in place"):
+    """`(step, kernel)` for this step of `rule`, or None (it runs eagerly)."""
+    compiler = getattr(b, "elementwise_kernel", None)
+    kind = _kind(rule)
+    if not ENABLED or compiler is None or kind in _UNTRACEABLE or any(map(ops.is_complex, samples)):
+        return None  # (complex numbers: the loops compute real ones)
+    try:
+        step = trace(rule, spec, array_at, scalars, samples, mode)
+    except traced.Untraceable:
+        _UNTRACEABLE.add(kind)  # (asked once: eager from now on)
+        return None
+    kernel = compiler(step.program, device)
+    return None if kernel is None else (step, kernel)
+
+
+def _kind(rule):
+    """A rule's class and those of the rules it holds: what decides whether it can be traced."""
+    held = [getattr(rule, f.name) for f in dataclasses.fields(rule)] if dataclasses.is_dataclass(rule) else []
+    inner = [v for h in held for v in (h if isinstance(h, tuple) else (h,)) if hasattr(v, "apply")]
+    return (type(rule), *map(_kind, inner))
+
+
+# --- an engine group, in place ----------------------------------------------------------------
+
+
+def step_group(group, xs, dxs) -> bool:
+    """Step every member of `group` in place with its rule's compiled kernel; whether it did
+    (nothing is written where it did not)."""
+    if group.scaled:
+        return False
+    b = group.b
+    with b.no_grad():
+        chunks.stage(group, xs, dxs)
+        pieces = _pieces(group, xs, dxs)
+        samples = [_sample(b, a, group.device) for a in pieces[0]]
+        found = _kernel(b, group.leaves[0].rule, group.spec, group.array_at, group.scalars, samples, group.device)
+        if found is None:
+            return False
+        step, kernel = found
+        position = {k: 2 + n for n, k in enumerate(k for k, a in enumerate(group.array_at) if a)}
+        where = [0 if w == "x" else position[w] for w in step.writes]
+        _run(kernel, [[*p, *[p[w] for w in where]] for p in pieces], step.consts)
+        if group.has_runs:
+            chunks.unpack(group, xs)
+    chunks.unstage(group)
+    group.scalars[:] = step.scalars
+    return True
+
+
+def _pieces(group, xs, dxs) -> list:
+    """`[x, dx, *state arrays]` as 1-D arrays: each big member's, then the staging buffers of
+    the packed members (or of a span) with the packed state buffers."""
+    b, arrays = group.b, [k for k, a in enumerate(group.array_at) if a]
+    pieces = []
+    for i in range(group.packed_from):
+        order = group.orders[i]
+        pieces.append([b.flat_in(xs[i], order), b.flat_in(dxs[i], order), *[group.buffers[k][i] for k in arrays]])
+    if group.staging_now is not None:
+        pieces.append([*group.staging_now, *[group.packed[k] for k in arrays]])
+    return pieces
+
+
+def _run(kernel, pieces, consts) -> None:
+    """The kernel over each piece (its inputs, then its outputs: 1-D arrays of one length),
+    large ones in a share per worker on our threads (the kernels release the GIL)."""
+    n, workers = sum(len(p[0]) for p in pieces), os.cpu_count() or 1
+    threads = n >= 2 * _SHARE and workers > 1
+    shares = []
+    for piece in pieces:
+        m = len(piece[0])
+        parts = workers if threads and m >= 2 * _SHARE else 1
+        bounds = [m * k // parts for k in range(parts + 1)]
+        shares += [[a[lo:hi] for a in piece] for lo, hi in zip(bounds, bounds[1:])]
+    chunks._map(lambda share: kernel(share, consts), shares, threads)
+
+
+def _sample(b, array, device):
+    key = (b, array.dtype, device)
+    found = _SAMPLES.get(key)
+    if found is None:
+        found = _SAMPLES[key] = b.full_like(array[:1], 1)
+    return found
+
+
+# --- one parameter, into new arrays -------------------------------------------------------------
+
+
+def step_leaf(rule, state, x, dx, pure: bool):
+    """One parameter's step with the compiled kernel, into new arrays: `(new_state, new_x)`
+    with `pure`, else `(new_state, step)`; None where it runs eagerly."""
+    b = ops.backend(x)
+    if not (rule.elementwise and b.IN_PLACE_ENGINE) or b.numel(x) == 0:
+        return None
+    parts: list = []
+    spec = flatten_state(state, parts)
+    array_at = [b.is_buffer(p) for p in parts]
+    if any(a and p.shape != x.shape for a, p in zip(array_at, parts)) or b.is_buffer(dx) is False:
+        return None
+    order = b.memory_order(x)
+    ins = [b.flat_in(a, order) for a in (x, dx, *[p for p, a in zip(parts, array_at) if a])]
+    device = getattr(x, "device", None)
+    samples = [_sample(b, a, device) for a in ins]
+    scalars = [None if a else p for a, p in zip(array_at, parts)]
+    found = _kernel(b, rule, spec, array_at, scalars, samples, device, "new" if pure else "step")
+    if found is None:
+        return None
+    step, kernel = found
+    outs = [b.empty_flat(b.numel(x), like) for like in step.samples]
+    _run(kernel, [[*ins, *outs]], step.consts)
+    new_parts = [
+        step.scalars[k] if not a else b.shaped_in(outs[step.writes.index(k)], x.shape, order)
+        if k in step.writes else p
+        for k, (a, p) in enumerate(zip(array_at, parts))
+    ]
+    new_state = unflatten_state(spec, iter(new_parts))
+    if "x" not in step.writes:
+        return new_state, None
+    value = b.shaped_in(outs[-1], x.shape, order)
+    if pure:
+        return new_state, b.adopt(value, x)
+    return new_state, NewValue(value) if step.new_value else value
