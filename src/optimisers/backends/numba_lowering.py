@@ -82,11 +82,13 @@ def _to_float16(bits):
     sign = np.uint16((bits >> np.uint32(16)) & np.uint32(0x8000))
     magnitude = np.uint32(bits & np.uint32(0x7FFFFFFF))
     if magnitude > np.uint32(0x7F800000):  # NaN: kept quiet, with its top payload bits
-        return np.uint16(sign | np.uint16(0x7E00) | np.uint16((magnitude >> np.uint32(13)) & np.uint32(0x3FF)))
+        payload = np.uint16((magnitude >> np.uint32(13)) & np.uint32(0x3FF))
+        return np.uint16(sign | np.uint16(0x7E00) | payload)
     if magnitude >= np.uint32(0x477FF000):  # rounds to 65520 or more: infinity
         return np.uint16(sign | np.uint16(0x7C00))
     if magnitude < np.uint32(0x38800000):  # below float16's smallest normal: a subnormal or zero
-        units = np.rint(np.float32(np.uint32(magnitude).view(np.float32) * np.float32(2.0 ** 24)))  # (exact; ties to even)
+        # in units of 2^-24 (exact), rounded to an integer, ties to even
+        units = np.rint(np.float32(np.uint32(magnitude).view(np.float32) * np.float32(2.0 ** 24)))
         return np.uint16(sign | np.uint16(units))
     bias = np.uint32(np.uint32(0xFFF) + ((magnitude >> np.uint32(13)) & np.uint32(1)))
     return np.uint16(sign | np.uint16(np.uint32(magnitude - np.uint32(0x38000000) + bias) >> np.uint32(13)))
@@ -131,7 +133,8 @@ def source_of(program) -> str | None:
     lines += body
     for m, (n, dtype) in enumerate(program.outputs):  # (every element read before any is written)
         lines.append(f"        o{m}[i] = {_store(f'v{n}', computes[n], _name(dtype))}")
-    return _PRELUDE + "\n\n@numba.njit(cache=True, nogil=True, error_model='numpy')\n" + "\n".join(lines) + "\n"
+    decorator = "@numba.njit(cache=True, nogil=True, error_model='numpy')"
+    return _PRELUDE + "\n\n" + decorator + "\n" + "\n".join(lines) + "\n"
 
 
 def _operand(arg, to, computes, consts) -> str:
@@ -163,7 +166,8 @@ def _line(op, args, t, computes, consts, stored):
     if op == "cast":
         value = _operand(args[0], t, computes, consts)
         if stored in _HALVES:  # rounded to the narrow dtype, computed on in float32
-            return f"np.uint32(_from_{stored}(_to_{stored}(np.float32({value}).view(np.uint32)))).view(np.float32)"
+            rounded = f"_to_{stored}(np.float32({value}).view(np.uint32))"
+            return f"np.uint32(_from_{stored}({rounded})).view(np.float32)"
         return value
     if op == "full":
         return _operand(args[1], t, computes, consts)
@@ -182,7 +186,8 @@ def _power(op, args, t, computes, consts):
         return f"({a} ** {_operand(args[1], t, computes, consts)})"
     p = float(op.split()[1])
     # as NumPy and torch take these exponents: a product, a square root, a reciprocal
-    special = {2.0: f"({a} * {a})", 0.5: f"np.sqrt({a})", 1.0: a, -1.0: f"(np.{t}(1) / {a})", 0.0: f"np.{t}(1)"}
+    one = f"np.{t}(1)"
+    special = {2.0: f"({a} * {a})", 0.5: f"np.sqrt({a})", 1.0: a, -1.0: f"({one} / {a})", 0.0: one}
     return special.get(p, f"({a} ** np.{t}({p!r}))")
 
 
@@ -203,7 +208,8 @@ def _cache_dir() -> str:
             return path
     except OSError:
         pass
-    path = os.path.join(tempfile.gettempdir(), f"optimisers-kernels-{os.getuid() if hasattr(os, 'getuid') else 0}")
+    user = os.getuid() if hasattr(os, "getuid") else 0
+    path = os.path.join(tempfile.gettempdir(), f"optimisers-kernels-{user}")
     os.makedirs(path, exist_ok=True)
     return path
 

@@ -134,7 +134,8 @@ def _binary(name, fn):
     return forward, reflected
 
 
-for _name, _fn in [("add", operator.add), ("sub", operator.sub), ("mul", operator.mul), ("truediv", operator.truediv)]:
+for _name, _fn in [("add", operator.add), ("sub", operator.sub), ("mul", operator.mul),
+                   ("truediv", operator.truediv)]:
     _forward, _reflected = _binary(_name, _fn)
     setattr(Traced, f"__{_name}__", _forward)
     setattr(Traced, f"__r{_name}__", _reflected)
@@ -273,3 +274,10 @@ def cond(predicate, if_true, if_false):
 
 
 dispatch.register_type(Traced, __name__)
+
+
+def __getattr__(name: str):
+    """Any other array operation (a norm, a reshape, a matrix product) cannot be traced."""
+    if name.startswith("__"):
+        raise AttributeError(name)
+    raise Untraceable(f"ops.{name}, which is not elementwise")

@@ -143,7 +143,8 @@ def step_group(group, xs, dxs) -> bool:
         chunks.stage(group, xs, dxs)
         pieces = _pieces(group, xs, dxs)
         samples = [_sample(b, a, group.device) for a in pieces[0]]
-        found = _kernel(b, group.leaves[0].rule, group.spec, group.array_at, group.scalars, samples, group.device)
+        rule = group.leaves[0].rule
+        found = _kernel(b, rule, group.spec, group.array_at, group.scalars, samples, group.device)
         if found is None:
             return False
         step, kernel = found
@@ -164,7 +165,8 @@ def _pieces(group, xs, dxs) -> list:
     pieces = []
     for i in range(group.packed_from):
         order = group.orders[i]
-        pieces.append([b.flat_in(xs[i], order), b.flat_in(dxs[i], order), *[group.buffers[k][i] for k in arrays]])
+        state = [group.buffers[k][i] for k in arrays]
+        pieces.append([b.flat_in(xs[i], order), b.flat_in(dxs[i], order), *state])
     if group.staging_now is not None:
         pieces.append([*group.staging_now, *[group.packed[k] for k in arrays]])
     return pieces

@@ -1,0 +1,237 @@
+"""The compiled way (`optimisers.engine.compiled`): every elementwise rule's step, traced once into
+a program and run by numba's loop, against the eager maths it replaces (the same rule with the
+compiled way switched off): on every dtype, layout, tie and flat buffer the engine takes, through
+`update_`, `update` and a lone parameter."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import optimisers as opt
+import optimisers.engine.compiled as compiled
+import optimisers.engine.fused as fused
+from optimisers import ops
+from optimisers.backends import numba_lowering
+from rules_registry import COMPOSITES, RULES
+
+pytest.importorskip("numba")
+ml_dtypes = pytest.importorskip("ml_dtypes")
+
+# every elementwise rule of the registry at its toy hyperparameters, and the elementwise chains
+CASES = {
+    info.case_id(h): (lambda i=info, h=h: i.make(h)) for info in RULES if info.elementwise for h in info.toy
+}
+CASES |= {c.name: c.make for c in COMPOSITES if c.make().elementwise and "toy" in c.families}
+NUMPY_DTYPES = {
+    "float32": np.float32, "float64": np.float64, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16
+}
+
+
+@pytest.fixture
+def runs(monkeypatch):
+    """`runs()` -> how many steps a kernel took since the fixture began: the compiled way's, or
+    the backend's own Adam (`fused`, which the compiled way leaves Adam to where it applies)."""
+    calls = []
+    real_run, real_group, real_leaf = compiled._run, fused.step_group, fused.step_leaf
+
+    def group(*a):
+        done = real_group(*a)
+        calls.extend([1] * done)
+        return done
+
+    def leaf(*a):
+        done = real_leaf(*a)
+        calls.extend([1] * (done is not None))
+        return done
+
+    monkeypatch.setattr(compiled, "_run", lambda *a: (calls.append(1), real_run(*a))[1])
+    monkeypatch.setattr(fused, "step_group", group)
+    monkeypatch.setattr(fused, "step_leaf", leaf)
+    return lambda: len(calls)
+
+
+def _model(dtype, rng):
+    """A big parameter (its own kernel call, split among the threads), small packed ones, a
+    tie and a transposed (Fortran-order) one."""
+    big = rng.standard_normal((520, 300)).astype(dtype)
+    w = rng.standard_normal((3, 4)).astype(dtype)
+    return {"big": big, "w": w, "tied": w, "b": rng.standard_normal(5).astype(dtype),
+            "t": np.asfortranarray(rng.standard_normal((6, 7))).astype(dtype)}
+
+
+def _grads(model, rng):
+    out = {k: rng.standard_normal(v.shape).astype(v.dtype) for k, v in model.items()}
+    out["tied"] = out["w"] * 0.5  # (a second gradient for the tie: summed)
+    return out
+
+
+def _train(make, dtype, verb, enabled, monkeypatch, steps=4):
+    rng = np.random.default_rng(0)
+    model = _model(dtype, rng)
+    state = opt.setup(make(), model)
+    with monkeypatch.context() as m:
+        m.setattr(compiled, "ENABLED", enabled)
+        for _ in range(steps):
+            state, model = getattr(opt, verb)(state, model, _grads(model, rng))
+    return state, model
+
+
+@pytest.mark.parametrize("dtype", list(NUMPY_DTYPES))
+@pytest.mark.parametrize("name", list(CASES))
+def test_numpy_steps_equal_the_eager_maths_bit_for_bit(name, dtype, monkeypatch, runs):
+    # NumPy's float maths rounds as the loop's (IEEE in each op's dtype; the half dtypes
+    # converted exactly), so every path agrees with the eager chunks exactly
+    dt = NUMPY_DTYPES[dtype]
+    _, eager = _train(CASES[name], dt, "update_", False, monkeypatch)
+    before = runs()  # (Adam's own kernel runs without the compiled way)
+    state, fast = _train(CASES[name], dt, "update_", True, monkeypatch)
+    assert runs() > before, "no kernel took the step"
+    _, pure = _train(CASES[name], dt, "update", True, monkeypatch)
+    for k in ("big", "w", "b", "t"):
+        assert fast[k].dtype == eager[k].dtype == dt
+        np.testing.assert_array_equal(fast[k], eager[k], err_msg=k)
+        np.testing.assert_array_equal(pure[k], eager[k], err_msg=k)
+    assert fast["w"] is fast["tied"] and pure["w"] is pure["tied"]
+    assert fast["t"].flags.f_contiguous  # (stepped where it is)
+
+
+TORCH_DTYPES = ["float32", "bfloat16", "float16"]
+
+
+@pytest.mark.parametrize("dtype", TORCH_DTYPES)
+@pytest.mark.parametrize("name", list(CASES))
+def test_torch_steps_agree_with_the_eager_maths_on_every_layout(name, dtype, monkeypatch, runs):
+    torch = pytest.importorskip("torch")
+    dt = getattr(torch, dtype)
+
+    def train(enabled, verb, flat=False):
+        torch.manual_seed(0)  # (the layers' initial weights)
+        gen = torch.Generator().manual_seed(0)
+        model = torch.nn.ModuleDict({
+            "conv": torch.nn.Conv2d(4, 8, 3).to(memory_format=torch.channels_last),
+            "lin": torch.nn.Linear(300, 400),
+        }).to(dt)
+        model.lin.weight.data = model.lin.weight.data.t().contiguous().t()  # a transposed layout
+        model.head = model.lin  # a tie
+        if flat:
+            import optimisers.torch as opt_torch
+            opt_torch.flatten_(model)
+        state = opt.setup(CASES[name](), model)
+        with monkeypatch.context() as m:
+            m.setattr(compiled, "ENABLED", enabled)
+            for _ in range(3):
+                grads = {n: torch.randn(p.shape, generator=gen).to(dt) for n, p in model.named_parameters()}
+                for n, p in model.named_parameters():
+                    p.grad = grads[n]
+                state, model = getattr(opt, verb)(state, model, opt.grads(model))
+        return [p.detach().float() for p in model.parameters()], model
+
+    eager, _ = train(False, "update_")
+    fast, model = train(True, "update_")
+    assert runs() > 0, "the compiled way was not taken"
+    assert model.conv.weight.is_contiguous(memory_format=torch.channels_last)
+    pure, _ = train(True, "update")
+    flat, _ = train(True, "update_", flat=True)
+    # torch's own square root is not IEEE's on every CPU (AVX-512: a few in a million elements
+    # one ulp apart), so compiled and eager agree to a rounding; compiled paths agree exactly
+    tol = {"float32": (1e-5, 1e-6), "bfloat16": (2e-2, 1e-2), "float16": (2e-3, 1e-3)}[dtype]
+    for a, b, c, d in zip(fast, eager, pure, flat, strict=True):
+        torch.testing.assert_close(a, b, rtol=tol[0], atol=tol[1])
+        assert torch.equal(a, c)
+        torch.testing.assert_close(a, d, rtol=tol[0], atol=tol[1])
+
+
+def test_adjusting_and_schedules_reuse_the_kernel(monkeypatch, runs):
+    # hyperparameters and step counts are the kernel's arguments, not its code
+    rng = np.random.default_rng(1)
+    model = {"w": rng.standard_normal(1000).astype(np.float32)}
+    state = opt.setup(opt.Momentum(0.01, 0.9), model)
+    state, model = opt.update_(state, model, {"w": np.ones(1000, np.float32)})
+    known = len(numba_lowering._KERNELS)
+    for eta in (0.02, 0.03, 0.5):
+        state = opt.adjust(state, eta=eta, rho=0.8)
+        before = model["w"].copy(), np.asarray(state["w"].state).copy()
+        state, model = opt.update_(state, model, {"w": np.ones(1000, np.float32)})
+        v = np.float32(0.8) * before[1] + np.float32(eta) * np.float32(1.0)
+        np.testing.assert_array_equal(model["w"], before[0] - v)
+    scheduled = opt.setup(opt.Adam(eta=lambda t: 0.01 / (1 + t)), {"w": np.ones(1000, np.float32)})
+    for _ in range(3):
+        ones = {"w": np.ones(1000, np.float32)}
+        scheduled, _ = opt.update_(scheduled, ones, dict(ones))
+    assert len(numba_lowering._KERNELS) <= known + 1  # (Adam's first program; never one per step)
+    assert runs() >= 4
+
+
+@dataclasses.dataclass(frozen=True)
+class Signum(opt.Rule):
+    """A user's own elementwise rule: momentum of the gradient, stepping by its sign."""
+
+    eta: float = 0.01
+    beta: float = 0.9
+    elementwise = True
+    never_raises = True
+
+    def init(self, x):
+        return ops.zeros_like(x)
+
+    def apply(self, m, x, dx):
+        m = ops.scalar(self.beta, x) * m + ops.scalar(1 - self.beta, x) * dx
+        return m, ops.scalar(self.eta, x) * ops.sign(m)
+
+
+@dataclasses.dataclass(frozen=True)
+class Normalised(opt.Rule):
+    """Claims to be elementwise but divides by the whole gradient's norm: it cannot be traced."""
+
+    eta: float = 0.1
+    elementwise = True
+
+    def apply(self, state, x, dx):
+        return state, ops.scalar(self.eta, x) * dx / ops.norm(dx, 2)
+
+
+def test_a_users_own_rule_is_compiled_and_an_untraceable_one_runs_eagerly(monkeypatch, runs):
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal(5000).astype(np.float32)
+    g = rng.standard_normal(5000).astype(np.float32)
+    state, model = opt.update_(opt.setup(Signum(), {"w": x.copy()}), {"w": x.copy()}, {"w": g})
+    m = np.float32(0.1) * g
+    np.testing.assert_array_equal(model["w"], x - np.float32(0.01) * np.sign(m))
+    assert runs() == 1
+    state, model = opt.update_(opt.setup(Normalised(), {"w": x.copy()}), {"w": x.copy()}, {"w": g})
+    assert runs() == 1 and (Normalised,) in compiled._UNTRACEABLE
+    np.testing.assert_allclose(model["w"], x - np.float32(0.1) * g / np.linalg.norm(g), rtol=1e-6, atol=1e-7)
+
+
+def test_without_numba_the_eager_maths_runs(monkeypatch, runs):
+    monkeypatch.setattr(numba_lowering, "available", lambda: False)
+    monkeypatch.setattr(numba_lowering, "_KERNELS", {})
+    _, without = _train(CASES["RMSProp"], np.float32, "update_", True, monkeypatch)
+    _, eager = _train(CASES["RMSProp"], np.float32, "update_", False, monkeypatch)
+    assert runs() == 0
+    for k in ("big", "w", "b", "t"):
+        np.testing.assert_array_equal(without[k], eager[k])
+
+
+def test_kernels_are_kept_on_disk_for_the_next_process(tmp_path):
+    script = (
+        "import numpy as np, optimisers as opt\n"
+        "m = {'w': np.ones(100, np.float32)}\n"
+        "s = opt.setup(opt.Lion(0.01), m)\n"
+        "s, m = opt.update_(s, m, {'w': np.ones(100, np.float32)})\n"
+        "print(float(m['w'][0]))\n"
+    )
+    env = dict(os.environ, OPTIMISERS_CACHE=str(tmp_path))
+    for _ in range(2):
+        out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                             check=True)
+        assert float(out.stdout) == pytest.approx(1 - 0.01)
+    kernels = tmp_path / "kernels"
+    assert len(list(kernels.glob("optimisers_kernel_*.py"))) == 1
+    assert list(kernels.glob("__pycache__/optimisers_kernel_*.nbi"))  # numba's index of the compiled code
