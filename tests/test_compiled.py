@@ -27,7 +27,12 @@ ml_dtypes = pytest.importorskip("ml_dtypes")
 CASES = {
     info.case_id(h): (lambda i=info, h=h: i.make(h)) for info in RULES if info.elementwise for h in info.toy
 }
-CASES |= {c.name: c.make for c in COMPOSITES if c.make().elementwise and "toy" in c.families}
+# (and the chains that scale the whole gradient by one factor first: ClipNorm>...)
+CASES |= {
+    c.name: c.make
+    for c in COMPOSITES
+    if (c.make().elementwise or c.make().scaled_elementwise) and c.families & {"toy", "layouts"}
+}
 NUMPY_DTYPES = {
     "float32": np.float32, "float64": np.float64, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16
 }

@@ -57,8 +57,12 @@ def flat_span(xs):
 
 
 def repeat_each(values, counts):
-    """A 1-D array of each of the scalars `values` repeated `counts` times, in their dtype."""
-    return np.repeat(np.asarray(values), counts)
+    """A 1-D array of each of the scalars `values` repeated `counts` times, in their dtype (one
+    value: a read-only view of it, no memory per element)."""
+    values = np.asarray(values)
+    if len(values) == 1:
+        return np.broadcast_to(values, (int(counts[0]),))
+    return np.repeat(values, counts)
 
 
 # --- one check of a step's arrays: everything the kernels rely on, complete -------------------

@@ -223,10 +223,13 @@ def flat_span(xs):
 
 
 def repeat_each(values, counts):
-    """A 1-D tensor of each of `values` (0-d tensors, or one 1-D tensor) repeated `counts` times."""
+    """A 1-D tensor of each of `values` (0-d tensors, or one 1-D tensor) repeated `counts` times
+    (one value: a read-only view of it)."""
     with torch.no_grad():
         if not isinstance(values, torch.Tensor):
             values = torch.stack(values)
+        if len(values) == 1:  # a view of the one value, no memory per element
+            return values.expand(int(counts[0]))
         return torch.repeat_interleave(values, torch.tensor(counts, device=values.device))
 
 

@@ -60,14 +60,15 @@ def one_update():
         _TRACES = outer
 
 
-def trace(rule, spec, array_at, scalars, samples, mode: str) -> Step:
+def trace(rule, spec, array_at, scalars, samples, mode: str, scaled: bool = False) -> Step:
     """Trace one step of `rule` on a state of structure `spec` (`array_at`: which parts are
     arrays; `scalars`: the others' values) for inputs of the dtypes of `samples` (the parameter,
-    its gradient, the state arrays). `mode` "in place": each new state array is stored in the
+    its gradient, the state arrays; with `scaled`, then each element's factor of its whole
+    gradient for `rule.apply_scaled`: a chain with ClipNorm first). `mode` "in place": each new state array is stored in the
     dtype the old one had, and the last output is the new parameter; "new": the state in the
     dtypes the rule gives it, as for "step", whose last output is the step itself (which the
     caller subtracts). Raises `traced.Untraceable`."""
-    key = (id(rule), tuple(map(repr, scalars)), tuple(s.dtype for s in samples), mode)
+    key = (id(rule), tuple(map(repr, scalars)), tuple(s.dtype for s in samples), mode, scaled)
     kept = None if _TRACES is None else _TRACES.get(key)
     if kept is not None and kept[0] is rule:
         return kept[1]
@@ -75,7 +76,11 @@ def trace(rule, spec, array_at, scalars, samples, mode: str) -> Step:
     inputs = iter([rec.input(k, s) for k, s in enumerate(samples)])
     x, dx = next(inputs), next(inputs)
     parts = [next(inputs) if a else s for a, s in zip(array_at, scalars)]
-    new_state, step = precision.run(rule.apply, unflatten_state(spec, iter(parts)), x, dx)
+    state = unflatten_state(spec, iter(parts))
+    if scaled:
+        new_state, step = precision.run(rule.apply_scaled, state, x, dx, next(inputs))
+    else:
+        new_state, step = precision.run(rule.apply, state, x, dx)
     new_parts: list = []
     if flatten_state(new_state, new_parts) != spec:
         raise traced.Untraceable("a state of another structure")
@@ -108,14 +113,14 @@ def _array(value):
     return value
 
 
-def _kernel(b, rule, spec, array_at, scalars, samples, device, mode="in place"):
+def _kernel(b, rule, spec, array_at, scalars, samples, device, mode="in place", scaled=False):
     """`(step, kernel)` for this step of `rule`, or None (it runs eagerly)."""
     compiler = getattr(b, "elementwise_kernel", None)
     kind = _kind(rule)
     if not ENABLED or compiler is None or kind in _UNTRACEABLE or any(map(ops.is_complex, samples)):
         return None  # (complex numbers: the loops compute real ones)
     try:
-        step = trace(rule, spec, array_at, scalars, samples, mode)
+        step = trace(rule, spec, array_at, scalars, samples, mode, scaled)
     except traced.Untraceable:
         _UNTRACEABLE.add(kind)  # (asked once: eager from now on)
         return None
@@ -133,18 +138,17 @@ def _kind(rule):
 # --- an engine group, in place ----------------------------------------------------------------
 
 
-def step_group(group, xs, dxs) -> bool:
-    """Step every member of `group` in place with its rule's compiled kernel; whether it did
-    (nothing is written where it did not)."""
-    if group.scaled:
-        return False
+def step_group(group, xs, dxs, factors=None) -> bool:
+    """Step every member of `group` in place with its rule's compiled kernel (a scaled group:
+    with each member's `factors`); whether it did (nothing is written where it did not)."""
     b = group.b
     with b.no_grad():
         chunks.stage(group, xs, dxs)
-        pieces = _pieces(group, xs, dxs)
+        pieces = _pieces(group, xs, dxs, factors)
         samples = [_sample(b, a, group.device) for a in pieces[0]]
         rule = group.leaves[0].rule
-        found = _kernel(b, rule, group.spec, group.array_at, group.scalars, samples, group.device)
+        found = _kernel(b, rule, group.spec, group.array_at, group.scalars, samples, group.device,
+                        scaled=factors is not None)
         if found is None:
             return False
         step, kernel = found
@@ -158,17 +162,23 @@ def step_group(group, xs, dxs) -> bool:
     return True
 
 
-def _pieces(group, xs, dxs) -> list:
-    """`[x, dx, *state arrays]` as 1-D arrays: each big member's, then the staging buffers of
-    the packed members (or of a span) with the packed state buffers."""
+def _pieces(group, xs, dxs, factors) -> list:
+    """`[x, dx, *state arrays]` as 1-D arrays (and each element's factor, for a scaled group):
+    each big member's, then the staging buffers of the packed members (or of a span) with the
+    packed state buffers."""
     b, arrays = group.b, [k for k, a in enumerate(group.array_at) if a]
     pieces = []
     for i in range(group.packed_from):
         order = group.orders[i]
         state = [group.buffers[k][i] for k in arrays]
         pieces.append([b.flat_in(xs[i], order), b.flat_in(dxs[i], order), *state])
+        if factors is not None:
+            pieces[-1].append(b.repeat_each(factors[i : i + 1], [group.sizes[i]]))
     if group.staging_now is not None:
         pieces.append([*group.staging_now, *[group.packed[k] for k in arrays]])
+        if factors is not None:
+            p0 = group.packed_from
+            pieces[-1].append(b.repeat_each(factors[p0:], group.sizes[p0:]))
     return pieces
 
 
@@ -201,7 +211,8 @@ def step_leaf(rule, state, x, dx, pure: bool):
     """One parameter's step with the compiled kernel, into new arrays: `(new_state, new_x)`
     with `pure`, else `(new_state, step)`; None where it runs eagerly."""
     b = ops.backend(x)
-    if not (rule.elementwise and b.IN_PLACE_ENGINE) or b.numel(x) == 0:
+    is_scaled = chunks.scaled(rule)
+    if not ((rule.elementwise or is_scaled) and b.IN_PLACE_ENGINE) or b.numel(x) == 0:
         return None
     parts: list = []
     spec = flatten_state(state, parts)
@@ -210,10 +221,12 @@ def step_leaf(rule, state, x, dx, pure: bool):
         return None
     order = b.memory_order(x)
     ins = [b.flat_in(a, order) for a in (x, dx, *[p for p, a in zip(parts, array_at) if a])]
+    if is_scaled:  # the factor of the whole gradient, for each element
+        ins.append(b.repeat_each([rule.gradient_factors([precision.widened(dx)])[0]], [b.numel(x)]))
     device = getattr(x, "device", None)
     samples = [_sample(b, a, device) for a in ins]
     scalars = [None if a else p for a, p in zip(array_at, parts)]
-    found = _kernel(b, rule, spec, array_at, scalars, samples, device, "new" if pure else "step")
+    found = _kernel(b, rule, spec, array_at, scalars, samples, device, "new" if pure else "step", is_scaled)
     if found is None:
         return None
     step, kernel = found

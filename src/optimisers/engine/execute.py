@@ -31,7 +31,7 @@ def step(c=None, group=None, *, xs=None, dxs=None, factors=None, stacked=None, p
         kernel = fused.find(group.b, group.leaves[0].rule) if factors is None else None
         if kernel is not None and fused.step_group(group, kernel, xs, dxs):
             return None  # fused: every member (a span as one array) in one kernel call
-        if factors is None and compiled.step_group(group, xs, dxs):
+        if compiled.step_group(group, xs, dxs, factors):
             return None  # compiled: the rule's own maths, traced, in one pass over each array
         return chunks.step(group, xs, dxs, factors)  # span, or flat chunks of members and runs
     if id(c.leaf) in stacked:
