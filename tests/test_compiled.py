@@ -240,3 +240,36 @@ def test_kernels_are_kept_on_disk_for_the_next_process(tmp_path):
     kernels = tmp_path / "kernels"
     assert len(list(kernels.glob("optimisers_kernel_*.py"))) == 1
     assert list(kernels.glob("__pycache__/optimisers_kernel_*.nbi"))  # numba's index of the compiled code
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_torch_compile_kernels_equal_numbas_and_adjusting_does_not_recompile(dtype, monkeypatch):
+    # the kernels of devices numba cannot reach (CUDA) are torch.compile's: tried here on the CPU
+    torch = pytest.importorskip("torch")
+    from torch._dynamo.utils import counters
+
+    from optimisers.backends import torch as torch_backend
+
+    def train(kind):
+        monkeypatch.setattr(torch_backend, "CPU_KERNELS", kind)
+        torch.manual_seed(0)
+        model = torch.nn.Linear(300, 200).to(getattr(torch, dtype))
+        state = opt.setup(opt.OptimiserChain(opt.WeightDecay(0.01), opt.RMSProp(0.01)), model)
+        captured = []  # what dynamo has traced after each step: more means it compiled again
+        for k in range(4):
+            for p in model.parameters():
+                p.grad = torch.randn_like(p)
+            state = opt.adjust(state, eta=0.01 * (k + 1))
+            state, model = opt.update_(state, model, opt.grads(model))
+            captured.append(counters["stats"]["calls_captured"])
+        return [p.detach().clone() for p in model.parameters()], captured
+
+    (weight, bias), captured = train("inductor")
+    assert captured[0] > 0 and captured == captured[:1] * 4  # compiled at the first step only
+    (weight_, bias_), _ = train("numba")
+    # inductor may fuse a multiply and an add into one rounding (FMA): equal to a rounding (in
+    # bfloat16, where a float32 rounding can tip the stored value, torch's own tolerance)
+    tol = {"rtol": 1e-5, "atol": 1e-6} if dtype == "float32" else {}
+    torch.testing.assert_close(weight, weight_, **tol)
+    torch.testing.assert_close(bias, bias_, **tol)

@@ -519,12 +519,20 @@ def _real_dtype(dtype):
     return dtype.to_real() if dtype.is_complex else dtype
 
 
+CPU_KERNELS = "numba"  # or "inductor": torch.compile's, as on other devices (tests choose)
+
+
 def elementwise_kernel(program, device):
     """`run(tensors, consts)`: a traced elementwise step (`backends.traced`) compiled for 1-D
     tensors, or None (`optimisers.engine.compiled`). On the CPU, numba's loop over the
-    tensors' memory (NumPy views of it; float16 and bfloat16 as their bits)."""
-    if device is None or device.type != "cpu":
+    tensors' memory (NumPy views of it; float16 and bfloat16 as their bits); on other devices
+    torch.compile's kernel (`torch_lowering`)."""
+    if device is None:
         return None
+    if device.type != "cpu" or CPU_KERNELS == "inductor":
+        from optimisers.backends import torch_lowering
+
+        return torch_lowering.kernel(program, device)
     loop = _numpy.numba_lowering.kernel(program)
     if loop is None:
         return None

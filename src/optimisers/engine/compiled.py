@@ -64,11 +64,12 @@ def trace(rule, spec, array_at, scalars, samples, mode: str, scaled: bool = Fals
     """Trace one step of `rule` on a state of structure `spec` (`array_at`: which parts are
     arrays; `scalars`: the others' values) for inputs of the dtypes of `samples` (the parameter,
     its gradient, the state arrays; with `scaled`, then each element's factor of its whole
-    gradient for `rule.apply_scaled`: a chain with ClipNorm first). `mode` "in place": each new state array is stored in the
-    dtype the old one had, and the last output is the new parameter; "new": the state in the
-    dtypes the rule gives it, as for "step", whose last output is the step itself (which the
-    caller subtracts). Raises `traced.Untraceable`."""
-    key = (id(rule), tuple(map(repr, scalars)), tuple(s.dtype for s in samples), mode, scaled)
+    gradient for `rule.apply_scaled`: a chain with ClipNorm first). `mode` "in place": each new
+    state array is stored in the dtype the old one had, and the last output is the new
+    parameter; "new": the state in the dtypes the rule gives it, as for "step", whose last
+    output is the step itself (which the caller subtracts). Raises `traced.Untraceable`."""
+    dtypes = tuple(s.dtype for s in samples)
+    key = (id(rule), tuple(map(repr, scalars)), dtypes, mode, scaled)
     kept = None if _TRACES is None else _TRACES.get(key)
     if kept is not None and kept[0] is rule:
         return kept[1]
