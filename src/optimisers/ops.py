@@ -22,13 +22,16 @@ from __future__ import annotations
 import numpy as np
 
 from optimisers.core.dispatch import backend
+from optimisers.core.quant_lookup import codebook
+from optimisers.core.quantised import Quantised, checked_format
 from optimisers.core.rule import concrete, is_complex
 
 __all__ = [
     "abs", "abs2", "all_finite", "argsort", "astype", "backend", "cast", "clip", "concrete", "cond", "copy",
     "dtype_epsilon", "eigh", "epsilon", "full_like", "is_complex", "isfinite", "matmul", "matrix_transpose",
     "maximum", "mean", "minimum", "norm", "qr", "reshape", "same_values", "scalar", "sign", "sqrt", "stack",
-    "sum", "take", "tensordot", "where", "zeros", "zeros_like", "GradientError", "check_gradient_dtype"
+    "sum", "take", "tensordot", "where", "zeros", "zeros_like", "GradientError", "check_gradient_dtype",
+    "quantise", "dequantise",
 ]
 
 
@@ -225,3 +228,34 @@ def argsort(x, descending=False):
 def take(x, indices, axis):
     """The entries of `x` at `indices` (a 1-D integer array) along `axis`."""
     return backend(x).take(x, indices, axis)
+
+
+# --- low-precision state -----------------------------------------------------------------------
+
+
+def quantise(x, bits=8, signed=True, block=None) -> Quantised:
+    """`x` kept blockwise in low precision (`optimisers.core.quantised`): `bits` 8 (bitsandbytes'
+    dynamic maps, blocks of 256), 4 (torchao's 4-bit maps, blocks of 128) or "fp8"
+    (float8_e4m3fn, blocks of 256); `signed=False` for values the caller keeps non-negative (the
+    unsigned maps have no negative values); `block` elements a block (None: the format's).
+    Each block is scaled by its largest magnitude and each element takes the nearest value of
+    the map (a tie to the larger code; FP8: the float8_e4m3fn cast, ties to even)."""
+    bits, block = checked_format(bits, block)
+    if not isinstance(signed, bool):
+        raise TypeError(f"quantise: signed must be True or False, got {signed!r}")
+    b = backend(x)
+    if not (getattr(b, "is_array", None) and b.is_array(x) and b.is_param(x)) or is_complex(x):
+        raise TypeError(
+            "quantise: x must be a NumPy, PyTorch or JAX array of a real floating dtype, got "
+            f"{type(x).__name__}{f' of dtype {x.dtype}' if hasattr(x, 'dtype') else ''}"
+        )
+    codes, scale = b.quantise_blocks(x, codebook(bits, signed), block)
+    return Quantised(codes, scale, signed, bits, block, tuple(x.shape))
+
+
+def dequantise(q: Quantised):
+    """The float32 values that `q` keeps, an array of its backend and shape."""
+    if not isinstance(q, Quantised):
+        raise TypeError(f"dequantise: expected an optimisers.Quantised, got {type(q).__name__}")
+    book = codebook(q.bits, q.signed)
+    return backend(q.codes).dequantise_blocks(q.codes, q.scale, book, q.block, q.shape)

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from optimisers.core.quantised import Quantised
 from optimisers.core.rule import Rule, _is_held
 from optimisers.core.state import Leaf, State, flatten_state, is_scalar, scalar_key, unflatten_state
 from optimisers.core.tree import format_path, walked
@@ -499,11 +500,22 @@ def _leaf_unflatten(aux, children):
     return Leaf(_decode(desc, named), st, frozen)
 
 
+def _quantised_flatten_with_keys(q):
+    # codes and scale are traced; the format and shape are static (one compile per format)
+    key = jax.tree_util.GetAttrKey
+    return [(key("codes"), q.codes), (key("scale"), q.scale)], (q.signed, q.bits, q.block, q.shape)
+
+
+def _quantised_unflatten(aux, children):
+    return Quantised(*children, *aux)
+
+
 def register() -> None:
     """Register `State` and `Leaf` as pytrees, and with Flax's serialisation if Flax is imported."""
     for args in (
         (State, _state_flatten_with_keys, _state_unflatten, _state_flatten),
         (Leaf, _leaf_flatten_with_keys, _leaf_unflatten),
+        (Quantised, _quantised_flatten_with_keys, _quantised_unflatten),
     ):
         with contextlib.suppress(ValueError):  # already registered (module reloaded)
             jax.tree_util.register_pytree_with_keys(*args)

@@ -1,0 +1,62 @@
+"""Blockwise quantisation of NumPy arrays (`optimisers.core.quantised` says what the codes and
+scales are; `optimisers.core.quant_lookup` how a code is found without a search)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from optimisers.core.quantised import SMALLEST_SCALE
+
+_F32 = np.float32
+
+
+def quantise_blocks(x, book, block: int):
+    """`(codes, scale)` of array `x` in the format of Codebook `book`, `block` elements a block."""
+    flat = np.asarray(x).astype(_F32, copy=False).reshape(-1)
+    n = flat.size
+    blocks = _padded(flat, block).reshape(-1, block)
+    scale = np.maximum(np.abs(blocks).max(axis=1, initial=0), _F32(SMALLEST_SCALE))
+    if book.divisor != 1:
+        scale = scale / _F32(book.divisor)
+    scaled = (blocks / scale[:, None]).reshape(-1)[:n]
+    codes = codes_of(scaled, book)
+    return (pack_nibbles(codes) if book.nibbles else codes.reshape(np.shape(x))), scale
+
+
+def codes_of(y, book):
+    """The code of each float32 value of `y` (a 1-D array)."""
+    bits = y.view(np.int32)
+    magnitude = bits & np.int32(0x7FFFFFFF)
+    i = magnitude >> book.shift
+    i -= book.first - 1
+    np.clip(i, 0, book.buckets - 1, out=i)
+    i += (bits >> 31) & book.buckets  # the negative half of the tables
+    return np.where(magnitude >= book.threshold[i], book.above[i], book.below[i])
+
+
+def dequantise_blocks(codes, scale, book, block: int, shape: tuple):
+    """float32 values of `shape` from the codes and scales `quantise_blocks` made."""
+    n = math.prod(shape)
+    flat = unpack_nibbles(codes, n) if book.nibbles else np.asarray(codes).reshape(-1)
+    values = _padded(book.values[flat], block).reshape(-1, block) * scale[:, None]
+    return values.reshape(-1)[:n].reshape(shape)
+
+
+def pack_nibbles(codes):
+    """4-bit codes two a byte, the first in the high nibble (an odd count ends with a zero)."""
+    if codes.size % 2:
+        codes = np.append(codes, np.uint8(0))
+    return (codes[0::2] << 4) | codes[1::2]
+
+
+def unpack_nibbles(packed, n: int):
+    return np.stack([packed >> 4, packed & np.uint8(15)], axis=-1).reshape(-1)[:n]
+
+
+def _padded(flat, block: int):
+    """`flat` with zeros after it up to a whole number of blocks (a short last block's absmax,
+    and its scaling, are its own elements')."""
+    extra = -flat.size % block
+    return flat if extra == 0 else np.concatenate([flat, np.zeros(extra, flat.dtype)])
