@@ -15,6 +15,7 @@ import numpy as np
 
 from optimisers import schedules
 from optimisers.core import dispatch
+from optimisers.core.quantised import Quantised
 from optimisers.core.rule import Rule, _held_like
 from optimisers.core.state import Leaf, State, describe, map_leaves
 from optimisers.core.tree import format_path, walked
@@ -93,6 +94,8 @@ def _map_state(value, key: str, fn):
         return None
     if _is_array(value) or isinstance(value, _NUMBERS) or _is_variable(value):
         return fn(key, value)
+    if isinstance(value, Quantised):  # its arrays; the format comes from the state's rule
+        return dataclasses.replace(value, codes=fn(f"{key}/codes", value.codes), scale=fn(f"{key}/scale", value.scale))
     if isinstance(value, (tuple, list, dict)):
         pairs = value.items() if isinstance(value, dict) else enumerate(value)
         items = [(k, _map_state(v, f"{key}/{k}", fn)) for k, v in pairs]

@@ -29,6 +29,7 @@ from optimisers.rules import (
     adaptive,
     combinators,
     gradient,
+    low_bit,
     muon,
     routing,
     schedule_free,
@@ -41,6 +42,7 @@ from optimisers.rules.adam import *  # noqa: F403
 from optimisers.rules.adaptive import *  # noqa: F403
 from optimisers.rules.combinators import *  # noqa: F403
 from optimisers.rules.gradient import *  # noqa: F403
+from optimisers.rules.low_bit import *  # noqa: F403
 from optimisers.rules.muon import *  # noqa: F403
 from optimisers.rules.routing import *  # noqa: F403
 from optimisers.rules.schedule_free import *  # noqa: F403
@@ -60,4 +62,5 @@ __all__ = [
     *routing.__all__,
     *gradient.__all__,
     *combinators.__all__,
+    *low_bit.__all__,
 ]

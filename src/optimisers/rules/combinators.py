@@ -66,6 +66,13 @@ class OptimiserChain(Rule):
     def init(self, x):
         return tuple(rule.init(x) for rule in self.rules)
 
+    def nonnegative_parts(self, state):
+        found, offset = set(), 0
+        for rule, s in zip(self.rules, state):
+            found.update(offset + i for i in rule.nonnegative_parts(s))
+            offset += _count_parts(s)
+        return frozenset(found)
+
     def with_counters(self, state):
         new = tuple(rule.with_counters(s) for rule, s in zip(self.rules, state))
         return state if all(a is b for a, b in zip(new, state)) else new
@@ -184,6 +191,17 @@ class _Wrapper(Rule):
 
     def eval_value(self, state, x):
         return self.rule.eval_value(state[self.inner_at], x)
+
+    def nonnegative_parts(self, state):
+        i = self.inner_at
+        offset = _count_parts(state[:i])
+        return frozenset(offset + j for j in self.rule.nonnegative_parts(state[i]))
+
+
+def _count_parts(state) -> int:
+    parts: list = []
+    flatten_state(state, parts)
+    return len(parts)
 
 
 @dataclass(frozen=True, repr=False)

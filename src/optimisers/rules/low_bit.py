@@ -1,0 +1,128 @@
+"""`LowBit`: another rule's moments kept blockwise in 8 bits, 4 bits or FP8."""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+from dataclasses import dataclass
+from typing import Any
+
+from optimisers import ops
+from optimisers.core.quantised import Quantised, checked_format
+from optimisers.core.rule import Rule
+from optimisers.core.state import flatten_state, unflatten_state
+from optimisers.rules.combinators import Lookahead, MixedPrecision, _Wrapper
+
+__all__ = ["LowBit"]
+
+
+@dataclass(frozen=True, repr=False)
+class LowBit(_Wrapper):
+    """Keep `rule`'s moments in low precision: each array of its state that has the parameter's
+    shape and at least `min_size` elements is stored blockwise-quantised (an
+    `optimisers.Quantised`), cutting Adam's 8 bytes of state per parameter to about 2 (8 bits,
+    FP8) or 1 (4 bits) (Dettmers et al., "8-bit Optimizers via Block-wise Quantization", 2021;
+    Li et al., "Memory Efficient Optimizers with 4-bit States", 2023).
+
+    Each step dequantises the state to float32, runs `rule`, steps the parameter with the new
+    float32 moments, and stores them quantised again (bitsandbytes' and torchao's order). The
+    formats (`bits`): 8, bitsandbytes' dynamic maps in blocks of 256; 4, torchao's 4-bit maps in
+    blocks of 128; "fp8", float8_e4m3fn codes in blocks of 256 (`block` overrides the size).
+    Arrays that the rule declares non-negative (`Rule.nonnegative_state`: Adam's `v`) take the
+    unsigned maps, whose codes are all ≥ 0. State smaller than `min_size` (4096, as in both
+    libraries), or of another shape (step counters, Adafactor's factors), stays as it is. The
+    threshold counts the parameter's elements: a tied array has one state, quantised or not.
+
+    `hyperparameters()` and `adjust` forward to `rule`. Not elementwise (blocks look across
+    elements): each parameter is stepped on its own. Wrap a `MixedPrecision` or `Lookahead`
+    around it, not inside it (their copies of the parameter are no moments to quantise).
+    PyTorch: `bnb.optim.AdamW8bit`, `torchao.optim.AdamW8bit/AdamW4bit/AdamWFp8` for
+    `LowBit(AdamW(...), bits=8/4/"fp8")`; optax has none.
+    """
+
+    rule: Rule
+    bits: Any = dataclasses.field(default_factory=lambda: 8)  # (8, 4 or "fp8": no type from a default)
+    block: Any = None
+    min_size: int = 4096
+    elementwise = False
+
+    def validate(self):
+        super().validate()
+        checked_format(self.bits, self.block, "LowBit")
+        if isinstance(self.min_size, bool) or not isinstance(self.min_size, numbers.Integral) or self.min_size < 0:
+            raise ValueError(f"LowBit: min_size must be a non-negative integer, got {self.min_size!r}")
+        _check_inner(self.rule)
+
+    def __repr__(self):
+        return f"LowBit({self.rule!r}, bits={self.bits!r}, block={self.block!r}, min_size={self.min_size})"
+
+    def init(self, x):
+        inner = self.rule.init(x)
+        parts: list = []
+        spec = flatten_state(inner, parts)
+        nonnegative = self.rule.nonnegative_parts(inner)
+        kept = [self._stored(p, x, i not in nonnegative) for i, p in enumerate(parts)]
+        return unflatten_state(spec, iter(kept))
+
+    def with_counters(self, state):
+        return self.rule.with_counters(state)
+
+    def eval_value(self, state, x):
+        return self.rule.eval_value(_dequantised(state)[0], x)
+
+    def apply(self, state, x, dx):
+        wide, spec, parts = _dequantised(state)
+        new_state, step = self.rule.apply(wide, x, dx)
+        new_parts: list = []
+        if flatten_state(new_state, new_parts) != spec:
+            raise TypeError(
+                f"LowBit: {type(self.rule).__name__} changed the structure of its state; LowBit "
+                "needs a rule whose state keeps one structure from step to step"
+            )
+        kept = [
+            ops.quantise(new, p.bits, p.signed, p.block) if isinstance(p, Quantised) else new
+            for new, p in zip(new_parts, parts)
+        ]
+        return unflatten_state(spec, iter(kept)), step
+
+    def _stored(self, part, x, signed: bool):
+        """`part` quantised if it is a real floating array shaped like `x`, of `min_size` or more."""
+        if getattr(part, "shape", None) is None or tuple(part.shape) != tuple(x.shape):
+            return part
+        if getattr(part, "ndim", 0) == 0 or _size(part) < self.min_size or ops.is_complex(part):
+            return part
+        b = ops.backend(part)
+        if not (b.is_array(part) and b.is_param(part)):
+            return part
+        return ops.quantise(part, self.bits, signed, self.block)
+
+
+def _size(x) -> int:
+    size = 1
+    for n in x.shape:
+        size *= int(n)
+    return size
+
+
+def _dequantised(state):
+    """`(state with float32 arrays for its Quantised parts, its spec, its parts)`."""
+    parts: list = []
+    spec = flatten_state(state, parts)
+    wide = [ops.dequantise(p) if isinstance(p, Quantised) else p for p in parts]
+    return unflatten_state(spec, iter(wide)), spec, parts
+
+
+def _check_inner(rule) -> None:
+    """No copy of the parameter inside: MixedPrecision's master and Lookahead's slow weights are
+    parameter-shaped state that quantising would ruin."""
+    for member in getattr(rule, "rules", ()):
+        _check_inner(member)
+    if isinstance(rule, (MixedPrecision, Lookahead)):
+        name = type(rule).__name__
+        raise TypeError(
+            f"LowBit: {name} cannot be inside a LowBit (its copy of the parameter would be "
+            f"quantised); wrap it outside instead: {name}(LowBit(...))"
+        )
+    inner = getattr(rule, "rule", None)
+    if isinstance(inner, Rule):
+        _check_inner(inner)
