@@ -7,6 +7,8 @@ import numbers
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from optimisers import ops
 from optimisers.core.quantised import Quantised, checked_format
 from optimisers.core.rule import Rule
@@ -68,10 +70,10 @@ class LowBit(_Wrapper):
         return self.rule.with_counters(state)
 
     def eval_value(self, state, x):
-        return self.rule.eval_value(_dequantised(state)[0], x)
+        return self.rule.eval_value(_dequantised(state, x)[0], x)
 
     def apply(self, state, x, dx):
-        wide, spec, parts = _dequantised(state)
+        wide, spec, parts = _dequantised(state, x)
         new_state, step = self.rule.apply(wide, x, dx)
         new_parts: list = []
         if flatten_state(new_state, new_parts) != spec:
@@ -104,12 +106,23 @@ def _size(x) -> int:
     return size
 
 
-def _dequantised(state):
-    """`(state with float32 arrays for its Quantised parts, its spec, its parts)`."""
+def _dequantised(state, x):
+    """`(state with arrays for its Quantised parts, its spec, its parts)`: float32 arrays, or
+    float64 for a float64 parameter (whose rule would otherwise mix float32 arrays with float64
+    scalars, which NumPy and torch promote differently)."""
     parts: list = []
     spec = flatten_state(state, parts)
-    wide = [ops.dequantise(p) if isinstance(p, Quantised) else p for p in parts]
+    wider = ops.dtype_epsilon(x) < _FLOAT32_EPS
+    wide = [_float_array(p, wider) if isinstance(p, Quantised) else p for p in parts]
     return unflatten_state(spec, iter(wide)), spec, parts
+
+
+_FLOAT32_EPS = float(np.finfo(np.float32).eps)
+
+
+def _float_array(q, wider: bool):
+    values = ops.dequantise(q)
+    return ops.cast(values, np.float64) if wider else values
 
 
 def _check_inner(rule) -> None:
