@@ -33,14 +33,14 @@ def codes_of(y, book):
     i -= book.first - 1
     np.clip(i, 0, book.buckets - 1, out=i)
     i += (bits >> 31) & book.buckets  # the negative half of the tables
-    return np.where(magnitude >= book.threshold[i], book.above[i], book.below[i])
+    return np.where(magnitude >= book.threshold.take(i), book.above.take(i), book.below.take(i))
 
 
 def dequantise_blocks(codes, scale, book, block: int, shape: tuple):
     """float32 values of `shape` from the codes and scales `quantise_blocks` made."""
     n = math.prod(shape)
     flat = unpack_nibbles(codes, n) if book.nibbles else np.asarray(codes).reshape(-1)
-    values = _padded(book.values[flat], block).reshape(-1, block) * scale[:, None]
+    values = _padded(book.values.take(flat), block).reshape(-1, block) * scale[:, None]
     return values.reshape(-1)[:n].reshape(shape)
 
 

@@ -3,6 +3,7 @@ ops, on the tensor's device, with the format's tables copied there once."""
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -42,8 +43,8 @@ def codes_of(y, book):
     magnitude = bits & 0x7FFFFFFF
     i = ((magnitude >> book.shift) - (book.first - 1)).clamp_(0, book.buckets - 1)
     i += (bits >> 31) & book.buckets  # the negative half of the tables
-    i = i.long()
-    return torch.where(magnitude >= threshold[i], above[i], below[i])
+    take = functools.partial(torch.index_select, dim=0, index=i.reshape(-1))  # (int32: the fastest gather)
+    return torch.where(magnitude >= take(threshold), take(above), take(below))
 
 
 @torch.no_grad()
@@ -51,7 +52,7 @@ def dequantise_blocks(codes, scale, book, block: int, shape: tuple):
     values_table = _tables(book, codes.device)[3]
     n = math.prod(shape)
     flat = unpack_nibbles(codes, n) if book.nibbles else codes.reshape(-1)
-    values = _padded(values_table[flat.long()], block).reshape(-1, block) * scale[:, None]
+    values = _padded(values_table.index_select(0, flat.reshape(-1).int()), block).reshape(-1, block) * scale[:, None]
     return values.reshape(-1)[:n].reshape(shape)
 
 
