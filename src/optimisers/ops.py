@@ -31,7 +31,7 @@ __all__ = [
     "dtype_epsilon", "eigh", "epsilon", "full_like", "is_complex", "isfinite", "matmul", "matrix_transpose",
     "maximum", "mean", "minimum", "norm", "qr", "reshape", "same_values", "scalar", "sign", "sqrt", "stack",
     "sum", "take", "tensordot", "where", "zeros", "zeros_like", "GradientError", "check_gradient_dtype",
-    "quantise", "dequantise",
+    "quantise", "dequantise", "bfloat16_rounded",
 ]
 
 
@@ -259,3 +259,11 @@ def dequantise(q: Quantised):
         raise TypeError(f"dequantise: expected an optimisers.Quantised, got {type(q).__name__}")
     book = codebook(q.bits, q.signed)
     return backend(q.codes).dequantise_blocks(q.codes, q.scale, book, q.block, q.shape)
+
+
+def bfloat16_rounded(x, seed=None, step=0):
+    """`x` as float32 values on bfloat16's grid: rounded to nearest (ties to even) when `seed` is
+    None, else stochastically, away from zero with probability (the part below bfloat16's last
+    bit)/its ulp, from 16 random bits that (seed, step, the element's row-major index) fix: the
+    same numbers on every backend, with or without `jit` (`step` may be traced)."""
+    return backend(x).bfloat16_rounded(x, seed, step)

@@ -59,3 +59,30 @@ def unpack_nibbles(packed, n: int):
 def _padded(flat, block: int):
     extra = -flat.size % block
     return flat if extra == 0 else jnp.concatenate([flat, jnp.zeros(extra, flat.dtype)])
+
+
+# --- rounding float32 values to bfloat16's grid (numpy_quant.bfloat16_rounded says how) ------------
+
+
+def fmix32(h):
+    h = h ^ (h >> 16)
+    h = h * np.uint32(0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = h * np.uint32(0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def bfloat16_rounded(x, seed, step):
+    x = jnp.asarray(x, jnp.float32)
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    if seed is None:
+        rounded = (bits + (np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1)))) & np.uint32(0xFFFF0000)
+    else:
+        # (seed·golden + step) mod 2^32, step possibly traced
+        start = jnp.uint32((int(seed) * 0x9E3779B9) & 0xFFFFFFFF)
+        key = fmix32(start + jnp.asarray(step).astype(jnp.uint32))
+        h = jnp.arange(x.size, dtype=jnp.uint32).reshape(x.shape) * np.uint32(0x9E3779B1) + key
+        up = (fmix32(h) >> 16) < (bits & np.uint32(0xFFFF))
+        rounded = (bits & np.uint32(0xFFFF0000)) + (up.astype(jnp.uint32) << 16)
+    out = jax.lax.bitcast_convert_type(rounded, jnp.float32)
+    return jnp.where(jnp.isnan(x), x, out)

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from optimisers.core.narrow import NarrowDtype
 from optimisers.core.quantised import Quantised
 from optimisers.core.rule import Rule, _is_held
 from optimisers.core.state import Leaf, State, flatten_state, is_scalar, scalar_key, unflatten_state
@@ -516,6 +517,7 @@ def register() -> None:
         (State, _state_flatten_with_keys, _state_unflatten, _state_flatten),
         (Leaf, _leaf_flatten_with_keys, _leaf_unflatten),
         (Quantised, _quantised_flatten_with_keys, _quantised_unflatten),
+        (NarrowDtype, lambda d: ((), d.name), lambda name, _: NarrowDtype(name)),
     ):
         with contextlib.suppress(ValueError):  # already registered (module reloaded)
             jax.tree_util.register_pytree_with_keys(*args)

@@ -13,7 +13,11 @@ import numpy as np
 
 from optimisers import ops
 from optimisers.backends import numpy_kernels
-from optimisers.backends.numpy_quant import dequantise_blocks, quantise_blocks  # noqa: F401
+from optimisers.backends.numpy_quant import (  # noqa: F401
+    bfloat16_rounded,
+    dequantise_blocks,
+    quantise_blocks,
+)
 from optimisers.backends import scalar as _scalar
 from optimisers.backends.ranges import ByteRanges
 

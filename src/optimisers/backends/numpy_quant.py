@@ -60,3 +60,41 @@ def _padded(flat, block: int):
     and its scaling, are its own elements')."""
     extra = -flat.size % block
     return flat if extra == 0 else np.concatenate([flat, np.zeros(extra, flat.dtype)])
+
+
+# --- rounding float32 values to bfloat16's grid ------------------------------------------------
+
+_GOLDEN = 0x9E3779B9  # (spreads seeds and element indices over 32 bits before mixing)
+_GOLDEN_INDEX = 0x9E3779B1
+
+
+def fmix32(h):
+    """MurmurHash3's finaliser: every bit of a uint32 array mixed into every other, in place."""
+    h ^= h >> 16
+    h *= np.uint32(0x85EBCA6B)
+    h ^= h >> 13
+    h *= np.uint32(0xC2B2AE35)
+    h ^= h >> 16
+    return h
+
+
+def bfloat16_rounded(x, seed, step):
+    """float32 `x` rounded to bfloat16's grid, still float32: to nearest, ties to even (seed
+    None), or away from zero with probability (low 16 bits of x)/2^16, the 16 random bits of
+    element `i` (row-major) being the top half of `fmix32(i·0x9E3779B1 + key)`,
+    `key = fmix32(seed·0x9E3779B9 + step)` (all mod 2^32): reproducible, and the same on
+    every backend."""
+    x = np.asarray(x, np.float32)
+    bits = x.view(np.uint32)
+    if seed is None:
+        rounded = (bits + (np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1)))) & np.uint32(0xFFFF0000)
+    else:
+        key = fmix32(np.array([(int(seed) * _GOLDEN + int(step)) & 0xFFFFFFFF], np.uint32))
+        h = np.arange(x.size, dtype=np.uint32).reshape(x.shape)
+        h *= np.uint32(_GOLDEN_INDEX)
+        h += key[0]
+        random16 = fmix32(h) >> 16
+        up = random16 < (bits & np.uint32(0xFFFF))
+        rounded = (bits & np.uint32(0xFFFF0000)) + (up.astype(np.uint32) << 16)
+    out = rounded.view(np.float32)
+    return np.where(np.isnan(x), x, out)  # (a NaN's payload could round to infinity)

@@ -69,3 +69,42 @@ def unpack_nibbles(packed, n: int):
 def _padded(flat, block: int):
     extra = -flat.numel() % block
     return flat if extra == 0 else torch.cat([flat, flat.new_zeros(extra)])
+
+
+# --- rounding float32 values to bfloat16's grid (numpy_quant.bfloat16_rounded says how) ------------
+# torch has no shifts of uint32: 32-bit words live in int64, products taken 16 bits at a time
+# so that nothing overflows
+
+_M32 = 0xFFFFFFFF
+
+
+def _times(h, c: int):
+    """`h · c mod 2^32` for int64 `h` in [0, 2^32)."""
+    low = h * (c & 0xFFFF)
+    high = ((h * (c >> 16)) & 0xFFFF) << 16
+    return (low + high) & _M32
+
+
+def fmix32(h):
+    h = h ^ (h >> 16)
+    h = _times(h, 0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = _times(h, 0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+@torch.no_grad()
+def bfloat16_rounded(x, seed, step):
+    x = x.detach().to(torch.float32).contiguous()
+    bits = x.view(torch.int32).to(torch.int64) & _M32
+    if seed is None:
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    else:
+        key = fmix32(torch.tensor([(int(seed) * 0x9E3779B9 + int(step)) & _M32], dtype=torch.int64))
+        h = torch.arange(x.numel(), dtype=torch.int64, device=x.device).reshape(x.shape)
+        h = (_times(h, 0x9E3779B1) + key.to(x.device)) & _M32
+        up = (fmix32(h) >> 16) < (bits & 0xFFFF)
+        rounded = (bits & 0xFFFF0000) + (up.to(torch.int64) << 16)
+    out = (rounded & _M32).to(torch.int64)
+    out = torch.where(out >= 2**31, out - 2**32, out).to(torch.int32).view(torch.float32)
+    return torch.where(torch.isnan(x), x, out)

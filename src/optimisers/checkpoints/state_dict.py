@@ -15,6 +15,7 @@ import numpy as np
 
 from optimisers import schedules
 from optimisers.core import dispatch
+from optimisers.core.narrow import NarrowDtype
 from optimisers.core.quantised import Quantised
 from optimisers.core.rule import Rule, _held_like
 from optimisers.core.state import Leaf, State, describe, map_leaves
@@ -90,8 +91,8 @@ def _is_array(x) -> bool:  # (or a NumPy scalar) of a library with a backend
 def _map_state(value, key: str, fn):
     """One Leaf's state with each array or number `e` at `key` replaced by `fn(key, e)`, in order,
     its containers rebuilt alike."""
-    if value is None:
-        return None
+    if value is None or isinstance(value, NarrowDtype):  # (static: the target state keeps its own)
+        return value
     if _is_array(value) or isinstance(value, _NUMBERS) or _is_variable(value):
         return fn(key, value)
     if isinstance(value, Quantised):  # its arrays; the format comes from the state's rule

@@ -31,6 +31,7 @@ from optimisers.rules import (
     gradient,
     low_bit,
     muon,
+    rounding,
     routing,
     schedule_free,
     sgd,
@@ -44,6 +45,7 @@ from optimisers.rules.combinators import *  # noqa: F403
 from optimisers.rules.gradient import *  # noqa: F403
 from optimisers.rules.low_bit import *  # noqa: F403
 from optimisers.rules.muon import *  # noqa: F403
+from optimisers.rules.rounding import *  # noqa: F403
 from optimisers.rules.routing import *  # noqa: F403
 from optimisers.rules.schedule_free import *  # noqa: F403
 from optimisers.rules.sgd import *  # noqa: F403
@@ -63,4 +65,5 @@ __all__ = [
     *gradient.__all__,
     *combinators.__all__,
     *low_bit.__all__,
+    *rounding.__all__,
 ]
