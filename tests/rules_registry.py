@@ -677,7 +677,9 @@ COMPOSITES: tuple[Composite, ...] = (
     ),
     Composite(
         "LowBit(ClipNorm>AdamW), 4 bits",
-        lambda: opt.LowBit(opt.OptimiserChain(opt.ClipNorm(1.0), opt.AdamW(0.05, lambd=0.01)), bits=4, min_size=1),
+        lambda: opt.LowBit(
+            opt.OptimiserChain(opt.ClipNorm(1.0), opt.AdamW(0.05, lambd=0.01)), bits=4, min_size=1
+        ),
         _fam("toy", "jit", "checkpoint"),
     ),
     Composite(

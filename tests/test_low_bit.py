@@ -4,6 +4,8 @@ thresholds, the nonnegative hook, adjust, checkpoints and bad input."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -46,7 +48,8 @@ def reference_adamw(x, grads, bits, eta=1e-2, lambd=0.01, beta=(0.9, 0.999), eps
     for t, g in enumerate(grads, start=1):
         m_new = np.float32(b1) * opt.dequantise(m) + np.float32(1 - b1) * g
         v_new = np.float32(b2) * opt.dequantise(v) + np.float32(1 - b2) * g * g
-        direction = (m_new / np.float32(1 - b1**t)) / (np.sqrt(v_new / np.float32(1 - b2**t)) + np.float32(eps))
+        root = np.sqrt(v_new / np.float32(1 - b2**t))
+        direction = (m_new / np.float32(1 - b1**t)) / (root + np.float32(eps))
         x = x - np.float32(eta) * (direction + np.float32(lambd) * x)
         m, v = opt.quantise(m_new, bits, True), opt.quantise(v_new, bits, False)
     return x, m, v
@@ -87,15 +90,20 @@ def torchao_trajectory(bits, x0, grads):
     return p.detach().numpy()
 
 
-TORCHAO_WARNINGS = [
-    pytest.mark.slow,  # torch.compile
-    pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning"),
-    pytest.mark.filterwarnings("ignore:.*_stable_hash_for_caching:UserWarning"),  # torchao's classes
-]
+def against_torchao(test):
+    """Marks for a test that runs torchao's optimisers (compiled by torch.compile: slow)."""
+    marks = [
+        pytest.mark.slow,
+        pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning"),
+        pytest.mark.filterwarnings("ignore:.*_stable_hash_for_caching:UserWarning"),  # torchao's classes
+    ]
+    for mark in marks:
+        test = mark(test)
+    return test
 
 
+@against_torchao
 @pytest.mark.parametrize("bits", FORMATS)
-@pytest.mark.usefixtures("single_thread")
 def test_torchao_steps_are_our_quantiser_in_their_order(bits):
     """torchao's step written out with `quantise`/`dequantise` (its moments by `lerp`, from
     zero scales): the same trajectory to float32 rounding, every element, for every format. So
@@ -105,7 +113,7 @@ def test_torchao_steps_are_our_quantiser_in_their_order(bits):
     expected = torchao_trajectory(bits, x0, grads)
     x, lr = torch.from_numpy(x0.copy()), torch.tensor(1e-2)
     m, v = (opt.quantise(torch.zeros_like(x), bits, signed) for signed in (True, False))
-    m, v = (opt.Quantised(q.codes, torch.zeros_like(q.scale), q.signed, bits, q.block, q.shape) for q in (m, v))
+    m, v = (dataclasses.replace(q, scale=torch.zeros_like(q.scale)) for q in (m, v))  # torchao's zeros
     for t, g in enumerate(map(torch.from_numpy, grads), start=1):
         x = x - lr * 0.01 * x
         m_new = opt.dequantise(m).lerp(g, 1 - 0.9)
@@ -117,10 +125,7 @@ def test_torchao_steps_are_our_quantiser_in_their_order(bits):
     np.testing.assert_allclose(x.numpy(), expected, rtol=0, atol=1e-5 * moved)
 
 
-for _mark in TORCHAO_WARNINGS:
-    test_torchao_steps_are_our_quantiser_in_their_order = _mark(test_torchao_steps_are_our_quantiser_in_their_order)
-
-
+@against_torchao
 @pytest.mark.parametrize("bits", FORMATS)
 def test_lowbit_adamw_trajectory_matches_torchao(bits):
     """`LowBit(AdamW)` beside torchao's class over 20 steps. 8 bits and FP8: every element within
@@ -138,10 +143,6 @@ def test_lowbit_adamw_trajectory_matches_torchao(bits):
     off = np.abs(expected - x) > 1e-4 * moved
     assert off.mean() <= (0.01 if bits == 4 else 0), f"{off.sum()} elements differ"
     np.testing.assert_allclose(expected, x, rtol=0, atol=(0.1 if bits == 4 else 1e-4) * moved)
-
-
-for _mark in TORCHAO_WARNINGS:
-    test_lowbit_adamw_trajectory_matches_torchao = _mark(test_lowbit_adamw_trajectory_matches_torchao)
 
 
 # --- which arrays are quantised --------------------------------------------------------------
@@ -218,7 +219,8 @@ def test_adjust_and_hyperparameters_reach_the_inner_rule():
     x = np.ones(4096, np.float32)
     state = opt.setup(opt.LowBit(opt.OptimiserChain(opt.WeightDecay(), opt.Adam(1e-3)), bits=4), x)
     rule = state.tree.rule
-    assert set(rule.hyperparameters()) == set(rule.rule.rules[0].hyperparameters()) | {"eta", "beta", "epsilon"}
+    decay = rule.rule.rules[0].hyperparameters()
+    assert set(rule.hyperparameters()) == {*decay, "eta", "beta", "epsilon"}
     state = opt.adjust(state, 0.5, beta=(0.8, 0.99))
     adam = state.tree.rule.rule.rules[1]
     assert adam.eta == 0.5 and adam.beta == (0.8, 0.99) and state.tree.rule.bits == 4

@@ -205,7 +205,8 @@ def test_backends_agree_bit_for_bit():
     x = mixed_magnitudes(np.random.default_rng(4), (16, 1000))
     for bits, signed in FORMATS:
         x_ = x if signed else np.abs(x)
-        results = [opt.quantise(to_backend(x_, b), bits=bits, signed=signed) for b in ("numpy", "torch", "jax")]
+        backends = ("numpy", "torch", "jax")
+        results = [opt.quantise(to_backend(x_, b), bits=bits, signed=signed) for b in backends]
         jitted = jax.jit(lambda a, bits=bits, signed=signed: opt.quantise(a, bits, signed))(jnp.asarray(x_))
         for q in [*results[1:], jitted]:
             np.testing.assert_array_equal(host(q.codes), results[0].codes)

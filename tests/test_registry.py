@@ -14,8 +14,8 @@ from rules_registry import RULE_INFO, RULES
 
 # rules built from other rules: the registry lists them as composites
 COMBINATORS = {
-    opt.OptimiserChain, opt.MixedPrecision, opt.SkipNonFinite, opt.Lookahead, opt.LowBit, opt.StochasticRounding,
-    opt.KahanSummation,
+    opt.OptimiserChain, opt.MixedPrecision, opt.SkipNonFinite, opt.Lookahead,
+    opt.LowBit, opt.StochasticRounding, opt.KahanSummation,
 }
 PUBLIC_RULES = [
     obj

@@ -214,7 +214,8 @@ def test_jit_compiles_once(wrapper):
     state = opt.setup(wrapper(opt.Adam(1e-3)), {"w": x, "b": jnp.zeros(3)})
     jitted = jax.jit(step)
     for _ in range(3):
-        state, params = jitted(state, {"w": x, "b": jnp.zeros(3)}, {"w": jnp.ones(64, jnp.bfloat16), "b": jnp.ones(3)})
+        grads = {"w": jnp.ones(64, jnp.bfloat16), "b": jnp.ones(3)}
+        state, params = jitted(state, {"w": x, "b": jnp.zeros(3)}, grads)
     assert len(traces) == 1 and params["w"].dtype == jnp.bfloat16
 
 

@@ -23,13 +23,13 @@ from optimisers import ops
 from optimisers.backends import numpy as _numpy
 from optimisers.backends import scalar as _scalar
 from optimisers.backends.objects import SameObjects
+from optimisers.backends.protocol import FastPath
+from optimisers.backends.ranges import ByteRanges
 from optimisers.backends.torch_quant import (  # noqa: F401
     bfloat16_rounded,
     dequantise_blocks,
     quantise_blocks,
 )
-from optimisers.backends.protocol import FastPath
-from optimisers.backends.ranges import ByteRanges
 from optimisers.core import eager
 from optimisers.core.rule import NewValue
 from optimisers.core.state import flatten_state

@@ -96,7 +96,8 @@ def _map_state(value, key: str, fn):
     if _is_array(value) or isinstance(value, _NUMBERS) or _is_variable(value):
         return fn(key, value)
     if isinstance(value, Quantised):  # its arrays; the format comes from the state's rule
-        return dataclasses.replace(value, codes=fn(f"{key}/codes", value.codes), scale=fn(f"{key}/scale", value.scale))
+        codes, scale = fn(f"{key}/codes", value.codes), fn(f"{key}/scale", value.scale)
+        return dataclasses.replace(value, codes=codes, scale=scale)
     if isinstance(value, (tuple, list, dict)):
         pairs = value.items() if isinstance(value, dict) else enumerate(value)
         items = [(k, _map_state(v, f"{key}/{k}", fn)) for k, v in pairs]

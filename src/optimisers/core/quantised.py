@@ -55,5 +55,7 @@ def checked_format(bits, block, who: str = "quantise") -> tuple:
     if block is None:
         return bits, DEFAULT_BLOCK[bits]
     if isinstance(block, bool) or not isinstance(block, numbers.Integral) or block < 1:
-        raise ValueError(f"{who}: block must be a positive integer or None (the format's default), got {block!r}")
+        raise ValueError(
+            f"{who}: block must be a positive integer or None (the format's default), got {block!r}"
+        )
     return bits, int(block)

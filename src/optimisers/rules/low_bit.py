@@ -51,7 +51,8 @@ class LowBit(_Wrapper):
     def validate(self):
         super().validate()
         checked_format(self.bits, self.block, "LowBit")
-        if isinstance(self.min_size, bool) or not isinstance(self.min_size, numbers.Integral) or self.min_size < 0:
+        size = self.min_size
+        if isinstance(size, bool) or not isinstance(size, numbers.Integral) or size < 0:
             raise ValueError(f"LowBit: min_size must be a non-negative integer, got {self.min_size!r}")
         _check_inner(self.rule)
 
