@@ -338,3 +338,30 @@ def test_wrapping_outside_works():
     assert master.dtype == np.float32 and isinstance(inner[0], opt.Quantised)
     state, y = opt.update_(state, x.astype(np.float16), np.ones(4096, np.float16))
     assert y.dtype == np.float16
+
+
+def test_a_tie_given_lowbit_at_one_place_only_is_refused_naming_both():
+    W = np.ones((64, 64), np.float32)
+
+    def choose(path, x):
+        return opt.LowBit(opt.Adam()) if path == ("embed",) else opt.Adam()
+
+    with pytest.raises(ValueError, match=r"LowBit\(Adam.* at embed and Adam.* at head"):
+        opt.setup(choose, {"embed": W, "head": W})
+
+
+def test_optax_transform_keeps_codes_and_scales():
+    optax_adapter = pytest.importorskip("optimisers.optax")
+    params = {"w": jnp.asarray(start()), "b": jnp.zeros(3)}
+    tx = optax_adapter.transform(opt.LowBit(opt.AdamW(1e-2), bits=4))
+    tx_state = tx.init(params)
+    leaves = jax.tree_util.tree_leaves(tx_state)
+    assert any(leaf.dtype == jnp.uint8 and leaf.shape == (SHAPE[0] * SHAPE[1] // 2,) for leaf in leaves)
+    reference = opt.setup(opt.LowBit(opt.AdamW(1e-2), bits=4), params)
+    expected = params
+    for g in gradients(3):
+        grads = {"w": jnp.asarray(g), "b": jnp.ones(3)}
+        updates, tx_state = jax.jit(tx.update)(grads, tx_state, params)
+        params = jax.tree_util.tree_map(lambda p, u: p + u, params, updates)
+        reference, expected = opt.update(reference, expected, grads)
+    np.testing.assert_allclose(np.asarray(params["w"]), np.asarray(expected["w"]), rtol=0, atol=1e-6)
