@@ -13,7 +13,7 @@ from optimisers import ops
 from optimisers.core.quantised import Quantised, checked_format
 from optimisers.core.rule import Rule
 from optimisers.core.state import flatten_state, unflatten_state
-from optimisers.rules.combinators import Lookahead, MixedPrecision, _Wrapper
+from optimisers.rules.combinators import _Wrapper
 
 __all__ = ["LowBit"]
 
@@ -35,9 +35,10 @@ class LowBit(_Wrapper):
     libraries), or of another shape (step counters, Adafactor's factors), stays as it is. The
     threshold counts the parameter's elements: a tied array has one state, quantised or not.
 
-    `hyperparameters()` and `adjust` forward to `rule`. Not elementwise (blocks look across
-    elements): each parameter is stepped on its own. Wrap a `MixedPrecision` or `Lookahead`
-    around it, not inside it (their copies of the parameter are no moments to quantise).
+    Arrays that a rule declares exact (`Rule.exact_state`: copies of the parameter such as
+    `MixedPrecision`'s master, `Lookahead`'s slow weights, the schedule-free rules' `z`, SOAP's
+    bases) are never quantised. `hyperparameters()` and `adjust` forward to `rule`. Not
+    elementwise (blocks look across elements): each parameter is stepped on its own.
     PyTorch: `bnb.optim.AdamW8bit`, `torchao.optim.AdamW8bit/AdamW4bit/AdamWFp8` for
     `LowBit(AdamW(...), bits=8/4/"fp8")`; optax has none.
     """
@@ -54,7 +55,6 @@ class LowBit(_Wrapper):
         size = self.min_size
         if isinstance(size, bool) or not isinstance(size, numbers.Integral) or size < 0:
             raise ValueError(f"LowBit: min_size must be a non-negative integer, got {self.min_size!r}")
-        _check_inner(self.rule)
 
     def __repr__(self):
         return f"LowBit({self.rule!r}, bits={self.bits!r}, block={self.block!r}, min_size={self.min_size})"
@@ -63,8 +63,8 @@ class LowBit(_Wrapper):
         inner = self.rule.init(x)
         parts: list = []
         spec = flatten_state(inner, parts)
-        nonnegative = self.rule.nonnegative_parts(inner)
-        kept = [self._stored(p, x, i not in nonnegative) for i, p in enumerate(parts)]
+        nonnegative, exact = self.rule.nonnegative_parts(inner), self.rule.exact_parts(inner)
+        kept = [p if i in exact else self._stored(p, x, i not in nonnegative) for i, p in enumerate(parts)]
         return unflatten_state(spec, iter(kept))
 
     def with_counters(self, state):
@@ -124,19 +124,3 @@ _FLOAT32_EPS = float(np.finfo(np.float32).eps)
 def _float_array(q, wider: bool):
     values = ops.dequantise(q)
     return ops.cast(values, np.float64) if wider else values
-
-
-def _check_inner(rule) -> None:
-    """No copy of the parameter inside: MixedPrecision's master and Lookahead's slow weights are
-    parameter-shaped state that quantising would ruin."""
-    for member in getattr(rule, "rules", ()):
-        _check_inner(member)
-    if isinstance(rule, (MixedPrecision, Lookahead)):
-        name = type(rule).__name__
-        raise TypeError(
-            f"LowBit: {name} cannot be inside a LowBit (its copy of the parameter would be "
-            f"quantised); wrap it outside instead: {name}(LowBit(...))"
-        )
-    inner = getattr(rule, "rule", None)
-    if isinstance(inner, Rule):
-        _check_inner(inner)
