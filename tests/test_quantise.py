@@ -312,3 +312,19 @@ def test_only_real_floating_arrays_are_quantised(x):
 def test_dequantise_takes_a_quantised():
     with pytest.raises(TypeError, match="expected an optimisers.Quantised"):
         opt.dequantise(np.ones(3))
+
+
+@pytest.mark.parametrize("bits,signed", FORMATS)
+def test_numpys_compiled_quantiser_equals_its_ufuncs(bits, signed, monkeypatch):
+    pytest.importorskip("numba")
+    from optimisers.backends import numpy_kernels
+
+    x = mixed_magnitudes(np.random.default_rng(7), (9, 1000))  # a short last block too
+    x[0, :5] = [np.nan, np.inf, -np.inf, 0.0, -0.0]  # a block of specials: whatever they give, alike
+    x = x if signed else np.abs(x)
+    monkeypatch.setattr(numpy_kernels, "AVAILABLE", True)
+    compiled = opt.quantise(x, bits, signed)
+    monkeypatch.setattr(numpy_kernels, "AVAILABLE", False)
+    ufuncs = opt.quantise(x, bits, signed)
+    np.testing.assert_array_equal(compiled.codes, ufuncs.codes)
+    np.testing.assert_array_equal(compiled.scale, ufuncs.scale)

@@ -7,6 +7,7 @@ import math
 
 import numpy as np
 
+from optimisers.backends import numpy_kernels
 from optimisers.core.quantised import SMALLEST_SCALE
 
 _F32 = np.float32
@@ -16,6 +17,9 @@ def quantise_blocks(x, book, block: int):
     """`(codes, scale)` of array `x` in the format of Codebook `book`, `block` elements a block."""
     flat = np.asarray(x).astype(_F32, copy=False).reshape(-1)
     n = flat.size
+    if numpy_kernels.AVAILABLE and n:
+        codes, scale = _compiled(flat, book, block)
+        return (pack_nibbles(codes) if book.nibbles else codes.reshape(np.shape(x))), scale
     blocks = _padded(flat, block).reshape(-1, block)
     scale = np.maximum(np.abs(blocks).max(axis=1, initial=0), _F32(SMALLEST_SCALE))
     if book.divisor != 1:
@@ -23,6 +27,18 @@ def quantise_blocks(x, book, block: int):
     scaled = (blocks / scale[:, None]).reshape(-1)[:n]
     codes = codes_of(scaled, book)
     return (pack_nibbles(codes) if book.nibbles else codes.reshape(np.shape(x))), scale
+
+
+def _compiled(flat, book, block):
+    from optimisers.backends import numpy_quant_numba
+
+    codes = np.empty(flat.size, np.uint8)
+    scale = np.empty(-(-flat.size // block), _F32)
+    numpy_quant_numba.quantise_flat(
+        np.ascontiguousarray(flat), block, _F32(book.divisor), _F32(SMALLEST_SCALE), book.shift,
+        book.first, book.buckets, book.threshold, book.below, book.above, codes, scale,
+    )
+    return codes, scale
 
 
 def codes_of(y, book):
