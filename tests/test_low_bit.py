@@ -397,3 +397,32 @@ def test_optax_transform_keeps_codes_and_scales():
         params = jax.tree_util.tree_map(lambda p, u: p + u, params, updates)
         reference, expected = opt.update(reference, expected, grads)
     np.testing.assert_allclose(np.asarray(params["w"]), np.asarray(expected["w"]), rtol=0, atol=1e-6)
+
+
+SHARDED = """
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+import optimisers as opt
+
+mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("a", "b"))
+rng = np.random.default_rng(0)
+w = jax.device_put(jnp.asarray(rng.standard_normal((64, 512)), jnp.float32), NamedSharding(mesh, P("a", "b")))
+g = jax.device_put(jnp.asarray(rng.standard_normal((64, 512)), jnp.float32), w.sharding)
+model, grads = {"w": w, "head": w}, {"w": g, "head": g}
+for bits in (8, 4, "fp8"):
+    state = opt.setup(opt.LowBit(opt.Adam(1e-2), bits=bits), model)
+    eager_state, eager = opt.update(state, model, grads)
+    state, new = jax.jit(opt.update)(state, model, grads)
+    assert new["w"].sharding.is_equivalent_to(w.sharding, 2)
+    np.testing.assert_array_equal(np.asarray(new["w"]), np.asarray(new["head"]))
+    np.testing.assert_allclose(np.asarray(new["w"]), np.asarray(eager["w"]), rtol=1e-5, atol=1e-8)
+    for q in state["w"].state[:2]:  # split over the devices as XLA propagates it, not gathered
+        assert not q.codes.sharding.is_fully_replicated, (bits, q.codes.sharding)
+"""
+
+
+@pytest.mark.slow
+def test_sharded_parameters_keep_their_sharding_and_numbers():
+    from _host_devices import run_on_host_devices
+
+    run_on_host_devices(SHARDED, 8)
