@@ -426,3 +426,25 @@ def test_sharded_parameters_keep_their_sharding_and_numbers():
     from _host_devices import run_on_host_devices
 
     run_on_host_devices(SHARDED, 8)
+
+
+def test_the_torch_optimizer_adapter_saves_plain_tensors(tmp_path):
+    from optimisers.torch import Optimizer
+
+    torch.manual_seed(0)
+    layer, twin = torch.nn.Linear(128, 64), torch.nn.Linear(128, 64)
+    optimizer = Optimizer(layer.parameters(), opt.LowBit(opt.AdamW(1e-2), bits=4))
+    layer(torch.ones(2, 128)).sum().backward()
+    optimizer.step()
+    torch.save(optimizer.state_dict(), tmp_path / "o.pt")
+    saved = torch.load(tmp_path / "o.pt", weights_only=True)  # tensors, numbers and text only
+    assert saved["state"][0]["state/0/codes"].dtype == torch.uint8
+    twin.load_state_dict(layer.state_dict())
+    resumed = Optimizer(twin.parameters(), opt.LowBit(opt.AdamW(1e-2), bits=4))
+    resumed.load_state_dict(saved)
+    for model, optim in ((layer, optimizer), (twin, resumed)):
+        for p in model.parameters():
+            p.grad = torch.linspace(-1, 1, p.numel()).reshape(p.shape)
+        optim.step()
+    for p, q in zip(layer.parameters(), twin.parameters()):
+        assert torch.equal(p, q)
