@@ -448,3 +448,21 @@ def test_the_torch_optimizer_adapter_saves_plain_tensors(tmp_path):
         optim.step()
     for p, q in zip(layer.parameters(), twin.parameters()):
         assert torch.equal(p, q)
+
+
+def test_flax_msgpack_keeps_codes_scales_and_dtype_markers():
+    serialization = pytest.importorskip("flax.serialization")
+    params = {"w": jnp.ones((64, 128), jnp.bfloat16), "b": jnp.zeros(3)}
+    rule = opt.KahanSummation(opt.LowBit(opt.AdamW(1e-2), bits=4))
+    state = opt.setup(rule, params)
+    grads = {"w": jnp.asarray(gradients(1, (64, 128))[0], jnp.bfloat16), "b": jnp.ones(3)}
+    state, params = opt.update(state, params, grads)
+    restored = serialization.from_bytes(opt.setup(rule, params), serialization.to_bytes(state))
+    for ours, theirs in zip(restored["w"].state[0][:2], state["w"].state[0][:2]):
+        assert isinstance(ours, opt.Quantised) and (ours.bits, ours.signed) == (theirs.bits, theirs.signed)
+        np.testing.assert_array_equal(np.asarray(ours.codes), np.asarray(theirs.codes))
+        np.testing.assert_array_equal(np.asarray(ours.scale), np.asarray(theirs.scale))
+    assert restored["w"].state[2] == state["w"].state[2]
+    _, expected = opt.update(state, params, grads)
+    _, got = opt.update(restored, params, grads)
+    np.testing.assert_array_equal(np.asarray(got["w"], np.float32), np.asarray(expected["w"], np.float32))

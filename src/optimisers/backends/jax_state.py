@@ -530,7 +530,8 @@ _FLAX_REGISTERED = False
 
 
 def register_flax_serialization() -> None:
-    """Teach `flax.serialization` the State and the Leaf, once Flax is imported (this runs again
+    """Teach `flax.serialization` the State and the Leaf (and the Quantised and NarrowDtype parts
+    of rule states), once Flax is imported (this runs again
     whenever a State is flattened). Their state dicts are their pytree children by key; restoring
     takes the structure (rules, ties, frozen flags) from the target, as Flax does."""
     global _FLAX_REGISTERED
@@ -543,6 +544,8 @@ def register_flax_serialization() -> None:
     for cls, flatten, unflatten, kept in (
         (State, _state_parts, _state_unflatten, ("_keys",)),
         (Leaf, _leaf_flatten_with_keys, _leaf_unflatten, ("_shape", "_placed")),
+        (Quantised, _quantised_flatten_with_keys, _quantised_unflatten, ()),  # codes and scale
+        (NarrowDtype, lambda d: ((), d.name), lambda name, _: NarrowDtype(name), ()),  # nothing
     ):
         from_dict = functools.partial(_from_dict, flatten, unflatten, kept)
         serialization.register_serialization_state(
