@@ -466,3 +466,22 @@ def test_flax_msgpack_keeps_codes_scales_and_dtype_markers():
     _, expected = opt.update(state, params, grads)
     _, got = opt.update(restored, params, grads)
     np.testing.assert_array_equal(np.asarray(got["w"], np.float32), np.asarray(expected["w"], np.float32))
+
+
+@pytest.mark.slow
+def test_orbax_restores_a_quantised_state_bit_for_bit(tmp_path):
+    ocp = pytest.importorskip("orbax.checkpoint")
+    params = {"w": jnp.asarray(start()), "b": jnp.zeros(3)}
+    rule = opt.LowBit(opt.AdamW(1e-2), bits="fp8")
+    state = opt.setup(rule, params)
+    grads = {"w": jnp.asarray(gradients(1)[0]), "b": jnp.ones(3)}
+    step = jax.jit(opt.update)
+    state, params = step(state, params, grads)
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(tmp_path / "state", state)
+    checkpointer.wait_until_finished()
+    restored = checkpointer.restore(tmp_path / "state", jax.tree.map(ocp.utils.to_shape_dtype_struct, state))
+    assert isinstance(restored["w"].state[0], opt.Quantised)
+    _, expected = step(state, params, grads)
+    _, got = step(restored, params, grads)
+    np.testing.assert_array_equal(np.asarray(got["w"]), np.asarray(expected["w"]))
