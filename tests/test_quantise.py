@@ -328,3 +328,13 @@ def test_numpys_compiled_quantiser_equals_its_ufuncs(bits, signed, monkeypatch):
     ufuncs = opt.quantise(x, bits, signed)
     np.testing.assert_array_equal(compiled.codes, ufuncs.codes)
     np.testing.assert_array_equal(compiled.scale, ufuncs.scale)
+
+
+def test_dequantise_refuses_codes_or_scales_that_do_not_fit():
+    q = opt.quantise(np.ones(300, np.float32), bits=4)
+    import dataclasses
+
+    with pytest.raises(ValueError, match=r"has 150 codes and 3 scales; this one has 150 and 2"):
+        opt.dequantise(dataclasses.replace(q, scale=q.scale[:2]))
+    with pytest.raises(ValueError, match="bits must be 8, 4 or 'fp8'"):
+        opt.dequantise(dataclasses.replace(q, bits=3))

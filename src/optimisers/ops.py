@@ -257,7 +257,15 @@ def dequantise(q: Quantised):
     """The float32 values that `q` keeps, an array of its backend and shape."""
     if not isinstance(q, Quantised):
         raise TypeError(f"dequantise: expected an optimisers.Quantised, got {type(q).__name__}")
-    book = codebook(q.bits, q.signed)
+    bits, block = checked_format(q.bits, q.block, "dequantise")
+    codes, scales = _numel(q.codes), _numel(q.scale)
+    want = ((q.size + 1) // 2 if bits == 4 else q.size, -(-q.size // block))
+    if (codes, scales) != want:
+        raise ValueError(
+            f"dequantise: a Quantised of shape {q.shape} in blocks of {block} ({bits!r}) has "
+            f"{want[0]} codes and {want[1]} scales; this one has {codes} and {scales}"
+        )
+    book = codebook(bits, q.signed)
     return backend(q.codes).dequantise_blocks(q.codes, q.scale, book, q.block, q.shape)
 
 
@@ -267,3 +275,10 @@ def bfloat16_rounded(x, seed=None, step=0):
     bit)/its ulp, from 16 random bits that (seed, step, the element's row-major index) fix: the
     same numbers on every backend, with or without `jit` (`step` may be traced)."""
     return backend(x).bfloat16_rounded(x, seed, step)
+
+
+def _numel(x) -> int:
+    n = 1
+    for d in x.shape:
+        n *= int(d)
+    return n
