@@ -668,6 +668,26 @@ COMPOSITES: tuple[Composite, ...] = (
         _fam("toy", "jit"),
         lambda: ref.chain(ref.clip_grad(1.0), ref.lookahead(ref.nesterov(0.02), k=2, alpha=0.3)),
     ),
+    # moments kept quantised (min_size=1: the toy arrays are small); tests/test_low_bit.py
+    # compares the numbers with a written-out computation and with torchao
+    Composite(
+        "LowBit(Adam)",
+        lambda: opt.LowBit(opt.Adam(0.05), min_size=1),
+        _fam("toy", "jit", "checkpoint"),
+    ),
+    Composite(
+        "LowBit(ClipNorm>AdamW), 4 bits",
+        lambda: opt.LowBit(
+            opt.OptimiserChain(opt.ClipNorm(1.0), opt.AdamW(0.05, lambd=0.01)), bits=4, min_size=1
+        ),
+        _fam("toy", "jit", "checkpoint"),
+    ),
+    Composite(
+        "LowBit(AdamW), fp8",
+        lambda: opt.LowBit(opt.AdamW(0.05, lambd=0.01), bits="fp8", min_size=1),
+        _fam("toy", "jit", "checkpoint"),
+    ),
+    Composite("LowBit(Lion)", lambda: opt.LowBit(opt.Lion(0.02), min_size=1), _fam("toy", "jit")),
     Composite(
         "MixedPrecision(Lookahead(Adam))",
         lambda: opt.MixedPrecision(opt.Lookahead(opt.Adam(0.05), k=4)),
@@ -733,7 +753,7 @@ def ambiguous_basis(rule: opt.Rule) -> bool:
     """Whether `rule`'s steps depend on an arbitrary eigenbasis (see `RuleInfo.ambiguous_basis`)."""
     if isinstance(rule, opt.OptimiserChain):
         return any(ambiguous_basis(r) for r in rule.rules)
-    if isinstance(rule, (opt.MixedPrecision, opt.SkipNonFinite, opt.Lookahead)):
+    if isinstance(rule, (opt.MixedPrecision, opt.SkipNonFinite, opt.Lookahead, opt.LowBit)):
         return ambiguous_basis(rule.rule)
     return RULE_INFO[type(rule)].ambiguous_basis
 
@@ -744,7 +764,7 @@ def supports_complex(rule: opt.Rule) -> bool:
         return all(supports_complex(r) for r in rule.rules)
     if isinstance(rule, opt.MixedPrecision):
         return False  # its master copy is real floating point
-    if isinstance(rule, (opt.SkipNonFinite, opt.Lookahead)):
+    if isinstance(rule, (opt.SkipNonFinite, opt.Lookahead, opt.LowBit)):
         return supports_complex(rule.rule)
     return RULE_INFO[type(rule)].complex
 
@@ -757,7 +777,7 @@ def sets_values(rule: opt.Rule) -> bool:
         return any(sets_values(r) for r in rule.rules)
     if isinstance(rule, opt.Lookahead):
         return True
-    if isinstance(rule, (opt.MixedPrecision, opt.SkipNonFinite)):
+    if isinstance(rule, (opt.MixedPrecision, opt.SkipNonFinite, opt.LowBit)):
         return sets_values(rule.rule)
     return RULE_INFO[type(rule)].sets_value
 
@@ -766,7 +786,7 @@ def min_ndim(rule: opt.Rule) -> int:
     """The fewest axes a parameter of `rule` may have (0: any array)."""
     if isinstance(rule, opt.OptimiserChain):
         return max((min_ndim(r) for r in rule.rules), default=0)
-    if isinstance(rule, (opt.MixedPrecision, opt.SkipNonFinite, opt.Lookahead)):
+    if isinstance(rule, (opt.MixedPrecision, opt.SkipNonFinite, opt.Lookahead, opt.LowBit)):
         return min_ndim(rule.rule)
     return RULE_INFO[type(rule)].min_ndim
 

@@ -13,7 +13,10 @@ import optimisers as opt
 from rules_registry import RULE_INFO, RULES
 
 # rules built from other rules: the registry lists them as composites
-COMBINATORS = {opt.OptimiserChain, opt.MixedPrecision, opt.SkipNonFinite, opt.Lookahead}
+COMBINATORS = {
+    opt.OptimiserChain, opt.MixedPrecision, opt.SkipNonFinite, opt.Lookahead,
+    opt.LowBit, opt.StochasticRounding, opt.KahanSummation,
+}
 PUBLIC_RULES = [
     obj
     for name in opt.__all__

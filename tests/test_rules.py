@@ -63,13 +63,15 @@ def random_like(model, gen, scale=1.0):
 
 
 def state_parts(state):
-    """Every value in every Leaf's rule state, depth first."""
+    """Every value in every Leaf's rule state, depth first (a Quantised's codes and scales)."""
     out = []
 
     def walk(s):
         if isinstance(s, (tuple, list)):
             for v in s:
                 walk(v)
+        elif isinstance(s, opt.Quantised):
+            out.extend((s.codes, s.scale))
         elif s is not None:
             out.append(s)
 
@@ -188,6 +190,8 @@ def test_dtype_is_preserved(case, dtype):
     allowed = {np.dtype(dtype), real}
     if isinstance(case.rule, MixedPrecision):
         allowed.add(np.dtype(case.rule.dtype))
+    if isinstance(case.rule, opt.LowBit):
+        allowed |= {np.dtype(np.uint8), np.dtype(np.float32)}  # codes and scales
     for x in model.values():
         assert x.dtype == dtype and x.shape in ((3, 4), shaped(case.rule, (4,)))
         assert np.all(np.isfinite(x))

@@ -18,9 +18,11 @@ from optimisers import (
 from optimisers.checkpoints.files import load, save
 from optimisers.checkpoints.state_dict import CheckpointError, load_state_dict, state_dict
 from optimisers.core import dispatch as _dispatch
+from optimisers.core.quantised import Quantised
 from optimisers.core.rule import NewValue, Rule, check_range, has_schedules
 from optimisers.core.state import Leaf, State
 from optimisers.core.tree import register
+from optimisers.ops import dequantise, quantise
 from optimisers.rules import *  # noqa: F403  (every built-in rule, by name)
 from optimisers.verbs.adjust import adjust, adjust_, freeze_, thaw_
 from optimisers.verbs.destructure import destructure, trainables
@@ -46,6 +48,9 @@ __all__ = [
     "check_range",
     "has_schedules",
     "ops",
+    "Quantised",
+    "quantise",
+    "dequantise",
     "State",
     "adjust",
     "adjust_",

@@ -22,13 +22,16 @@ from __future__ import annotations
 import numpy as np
 
 from optimisers.core.dispatch import backend
+from optimisers.core.quant_lookup import codebook
+from optimisers.core.quantised import Quantised, checked_format
 from optimisers.core.rule import concrete, is_complex
 
 __all__ = [
     "abs", "abs2", "all_finite", "argsort", "astype", "backend", "cast", "clip", "concrete", "cond", "copy",
     "dtype_epsilon", "eigh", "epsilon", "full_like", "is_complex", "isfinite", "matmul", "matrix_transpose",
     "maximum", "mean", "minimum", "norm", "qr", "reshape", "same_values", "scalar", "sign", "sqrt", "stack",
-    "sum", "take", "tensordot", "where", "zeros", "zeros_like", "GradientError", "check_gradient_dtype"
+    "sum", "take", "tensordot", "where", "zeros", "zeros_like", "GradientError", "check_gradient_dtype",
+    "quantise", "dequantise", "bfloat16_rounded",
 ]
 
 
@@ -225,3 +228,57 @@ def argsort(x, descending=False):
 def take(x, indices, axis):
     """The entries of `x` at `indices` (a 1-D integer array) along `axis`."""
     return backend(x).take(x, indices, axis)
+
+
+# --- low-precision state -----------------------------------------------------------------------
+
+
+def quantise(x, bits=8, signed=True, block=None) -> Quantised:
+    """`x` kept blockwise in low precision (`optimisers.core.quantised`): `bits` 8 (bitsandbytes'
+    dynamic maps, blocks of 256), 4 (torchao's 4-bit maps, blocks of 128) or "fp8"
+    (float8_e4m3fn, blocks of 256); `signed=False` for values the caller keeps non-negative (the
+    unsigned maps have no negative values); `block` elements a block (None: the format's).
+    Each block is scaled by its largest magnitude and each element takes the nearest value of
+    the map (a tie to the larger code; FP8: the float8_e4m3fn cast, ties to even)."""
+    bits, block = checked_format(bits, block)
+    if not isinstance(signed, bool):
+        raise TypeError(f"quantise: signed must be True or False, got {signed!r}")
+    b = backend(x)
+    if not (getattr(b, "is_array", None) and b.is_array(x) and b.is_param(x)) or is_complex(x):
+        raise TypeError(
+            "quantise: x must be a NumPy, PyTorch or JAX array of a real floating dtype, got "
+            f"{type(x).__name__}{f' of dtype {x.dtype}' if hasattr(x, 'dtype') else ''}"
+        )
+    codes, scale = b.quantise_blocks(x, codebook(bits, signed), block)
+    return Quantised(codes, scale, signed, bits, block, tuple(x.shape))
+
+
+def dequantise(q: Quantised):
+    """The float32 values that `q` keeps, an array of its backend and shape."""
+    if not isinstance(q, Quantised):
+        raise TypeError(f"dequantise: expected an optimisers.Quantised, got {type(q).__name__}")
+    bits, block = checked_format(q.bits, q.block, "dequantise")
+    codes, scales = _numel(q.codes), _numel(q.scale)
+    want = ((q.size + 1) // 2 if bits == 4 else q.size, -(-q.size // block))
+    if (codes, scales) != want:
+        raise ValueError(
+            f"dequantise: a Quantised of shape {q.shape} in blocks of {block} ({bits!r}) has "
+            f"{want[0]} codes and {want[1]} scales; this one has {codes} and {scales}"
+        )
+    book = codebook(bits, q.signed)
+    return backend(q.codes).dequantise_blocks(q.codes, q.scale, book, q.block, q.shape)
+
+
+def bfloat16_rounded(x, seed=None, step=0):
+    """`x` as float32 values on bfloat16's grid: rounded to nearest (ties to even) when `seed` is
+    None, else stochastically, away from zero with probability (the part below bfloat16's last
+    bit)/its ulp, from 16 random bits that (seed, step, the element's row-major index) fix: the
+    same numbers on every backend, with or without `jit` (`step` may be traced)."""
+    return backend(x).bfloat16_rounded(x, seed, step)
+
+
+def _numel(x) -> int:
+    n = 1
+    for d in x.shape:
+        n *= int(d)
+    return n

@@ -14,6 +14,11 @@ import numpy as np
 from optimisers import ops
 from optimisers.backends import jax_state
 from optimisers.backends import numpy as _numpy_backend
+from optimisers.backends.jax_quant import (  # noqa: F401
+    bfloat16_rounded,
+    dequantise_blocks,
+    quantise_blocks,
+)
 from optimisers.core.tree import NodeKind
 
 # --- how the update treats JAX (see optimisers.backends.protocol) -----------------------------

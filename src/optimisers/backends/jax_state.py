@@ -26,6 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from optimisers.core.narrow import NarrowDtype
+from optimisers.core.quantised import Quantised
 from optimisers.core.rule import Rule, _is_held
 from optimisers.core.state import Leaf, State, flatten_state, is_scalar, scalar_key, unflatten_state
 from optimisers.core.tree import format_path, walked
@@ -499,11 +501,23 @@ def _leaf_unflatten(aux, children):
     return Leaf(_decode(desc, named), st, frozen)
 
 
+def _quantised_flatten_with_keys(q):
+    # codes and scale are traced; the format and shape are static (one compile per format)
+    key = jax.tree_util.GetAttrKey
+    return [(key("codes"), q.codes), (key("scale"), q.scale)], (q.signed, q.bits, q.block, q.shape)
+
+
+def _quantised_unflatten(aux, children):
+    return Quantised(*children, *aux)
+
+
 def register() -> None:
     """Register `State` and `Leaf` as pytrees, and with Flax's serialisation if Flax is imported."""
     for args in (
         (State, _state_flatten_with_keys, _state_unflatten, _state_flatten),
         (Leaf, _leaf_flatten_with_keys, _leaf_unflatten),
+        (Quantised, _quantised_flatten_with_keys, _quantised_unflatten),
+        (NarrowDtype, lambda d: ((), d.name), lambda name, _: NarrowDtype(name)),
     ):
         with contextlib.suppress(ValueError):  # already registered (module reloaded)
             jax.tree_util.register_pytree_with_keys(*args)
@@ -516,7 +530,8 @@ _FLAX_REGISTERED = False
 
 
 def register_flax_serialization() -> None:
-    """Teach `flax.serialization` the State and the Leaf, once Flax is imported (this runs again
+    """Teach `flax.serialization` the State and the Leaf (and the Quantised and NarrowDtype parts
+    of rule states), once Flax is imported (this runs again
     whenever a State is flattened). Their state dicts are their pytree children by key; restoring
     takes the structure (rules, ties, frozen flags) from the target, as Flax does."""
     global _FLAX_REGISTERED
@@ -529,6 +544,8 @@ def register_flax_serialization() -> None:
     for cls, flatten, unflatten, kept in (
         (State, _state_parts, _state_unflatten, ("_keys",)),
         (Leaf, _leaf_flatten_with_keys, _leaf_unflatten, ("_shape", "_placed")),
+        (Quantised, _quantised_flatten_with_keys, _quantised_unflatten, ()),  # codes and scale
+        (NarrowDtype, lambda d: ((), d.name), lambda name, _: NarrowDtype(name), ()),  # nothing
     ):
         from_dict = functools.partial(_from_dict, flatten, unflatten, kept)
         serialization.register_serialization_state(

@@ -14,6 +14,11 @@ import numpy as np
 from optimisers import ops
 from optimisers.backends import numba_lowering, numpy_kernels
 from optimisers.backends import scalar as _scalar
+from optimisers.backends.numpy_quant import (  # noqa: F401
+    bfloat16_rounded,
+    dequantise_blocks,
+    quantise_blocks,
+)
 from optimisers.backends.ranges import ByteRanges
 
 # --- how the update treats NumPy (see optimisers.backends.protocol) ---------------------------

@@ -69,6 +69,13 @@ class ArrayMaths(Maths, Protocol):
     def zeros(self, shape: tuple, like: Array) -> Array: ...  # like's dtype and device
     def argsort(self, x: Array, descending: bool) -> Array: ...  # last axis, stable
     def take(self, x: Array, indices: Array, axis: int) -> Array: ...
+    # low-precision state (optimisers.core.quantised): a Codebook's codes and float32 scales of
+    # x's blocks in row-major order, and float32 values of `shape` back from them
+    def quantise_blocks(self, x: Array, book: Any, block: int) -> tuple: ...
+    def dequantise_blocks(self, codes: Array, scale: Array, book: Any, block: int, shape: tuple) -> Array: ...
+    # float32 values rounded to bfloat16's grid, still float32: to nearest (seed None), or
+    # stochastically from (seed, step, each element's row-major index), the same on every backend
+    def bfloat16_rounded(self, x: Array, seed: Any, step: Any) -> Array: ...
 
 
 @runtime_checkable

@@ -25,6 +25,11 @@ from optimisers.backends import scalar as _scalar
 from optimisers.backends.objects import SameObjects
 from optimisers.backends.protocol import FastPath
 from optimisers.backends.ranges import ByteRanges
+from optimisers.backends.torch_quant import (  # noqa: F401
+    bfloat16_rounded,
+    dequantise_blocks,
+    quantise_blocks,
+)
 from optimisers.core import eager
 from optimisers.core.rule import NewValue
 from optimisers.core.state import flatten_state

@@ -15,6 +15,8 @@ import numpy as np
 
 from optimisers import schedules
 from optimisers.core import dispatch
+from optimisers.core.narrow import NarrowDtype
+from optimisers.core.quantised import Quantised
 from optimisers.core.rule import Rule, _held_like
 from optimisers.core.state import Leaf, State, describe, map_leaves
 from optimisers.core.tree import format_path, walked
@@ -89,10 +91,13 @@ def _is_array(x) -> bool:  # (or a NumPy scalar) of a library with a backend
 def _map_state(value, key: str, fn):
     """One Leaf's state with each array or number `e` at `key` replaced by `fn(key, e)`, in order,
     its containers rebuilt alike."""
-    if value is None:
-        return None
+    if value is None or isinstance(value, NarrowDtype):  # (static: the target state keeps its own)
+        return value
     if _is_array(value) or isinstance(value, _NUMBERS) or _is_variable(value):
         return fn(key, value)
+    if isinstance(value, Quantised):  # its arrays; the format comes from the state's rule
+        codes, scale = fn(f"{key}/codes", value.codes), fn(f"{key}/scale", value.scale)
+        return dataclasses.replace(value, codes=codes, scale=scale)
     if isinstance(value, (tuple, list, dict)):
         pairs = value.items() if isinstance(value, dict) else enumerate(value)
         items = [(k, _map_state(v, f"{key}/{k}", fn)) for k, v in pairs]

@@ -118,6 +118,12 @@ class Rule:
     stacks: ClassVar[bool] = False  #: `apply_stacked` steps parameters stacked on a first axis
     infinite_ok: ClassVar[tuple[str, ...]] = ()  #: fields that may be infinite (ClipNorm's `p`)
     real_only: ClassVar[bool] = False  #: `init` refuses complex parameters (the maths needs order)
+    #: positions, in the state `init` returns (flattened in order), of the arrays `apply` keeps
+    #: non-negative, such as Adam's second moment: `LowBit` gives them its unsigned maps
+    nonnegative_state: ClassVar[tuple[int, ...]] = ()
+    #: positions of arrays that must keep their precision, copies of the parameter such as
+    #: schedule-free's `z`: `LowBit` leaves them as they are
+    exact_state: ClassVar[tuple[int, ...]] = ()
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -144,6 +150,16 @@ class Rule:
         return x
 
     init._wrapped = eval_value._wrapped = True  # (checks its argument; has no state of its own)
+
+    def nonnegative_parts(self, state) -> frozenset:
+        """The positions, among the parts of `state` (this rule's state, flattened in order by
+        `optimisers.core.state.flatten_state`), of the arrays this rule keeps non-negative.
+        Rules that hold other rules' states (chains, wrappers) override it."""
+        return _positions(self.nonnegative_state, state)
+
+    def exact_parts(self, state) -> frozenset:
+        """The positions, as in `nonnegative_parts`, of the arrays that must keep their precision."""
+        return _positions(self.exact_state, state)
 
     def hyperparameters(self) -> tuple[str, ...]:
         """The names `adjust` accepts for this rule (an explicit state dtype is not one)."""
@@ -176,6 +192,11 @@ class Rule:
     def kernel_args(self, kernel: str):
         """The arguments of a backend's kernel `kernel` (in its `FAST_PATHS`) for this rule, or None."""
         return None
+
+
+def _positions(own, state) -> frozenset:
+    """`own` positions in a rule's state, after the step count of a Scheduled state."""
+    return frozenset(i + 1 for i in own) if type(state) is Scheduled else frozenset(own)
 
 
 def _wrap_methods(cls) -> None:

@@ -29,7 +29,9 @@ from optimisers.rules import (
     adaptive,
     combinators,
     gradient,
+    low_bit,
     muon,
+    rounding,
     routing,
     schedule_free,
     sgd,
@@ -41,7 +43,9 @@ from optimisers.rules.adam import *  # noqa: F403
 from optimisers.rules.adaptive import *  # noqa: F403
 from optimisers.rules.combinators import *  # noqa: F403
 from optimisers.rules.gradient import *  # noqa: F403
+from optimisers.rules.low_bit import *  # noqa: F403
 from optimisers.rules.muon import *  # noqa: F403
+from optimisers.rules.rounding import *  # noqa: F403
 from optimisers.rules.routing import *  # noqa: F403
 from optimisers.rules.schedule_free import *  # noqa: F403
 from optimisers.rules.sgd import *  # noqa: F403
@@ -60,4 +64,6 @@ __all__ = [
     *routing.__all__,
     *gradient.__all__,
     *combinators.__all__,
+    *low_bit.__all__,
+    *rounding.__all__,
 ]

@@ -82,6 +82,8 @@ class Adam(_AdamFamily):
     is stored in that dtype, as optax does; without the fused kernels.
     """
 
+    nonnegative_state = (1,)  # (LowBit's unsigned maps)
+
     mu_dtype: Any = state_dtype()
 
     def apply(self, state, x, dx):
@@ -113,6 +115,8 @@ class RAdam(_AdamFamily):
     differ slightly.
     """
 
+    nonnegative_state = (1,)  # (LowBit's unsigned maps)
+
     def apply(self, state, x, dx):
         m, v, t, bc1, bc2 = adam_moments(x, dx, state, self.beta)
         eta, eps = ops.scalar(self.eta, x), ops.epsilon(self.epsilon, x)
@@ -138,6 +142,8 @@ class AdaMax(_AdamFamily):
     eps)`. PyTorch: `torch.optim.Adamax(lr=eta, betas=beta, eps=epsilon)` adds ε inside the
     maximum (`w ← max(β₂w, |g| + ε)`, `step ∝ m/w`), so its steps differ slightly.
     """
+
+    nonnegative_state = (1,)  # (LowBit's unsigned maps)
 
     def init(self, x):
         return ops.zeros_like(x), real_zeros(x), 0
@@ -169,6 +175,8 @@ class OAdam(_AdamFamily):
     PyTorch has no OAdam.
     """
 
+    nonnegative_state = (1,)  # (LowBit's unsigned maps)
+
     beta: tuple = (0.5, 0.9)
     moments = 3  # and q
 
@@ -197,6 +205,8 @@ class AMSGrad(_AdamFamily):
 
     Defaults: `eta=0.001, beta=(0.9, 0.999), epsilon=1e-8`.
     """
+
+    nonnegative_state = (1, 2)  # (LowBit's unsigned maps)
 
     def init(self, x):
         return ops.zeros_like(x), real_zeros(x), real_zeros(x), 0
@@ -231,6 +241,8 @@ class NAdam(_AdamFamily):
     Defaults: `eta=0.001, beta=(0.9, 0.999), epsilon=1e-8`.
     """
 
+    nonnegative_state = (1,)  # (LowBit's unsigned maps)
+
     def apply(self, state, x, dx):
         m, v, t, _, bc2 = adam_moments(x, dx, state, self.beta)
         b1 = self.beta[0]
@@ -258,6 +270,8 @@ class AdamW(Moments):
     PyTorch tensors (CPU/CUDA, float64 down to bfloat16) both update paths run torch's fused AdamW kernel.
     `mu_dtype` (keyword only): the dtype of `m`, as for `Adam`.
     """
+
+    nonnegative_state = (1,)  # (LowBit's unsigned maps)
 
     eta: float = 0.001
     beta: tuple = (0.9, 0.999)
@@ -289,6 +303,8 @@ class AdaBelief(_AdamFamily):
     optax: `optax.adabelief(eta, b1, b2, eps=epsilon, eps_root=epsilon)`. PyTorch has no
     AdaBelief.
     """
+
+    nonnegative_state = (1,)  # (LowBit's unsigned maps)
 
     epsilon: float = 1e-16
 
@@ -348,6 +364,8 @@ class ADOPT(_AdamFamily):
     `optax.contrib.adopt(eta, b1, b2, eps)` at its defaults (clipping at `(t−1)^¼`, no Nesterov).
     """
 
+    nonnegative_state = (1,)  # (LowBit's unsigned maps)
+
     beta: tuple = (0.9, 0.9999)
     epsilon: float = 1e-6
     real_only = True
@@ -382,6 +400,8 @@ class AdEMAMix(Moments):
     eps_root=0, weight_decay=lambd)` with constant `b3` and `alpha` computes the same steps.
     PyTorch has no AdEMAMix.
     """
+
+    nonnegative_state = (2,)  # (LowBit's unsigned maps)
 
     eta: float = 0.001
     beta: tuple = (0.9, 0.999, 0.9999)

@@ -28,6 +28,8 @@ class RMSProp(Elementwise):
     eps_in_sqrt=False, centered=centred)` (optax's default puts ε inside the root).
     """
 
+    nonnegative_state = (0,)  # (LowBit's unsigned maps)
+
     eta: float = 0.001
     rho: float = 0.9
     epsilon: float = 1e-8
@@ -71,6 +73,8 @@ class Rprop(Elementwise):
     changed ones, which differs only when `eta` lies outside `gamma`. optax has no Rprop.
     Real parameters only. The state keeps the parameter's dtype whatever the gradient's.
     """
+
+    nonnegative_state = (1,)  # (LowBit's unsigned maps)
 
     eta: float = 1e-3
     ell: tuple = (0.5, 1.2)
@@ -119,6 +123,8 @@ class AdaGrad(Elementwise):
     initial_accumulator_value=epsilon, eps=0)` is close but puts its ε inside the root.
     """
 
+    nonnegative_state = (0,)  # (LowBit's unsigned maps)
+
     eta: float = 0.1
     epsilon: float = 1e-8
 
@@ -142,6 +148,8 @@ class AdaDelta(Elementwise):
     Defaults: `rho=0.9, epsilon=1e-8`. PyTorch: `torch.optim.Adadelta(lr=1.0, rho=rho,
     eps=epsilon)`; optax: `optax.adadelta(1.0, rho=rho, eps=epsilon)`.
     """
+
+    nonnegative_state = (0, 1)  # (LowBit's unsigned maps)
 
     rho: float = 0.9
     epsilon: float = 1e-8

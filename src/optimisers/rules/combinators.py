@@ -66,6 +66,12 @@ class OptimiserChain(Rule):
     def init(self, x):
         return tuple(rule.init(x) for rule in self.rules)
 
+    def nonnegative_parts(self, state):
+        return _members_parts(self.rules, state, "nonnegative_parts")
+
+    def exact_parts(self, state):
+        return _members_parts(self.rules, state, "exact_parts")
+
     def with_counters(self, state):
         new = tuple(rule.with_counters(s) for rule, s in zip(self.rules, state))
         return state if all(a is b for a, b in zip(new, state)) else new
@@ -185,6 +191,35 @@ class _Wrapper(Rule):
     def eval_value(self, state, x):
         return self.rule.eval_value(state[self.inner_at], x)
 
+    def nonnegative_parts(self, state):
+        return self._with_inner(state, self.nonnegative_state, "nonnegative_parts")
+
+    def exact_parts(self, state):
+        return self._with_inner(state, self.exact_state, "exact_parts")
+
+    def _with_inner(self, state, own, method):
+        """Among its state's parts: the positions of this wrapper's `own` entries of its state
+        tuple (each one array) and those its rule's `method` gives."""
+        i = self.inner_at
+        offset = _count_parts(state[:i])
+        inner = getattr(self.rule, method)(state[i])
+        return frozenset({_count_parts(state[:p]) for p in own} | {offset + j for j in inner})
+
+
+def _members_parts(rules, state, method) -> frozenset:
+    """The positions that each member's `method` gives, among the parts of a chain's state."""
+    found, offset = set(), 0
+    for rule, s in zip(rules, state):
+        found.update(offset + i for i in getattr(rule, method)(s))
+        offset += _count_parts(s)
+    return frozenset(found)
+
+
+def _count_parts(state) -> int:
+    parts: list = []
+    flatten_state(state, parts)
+    return len(parts)
+
 
 @dataclass(frozen=True, repr=False)
 class MixedPrecision(_Wrapper):
@@ -205,6 +240,7 @@ class MixedPrecision(_Wrapper):
     rule: Rule
     dtype: Any = np.float32
     inner_at = 1  # (master, inner)
+    exact_state = (0,)  # the master copy
     real_only = True
 
     def validate(self):
@@ -322,6 +358,7 @@ class Lookahead(_Wrapper):
     k: int = 6
     alpha: float = 0.5
     inner_at = 1  # (slow, inner, n)
+    exact_state = (0,)  # the slow weights
 
     def validate(self):
         super().validate()

@@ -54,6 +54,8 @@ def step_y(y, z, u, lr, b1, c):
 class _ScheduleFree(Elementwise):
     """What both rules share: the checks, the counters and the evaluation point."""
 
+    exact_state = (0,)  # z, the parameter's sequence itself (LowBit leaves it exact)
+
     def validate(self):
         name, (b1, label) = type(self).__name__, _b1(self)
         b1 = concrete(b1)
@@ -100,6 +102,8 @@ class ScheduleFreeAdamW(_ScheduleFree):
     `optax.contrib.schedule_free_adamw` too, up to rounding, when `warmup=0` and `r=0` (docs/api.md
     maps the names).
     """
+
+    nonnegative_state = (1,)  # (LowBit's unsigned maps)
 
     eta: float = 2.5e-3
     beta: tuple = (0.9, 0.999)

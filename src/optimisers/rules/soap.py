@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from optimisers import ops
-from optimisers.core.rule import Rule, check_range
+from optimisers.core.rule import Rule, Scheduled, check_range
 from optimisers.rules.common import at_least_float32, cast, nonnegative
 
 __all__ = ["SOAP"]
@@ -52,6 +52,8 @@ class SOAP(Rule):
     defaults differ. PyTorch and optax have no SOAP.
     """
 
+    nonnegative_state = (1,)  # (LowBit's unsigned maps)
+
     eta: float = 3e-3
     beta: tuple = (0.95, 0.95)
     shampoo_beta: float = 0.95
@@ -75,6 +77,13 @@ class SOAP(Rule):
         # cannot be donated to a jitted step
         ls, qs = (tuple(None if n is None else ops.zeros((n, n), x) for n in sizes) for _ in range(2))
         return ops.zeros_like(x), ops.zeros_like(x), ls, qs, 0
+
+    def exact_parts(self, state):
+        # the preconditioners and bases (each axis' n×n, or None), after m and v: a square
+        # parameter's would otherwise look like moments to LowBit
+        own = state.state if type(state) is Scheduled else state
+        first = 3 if type(state) is Scheduled else 2
+        return frozenset(range(first, first + len(own[2]) + len(own[3])))
 
     def apply(self, state, x, dx):
         # (the refresh, too, is chosen with `ops.cond`: the rule runs under `jax.jit` unretraced)
