@@ -544,7 +544,8 @@ def elementwise_kernel(program, device):
     halves = {k for k, d in enumerate([*program.inputs, *(d for _, d in program.outputs)]) if d.itemsize == 2}
 
     def run(tensors, consts):
-        loop(*[(t.view(torch.int16) if k in halves else t).numpy() for k, t in enumerate(tensors)], consts)
+        loop(*[(t.detach().view(torch.int16) if k in halves else t.detach()).numpy()
+               for k, t in enumerate(tensors)], consts)
 
     return run
 

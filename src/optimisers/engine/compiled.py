@@ -213,7 +213,9 @@ def step_leaf(rule, state, x, dx, pure: bool):
     with `pure`, else `(new_state, step)`; None where it runs eagerly."""
     b = ops.backend(x)
     is_scaled = chunks.scaled(rule)
-    if not ((rule.elementwise or is_scaled) and b.IN_PLACE_ENGINE) or b.numel(x) == 0:
+    # (a parameter the engine would not take, a DTensor or a strided view, runs eagerly: then
+    # `update` and `update_` both do, and agree)
+    if not ((rule.elementwise or is_scaled) and b.IN_PLACE_ENGINE and b.engine_ok(x)):
         return None
     parts: list = []
     spec = flatten_state(state, parts)
