@@ -258,6 +258,11 @@ def raises_on_values() -> bool:
     return "raise" in np.geterr().values()
 
 
+def kernel_ok(x) -> bool:
+    """Can a compiled kernel read `x`'s memory (an ndarray, dense or not)?"""
+    return type(x) is np.ndarray
+
+
 def engine_ok(x) -> bool:
     return (
         type(x) is np.ndarray

@@ -201,6 +201,11 @@ def engine_ok(x) -> bool:
 
 
 _PLAIN_TYPES = {torch.Tensor, nn.Parameter}  # (not a DTensor, not a subclass)
+
+
+def kernel_ok(x) -> bool:
+    """Can a compiled kernel read `x`'s memory (a plain strided tensor, dense or not)?"""
+    return type(x) in _PLAIN_TYPES and x.layout is torch.strided
 _DATA_PTR = torch.Tensor.data_ptr
 
 

@@ -69,7 +69,7 @@ def trace(rule, spec, array_at, scalars, samples, mode: str, scaled: bool = Fals
     parameter; "new": the state in the dtypes the rule gives it, as for "step", whose last
     output is the step itself (which the caller subtracts). Raises `traced.Untraceable`."""
     dtypes = tuple(s.dtype for s in samples)
-    key = (id(rule), tuple(map(repr, scalars)), dtypes, mode, scaled)
+    key = (id(rule), tuple(map(_number_or_id, scalars)), dtypes, mode, scaled)
     kept = None if _TRACES is None else _TRACES.get(key)
     if kept is not None and kept[0] is rule:
         return kept[1]
@@ -104,8 +104,14 @@ def trace(rule, spec, array_at, scalars, samples, mode: str, scaled: bool = Fals
     found = Step(program, np.array(rec.consts, dtype=np.float64), scalars, tuple(writes),
                  tuple(like.sample for _, like in outputs), new_value)
     if _TRACES is not None:
-        _TRACES[key] = (rule, found)
+        _TRACES[key] = (rule, found, scalars)  # (holding them: the ids in the key stay theirs)
     return found
+
+
+def _number_or_id(value):
+    """A scalar part of a state as a key: a Python number by its value, anything else (a 0-d
+    array, whose repr rounds) by its identity."""
+    return (type(value), value) if isinstance(value, (int, float, type(None))) else ("id", id(value))
 
 
 def _array(value):
@@ -213,14 +219,14 @@ def step_leaf(rule, state, x, dx, pure: bool):
     with `pure`, else `(new_state, step)`; None where it runs eagerly."""
     b = ops.backend(x)
     is_scaled = chunks.scaled(rule)
-    # (a parameter the engine would not take, a DTensor or a strided view, runs eagerly: then
-    # `update` and `update_` both do, and agree)
-    if not ((rule.elementwise or is_scaled) and b.IN_PLACE_ENGINE and b.engine_ok(x)):
+    # (a DTensor runs eagerly, shard by shard; a strided view is read through a copy)
+    if not ((rule.elementwise or is_scaled) and b.IN_PLACE_ENGINE and b.numel(x) and b.kernel_ok(x)):
         return None
     parts: list = []
     spec = flatten_state(state, parts)
     array_at = [b.is_buffer(p) for p in parts]
-    if any(a and p.shape != x.shape for a, p in zip(array_at, parts)) or b.is_buffer(dx) is False:
+    arrays = [dx, *[p for p, a in zip(parts, array_at) if a]]
+    if not all(b.is_buffer(a) and a.shape == x.shape and b.kernel_ok(a) for a in arrays):
         return None
     order = b.memory_order(x)
     ins = [b.flat_in(a, order) for a in (x, dx, *[p for p, a in zip(parts, array_at) if a])]
