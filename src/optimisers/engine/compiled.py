@@ -161,7 +161,7 @@ def step_group(group, xs, dxs, factors=None) -> bool:
         step, kernel = found
         position = {k: 2 + n for n, k in enumerate(k for k, a in enumerate(group.array_at) if a)}
         where = [0 if w == "x" else position[w] for w in step.writes]
-        _run(kernel, [[*p, *[p[w] for w in where]] for p in pieces], step.consts)
+        _run(kernel, [[*p, *[p[w] for w in where]] for p in pieces], step.consts, group.device)
         if group.has_runs:
             chunks.unpack(group, xs)
     chunks.unstage(group)
@@ -189,11 +189,11 @@ def _pieces(group, xs, dxs, factors) -> list:
     return pieces
 
 
-def _run(kernel, pieces, consts) -> None:
+def _run(kernel, pieces, consts, device) -> None:
     """The kernel over each piece (its inputs, then its outputs: 1-D arrays of one length),
-    large ones in a share per worker on our threads (the kernels release the GIL)."""
+    on the CPU large ones in a share per worker on our threads (the kernels release the GIL)."""
     n, workers = sum(len(p[0]) for p in pieces), os.cpu_count() or 1
-    threads = n >= 2 * _SHARE and workers > 1
+    threads = n >= 2 * _SHARE and workers > 1 and getattr(device, "type", "cpu") == "cpu"
     shares = []
     for piece in pieces:
         m = len(piece[0])
@@ -240,7 +240,7 @@ def step_leaf(rule, state, x, dx, pure: bool):
         return None
     step, kernel = found
     outs = [b.empty_flat(b.numel(x), like) for like in step.samples]
-    _run(kernel, [[*ins, *outs]], step.consts)
+    _run(kernel, [[*ins, *outs]], step.consts, device)
     new_parts = [
         step.scalars[k] if not a else b.shaped_in(outs[step.writes.index(k)], x.shape, order)
         if k in step.writes else p
