@@ -155,19 +155,19 @@ def test_torch_steps_agree_with_the_eager_maths_on_every_layout(name, dtype, mon
 def test_adjusting_and_schedules_reuse_the_kernel(monkeypatch, runs):
     # hyperparameters and step counts are the kernel's arguments, not its code
     rng = np.random.default_rng(1)
-    model = {"w": rng.standard_normal(1000).astype(np.float32)}
+    model = {"w": rng.standard_normal(20000).astype(np.float32)}
     state = opt.setup(opt.Momentum(0.01, 0.9), model)
-    state, model = opt.update_(state, model, {"w": np.ones(1000, np.float32)})
+    state, model = opt.update_(state, model, {"w": np.ones(20000, np.float32)})
     known = len(numba_lowering._KERNELS)
     for eta in (0.02, 0.03, 0.5):
         state = opt.adjust(state, eta=eta, rho=0.8)
         before = model["w"].copy(), np.asarray(state["w"].state).copy()
-        state, model = opt.update_(state, model, {"w": np.ones(1000, np.float32)})
+        state, model = opt.update_(state, model, {"w": np.ones(20000, np.float32)})
         v = np.float32(0.8) * before[1] + np.float32(eta) * np.float32(1.0)
         np.testing.assert_array_equal(model["w"], before[0] - v)
-    scheduled = opt.setup(opt.Adam(eta=lambda t: 0.01 / (1 + t)), {"w": np.ones(1000, np.float32)})
+    scheduled = opt.setup(opt.Adam(eta=lambda t: 0.01 / (1 + t)), {"w": np.ones(20000, np.float32)})
     for _ in range(3):
-        ones = {"w": np.ones(1000, np.float32)}
+        ones = {"w": np.ones(20000, np.float32)}
         scheduled, _ = opt.update_(scheduled, ones, dict(ones))
     assert len(numba_lowering._KERNELS) <= known + 1  # (Adam's first program; never one per step)
     assert runs() >= 4
@@ -203,8 +203,8 @@ class Normalised(opt.Rule):
 
 def test_a_users_own_rule_is_compiled_and_an_untraceable_one_runs_eagerly(monkeypatch, runs):
     rng = np.random.default_rng(2)
-    x = rng.standard_normal(5000).astype(np.float32)
-    g = rng.standard_normal(5000).astype(np.float32)
+    x = rng.standard_normal(20000).astype(np.float32)  # (NumPy compiles from 16K elements)
+    g = rng.standard_normal(20000).astype(np.float32)
     state, model = opt.update_(opt.setup(Signum(), {"w": x.copy()}), {"w": x.copy()}, {"w": g})
     m = np.float32(0.1) * g
     np.testing.assert_array_equal(model["w"], x - np.float32(0.01) * np.sign(m))
@@ -227,9 +227,9 @@ def test_without_numba_the_eager_maths_runs(monkeypatch, runs):
 def test_kernels_are_kept_on_disk_for_the_next_process(tmp_path):
     script = (
         "import numpy as np, optimisers as opt\n"
-        "m = {'w': np.ones(100, np.float32)}\n"
+        "m = {'w': np.ones(20000, np.float32)}\n"
         "s = opt.setup(opt.Lion(0.01), m)\n"
-        "s, m = opt.update_(s, m, {'w': np.ones(100, np.float32)})\n"
+        "s, m = opt.update_(s, m, {'w': np.ones(20000, np.float32)})\n"
         "print(float(m['w'][0]))\n"
     )
     env = dict(os.environ, OPTIMISERS_CACHE=str(tmp_path))

@@ -355,6 +355,11 @@ def is_buffer(value) -> bool:
     return isinstance(value, np.ndarray) and value.ndim > 0
 
 
+# Fewer elements than this step eagerly: tracing a step costs tens of microseconds, more than a
+# compiled pass saves on a small model, and NumPy's eager numbers are the compiled ones anyway
+COMPILE_FROM = 1 << 14
+
+
 def elementwise_kernel(program, device):
     """`run(arrays, consts)`: a traced elementwise step (`backends.traced`) compiled for 1-D
     arrays, or None (`optimisers.engine.compiled`)."""

@@ -148,6 +148,8 @@ class InPlaceEngine(Parameters, Protocol):
 
     def engine_start(self) -> None: ...  # called before a group is built (NumPy: malloc settings)
     def engine_ok(self, x: Array) -> bool: ...  # a parameter the engine can step in place
+    COMPILE_FROM: int  # elements: smaller steps run eagerly (see engine.compiled)
+
     def kernel_ok(self, x: Array) -> bool: ...  # a compiled kernel can read its memory (maybe strided)
     def adopt(self, value: Array, like: Array) -> Array: ...  # a new array made a parameter like `like`
     def elementwise_kernel(self, program: Any, device: Any) -> Callable | None: ...  # see engine.compiled

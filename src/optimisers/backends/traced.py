@@ -22,8 +22,13 @@ from __future__ import annotations
 import operator
 from typing import NamedTuple
 
+import numpy as np
+
 from optimisers.core import dispatch
 from optimisers.core.rule import is_complex as _is_complex
+
+
+_REAL_NUMBERS = {float, int, np.float32, np.float64, np.float16}
 
 
 class Untraceable(Exception):
@@ -51,22 +56,26 @@ class Recorder:
         self._index: dict = {}  # node -> its number (a node asked twice is recorded once)
 
     def node(self, op: str, args: tuple, sample) -> Traced:
-        key = (op, args, sample.dtype)
+        dtype = sample.dtype
+        key = (op, args, dtype)
         at = self._index.get(key)
         if at is None:
             at = self._index[key] = len(self.nodes)
             self.nodes.append(key)
-        return Traced(self, at, sample)
+        return Traced(self, at, sample, dtype)
 
     def input(self, k: int, sample) -> Traced:
         return self.node("in", (k,), sample)
 
     def operand(self, value) -> int:
         """A node number for a Traced value; a new constant slot `~k` for a number."""
-        if isinstance(value, Traced):
+        if type(value) is Traced:
             if value.rec is not self:
                 raise Untraceable("a value of another trace")
             return value.at
+        if type(value) in _REAL_NUMBERS:  # (the usual constants, without the checks below)
+            self.consts.append(float(value))
+            return ~(len(self.consts) - 1)
         if _is_complex(value):
             raise Untraceable("a complex constant")
         try:
@@ -84,13 +93,12 @@ class Traced:
     """An array of the step being traced: node `at` of `rec`; `sample`, a one-element array of
     the real library with this node's dtype, answers what dtype an operation gives."""
 
-    __slots__ = ("rec", "at", "sample")
+    __slots__ = ("rec", "at", "sample", "dtype")
     __array_ufunc__ = None  # NumPy scalars defer to our reflected operators
 
-    def __init__(self, rec: Recorder, at: int, sample):
-        self.rec, self.at, self.sample = rec, at, sample
+    def __init__(self, rec: Recorder, at: int, sample, dtype):
+        self.rec, self.at, self.sample, self.dtype = rec, at, sample, dtype
 
-    dtype = property(lambda self: self.sample.dtype)
     shape = property(lambda self: (self.rec.n,))
     ndim = property(lambda self: 1)
     size = property(lambda self: self.rec.n)
@@ -153,8 +161,8 @@ _RESULTS: dict = {}  # (op, operand kinds) -> a one-element array of the result'
 def _key(value):
     """What decides an operand's part in a result's dtype: an array's dtype; a number's type (a
     Python float is weak in NumPy 2 and torch, a NumPy float32 is not); a 0-d array's dtype."""
-    if isinstance(value, Traced):
-        return ("array", value.dtype)
+    if type(value) is Traced:
+        return value.dtype
     return (type(value), getattr(value, "dtype", None))
 
 
@@ -171,11 +179,14 @@ def _result(key, compute):
 
 def _op(name, fn, *operands):
     """Record `fn(*operands)` as node `name`: its dtype is what `fn` gives the samples."""
-    rec = next(v.rec for v in operands if isinstance(v, Traced))
+    rec = next(v.rec for v in operands if type(v) is Traced)
     key = (name, *map(_key, operands))
-    sample = _result(key, lambda: fn(*map(_sample, operands)))
-    if getattr(sample, "dtype", None) is None or getattr(sample, "ndim", 0) != 1:
-        raise Untraceable(f"{name} gave {sample!r}, not an array")
+    sample = _RESULTS.get(key)
+    if sample is None:
+        sample = fn(*map(_sample, operands))
+        if getattr(sample, "dtype", None) is None or getattr(sample, "ndim", 0) != 1:
+            raise Untraceable(f"{name} gave {sample!r}, not an array")
+        _RESULTS[key] = sample
     return rec.node(name, tuple(map(rec.operand, operands)), sample)
 
 

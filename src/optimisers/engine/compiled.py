@@ -31,6 +31,7 @@ from optimisers.engine import chunks, precision
 
 ENABLED = os.environ.get("OPTIMISERS_COMPILE", "1") != "0"  # tests compare with the eager maths
 _SHARE = 1 << 16  # elements: pieces at least twice this long are split among the threads
+_WORKERS = os.cpu_count() or 1  # (asked once: it reads the system each time)
 _SAMPLES: dict = {}  # (backend, dtype, device) -> a one-element array of ones
 _UNTRACEABLE: set = set()  # the kinds of rule (`_kind`) whose step could not be traced
 _TRACES: dict | None = None  # within one update (`one_update`): a trace per rule and scalars
@@ -120,11 +121,13 @@ def _array(value):
     return value
 
 
-def _kernel(b, rule, spec, array_at, scalars, samples, device, mode="in place", scaled=False):
-    """`(step, kernel)` for this step of `rule`, or None (it runs eagerly)."""
+def _kernel(b, rule, spec, array_at, scalars, samples, device, n, mode="in place", scaled=False):
+    """`(step, kernel)` for this step of `rule` on `n` elements, or None (it runs eagerly)."""
     compiler = getattr(b, "elementwise_kernel", None)
+    if not ENABLED or compiler is None or n < b.COMPILE_FROM:
+        return None
     kind = _kind(rule)
-    if not ENABLED or compiler is None or kind in _UNTRACEABLE or any(map(ops.is_complex, samples)):
+    if kind in _UNTRACEABLE or any(map(ops.is_complex, samples)):
         return None  # (complex numbers: the loops compute real ones)
     try:
         step = trace(rule, spec, array_at, scalars, samples, mode, scaled)
@@ -155,7 +158,7 @@ def step_group(group, xs, dxs, factors=None) -> bool:
         samples = [_sample(b, a, group.device) for a in pieces[0]]
         rule = group.leaves[0].rule
         found = _kernel(b, rule, group.spec, group.array_at, group.scalars, samples, group.device,
-                        scaled=factors is not None)
+                        group.offsets[-1], scaled=factors is not None)
         if found is None:
             return False
         step, kernel = found
@@ -192,7 +195,7 @@ def _pieces(group, xs, dxs, factors) -> list:
 def _run(kernel, pieces, consts, device) -> None:
     """The kernel over each piece (its inputs, then its outputs: 1-D arrays of one length),
     on the CPU large ones in a share per worker on our threads (the kernels release the GIL)."""
-    n, workers = sum(len(p[0]) for p in pieces), os.cpu_count() or 1
+    n, workers = sum(len(p[0]) for p in pieces), _WORKERS
     threads = n >= 2 * _SHARE and workers > 1 and getattr(device, "type", "cpu") == "cpu"
     shares = []
     for piece in pieces:
@@ -235,7 +238,8 @@ def step_leaf(rule, state, x, dx, pure: bool):
     device = getattr(x, "device", None)
     samples = [_sample(b, a, device) for a in ins]
     scalars = [None if a else p for a, p in zip(array_at, parts)]
-    found = _kernel(b, rule, spec, array_at, scalars, samples, device, "new" if pure else "step", is_scaled)
+    found = _kernel(b, rule, spec, array_at, scalars, samples, device, b.numel(x), "new" if pure else "step",
+                    is_scaled)
     if found is None:
         return None
     step, kernel = found
