@@ -27,7 +27,6 @@ import numpy as np
 from optimisers.core import dispatch
 from optimisers.core.rule import is_complex as _is_complex
 
-
 _REAL_NUMBERS = {float, int, np.float32, np.float64, np.float16}
 
 
