@@ -286,8 +286,10 @@ def cond(predicate, if_true, if_false):
 dispatch.register_type(Traced, __name__)
 
 
+class NotElementwise(Untraceable, AttributeError):
+    """An operation this backend lacks: still an AttributeError to `getattr` and `hasattr`."""
+
+
 def __getattr__(name: str):
     """Any other array operation (a norm, a reshape, a matrix product) cannot be traced."""
-    if name.startswith("__"):
-        raise AttributeError(name)
-    raise Untraceable(f"ops.{name}, which is not elementwise")
+    raise NotElementwise(f"ops.{name}, which is not elementwise")
