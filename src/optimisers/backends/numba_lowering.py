@@ -99,22 +99,26 @@ def available() -> bool:
     return numpy_kernels.AVAILABLE
 
 
-def kernel(program):
+def kernel(program, aliases=()):
     """The loop `kernel(*inputs, *outputs, consts)` of `program` over 1-D NumPy arrays of one
-    length (float16 and bfloat16 as views of their bits as uint16; an output may be its input's
-    own memory), or None where it has what the loop cannot compute."""
-    if program not in _KERNELS:
-        source = source_of(program)
-        _KERNELS[program] = None if source is None or not available() else _load(source)
-    return _KERNELS[program]
+    length (float16 and bfloat16 as views of their bits as uint16), without the outputs that
+    `aliases` writes into inputs (`source_of`), or None where it cannot compute the program."""
+    key = (program, aliases)
+    if key not in _KERNELS:
+        source = source_of(program, aliases)
+        _KERNELS[key] = None if source is None or not available() else _load(source)
+    return _KERNELS[key]
 
 
 def _name(dtype) -> str:
     return str(dtype).rpartition(".")[2]
 
 
-def source_of(program) -> str | None:
-    """The loop's Python source, or None."""
+def source_of(program, aliases=()) -> str | None:
+    """The loop's Python source, or None. `aliases[m]`: the input that output `m` is written
+    into (a step in place), or -1 for an array of its own; the loop then takes only the others,
+    so that LLVM, finding no two arguments overlap, runs its vectorised loop."""
+    aliases = aliases or (-1,) * len(program.outputs)
     names = [_name(dtype) for _, _, dtype in program.nodes]
     if not set(names) | {_name(d) for _, d in program.outputs} <= _NUMBERS | _HALVES:
         return None
@@ -126,13 +130,14 @@ def source_of(program) -> str | None:
         if line is None:
             return None
         body.append(f"        v{n} = {line}")
-    arrays = [f"a{k}" for k in range(len(inputs))] + [f"o{m}" for m in range(len(program.outputs))]
+    arrays = [f"a{k}" for k in range(len(inputs))] + [f"o{m}" for m, k in enumerate(aliases) if k < 0]
     lines = [f"def kernel({', '.join(arrays)}, c):"]
     lines += [f"    k{k}_{t} = np.{t}(c[{k}])" for k, t in consts]
     lines.append(f"    for i in range({arrays[0]}.shape[0]):")
     lines += body
     for m, (n, dtype) in enumerate(program.outputs):  # (every element read before any is written)
-        lines.append(f"        o{m}[i] = {_store(f'v{n}', computes[n], _name(dtype))}")
+        target = f"o{m}" if aliases[m] < 0 else f"a{aliases[m]}"
+        lines.append(f"        {target}[i] = {_store(f'v{n}', computes[n], _name(dtype))}")
     decorator = "@numba.njit(cache=True, nogil=True, error_model='numpy')"
     return _PRELUDE + "\n\n" + decorator + "\n" + "\n".join(lines) + "\n"
 

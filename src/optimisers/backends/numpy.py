@@ -360,13 +360,15 @@ def is_buffer(value) -> bool:
 COMPILE_FROM = 1 << 14
 
 
-def elementwise_kernel(program, device):
+def elementwise_kernel(program, device, aliases=()):
     """`run(arrays, consts)`: a traced elementwise step (`backends.traced`) compiled for 1-D
-    arrays, or None (`optimisers.engine.compiled`)."""
-    loop = numba_lowering.kernel(program)
+    arrays (its inputs, then its outputs but those written into inputs, `aliases`), or None
+    (`optimisers.engine.compiled`)."""
+    loop = numba_lowering.kernel(program, aliases)
     if loop is None:
         return None
-    halves = [k for k, d in enumerate([*program.inputs, *(d for _, d in program.outputs)]) if d.itemsize == 2]
+    own = [d for (_, d), k in zip(program.outputs, aliases or [-1] * len(program.outputs)) if k < 0]
+    halves = [k for k, d in enumerate([*program.inputs, *own]) if d.itemsize == 2]
     if not halves:
         return lambda arrays, consts: loop(*arrays, consts)
 

@@ -532,24 +532,26 @@ def _real_dtype(dtype):
 CPU_KERNELS = "numba"  # or "inductor": torch.compile's, as on other devices (tests choose)
 # every size compiled: torch's eager square root is not IEEE's, and `update`, `update_` and the
 # engine must compute one program to agree bit for bit
-COMPILE_FROM = 0
+COMPILE_FROM = 1  # (an empty tensor has nothing to step)
 
 
-def elementwise_kernel(program, device):
+def elementwise_kernel(program, device, aliases=()):
     """`run(tensors, consts)`: a traced elementwise step (`backends.traced`) compiled for 1-D
-    tensors, or None (`optimisers.engine.compiled`). On the CPU, numba's loop over the
-    tensors' memory (NumPy views of it; float16 and bfloat16 as their bits); on other devices
-    torch.compile's kernel (`torch_lowering`)."""
+    tensors (its inputs, then its outputs but those written into inputs, `aliases`), or None
+    (`optimisers.engine.compiled`). On the CPU, numba's loop over the tensors' memory (NumPy
+    views of it; float16 and bfloat16 as their bits); on other devices torch.compile's kernel
+    (`torch_lowering`)."""
     if device is None:
         return None
     if device.type != "cpu" or CPU_KERNELS == "inductor":
         from optimisers.backends import torch_lowering
 
-        return torch_lowering.kernel(program, device)
-    loop = _numpy.numba_lowering.kernel(program)
+        return torch_lowering.kernel(program, device, aliases)
+    loop = _numpy.numba_lowering.kernel(program, aliases)
     if loop is None:
         return None
-    halves = {k for k, d in enumerate([*program.inputs, *(d for _, d in program.outputs)]) if d.itemsize == 2}
+    own = [d for (_, d), k in zip(program.outputs, aliases or [-1] * len(program.outputs)) if k < 0]
+    halves = {k for k, d in enumerate([*program.inputs, *own]) if d.itemsize == 2}
 
     def run(tensors, consts):
         loop(*[(t.detach().view(torch.int16) if k in halves else t.detach()).numpy()

@@ -20,13 +20,13 @@ _CALLS = {"sqrt": "torch.sqrt", "abs": "torch.abs", "sign": "torch.sign", "maxim
           "minimum": "torch.minimum"}
 
 
-def kernel(program, device):
+def kernel(program, device, aliases=()):
     """`run(tensors, consts)` (the inputs, then the outputs, all 1-D of one length) or None
     where the program or this device cannot be compiled."""
-    key = (program, device)
+    key = (program, device, aliases)
     if key not in _KERNELS:
-        source = source_of(program)
-        _KERNELS[key] = None if source is None else _compiled(source, program, device)
+        source = source_of(program, aliases)
+        _KERNELS[key] = None if source is None else _compiled(source, program, device, aliases)
     found = _KERNELS[key]
     if found is None:
         return None
@@ -39,10 +39,11 @@ def _name(dtype) -> str:
     return str(dtype).rpartition(".")[2]
 
 
-def source_of(program) -> str | None:
+def source_of(program, aliases=()) -> str | None:
+    """The function's source (outputs `aliases` writes into inputs are not arguments), or None."""
+    aliases = aliases or (-1,) * len(program.outputs)
     dtypes = [_name(d) for _, _, d in program.nodes]
-    n_in, n_out = len(program.inputs), len(program.outputs)
-    args = [f"a{k}" for k in range(n_in)] + [f"o{m}" for m in range(n_out)]
+    args = [f"a{k}" for k in range(len(program.inputs))] + [f"o{m}" for m, k in enumerate(aliases) if k < 0]
     lines = [f"def kernel({', '.join(args)}, c):"]
     for n, (op, operands, _) in enumerate(program.nodes):
         line = _line(op, operands, dtypes[n], dtypes)
@@ -50,7 +51,8 @@ def source_of(program) -> str | None:
             return None
         lines.append(f"    v{n} = {line}")
     for m, (n, _) in enumerate(program.outputs):
-        lines.append(f"    o{m}.copy_(v{n})")  # (copy_ casts to the output's dtype)
+        target = f"o{m}" if aliases[m] < 0 else f"a{aliases[m]}"
+        lines.append(f"    {target}.copy_(v{n})")  # (copy_ casts to the output's dtype)
     return "\n".join(lines) + "\n"
 
 
@@ -87,13 +89,14 @@ def _line(op, args, t, dtypes):
     return None
 
 
-def _compiled(source: str, program, device):
+def _compiled(source: str, program, device, aliases):
     """The compiled function, tried once on a few elements so that a device or installation
     inductor cannot compile for (no triton, no C++ compiler) is found before any step: None."""
     namespace = {"torch": torch}
     exec(compile(source, "<optimisers kernel>", "exec"), namespace)  # noqa: S102 - our own source
     fn = torch.compile(namespace["kernel"], dynamic=True, fullgraph=True)
-    dtypes = [*program.inputs, *(d for _, d in program.outputs)]
+    own = [d for (_, d), k in zip(program.outputs, aliases or [-1] * len(program.outputs)) if k < 0]
+    dtypes = [*program.inputs, *own]
     try:
         trial = [torch.ones(3, dtype=d, device=device) for d in dtypes]
         consts = max((~a for _, args, _ in program.nodes for a in args if a < 0), default=-1) + 1

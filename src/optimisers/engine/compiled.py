@@ -9,14 +9,16 @@ kernel reads the parameter, its gradient and the state arrays and writes the new
 element once, no temporaries. An engine group steps each big member, the packed members'
 staging buffers or a span whole and in place; a lone parameter (`update`, or one the engine
 does not take) gets new arrays. Every path of a backend computes one program, so `update`,
-`update_` and the engine agree bit for bit. A rule whose step cannot be traced (it reads an
-array's values, or needs a whole array: a norm), a backend without a compiler, and a scaled
-group (ClipNorm first) run eagerly, as before.
+`update_` and the engine agree bit for bit. A chain that scales the gradient first (ClipNorm)
+gets each element's factor as one more input. A rule whose step cannot be traced (it reads an
+array's values, or needs a whole array: a norm), a backend without a compiler, and steps smaller
+than the backend's `COMPILE_FROM` run eagerly, as before.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import os
 from typing import NamedTuple
@@ -34,7 +36,8 @@ _SHARE = 1 << 16  # elements: pieces at least twice this long are split among th
 _WORKERS = os.cpu_count() or 1  # (asked once: it reads the system each time)
 _SAMPLES: dict = {}  # (backend, dtype, device) -> a one-element array of ones
 _UNTRACEABLE: set = set()  # the kinds of rule (`_kind`) whose step could not be traced
-_TRACES: dict | None = None  # within one update (`one_update`): a trace per rule and scalars
+# within one update (`one_update`): a trace per rule and scalars
+_TRACES: contextvars.ContextVar[dict | None] = contextvars.ContextVar("traces", default=None)
 
 
 class Step(NamedTuple):
@@ -53,12 +56,11 @@ class Step(NamedTuple):
 @contextlib.contextmanager
 def one_update():
     """Leafs of one rule and step count share one trace within an update."""
-    global _TRACES
-    outer, _TRACES = _TRACES, {}
+    token = _TRACES.set({})
     try:
         yield
     finally:
-        _TRACES = outer
+        _TRACES.reset(token)
 
 
 def trace(rule, spec, array_at, scalars, samples, mode: str, scaled: bool = False) -> Step:
@@ -71,7 +73,8 @@ def trace(rule, spec, array_at, scalars, samples, mode: str, scaled: bool = Fals
     output is the step itself (which the caller subtracts). Raises `traced.Untraceable`."""
     dtypes = tuple(s.dtype for s in samples)
     key = (id(rule), tuple(map(_number_or_id, scalars)), dtypes, mode, scaled)
-    kept = None if _TRACES is None else _TRACES.get(key)
+    traces = _TRACES.get()
+    kept = None if traces is None else traces.get(key)
     if kept is not None and kept[0] is rule:
         return kept[1]
     rec = traced.Recorder(1)
@@ -104,8 +107,8 @@ def trace(rule, spec, array_at, scalars, samples, mode: str, scaled: bool = Fals
     scalars = [None if a else p for a, p in zip(array_at, new_parts)]
     found = Step(program, np.array(rec.consts, dtype=np.float64), scalars, tuple(writes),
                  tuple(like.sample for _, like in outputs), new_value)
-    if _TRACES is not None:
-        _TRACES[key] = (rule, found, scalars)  # (holding them: the ids in the key stay theirs)
+    if traces is not None:
+        traces[key] = (rule, found, scalars)  # (holding them: the ids in the key stay theirs)
     return found
 
 
@@ -121,20 +124,27 @@ def _array(value):
     return value
 
 
-def _kernel(b, rule, spec, array_at, scalars, samples, device, n, mode="in place", scaled=False):
-    """`(step, kernel)` for this step of `rule` on `n` elements, or None (it runs eagerly)."""
-    compiler = getattr(b, "elementwise_kernel", None)
-    if not ENABLED or compiler is None or n < b.COMPILE_FROM:
-        return None
-    kind = _kind(rule)
-    if kind in _UNTRACEABLE or any(map(ops.is_complex, samples)):
+def _wanted(b, rule, n) -> bool:
+    """Is a step of `rule` on `n` elements of backend `b` worth tracing (before any work)?"""
+    return ENABLED and n >= getattr(b, "COMPILE_FROM", n + 1) and _kind(rule) not in _UNTRACEABLE
+
+
+def _kernel(b, rule, spec, array_at, scalars, samples, device, mode="in place", scaled=False):
+    """`(step, kernel)` for this step of `rule`, or None (it runs eagerly). In place, each
+    output is written into the input it replaces (the kernel takes no array twice)."""
+    if any(map(ops.is_complex, samples)):
         return None  # (complex numbers: the loops compute real ones)
     try:
         step = trace(rule, spec, array_at, scalars, samples, mode, scaled)
     except traced.Untraceable:
-        _UNTRACEABLE.add(kind)  # (asked once: eager from now on)
+        _UNTRACEABLE.add(_kind(rule))  # (asked once: eager from now on)
         return None
-    kernel = compiler(step.program, device)
+    if mode == "in place":
+        position = {k: 2 + n for n, k in enumerate(k for k, a in enumerate(array_at) if a)}
+        aliases = tuple(0 if w == "x" else position[w] for w in step.writes)
+    else:
+        aliases = (-1,) * len(step.writes)
+    kernel = b.elementwise_kernel(step.program, device, aliases)
     return None if kernel is None else (step, kernel)
 
 
@@ -151,20 +161,19 @@ def _kind(rule):
 def step_group(group, xs, dxs, factors=None) -> bool:
     """Step every member of `group` in place with its rule's compiled kernel (a scaled group:
     with each member's `factors`); whether it did (nothing is written where it did not)."""
-    b = group.b
+    b, rule = group.b, group.leaves[0].rule
+    if not _wanted(b, rule, group.offsets[-1]):
+        return False
     with b.no_grad():
         chunks.stage(group, xs, dxs)
         pieces = _pieces(group, xs, dxs, factors)
         samples = [_sample(b, a, group.device) for a in pieces[0]]
-        rule = group.leaves[0].rule
         found = _kernel(b, rule, group.spec, group.array_at, group.scalars, samples, group.device,
-                        group.offsets[-1], scaled=factors is not None)
+                        scaled=factors is not None)
         if found is None:
             return False
         step, kernel = found
-        position = {k: 2 + n for n, k in enumerate(k for k, a in enumerate(group.array_at) if a)}
-        where = [0 if w == "x" else position[w] for w in step.writes]
-        _run(kernel, [[*p, *[p[w] for w in where]] for p in pieces], step.consts, group.device)
+        _run(kernel, pieces, step.consts, group.device)  # (each output written into its input)
         if group.has_runs:
             chunks.unpack(group, xs)
     chunks.unstage(group)
@@ -223,7 +232,10 @@ def step_leaf(rule, state, x, dx, pure: bool):
     b = ops.backend(x)
     is_scaled = chunks.scaled(rule)
     # (a DTensor runs eagerly, shard by shard; a strided view is read through a copy)
-    if not ((rule.elementwise or is_scaled) and b.IN_PLACE_ENGINE and b.numel(x) and b.kernel_ok(x)):
+    if not ((rule.elementwise or is_scaled) and b.IN_PLACE_ENGINE and b.kernel_ok(x)):
+        return None
+    n = b.numel(x)
+    if not _wanted(b, rule, n):
         return None
     parts: list = []
     spec = flatten_state(state, parts)
@@ -234,16 +246,15 @@ def step_leaf(rule, state, x, dx, pure: bool):
     order = b.memory_order(x)
     ins = [b.flat_in(a, order) for a in (x, dx, *[p for p, a in zip(parts, array_at) if a])]
     if is_scaled:  # the factor of the whole gradient, for each element
-        ins.append(b.repeat_each([rule.gradient_factors([precision.widened(dx)])[0]], [b.numel(x)]))
+        ins.append(b.repeat_each([rule.gradient_factors([precision.widened(dx)])[0]], [n]))
     device = getattr(x, "device", None)
     samples = [_sample(b, a, device) for a in ins]
     scalars = [None if a else p for a, p in zip(array_at, parts)]
-    found = _kernel(b, rule, spec, array_at, scalars, samples, device, b.numel(x), "new" if pure else "step",
-                    is_scaled)
+    found = _kernel(b, rule, spec, array_at, scalars, samples, device, "new" if pure else "step", is_scaled)
     if found is None:
         return None
     step, kernel = found
-    outs = [b.empty_flat(b.numel(x), like) for like in step.samples]
+    outs = [b.empty_flat(n, like) for like in step.samples]
     _run(kernel, [[*ins, *outs]], step.consts, device)
     new_parts = [
         step.scalars[k] if not a else b.shaped_in(outs[step.writes.index(k)], x.shape, order)
