@@ -18,10 +18,11 @@ import optimisers as opt
 from . import report
 from .bandwidth import measure_bandwidth
 from .cache import CACHE_MODES, Evictor, evict_mib
+from .hyperparameters import HYPERPARAMETERS
 from .implementations import BEST_PEER, IMPLS
 from .memory import can_reset_hwm
 from .models import ALL_BACKENDS, ALL_SHAPES, CHECK_STEPS, EXTRA_SHAPES, make_data, make_shapes
-from .rules import HYPERPARAMETERS, RULES, default_rules, reference
+from .rules import RULES, default_rules, reference
 from .timing import paired_nested_ratio, paired_peer_ratio, paired_tie_ratio, run_row
 
 
