@@ -50,6 +50,7 @@ BETAS_LION = (0.9, 0.99)  # the paper's recommendation, and optax.lion's default
 # the chain ClipGrad > WeightDecay > Adam: torch's clip_grad_value_ then Adam(weight_decay), which
 # adds the decay to the clipped gradient. δ = 0.01 clips about a third of the gradients of 0.01
 CLIP_VALUE, L2_DECAY = 1e-2, 5e-2
+L1_DECAY = 1e-3  # SignDecay's default: λ·sign(x) next to gradients of 0.01 moves Adam's steps visibly
 
 HYPERPARAMETERS = {"adam_lr": LR_ADAM, "betas": BETAS, "eps": EPS, "weight_decay": WEIGHT_DECAY,
                    "momentum_lr": LR_MOMENTUM, "rho": RHO}

@@ -35,6 +35,7 @@ from .hyperparameters import (
     EPS_ADOPT,
     EPS_LAMB,
     ETAS_RPROP,
+    L1_DECAY,
     L2_DECAY,
     LR_ADAFACTOR,
     LR_ADAM,
@@ -534,5 +535,16 @@ def clip_wd_adam(xs):
         f = xs[0].dtype.type
         delta, decay = f(CLIP_VALUE), f(L2_DECAY)
         adam_step([np.clip(g, -delta, delta) + decay * x for x, g in zip(xs, gs)], t)
+
+    return step
+
+
+def sign_decay_adam(xs):
+    """L1 decay, λ·sign(x) added to the gradient (with the parameter before the step), then Adam."""
+    adam_step = adam()(xs)
+
+    def step(gs, t):
+        decay = xs[0].dtype.type(L1_DECAY)
+        adam_step([g + decay * np.sign(x) for x, g in zip(xs, gs)], t)
 
     return step

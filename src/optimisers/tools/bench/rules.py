@@ -47,6 +47,7 @@ from .hyperparameters import (  # the same for every implementation of a rule
     EPS_LAMB,
     ETAS_RPROP,
     K_LOOKAHEAD,
+    L1_DECAY,
     L2_DECAY,
     LR_ADAFACTOR,
     LR_ADAM,
@@ -371,6 +372,10 @@ RULES: dict[str, BenchRule] = {r.name: r for r in [
            naive.clip_wd_adam, 28, "as Adam (the clipping and the decay read g and x, which Adam reads): 28",
            torch=TorchPeer("torch clip_grad_value_ + Adam(weight_decay)", _ClippedValues),
            optax=OptaxPeer(_clip_wd_adam_optax)),
+    # L1 decay: neither torch.optim nor optax has it, so ours and the naive loop alone
+    _entry("sign-decay-adam", "SignDecay+Adam",
+           opt.OptimiserChain(opt.SignDecay(L1_DECAY), opt.Adam(eta=LR_ADAM, beta=BETAS, epsilon=EPS)),
+           naive.sign_decay_adam, 28, "as Adam (the decay reads x, which Adam reads): 28"),
 ]}
 
 
