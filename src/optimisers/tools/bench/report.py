@@ -99,6 +99,9 @@ def agreement_line(shape: str, rule: str, group: list) -> str:
         line += "; DISAGREE: " + ", ".join(
             f"{r['backend']} {r['impl']} ({r.get('ties') or format(r['max_abs_err'], '.1e')})" for r in bad
         )
+    failed = [r for r in group if "error" in r]  # not counted above: say so, lest k/k read as all
+    if failed:
+        line += "; FAILED (error, see the table): " + ", ".join(f"{r['backend']} {r['impl']}" for r in failed)
     return line
 
 

@@ -343,6 +343,7 @@ RULES: dict[str, BenchRule] = {r.name: r for r in [
            torch=_grads_put_back(opt.Nesterov(eta=LR_MOMENTUM, rho=RHO))),
     _entry("rmsprop", "RMSProp", opt.RMSProp(eta=LR_ADAM, rho=RHO, epsilon=EPS), naive.rmsprop,
            20, _ONE_STATE),
+    # (one gradient every step: no sign flips, so the steps grow; tests/test_rules.py flips them)
     _entry("rprop", "Rprop", opt.Rprop(eta=LR_ADAM, ell=ETAS_RPROP, gamma=STEP_SIZES_RPROP), naive.rprop,
            28, "read x, g, the last gradient p and the step sizes s; write x, p, s: 7 arrays x 4 bytes = 28"),
     _entry("adagrad", "AdaGrad", opt.AdaGrad(eta=LR_ADAM, epsilon=EPS_ADAGRAD), naive.adagrad,
@@ -357,7 +358,9 @@ RULES: dict[str, BenchRule] = {r.name: r for r in [
     _entry("nadam", "NAdam", opt.NAdam(eta=LR_ADAM, beta=BETAS, epsilon=EPS), naive.nadam, 28, _TWO_STATES),
     _entry("adamax", "AdaMax", opt.AdaMax(eta=LR_ADAM, beta=BETAS, epsilon=EPS_ADAMAX), naive.adamax, 28,
            _TWO_STATES),
-    # torch's Adam(amsgrad=True) takes the maximum of the uncorrected v: optax only
+    # torch's Adam(amsgrad=True) takes the maximum of the uncorrected v: optax only. The bench steps
+    # with one gradient, where the corrected v never decreases and AMSGrad's maximum is Adam's v:
+    # its check tells its rows from a wrong formula, not from Adam (tests/test_rules.py does that)
     _entry("amsgrad", "AMSGrad", opt.AMSGrad(eta=LR_ADAM, beta=BETAS, epsilon=EPS), naive.amsgrad, 36,
            _THREE_STATES),
     _entry("adabelief", "AdaBelief", opt.AdaBelief(eta=LR_ADAM, beta=BETAS, epsilon=EPS_ADABELIEF),
