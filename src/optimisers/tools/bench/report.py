@@ -360,6 +360,8 @@ _SHORT_OURS = {"optimisers update_": "", "optimisers jit+donate": "",
                "optimisers drop-in, flatten_": "flat drop-in",
                "optimisers update_, opt.grads": "opt.grads", "optimisers jit+donate, flat vector": "flat"}
 _BACKEND_TITLES = {"numpy": "NumPy", "torch": "PyTorch", "jax": "JAX"}
+_SUMMARY_PEER = {**_SHORT_PEER, "torch.optim foreach=False": "torch loop",
+                 "torch.optim foreach=True": "torch foreach"}
 NAIVE = ("numpy", "naive NumPy loop")
 
 
@@ -404,7 +406,7 @@ def _summary_cell(e: dict | None) -> str:
     if e is None:
         return ""
     floor = "no floor" if e["x_floor"] is None else f"{e['x_floor']:.2f}× floor"
-    peer = "no peer" if e["peer"] is None else f"{e['x_peer']:.2f}× {_SHORT_PEER.get(e['peer'], e['peer'])}"
+    peer = "no peer" if e["peer"] is None else f"{e['x_peer']:.2f}× {_SUMMARY_PEER.get(e['peer'], e['peer'])}"
     which = _SHORT_OURS.get(e["ours"], e["ours"])
     return f"{floor}, {peer}" + (f" ({which})" if which else "")
 
