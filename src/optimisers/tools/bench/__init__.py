@@ -28,9 +28,9 @@ What is measured (benchmarks/README.md in the repository explains every column):
 
 After the table, the report (`report`) has a line per rule and shape: our fastest row on each
 backend over the floor and over the fastest peer (`--rules all` runs every rule of the table,
-every elementwise rule of the library among them). It ends with the Adam ratios of `optimisers` to torch.optim and optax, of
-S2-tied to S2 (also stepped with `optimisers.grads`) and of nested S3 to S3, and the cost of each
-of S3's arrays over S3-one.
+every elementwise rule of the library among them). It ends with the Adam ratios of `optimisers`
+to torch.optim and optax, of S2-tied to S2 (also stepped with `optimisers.grads`) and of nested S3
+to S3, and the cost of each of S3's arrays over S3-one.
 """
 
 from .command import build_parser, main

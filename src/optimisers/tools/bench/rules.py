@@ -152,33 +152,6 @@ class _ClippedEachTensor:
         self.optimizer.step()
 
 
-class _GradsRestored:
-    """An optimiser whose `step()` first puts back the gradients it was made with: the bench sets
-    `.grad` once, and schedulefree's AdamW divides `.grad` in place (its row times the copy too)."""
-
-    def __init__(self, optimizer, params):
-        self.optimizer, self.params = optimizer, params
-        self.grads = [p.grad.clone() for p in params]
-
-    def step(self):
-        for p, g in zip(self.params, self.grads):
-            p.grad.copy_(g)
-        self.optimizer.step()
-
-
-def _schedulefree_torch(name: str, restore_grads: bool = False, **kwargs):
-    """A `schedulefree` package optimiser over the parameters, in train mode (it starts in eval)."""
-
-    def make(torch, params, **flags):
-        import schedulefree
-
-        optimizer = getattr(schedulefree, name)(params, **kwargs, **flags)
-        optimizer.train()
-        return _GradsRestored(optimizer, params) if restore_grads else optimizer
-
-    return make
-
-
 class _GradsPutBack:
     """A torch optimiser whose `.grad` is put back before each step, untimed (`prepare`), as a
     training loop's backward pass writes a new one: torch's foreach SGD with Nesterov adds the
@@ -194,6 +167,30 @@ class _GradsPutBack:
 
     def step(self):
         self.optimizer.step()
+
+
+class _GradsRestored(_GradsPutBack):
+    """The same with the copy inside the timed step: schedulefree's AdamW divides `.grad` in place
+    (its row times the copy too)."""
+
+    prepare = None  # (the copy is the step's)
+
+    def step(self):
+        _GradsPutBack.prepare(self)
+        self.optimizer.step()
+
+
+def _schedulefree_torch(name: str, restore_grads: bool = False, **kwargs):
+    """A `schedulefree` package optimiser over the parameters, in train mode (it starts in eval)."""
+
+    def make(torch, params, **flags):
+        import schedulefree
+
+        optimizer = getattr(schedulefree, name)(params, **kwargs, **flags)
+        optimizer.train()
+        return _GradsRestored(optimizer, params) if restore_grads else optimizer
+
+    return make
 
 
 def _grads_put_back(rule: opt.Rule) -> TorchPeer:
