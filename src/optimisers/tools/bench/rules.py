@@ -8,9 +8,10 @@ torch.optim and optax peers are built from it by the table of peers (`peers`, wh
 repository's tests read too); a peer from elsewhere is given by hand. A library without the rule
 gets `None`: its rows say so ("—") instead of running.
 
-The naive formula is written once, for any float dtype: run in float32 it is the "naive NumPy loop"
-row, run in float64 it is the reference every row is checked against (without one, rows are
-timed but unchecked).
+The naive formula (in `naive`, with the hyperparameters in `hyperparameters`) is written once, for
+any float dtype: run in float32 it is the "naive NumPy loop" row, run in float64 it is the
+reference every row is checked against (without one, rows are timed but unchecked). `--rules all`
+runs every entry: every elementwise rule the library exports has one, on its own or in a chain.
 """
 
 from __future__ import annotations
