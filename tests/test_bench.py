@@ -458,7 +458,7 @@ def test_a_matrix_rule_with_a_peer_from_another_package_is_one_entry(tmp_path, c
 
 #: the entries added so that `--rules all` times every elementwise rule
 EVERY_ELEMENTWISE = ["descent", "nesterov", "rmsprop", "rprop", "adagrad", "adadelta", "radam", "nadam",
-                     "adamax", "amsgrad", "adabelief", "oadam", "lion", "clip-wd-adam", "sign-decay-adam"]
+                     "adamax", "amsgrad", "adabelief", "oadam", "lion", "clip-wd-adam", "sign-decay-momentum"]
 
 
 def _rule_types(rule) -> set:

@@ -51,6 +51,11 @@ BETAS_LION = (0.9, 0.99)  # the paper's recommendation, and optax.lion's default
 # adds the decay to the clipped gradient. δ = 0.01 clips about a third of the gradients of 0.01
 CLIP_VALUE, L2_DECAY = 1e-2, 5e-2
 L1_DECAY = 1e-3  # SignDecay's default: λ·sign(x) next to gradients of 0.01 moves Adam's steps visibly
+# the chains' Adam: its gradient g + λ·(...) is computed, and where g and the decay cancel, Adam's
+# step (lr·g/(|g| + ε)) turns the float32 rows' small differences in x (~1e-9, float32's β₂) into
+# differences of lr/ε times λ times that: ε = 1e-5 keeps them below the tolerance, 1e-8 and 1e-6
+# do not (on a few of S1's elements)
+EPS_CHAINS = 1e-5
 
 HYPERPARAMETERS = {"adam_lr": LR_ADAM, "betas": BETAS, "eps": EPS, "weight_decay": WEIGHT_DECAY,
                    "momentum_lr": LR_MOMENTUM, "rho": RHO}

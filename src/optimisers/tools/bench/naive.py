@@ -33,6 +33,7 @@ from .hyperparameters import (
     EPS_ADAGRAD,
     EPS_ADAMAX,
     EPS_ADOPT,
+    EPS_CHAINS,
     EPS_LAMB,
     ETAS_RPROP,
     L1_DECAY,
@@ -103,12 +104,12 @@ def momentum(f, t):
     return each
 
 
-def adam(decay: float = 0.0) -> Naive:
+def adam(decay: float = 0.0, epsilon: float = EPS) -> Naive:
     """Adam; AdamW (torch's and optax's: the decay scaled by the rate) when `decay`."""
 
     @_per_array(0.0, 0.0)
     def formula(f, t):
-        b1, b2, eps, lr = f(BETAS[0]), f(BETAS[1]), f(EPS), f(LR_ADAM)
+        b1, b2, eps, lr = f(BETAS[0]), f(BETAS[1]), f(epsilon), f(LR_ADAM)
         c1, c2 = f(1 - BETAS[0] ** t), f(1 - BETAS[1] ** t)
         keep = f(1 - LR_ADAM * decay)
 
@@ -529,7 +530,7 @@ def lion(f, t):
 def clip_wd_adam(xs):
     """Each gradient entry clipped to ±CLIP_VALUE, L2 decay added (with the parameter before the
     step), then Adam."""
-    adam_step = adam()(xs)
+    adam_step = adam(epsilon=EPS_CHAINS)(xs)
 
     def step(gs, t):
         f = xs[0].dtype.type
@@ -539,12 +540,13 @@ def clip_wd_adam(xs):
     return step
 
 
-def sign_decay_adam(xs):
-    """L1 decay, λ·sign(x) added to the gradient (with the parameter before the step), then Adam."""
-    adam_step = adam()(xs)
+def sign_decay_momentum(xs):
+    """L1 decay, λ·sign(x) added to the gradient (with the parameter before the step), then
+    momentum."""
+    momentum_step = momentum(xs)
 
     def step(gs, t):
         decay = xs[0].dtype.type(L1_DECAY)
-        adam_step([g + decay * np.sign(x) for x, g in zip(xs, gs)], t)
+        momentum_step([g + decay * np.sign(x) for x, g in zip(xs, gs)], t)
 
     return step
