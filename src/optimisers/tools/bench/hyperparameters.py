@@ -41,9 +41,10 @@ ETAS_RPROP, STEP_SIZES_RPROP = (0.5, 1.2), (1e-6, 50.0)
 # gradients near 1e-4)
 EPS_ADAGRAD = 1e-10
 EPS_ADADELTA = 1e-6  # ε = 1e-8 barely moves in three steps (steps start near √ε)
-# AdaMax: torch adds ε inside the maximum, we and optax to the denominator: ε = 0 makes the three
-# equal (the bench's gradients, normal draws, have no exact zeros)
-EPS_ADAMAX = 0.0
+# AdaMax: torch adds ε inside the maximum (u ← max(β₂u, |g| + ε), m/u), we and optax to the
+# denominator (u ← max(β₂u, |g|), m/(u + ε)): the same steps for the bench's one gradient every
+# step, where the maximum is |g| throughout. (Not ε = 0: S1 and S2 have gradients of exactly 0)
+EPS_ADAMAX = EPS
 EPS_ADABELIEF = 1e-16  # AdaBelief's default, inside the recursion and outside the root (as optax's)
 BETAS_OADAM = (0.5, 0.9)  # OAdam's defaults
 BETAS_LION = (0.9, 0.99)  # the paper's recommendation, and optax.lion's default
