@@ -22,7 +22,7 @@ from optimisers.tools import bench
 from optimisers.tools.bench import report
 from optimisers.tools.bench.cache import Evictor, evict_mib, is_cold
 from optimisers.tools.bench.implementations import IMPLS
-from optimisers.tools.bench.models import CHECK_STEPS, Shape, as_module, get, make_data, make_shapes
+from optimisers.tools.bench.models import CHECK_STEPS, Shape, agrees, as_module, get, make_data, make_shapes
 from optimisers.tools.bench.rules import (
     LR_MOMENTUM,
     RHO,
@@ -70,6 +70,14 @@ def test_bench_smallest_run_prints_table_and_writes_json(tmp_path, capsys):
     assert naive["agree"] and naive["median_ms"] > 0 and naive["x_floor"] > 0
     for r in rows:  # a row may be n/a (error), but a row that ran must agree
         assert "error" in r or r["agree"], r
+    # the per-rule summary: our fastest row, against the naive loop where no library ran
+    (line,) = doc["rule_summary"]
+    fastest = min((r for r in rows if r["impl"] != "naive NumPy loop"), key=lambda r: r["median_ms"])
+    assert (line["rule"], line["shape"], line["backend"]) == ("adam", "S3", "numpy")
+    assert line["ours"] == fastest["impl"]
+    assert line["x_floor"] == fastest["x_floor"] and line["peer"] == "naive NumPy loop"
+    assert line["x_peer"] == pytest.approx(fastest["median_ms"] / naive["median_ms"])
+    assert "| rule | shape | NumPy |" in out and "| adam | S3 | " in out
     # without torch, NumPy is compared with the naive loop, as the median of one over the other
     entries = doc["summary"]
     assert len(entries) == 2  # the usual row, and the row over flat views
@@ -444,3 +452,140 @@ def test_a_matrix_rule_with_a_peer_from_another_package_is_one_entry(tmp_path, c
     for impl in ("optimisers update_", "naive NumPy loop", "optimisers jit+donate"):
         assert rows[("S1", impl)]["agree"], impl
     assert only_matrices(make_shapes(True)["S1"]) is None
+
+
+# --- every elementwise rule (issue 39), and the per-rule summary ---------------------------------------
+
+#: the entries added so that `--rules all` times every elementwise rule
+EVERY_ELEMENTWISE = ["descent", "nesterov", "rmsprop", "rprop", "adagrad", "adadelta", "radam", "nadam",
+                     "adamax", "amsgrad", "adabelief", "oadam", "lion", "clip-wd-adam", "sign-decay-momentum"]
+
+
+def _rule_types(rule) -> set:
+    """The classes of `rule` and of the rules inside it (a chain's, a wrapper's)."""
+    inner = [*getattr(rule, "rules", ()), *([rule.rule] if hasattr(rule, "rule") else [])]
+    return {type(rule)}.union(*(_rule_types(r) for r in inner))
+
+
+def test_every_public_elementwise_rule_has_an_entry():
+    """`--rules all` runs every entry, so it times every elementwise rule the library exports:
+    each optimiser on its own, the gradient transformations (decays, clipping) in chains."""
+    elementwise = set()
+    for cls in [getattr(opt, name) for name in opt.__all__]:
+        if not (isinstance(cls, type) and issubclass(cls, opt.Rule)) or cls is opt.OptimiserChain:
+            continue
+        try:
+            rule = cls()
+        except TypeError:  # a wrapper (Lookahead, AccumGrad...): it needs its rule or its count
+            continue
+        if rule.elementwise:
+            elementwise.add(cls)
+    assert {opt.Descent, opt.Adam, opt.Lion, opt.ClipGrad, opt.ScheduleFreeSGD} <= elementwise
+    transforms = {opt.WeightDecay, opt.SignDecay, opt.ClipGrad}
+    alone = {type(entry.ours()) for entry in RULES.values()}
+    in_chains = set().union(*(_rule_types(entry.ours()) for entry in RULES.values()))
+    assert elementwise - transforms <= alone
+    assert transforms <= in_chains
+    assert _rules_action().type("all") == list(RULES) and set(EVERY_ELEMENTWISE) <= set(RULES)
+
+
+def test_streaming_entries_count_their_bytes():
+    """Where an entry's bytes model counts arrays, 4 bytes each make its bytes per parameter."""
+    counted = 0
+    for name, entry in RULES.items():
+        match = re.search(r"(\d+) arrays x 4 bytes = (\d+)", entry.bytes_model)
+        if match:
+            counted += 1
+            assert int(match[1]) * 4 == int(match[2]) == entry.bytes_per_param, name
+        if entry.bytes_per_param is not None:
+            assert re.search(rf"\b{entry.bytes_per_param}\b", entry.bytes_model), name
+    assert counted >= 10
+
+
+_TINY = Shape("tiny", [("w",), ("b",)], [(16, 8), (40,)], layout="a matrix and a vector")
+_PEERS = [i for i in IMPLS if not i.ours and i.name != "optax jit"]  # (optax jit: as jit+donate)
+
+
+def _agrees_after_the_check_steps(impl, data, name: str, ref: list) -> bool:
+    """The check of a row (its steps, then its parameters against the reference), untimed."""
+    runner = impl.make(data, name)
+    for _ in range(CHECK_STEPS):
+        if runner.prepare is not None:
+            runner.prepare()
+        runner.step()
+    got, _ = runner.fetch()
+    return agrees(got, ref, *RULES[name].tolerance)[0]
+
+
+@pytest.mark.parametrize("name", EVERY_ELEMENTWISE)
+def test_each_new_entry_agrees_with_its_peers(name):
+    """The entry's naive formula (in float64, the reference) against its peers in float32 on a tiny
+    model: the naive loop itself, torch.optim's variants (or the entry's own torch peer) and optax,
+    each computing the rule from its own code at the entry's hyperparameters. The libraries
+    without the rule are the ones whose rows say so."""
+    pytest.importorskip("torch")
+    pytest.importorskip("optax")
+    entry = RULES[name]
+    data = make_data(_TINY)
+    ref = reference(name, data, CHECK_STEPS)
+    ran = [impl.name for impl in _PEERS if impl.absent(entry) is None]
+    for impl in [i for i in _PEERS if i.name in ran]:
+        assert _agrees_after_the_check_steps(impl, data, name, ref), impl.name
+    assert "naive NumPy loop" in ran
+    assert ("torch.optim foreach=False" in ran) == (entry.torch is not None)
+    assert ("optax jit+donate" in ran) == (entry.optax is not None)
+
+
+def _row(backend, impl, ms, rule="lion", agree=True):
+    return {"backend": backend, "impl": impl, "shape": "S1", "rule": rule, "params": 10**6,
+            "median_ms": ms, "min_ms": ms, "agree": agree}
+
+
+def test_rule_summary_takes_our_fastest_row_against_the_fastest_library_peer():
+    rows = [
+        # Adam: torch.optim's fastest variant on the CPU is NumPy's and PyTorch's peer; a row that
+        # disagrees with the reference is no result, however fast
+        _row("numpy", "optimisers update_", 3.0, "adam"), _row("numpy", "naive NumPy loop", 1.5, "adam"),
+        _row("torch", "optimisers update_", 2.0, "adam"), _row("torch", "optimisers update_, flatten_", 1.0,
+                                                               "adam", agree=False),
+        _row("torch", "torch.optim foreach=True", 3.5, "adam"),
+        _row("torch", "torch.optim fused", 2.5, "adam"),
+        _row("jax", "optimisers jit+donate", 4.0, "adam"), _row("jax", "optax jit+donate", 3.5, "adam"),
+        _row("jax", "optax jit", 3.0, "adam"),
+        # Lion: no torch.optim, so the naive NumPy loop on the CPU; ours fastest over flat views
+        _row("numpy", "optimisers update_", 3.0), _row("numpy", "optimisers update_, flat views", 2.0),
+        _row("numpy", "naive NumPy loop", 6.0), _row("torch", "optimisers update_", 4.0),
+    ]
+    report.fill_ratios(rows, floor_gbs=20.0)
+    entries = {(e["rule"], e["backend"]): e for e in report.rule_summary(rows)}
+    assert set(entries) == {("adam", "numpy"), ("adam", "torch"), ("adam", "jax"), ("lion", "numpy"),
+                            ("lion", "torch")}
+    expected = {("adam", "numpy"): ("optimisers update_", 3.0, "torch.optim fused", 2.5),
+                ("adam", "torch"): ("optimisers update_", 2.0, "torch.optim fused", 2.5),
+                ("adam", "jax"): ("optimisers jit+donate", 4.0, "optax jit", 3.0),
+                ("lion", "numpy"): ("optimisers update_, flat views", 2.0, "naive NumPy loop", 6.0),
+                ("lion", "torch"): ("optimisers update_", 4.0, "naive NumPy loop", 6.0)}
+    for key, (ours, ours_ms, peer, peer_ms) in expected.items():
+        e = entries[key]
+        floor_ms = RULES[key[0]].bytes_per_param * 10**6 / 20e9 * 1e3
+        assert (e["ours"], e["ours_ms"], e["peer"], e["peer_ms"]) == (ours, ours_ms, peer, peer_ms), key
+        assert e["x_peer"] == pytest.approx(ours_ms / peer_ms)
+        assert e["x_floor"] == pytest.approx(ours_ms / floor_ms)
+    table = report.format_rule_summary(report.rule_summary(rows))
+    assert table[2] == "| rule | shape | NumPy | PyTorch | JAX |"
+    lion = next(line for line in table if line.startswith("| lion | S1 |"))
+    assert f"{2.0 / 6.0:.2f}× naive np (flat)" in lion and lion.endswith(" |  |")  # no JAX row
+    adam = next(line for line in table if line.startswith("| adam | S1 |"))
+    assert f"{2.0 / 2.5:.2f}× torch fused" in adam and f"{4.0 / 3.0:.2f}× optax jit" in adam
+
+
+def test_the_agreement_line_names_rows_that_failed():
+    """A row that raised is neither agreeing nor disagreeing: the check line names it, so that
+    "k/k agree" is not read as every row."""
+    group = [{**_row("numpy", "optimisers update_", 1.0), "max_abs_err": 1e-9},
+             {"backend": "torch", "impl": "optimisers update_", "shape": "S1", "rule": "lion",
+              "error": "RuntimeError: boom"}]
+    line = report.agreement_line("S1", "lion", group)
+    assert "1/1 implementations agree" in line
+    assert "FAILED (error, see the table): torch optimisers update_" in line
+    assert "FAILED" not in report.agreement_line("S1", "lion", group[:1])

@@ -26,9 +26,11 @@ What is measured (benchmarks/README.md in the repository explains every column):
   against S2, S3-nested against S3, and for Adam `optimisers` against its peer on S1 and S2),
   since rows timed a minute apart on a shared machine differ by more than that.
 
-The report (`report`) ends with the Adam ratios of `optimisers` to torch.optim and optax, of
-S2-tied to S2 (also stepped with `optimisers.grads`) and of nested S3 to S3, and the cost of each
-of S3's arrays over S3-one.
+After the table, the report (`report`) has a line per rule and shape: our fastest row on each
+backend over the floor and over the fastest peer (`--rules all` runs every rule of the table,
+every elementwise rule of the library among them). It ends with the Adam ratios of `optimisers`
+to torch.optim and optax, of S2-tied to S2 (also stepped with `optimisers.grads`) and of nested S3
+to S3, and the cost of each of S3's arrays over S3-one.
 """
 
 from .command import build_parser, main

@@ -18,10 +18,11 @@ import optimisers as opt
 from . import report
 from .bandwidth import measure_bandwidth
 from .cache import CACHE_MODES, Evictor, evict_mib
+from .hyperparameters import HYPERPARAMETERS
 from .implementations import BEST_PEER, IMPLS
 from .memory import can_reset_hwm
 from .models import ALL_BACKENDS, ALL_SHAPES, CHECK_STEPS, EXTRA_SHAPES, make_data, make_shapes
-from .rules import HYPERPARAMETERS, RULES, default_rules, reference
+from .rules import RULES, default_rules, reference
 from .timing import paired_nested_ratio, paired_peer_ratio, paired_tie_ratio, run_row
 
 
@@ -156,6 +157,7 @@ class _Run:
     paired_nested: list = field(default_factory=list)
     paired_peers: list = field(default_factory=list)
     summary: list = field(default_factory=list)
+    rule_summary: list = field(default_factory=list)
     per_array: list = field(default_factory=list)
     cache: str = ""  # how the caches are evicted between timed steps, for the header
 
@@ -223,6 +225,11 @@ def _print_report(run: _Run) -> None:
     print(report.format_table(run.rows))
     print()
     print(report.COLUMNS_NOTE)
+    lines = report.format_rule_summary(run.rule_summary)
+    if lines:
+        print()
+        print("\n".join(lines))
+        print()
     lines = report.paired_lines(run.paired, run.paired_peers, run.paired_nested)
     if lines:
         print("\n".join(lines))
@@ -256,6 +263,7 @@ def _write_json(run: _Run, elapsed: float, load: dict) -> None:
         "paired_nested_ratios": run.paired_nested,
         "paired_peer_ratios": run.paired_peers,
         "summary": run.summary,
+        "rule_summary": run.rule_summary,
         "per_array": run.per_array,
         "elapsed_s": elapsed,
         "load_average": load,
@@ -290,6 +298,7 @@ def _run(opts) -> int:
     report.fill_ratios(run.rows, run.bandwidth["floor_gbs"])
     run.summary = report.summary(run.rows, run.paired, run.paired_peers, run.paired_nested)
     run.per_array = report.per_array(run.rows)
+    run.rule_summary = report.rule_summary(run.rows)
     _print_report(run)
     elapsed = time.perf_counter() - started
     load_end = _loadavg()

@@ -329,7 +329,9 @@ def _torch_optim(kind: str):
             p.grad = torch.tensor(g)
         o = peer.make(torch, params, **peer.variants[kind])
         note = None if peer.name.startswith("torch.optim.") else peer.name
-        return Runner(o.step, lambda: ([p.detach().numpy() for p in params], None), note=note)
+        # an optimiser that writes into `.grad` gets it back before each step, untimed
+        return Runner(o.step, lambda: ([p.detach().numpy() for p in params], None), note=note,
+                      prepare=getattr(o, "prepare", None))
 
     return make
 

@@ -99,6 +99,9 @@ def agreement_line(shape: str, rule: str, group: list) -> str:
         line += "; DISAGREE: " + ", ".join(
             f"{r['backend']} {r['impl']} ({r.get('ties') or format(r['max_abs_err'], '.1e')})" for r in bad
         )
+    failed = [r for r in group if "error" in r]  # not counted above: say so, lest k/k read as all
+    if failed:
+        line += "; FAILED (error, see the table): " + ", ".join(f"{r['backend']} {r['impl']}" for r in failed)
     return line
 
 
@@ -345,4 +348,83 @@ def format_summary(entries: list) -> list[str]:
     for e in entries:
         by_min = f"[{e['ratio_of_minimums']:.3g}]" if e["ratio_of_minimums"] is not None else ""
         lines.append(f"  {e['what']:66} {e['ratio']:7.3g} {by_min:>8}{'  (paired)' if e['paired'] else ''}")
+    return lines
+
+
+# --- per rule: the line the README quotes ------------------------------------------------------
+
+OURS_ROWS = {(impl.backend, impl.name) for impl in IMPLS if impl.ours}
+# how the rule summary names our fastest row (the plain `update_` row goes unnamed)
+_SHORT_OURS = {"optimisers update_": "", "optimisers jit+donate": "",
+               "optimisers update_, flat views": "flat", "optimisers update_, flatten_": "flat",
+               "optimisers drop-in, flatten_": "flat drop-in",
+               "optimisers update_, opt.grads": "opt.grads", "optimisers jit+donate, flat vector": "flat"}
+_BACKEND_TITLES = {"numpy": "NumPy", "torch": "PyTorch", "jax": "JAX"}
+_SUMMARY_PEER = {**_SHORT_PEER, "torch.optim foreach=False": "torch loop",
+                 "torch.optim foreach=True": "torch foreach"}
+NAIVE = ("numpy", "naive NumPy loop")
+
+
+def _fastest(rows: list) -> dict | None:
+    return min(rows, key=lambda r: r["median_ms"], default=None)
+
+
+def rule_summary(rows: list) -> list[dict]:
+    """Per rule, shape and backend: our fastest row there (`ours`, its `ours_ms` and `x_floor`),
+    and the fastest peer of that backend's library (every torch.optim variant, or the other
+    package's class, for NumPy and PyTorch, both on the same CPU; optax for JAX), with
+    `x_peer` = our median over its; where no library has the rule, the naive NumPy loop on the
+    CPU backends (`peer` says which). Rows that did not run, or disagree with the reference, are
+    left out: a fast wrong row is no result."""
+    ran = [r for r in rows if "median_ms" in r and r.get("agree", True)]
+    out = []
+    for rule in dict.fromkeys(r["rule"] for r in ran):
+        for shape in dict.fromkeys(r["shape"] for r in ran if r["rule"] == rule):
+            here = [r for r in ran if r["rule"] == rule and r["shape"] == shape]
+            for backend in dict.fromkeys(r["backend"] for r in here):
+                ours = _fastest([r for r in here if r["backend"] == backend
+                                 and (r["backend"], r["impl"]) in OURS_ROWS])
+                if ours is None:
+                    continue
+                library = BEST_PEER[backend][0]
+                peer = _fastest([r for r in here if r["backend"] == library
+                                 and (r["backend"], r["impl"]) not in OURS_ROWS
+                                 and (r["backend"], r["impl"]) != NAIVE])
+                if peer is None and backend in ("numpy", "torch"):
+                    peer = _fastest([r for r in here if (r["backend"], r["impl"]) == NAIVE])
+                out.append({
+                    "rule": rule, "shape": shape, "backend": backend, "ours": ours["impl"],
+                    "ours_ms": ours["median_ms"], "x_floor": ours.get("x_floor"),
+                    "peer": None if peer is None else (peer.get("note") or peer["impl"]),
+                    "peer_ms": None if peer is None else peer["median_ms"],
+                    "x_peer": None if peer is None else ours["median_ms"] / peer["median_ms"],
+                })
+    return out
+
+
+def _summary_cell(e: dict | None) -> str:
+    if e is None:
+        return ""
+    floor = "no floor" if e["x_floor"] is None else f"{e['x_floor']:.2f}× floor"
+    peer = "no peer" if e["peer"] is None else f"{e['x_peer']:.2f}× {_SUMMARY_PEER.get(e['peer'], e['peer'])}"
+    which = _SHORT_OURS.get(e["ours"], e["ours"])
+    return f"{floor}, {peer}" + (f" ({which})" if which else "")
+
+
+def format_rule_summary(entries: list) -> list[str]:
+    """The rule summary as a Markdown table, one line per rule and shape, a column per backend."""
+    if not entries:
+        return []
+    backends = list(dict.fromkeys(e["backend"] for e in entries))
+    cells = {(e["rule"], e["shape"], e["backend"]): e for e in entries}
+    lines = ["Per rule: our fastest row on each backend (named where it is not `update_`), its median "
+             "over the bandwidth floor and over the fastest peer's (torch.optim's variants or another "
+             "package's class for NumPy and PyTorch, optax for JAX; the naive NumPy loop where no "
+             "library has the rule):",
+             "",
+             "| rule | shape | " + " | ".join(_BACKEND_TITLES.get(b, b) for b in backends) + " |",
+             "|---|---|" + "---|" * len(backends)]
+    for rule, shape in dict.fromkeys((e["rule"], e["shape"]) for e in entries):
+        row = [_summary_cell(cells.get((rule, shape, b))) for b in backends]
+        lines.append(f"| {rule} | {shape} | " + " | ".join(row) + " |")
     return lines

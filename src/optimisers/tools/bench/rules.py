@@ -8,9 +8,10 @@ torch.optim and optax peers are built from it by the table of peers (`peers`, wh
 repository's tests read too); a peer from elsewhere is given by hand. A library without the rule
 gets `None`: its rows say so ("—") instead of running.
 
-The naive formula is written once, for any float dtype: run in float32 it is the "naive NumPy loop"
-row, run in float64 it is the reference every row is checked against (without one, rows are
-timed but unchecked).
+The naive formula (in `naive`, with the hyperparameters in `hyperparameters`) is written once, for
+any float dtype: run in float32 it is the "naive NumPy loop" row, run in float64 it is the
+reference every row is checked against (without one, rows are timed but unchecked). `--rules all`
+runs every entry: every elementwise rule the library exports has one, on its own or in a chain.
 """
 
 from __future__ import annotations
@@ -23,11 +24,49 @@ import numpy as np
 
 import optimisers as opt
 
-from . import peers
+from . import naive, peers
+from .hyperparameters import (  # the same for every implementation of a rule
+    ALPHA_ADEMAMIX,
+    ALPHA_LOOKAHEAD,
+    BETA_MUON,
+    BETAS,
+    BETAS_ADEMAMIX,
+    BETAS_ADOPT,
+    BETAS_LION,
+    BETAS_OADAM,
+    CLIP,
+    CLIP_VALUE,
+    DECAY_ADAFACTOR,
+    DECAY_MUON,
+    EPS,
+    EPS_ADABELIEF,
+    EPS_ADADELTA,
+    EPS_ADAFACTOR,
+    EPS_ADAGRAD,
+    EPS_ADAMAX,
+    EPS_ADOPT,
+    EPS_CHAINS,
+    EPS_LAMB,
+    ETAS_RPROP,
+    K_LOOKAHEAD,
+    L1_DECAY,
+    L2_DECAY,
+    LR_ADAFACTOR,
+    LR_ADAM,
+    LR_LAMB,
+    LR_LARS,
+    LR_MOMENTUM,
+    LR_MUON,
+    LR_SF_ADAMW,
+    LR_SF_SGD,
+    LR_SOAP,
+    RHO,
+    STEP_SIZES_RPROP,
+    TRUST_LARS,
+    WEIGHT_DECAY,
+)
 from .models import ATOL, RTOL
-
-#: A naive formula: given the parameter arrays (stepped in place), `step(grads, t)` for t = 1, 2, ...
-Naive = Callable[[list], Callable[[list, int], None]]
+from .naive import Naive
 
 #: torch.optim's three ways of running one rule: the bench's torch rows, by kind.
 TORCH_OPTIM_VARIANTS = {"loop": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}
@@ -94,125 +133,7 @@ class BenchRule:
     tolerance: tuple = (ATOL, RTOL)
 
 
-# --- hyperparameters (the same for every implementation of a rule) ----------------------------
-
-LR_ADAM = 1e-3
-BETAS = (0.9, 0.999)
-EPS = 1e-8
-WEIGHT_DECAY = 0.01  # AdamW: optimisers `lambd`, torch `weight_decay`, optax `weight_decay`
-CLIP = 0.1  # ClipNorm's bound: the bench's gradients of 256 elements have norms of about 0.16
-LR_MOMENTUM = 1e-2
-RHO = 0.9  # torch/optax `momentum`
-
-# LAMB and LARS move each array by a fraction of its own norm (the trust ratio): these rates give
-# steps of about 1e-4 and 2e-5 of parameters about 0.02, well above the check's tolerance
-LR_LAMB, EPS_LAMB = 1e-2, 1e-6  # optax.lamb's default eps, and ours
-LR_LARS, TRUST_LARS = 1.0, 1e-3  # optax.lars's default trust_coefficient, and ours
-BETAS_ADOPT, EPS_ADOPT = (0.9, 0.9999), 1e-6  # ADOPT's (and optax.contrib.adopt's) defaults
-BETAS_ADEMAMIX, ALPHA_ADEMAMIX = (0.9, 0.999, 0.9999), 5.0  # AdEMAMix's defaults (b1, b2, b3)
-# Lookahead synchronises on every k-th step: k = 3 puts a synchronisation inside the check's
-# three steps, and makes two of every three timed steps plain Adam steps (the median is one)
-K_LOOKAHEAD, ALPHA_LOOKAHEAD = 3, 0.5
-
-# Adafactor at torch.optim's defaults but ε₁ = 1e-30 (None means the dtype's epsilon, which would
-# differ between the float32 rows and the float64 reference); optax.adafactor adds its eps = 1e-30
-# to g² where ours floors with ε₁: equal for gradients far above it
-LR_ADAFACTOR, DECAY_ADAFACTOR, EPS_ADAFACTOR = 1e-2, -0.8, (1e-30, 1e-3)
-LR_SOAP = 3e-3
-# Muon at torch.optim.Muon's defaults but Nesterov off, where optax.contrib.muon computes the same
-# steps (its Nesterov term is bias-corrected); torch.optim.Muon iterates in bfloat16, 1-3% apart
-LR_MUON, BETA_MUON, DECAY_MUON, NS_MUON = 2e-2, 0.95, 0.1, (3.4445, -4.7750, 2.0315)
-LR_SF_ADAMW, LR_SF_SGD = 2.5e-3, 1e-2  # schedule-free: the package's AdamW default, a gentle SGD rate
-
-HYPERPARAMETERS = {"adam_lr": LR_ADAM, "betas": BETAS, "eps": EPS, "weight_decay": WEIGHT_DECAY,
-                   "momentum_lr": LR_MOMENTUM, "rho": RHO}
-
-
-# --- naive formulas: array by array, in place where easy, as a NumPy user would write them -------
-
-
-def _zeros(xs):
-    return [np.zeros_like(x) for x in xs]
-
-
-def _norm(a):
-    return np.sqrt(np.vdot(a, a))
-
-
-def _trust_ratio(x, u, trust, eps):
-    """`trust·‖x‖/(‖u‖ + eps)`, or 1 where either norm is 0 (as optax)."""
-    nx, nu = _norm(x), _norm(u)
-    return x.dtype.type(1) if nx == 0 or nu == 0 else x.dtype.type(trust) * nx / (nu + x.dtype.type(eps))
-
-
-def _per_array(states: int):
-    """A `Naive` from `formula(f, t)`, which gives at step `t` (`f` the arrays' float type, its
-    scalars cast once a step) `each(x, g, *state)`, the step of one array in place; each array's
-    `states` arrays start at zero."""
-
-    def naive(formula) -> Naive:
-        def make(xs):
-            held = [_zeros(xs) for _ in range(states)]
-
-            def step(gs, t):
-                each = formula(xs[0].dtype.type, t)
-                for x, g, *state in zip(xs, gs, *held):
-                    each(x, g, *state)
-
-            return step
-
-        return make
-
-    return naive
-
-
-@_per_array(states=1)
-def _naive_momentum(f, t):
-    rho, lr = f(RHO), f(LR_MOMENTUM)
-
-    def each(x, g, v):
-        v *= rho
-        v += lr * g
-        x -= v
-
-    return each
-
-
-def _naive_adam(decay: float = 0.0) -> Naive:
-    @_per_array(states=2)
-    def adam(f, t):
-        b1, b2, eps, lr = f(BETAS[0]), f(BETAS[1]), f(EPS), f(LR_ADAM)
-        c1, c2 = f(1 - BETAS[0] ** t), f(1 - BETAS[1] ** t)
-        keep = f(1 - LR_ADAM * decay)
-
-        def each(x, g, m, v):
-            m *= b1
-            m += (1 - b1) * g
-            v *= b2
-            v += (1 - b2) * (g * g)
-            s = (lr / c1) * m / (np.sqrt(v / c2) + eps)
-            if decay:
-                x *= keep
-            x -= s
-
-        return each
-
-    return adam
-
-
-def _naive_clip_adamw(xs):
-    """Each array's gradient clipped to norm CLIP, then AdamW."""
-    adamw = _naive_adam(decay=WEIGHT_DECAY)(xs)
-
-    def step(gs, t):
-        f = xs[0].dtype.type
-        clipped = []
-        for g in gs:
-            norm = np.sqrt(np.sum(g.astype(np.float64) ** 2))
-            clipped.append(g * f(min(1.0, CLIP / norm)) if norm > CLIP else g)
-        adamw(clipped, t)
-
-    return step
+# --- torch peers written by hand (a training loop's gradient surgery, another package) ---------
 
 
 class _ClippedEachTensor:
@@ -233,144 +154,31 @@ class _ClippedEachTensor:
         self.optimizer.step()
 
 
-@_per_array(states=2)
-def _naive_lamb(f, t):
-    b1, b2, eps, lr, wd = f(BETAS[0]), f(BETAS[1]), f(EPS_LAMB), f(LR_LAMB), f(WEIGHT_DECAY)
-    c1, c2 = f(1 - BETAS[0] ** t), f(1 - BETAS[1] ** t)
-
-    def each(x, g, m, v):
-        m *= b1
-        m += (1 - b1) * g
-        v *= b2
-        v += (1 - b2) * (g * g)
-        u = (m / c1) / (np.sqrt(v / c2) + eps) + wd * x
-        x -= (lr * _trust_ratio(x, u, 1.0, 0.0)) * u
-
-    return each
-
-
-@_per_array(states=1)
-def _naive_lars(f, t):
-    beta, lr, wd = f(RHO), f(LR_LARS), f(WEIGHT_DECAY)
-
-    def each(x, g, v):
-        u = g + wd * x
-        v *= beta
-        v += (lr * _trust_ratio(x, u, TRUST_LARS, 0.0)) * u
-        x -= v
-
-    return each
-
-
-@_per_array(states=2)
-def _naive_adopt(f, t):
-    b1, b2, eps, lr = f(BETAS_ADOPT[0]), f(BETAS_ADOPT[1]), f(EPS_ADOPT), f(LR_ADAM)
-    bound = f((t - 1) ** 0.25)
-
-    def each(x, g, m, v):
-        if t == 1:  # the first step only records the second moment
-            v[...] = g * g
-            return
-        u = np.clip(g / np.maximum(np.sqrt(v), eps), -bound, bound)
-        m *= b1
-        m += (1 - b1) * u
-        v *= b2
-        v += (1 - b2) * (g * g)
-        x -= lr * m
-
-    return each
-
-
-@_per_array(states=3)
-def _naive_ademamix(f, t):
-    b1, b2, b3 = (f(b) for b in BETAS_ADEMAMIX)
-    alpha, eps, lr, wd = f(ALPHA_ADEMAMIX), f(EPS), f(LR_ADAM), f(WEIGHT_DECAY)
-    c1, c2 = f(1 - BETAS_ADEMAMIX[0] ** t), f(1 - BETAS_ADEMAMIX[1] ** t)
-
-    def each(x, g, m1, m2, v):
-        m1 *= b1
-        m1 += (1 - b1) * g
-        m2 *= b3
-        m2 += (1 - b3) * g
-        v *= b2
-        v += (1 - b2) * (g * g)
-        x -= lr * ((m1 / c1 + alpha * m2) / (np.sqrt(v / c2) + eps) + wd * x)
-
-    return each
-
-
-def _naive_adafactor(xs):
-    """torch.optim.Adafactor's maths: factored second moments of the last two axes (full for
-    vectors), the update's RMS clipped to 1, a step relative to the parameter's RMS."""
-    rows = [np.zeros(x.shape[:-1] + (1,), x.dtype) if x.ndim >= 2 else None for x in xs]
-    cols = [np.zeros(x.shape[:-2] + (1, x.shape[-1]), x.dtype) if x.ndim >= 2 else None for x in xs]
-    fulls = [None if x.ndim >= 2 else np.zeros_like(x) for x in xs]
-
-    def step(gs, t):
-        f = xs[0].dtype.type
-        eps1, eps2 = f(EPS_ADAFACTOR[0]), f(EPS_ADAFACTOR[1])
-        w = f(t**DECAY_ADAFACTOR)  # 1 − β₂ₜ
-        rho = f(min(LR_ADAFACTOR, 1 / np.sqrt(t)))
-        for i, (x, g) in enumerate(zip(xs, gs)):
-            g2 = g * g
-            if x.ndim >= 2:
-                rows[i] += w * (g2.mean(axis=-1, keepdims=True) - rows[i])
-                cols[i] += w * (g2.mean(axis=-2, keepdims=True) - cols[i])
-                v = rows[i] @ cols[i] / np.maximum(rows[i].mean(axis=-2, keepdims=True), eps1)
-            else:
-                fulls[i] += w * (g2 - fulls[i])
-                v = fulls[i]
-            u = g / np.sqrt(np.maximum(v, eps1 * eps1))
-            root_n = f(np.sqrt(max(x.size, 1)))
-            clip = max(f(1), _norm(u) / root_n)
-            alpha = max(eps2, _norm(x) / root_n) * rho
-            x -= (alpha / clip) * u
-
-    return step
-
-
-def _naive_schedule_free(adam: bool) -> Naive:
-    """The schedulefree package's AdamW (adam=True) or SGD, no warm-up, r = 0, weight power 2:
-    the parameter holds y; z the base iterate; the average x is implicit in y."""
-
-    def make(xs):
-        zs, vs = [x.copy() for x in xs], _zeros(xs)
-        weight_sum = [0.0]
-
-        def step(gs, t):
-            f = xs[0].dtype.type
-            lr = LR_SF_ADAMW if adam else LR_SF_SGD
-            weight_sum[0] += lr**2
-            c = lr**2 / weight_sum[0]
-            b1 = BETAS[0] if adam else RHO
-            scale, rate = f(lr * (b1 * (1 - c) - 1)), f(lr)
-            for x, g, z, v in zip(xs, gs, zs, vs):
-                if adam:
-                    v *= f(BETAS[1])
-                    v += f(1 - BETAS[1]) * (g * g)
-                    u = g / (np.sqrt(v / f(1 - BETAS[1] ** t)) + f(EPS))
-                else:
-                    u = g
-                x += f(c) * (z - x)  # y towards z by the averaging weight
-                x += scale * u
-                z -= rate * u
-
-        return step
-
-    return make
-
-
-class _GradsRestored:
-    """An optimiser whose `step()` first puts back the gradients it was made with: the bench sets
-    `.grad` once, and schedulefree's AdamW divides `.grad` in place (its row times the copy too)."""
+class _GradsPutBack:
+    """A torch optimiser whose `.grad` is put back before each step, untimed (`prepare`), as a
+    training loop's backward pass writes a new one: torch's foreach SGD with Nesterov adds the
+    momentum into `.grad` in place, and the bench sets it once."""
 
     def __init__(self, optimizer, params):
         self.optimizer, self.params = optimizer, params
         self.grads = [p.grad.clone() for p in params]
 
-    def step(self):
+    def prepare(self):
         for p, g in zip(self.params, self.grads):
             p.grad.copy_(g)
+
+    def step(self):
+        self.optimizer.step()
+
+
+class _GradsRestored(_GradsPutBack):
+    """The same with the copy inside the timed step: schedulefree's AdamW divides `.grad` in place
+    (its row times the copy too)."""
+
+    prepare = None  # (the copy is the step's)
+
+    def step(self):
+        _GradsPutBack.prepare(self)
         self.optimizer.step()
 
 
@@ -387,54 +195,46 @@ def _schedulefree_torch(name: str, restore_grads: bool = False, **kwargs):
     return make
 
 
-def _newton_schulz(u):
-    """Keller Jordan's quintic iteration, 5 steps, on the wider orientation of the matrix."""
-    f = u.dtype.type
-    a, b, c = (f(k) for k in NS_MUON)
-    tall = u.shape[0] > u.shape[1]
-    X = u.T if tall else u
-    X = X / max(_norm(X), f(1e-7))
-    for _ in range(5):
-        A = X @ X.T
-        X = a * X + (b * A + c * (A @ A)) @ X
-    return X.T if tall else X
+def _grads_put_back(rule: opt.Rule) -> TorchPeer:
+    """The torch.optim peer of `rule` in the table of peers, its gradients put back before each step."""
+    torch_optim = peers.TORCH[type(rule)]
+    return TorchPeer(f"torch.optim.{torch_optim.name}",
+                     lambda torch, ps, **kw: _GradsPutBack(torch_optim.make(rule, ps, **kw), ps))
 
 
-@_per_array(states=1)
-def _naive_muon(f, t):
-    beta, lr, wd = f(BETA_MUON), f(LR_MUON), f(DECAY_MUON)
+class _ClippedValues:
+    """torch.optim.Adam with L2 decay (`weight_decay`, added to the gradient) after
+    `clip_grad_value_`, as a training loop writes it. Clipping twice is clipping once, so the
+    `.grad` the bench sets once stays the gradient the step sees; the clipping runs over the
+    tensors as the optimiser's variant does (a loop, foreach, or torch's default)."""
 
-    def each(x, g, m):
-        m += (1 - beta) * (g - m)
-        rows, cols = x.shape[0], x.size // x.shape[0]
-        scale = f(np.sqrt(max(1.0, rows / cols)))
-        o = _newton_schulz(m.reshape(rows, cols)).reshape(x.shape)
-        x *= 1 - lr * wd
-        x -= lr * scale * o
+    def __init__(self, torch, params, **kw):
+        self.torch, self.params, self.foreach = torch, params, kw.get("foreach")
+        self.optimizer = torch.optim.Adam(params, lr=LR_ADAM, betas=BETAS, eps=EPS_CHAINS,
+                                          weight_decay=L2_DECAY, **kw)
 
-    return each
+    def step(self):
+        self.torch.nn.utils.clip_grad_value_(self.params, CLIP_VALUE, foreach=self.foreach)
+        self.optimizer.step()
 
 
-def _naive_lookahead(inner: Naive, k: int, alpha: float) -> Naive:
-    """`inner` moves the (fast) parameters; every k-th step the slow copies move `alpha` of the way
-    to them and the parameters restart from there."""
+def _clip_wd_adam_optax(optax):
+    return optax.chain(optax.clip(CLIP_VALUE), optax.add_decayed_weights(L2_DECAY),
+                       optax.adam(LR_ADAM, b1=BETAS[0], b2=BETAS[1], eps=EPS_CHAINS))
 
-    def make(xs):
-        slows = [x.copy() for x in xs]
-        inner_step = inner(xs)
 
-        def step(gs, t):
-            inner_step(gs, t)
-            if t % k:
-                return
-            a = xs[0].dtype.type(alpha)
-            for x, s in zip(xs, slows):
-                s += a * (x - s)
-                x[...] = s
+def _oadam_optax(optax):
+    """optax's optimistic Adam (alpha = beta = 1, no Nesterov) with its first update doubled: it
+    takes the current Adam step for the missing previous one, where ours (and the paper) takes
+    zero, so its first step is half of ours; from the second step on the two coincide (the
+    doubling is one multiplication, which XLA fuses into the step)."""
+    import jax.numpy as jnp
 
-        return step
-
-    return make
+    return optax.chain(
+        optax.optimistic_adam_v2(LR_ADAM, alpha=1.0, beta=1.0, b1=BETAS_OADAM[0], b2=BETAS_OADAM[1], eps=EPS,
+                                 nesterov=False),
+        optax.scale_by_schedule(lambda count: jnp.where(count == 0, 2.0, 1.0)),
+    )
 
 
 def _lookahead_params(params):
@@ -450,8 +250,11 @@ def _lookahead_params(params):
 
 _ADAM_BYTES = "read x, g, m, v; write x, m, v: 7 arrays x 4 bytes = 28"
 _NORMS = "not streaming (its per-array norms need a pass over the array before the step): no floor"
+_ONE_STATE = "read x, g, s; write x, s: 5 arrays x 4 bytes = 20"
+_TWO_STATES = "as Adam: read x, g and two state arrays; write x and both: 7 arrays x 4 bytes = 28"
+_THREE_STATES = "read x, g and three state arrays; write x and the three: 9 arrays x 4 bytes = 36"
 
-def _entry(name: str, title: str, rule: opt.Rule, naive: Naive | None, bytes_per_param: int | None,
+def _entry(name: str, title: str, rule: opt.Rule, formula: Naive | None, bytes_per_param: int | None,
            bytes_model: str, **given) -> BenchRule:
     """The entry of `rule`, whose peers, unless given, are its own in the table of peers."""
     torch_optim, optax_peer = peers.TORCH.get(type(rule)), peers.OPTAX.get(type(rule))
@@ -461,41 +264,41 @@ def _entry(name: str, title: str, rule: opt.Rule, naive: Naive | None, bytes_per
                                    lambda torch, ps, **kw: torch_optim.make(rule, ps, **kw), variants)
     if "optax" not in given and optax_peer is not None:
         given["optax"] = OptaxPeer(lambda optax: optax_peer(optax, rule))
-    return BenchRule(name, title, lambda: rule, given.pop("torch", None), given.pop("optax", None), naive,
+    return BenchRule(name, title, lambda: rule, given.pop("torch", None), given.pop("optax", None), formula,
                      bytes_per_param, bytes_model, **given)
 
 
 RULES: dict[str, BenchRule] = {r.name: r for r in [
-    _entry("adam", "Adam", opt.Adam(eta=LR_ADAM, beta=BETAS, epsilon=EPS), _naive_adam(), 28, _ADAM_BYTES,
+    _entry("adam", "Adam", opt.Adam(eta=LR_ADAM, beta=BETAS, epsilon=EPS), naive.adam(), 28, _ADAM_BYTES,
            in_default_run=True),
     _entry("adamw", "AdamW", opt.AdamW(eta=LR_ADAM, beta=BETAS, lambd=WEIGHT_DECAY, epsilon=EPS),
-           _naive_adam(decay=WEIGHT_DECAY), 28, "as Adam (the decay reads x, which Adam already reads): 28",
+           naive.adam(decay=WEIGHT_DECAY), 28, "as Adam (the decay reads x, which Adam already reads): 28",
            in_default_run=True),
-    _entry("momentum", "Momentum", opt.Momentum(eta=LR_MOMENTUM, rho=RHO), _naive_momentum,
+    _entry("momentum", "Momentum", opt.Momentum(eta=LR_MOMENTUM, rho=RHO), naive.momentum,
            20, "read x, g, v; write x, v: 5 arrays x 4 bytes = 20", in_default_run=True),
     # each array's gradient clipped to a norm, then AdamW: optax clips by the global norm or a
     # block's RMS only, so it has no peer here
     _entry("clip-adamw", "ClipNorm+AdamW",
            opt.OptimiserChain(opt.ClipNorm(CLIP), opt.AdamW(eta=LR_ADAM, beta=BETAS, lambd=WEIGHT_DECAY,
                                                             epsilon=EPS)),
-           _naive_clip_adamw, None,
+           naive.clip_adamw, None,
            "not streaming (each array's norm needs a pass over its gradient before the step): no floor",
            torch=TorchPeer("torch clip_grad_norm_ per tensor + AdamW", _ClippedEachTensor)),
     _entry("lamb", "LAMB", opt.LAMB(eta=LR_LAMB, beta=BETAS, epsilon=EPS_LAMB, lambd=WEIGHT_DECAY),
-           _naive_lamb, None, _NORMS),
+           naive.lamb, None, _NORMS),
     _entry("lars", "LARS", opt.LARS(eta=LR_LARS, beta=RHO, lambd=WEIGHT_DECAY, trust=TRUST_LARS, epsilon=0.0),
-           _naive_lars, None, _NORMS),
-    _entry("adopt", "ADOPT", opt.ADOPT(eta=LR_ADAM, beta=BETAS_ADOPT, epsilon=EPS_ADOPT), _naive_adopt,
+           naive.lars, None, _NORMS),
+    _entry("adopt", "ADOPT", opt.ADOPT(eta=LR_ADAM, beta=BETAS_ADOPT, epsilon=EPS_ADOPT), naive.adopt,
            28, "as Adam: read x, g, m, v; write x, m, v = 28"),
     _entry("ademamix", "AdEMAMix",
            opt.AdEMAMix(eta=LR_ADAM, beta=BETAS_ADEMAMIX, alpha=ALPHA_ADEMAMIX, epsilon=EPS,
                         lambd=WEIGHT_DECAY),
-           _naive_ademamix, 36, "read x, g, m1, m2, v; write x, m1, m2, v: 9 arrays x 4 bytes = 36"),
+           naive.ademamix, 36, "read x, g, m1, m2, v; write x, m1, m2, v: 9 arrays x 4 bytes = 36"),
     # optax.lookahead trains LookaheadParams(fast, slow): the model is its fast part
     _entry("lookahead", "Lookahead(Adam)",
            opt.Lookahead(opt.Adam(eta=LR_ADAM, beta=BETAS, epsilon=EPS), k=K_LOOKAHEAD,
                          alpha=ALPHA_LOOKAHEAD),
-           _naive_lookahead(_naive_adam(), K_LOOKAHEAD, ALPHA_LOOKAHEAD),
+           naive.lookahead(naive.adam(), K_LOOKAHEAD, ALPHA_LOOKAHEAD),
            28, "Adam's 28 on the median step (a synchronisation, every k-th step, also reads and "
            "writes the slow copy)",
            optax=OptaxPeer(
@@ -506,23 +309,23 @@ RULES: dict[str, BenchRule] = {r.name: r for r in [
            )),
     _entry("adafactor", "Adafactor",
            opt.Adafactor(eta=LR_ADAFACTOR, beta2_decay=DECAY_ADAFACTOR, epsilon=EPS_ADAFACTOR),
-           _naive_adafactor, None,
+           naive.adafactor, None,
            "not streaming (the update's RMS needs a pass over the array before the step): no floor"),
     # the schedulefree package (the oracle) and optax.contrib agree without warm-up and with r = 0
     _entry("sf-adamw", "ScheduleFreeAdamW", opt.ScheduleFreeAdamW(eta=LR_SF_ADAMW, beta=BETAS, epsilon=EPS),
-           _naive_schedule_free(adam=True),
+           naive.schedule_free(adam=True),
            36, "read y, g, z, v; write y, z, v: 7 arrays, plus the z read again for y = 36 at most",
            torch=TorchPeer("schedulefree.AdamWScheduleFree",
                            _schedulefree_torch("AdamWScheduleFree", restore_grads=True, lr=LR_SF_ADAMW,
                                                betas=BETAS, eps=EPS),
                            variants={"loop": {}})),
     _entry("sf-sgd", "ScheduleFreeSGD", opt.ScheduleFreeSGD(eta=LR_SF_SGD, beta=RHO),
-           _naive_schedule_free(adam=False), 20, "read y, g, z; write y, z: 5 arrays x 4 bytes = 20",
+           naive.schedule_free(adam=False), 20, "read y, g, z; write y, z: 5 arrays x 4 bytes = 20",
            torch=TorchPeer("schedulefree.SGDScheduleFree",
                            _schedulefree_torch("SGDScheduleFree", lr=LR_SF_SGD, momentum=RHO),
                            variants={"loop": {}})),
     _entry("muon", "Muon", opt.Muon(eta=LR_MUON, beta=BETA_MUON, lambd=DECAY_MUON, nesterov=False),
-           _naive_muon, None, "not streaming (matrix products): no floor", shapes=only_matrices,
+           naive.muon, None, "not streaming (matrix products): no floor", shapes=only_matrices,
            torch=TorchPeer("torch.optim.Muon",
                            lambda torch, ps, **kw: torch.optim.Muon(ps, lr=LR_MUON, weight_decay=DECAY_MUON,
                                                                     momentum=BETA_MUON, nesterov=False, **kw),
@@ -531,6 +334,52 @@ RULES: dict[str, BenchRule] = {r.name: r for r in [
     # against the paper's algorithm and heavyball's)
     _entry("soap", "SOAP", opt.SOAP(eta=LR_SOAP), None,
            None, "not streaming (matrix products with its eigenbases): no floor"),
+    # --- every other elementwise rule, and a chain of elementwise rules --------------------------
+    _entry("descent", "Descent", opt.Descent(eta=LR_MOMENTUM), naive.descent,
+           12, "read x, g; write x: 3 arrays x 4 bytes = 12"),
+    _entry("nesterov", "Nesterov", opt.Nesterov(eta=LR_MOMENTUM, rho=RHO), naive.nesterov, 20,
+           "as Momentum: read x, g, v; write x, v = 20",
+           torch=_grads_put_back(opt.Nesterov(eta=LR_MOMENTUM, rho=RHO))),
+    _entry("rmsprop", "RMSProp", opt.RMSProp(eta=LR_ADAM, rho=RHO, epsilon=EPS), naive.rmsprop,
+           20, _ONE_STATE),
+    # (one gradient every step: no sign flips, so the steps grow; tests/test_rules.py flips them)
+    _entry("rprop", "Rprop", opt.Rprop(eta=LR_ADAM, ell=ETAS_RPROP, gamma=STEP_SIZES_RPROP), naive.rprop,
+           28, "read x, g, the last gradient p and the step sizes s; write x, p, s: 7 arrays x 4 bytes = 28"),
+    _entry("adagrad", "AdaGrad", opt.AdaGrad(eta=LR_ADAM, epsilon=EPS_ADAGRAD), naive.adagrad,
+           20, _ONE_STATE),
+    _entry("adadelta", "AdaDelta", opt.AdaDelta(rho=RHO, epsilon=EPS_ADADELTA), naive.adadelta, 28,
+           _TWO_STATES),
+    # torch.optim.RAdam rectifies from ρₜ > 5 (we and optax from 4: only step 5 differs) and puts ε
+    # elsewhere: the check's three steps are unrectified (ρₜ < 4), where all three agree; the timed
+    # steps are rectified, the formula each library keeps from then on
+    _entry("radam", "RAdam", opt.RAdam(eta=LR_ADAM, beta=BETAS, epsilon=EPS), naive.radam, 28, _TWO_STATES),
+    # torch.optim.NAdam's momentum schedule is Dozat's, which no setting makes ours: optax only
+    _entry("nadam", "NAdam", opt.NAdam(eta=LR_ADAM, beta=BETAS, epsilon=EPS), naive.nadam, 28, _TWO_STATES),
+    _entry("adamax", "AdaMax", opt.AdaMax(eta=LR_ADAM, beta=BETAS, epsilon=EPS_ADAMAX), naive.adamax, 28,
+           _TWO_STATES),
+    # torch's Adam(amsgrad=True) takes the maximum of the uncorrected v: optax only. The bench steps
+    # with one gradient, where the corrected v never decreases and AMSGrad's maximum is Adam's v:
+    # its check tells its rows from a wrong formula, not from Adam (tests/test_rules.py does that)
+    _entry("amsgrad", "AMSGrad", opt.AMSGrad(eta=LR_ADAM, beta=BETAS, epsilon=EPS), naive.amsgrad, 36,
+           _THREE_STATES),
+    _entry("adabelief", "AdaBelief", opt.AdaBelief(eta=LR_ADAM, beta=BETAS, epsilon=EPS_ADABELIEF),
+           naive.adabelief, 28, _TWO_STATES),
+    _entry("oadam", "OAdam", opt.OAdam(eta=LR_ADAM, beta=BETAS_OADAM, epsilon=EPS), naive.oadam, 36,
+           _THREE_STATES, optax=OptaxPeer(_oadam_optax)),
+    _entry("lion", "Lion", opt.Lion(eta=LR_ADAM, beta=BETAS_LION), naive.lion, 20, _ONE_STATE),
+    # clip_grad_value_ then Adam(weight_decay) in torch: the decay is added to the clipped gradient
+    _entry("clip-wd-adam", "ClipGrad+WeightDecay+Adam",
+           opt.OptimiserChain(opt.ClipGrad(CLIP_VALUE), opt.WeightDecay(L2_DECAY),
+                              opt.Adam(eta=LR_ADAM, beta=BETAS, epsilon=EPS_CHAINS)),
+           naive.clip_wd_adam, 28, "as Adam (the clipping and the decay read g and x, which Adam reads): 28",
+           torch=TorchPeer("torch clip_grad_value_ + Adam(weight_decay)", _ClippedValues),
+           optax=OptaxPeer(_clip_wd_adam_optax)),
+    # L1 decay: neither torch.optim nor optax has it, so ours and the naive loop alone. With
+    # Momentum, not Adam: an element whose x comes within rounding of 0 takes the other sign's decay
+    # in float32, and Adam's float32 β₂ widens that window a hundredfold (S1 has such elements)
+    _entry("sign-decay-momentum", "SignDecay+Momentum",
+           opt.OptimiserChain(opt.SignDecay(L1_DECAY), opt.Momentum(eta=LR_MOMENTUM, rho=RHO)),
+           naive.sign_decay_momentum, 20, "as Momentum (the decay reads x, which Momentum reads): 20"),
 ]}
 
 
