@@ -62,13 +62,17 @@ class _LowBitDropIn(DropIn):
             if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < least:
                 raise ValueError(f"{where}: {key} must be an integer >= {least}, got {v!r}")
         if not isinstance(h.get("bf16_stochastic_round"), bool):
-            raise ValueError(f"{where}: bf16_stochastic_round must be True or False, got {h['bf16_stochastic_round']!r}")
+            raise ValueError(
+                f"{where}: bf16_stochastic_round must be True or False, got {h['bf16_stochastic_round']!r}"
+            )
 
     def _structure(self, h):
         return tuple(h.get(k) for k in STRUCTURE)
 
     def _rule(self, h):
-        rule = LowBit(self._inner(h), bits=self._bits, block=int(h["block_size"]), min_size=int(h["min_8bit_size"]))
+        rule = LowBit(
+            self._inner(h), bits=self._bits, block=int(h["block_size"]), min_size=int(h["min_8bit_size"])
+        )
         return StochasticRounding(rule) if h["bf16_stochastic_round"] else rule
 
     def _inner(self, h):
@@ -93,7 +97,10 @@ class _LowBitDropIn(DropIn):
         """bitsandbytes' layout: the quantised keys of each entry nested under
         `__bnb_optimizer_quant_state__` (`state[p]` shows them flat, as bitsandbytes' does)."""
         out = super().state_dict()
-        return {**out, "state": {k: wrapped(v) if isinstance(v, dict) else v for k, v in out["state"].items()}}
+        return {
+            **out,
+            "state": {k: wrapped(v) if isinstance(v, dict) else v for k, v in out["state"].items()},
+        }
 
     def load_state_dict(self, state_dict) -> None:
         """This class's, bitsandbytes' (`bnb.optim.AdamW8bit` & co.) or torch.optim's Adam/AdamW
@@ -254,5 +261,3 @@ class Lion8bit(_LowBitDropIn):
         if isinstance(template, tuple):
             return (moments[0], *template[1:])
         return moments[0]
-
-

@@ -41,7 +41,10 @@ def unwrapped(entry):
     if not isinstance(entry, Mapping) or WRAPPED not in entry:
         return entry
     inner = entry[WRAPPED]
-    return {**{k: v for k, v in entry.items() if k != WRAPPED}, **(inner if isinstance(inner, Mapping) else {})}
+    return {
+        **{k: v for k, v in entry.items() if k != WRAPPED},
+        **(inner if isinstance(inner, Mapping) else {}),
+    }
 
 
 def wrapped(entry: Mapping) -> dict:
@@ -93,7 +96,9 @@ class LowBitFormat(TorchFormat):
             template = rule.init(self.opt._policy.engine_view(p))
         moments, _ = self.opt._moments_and_step(template)
         torch_layout = any(name in entry for name in TORCH_NAMES)
-        names = TORCH_NAMES[: len(moments)] if torch_layout else [f"state{k}" for k in range(1, len(moments) + 1)]
+        names = (
+            TORCH_NAMES[: len(moments)] if torch_layout else [f"state{k}" for k in range(1, len(moments) + 1)]
+        )
         expected = {"step", *names}
         if not torch_layout:
             expected |= {f"{key}{k}" for k in range(1, len(moments) + 1) for key in ("qmap", "absmax")}
@@ -137,7 +142,11 @@ def _moment(like, entry: Mapping, name: str, k: str, p: torch.Tensor, where: str
             )
         values = value.detach().to(device=p.device, dtype=torch.float32, copy=True)
     if isinstance(like, Quantised):
-        return values if isinstance(values, Quantised) else ops.quantise(values, like.bits, like.signed, like.block)
+        return (
+            values
+            if isinstance(values, Quantised)
+            else ops.quantise(values, like.bits, like.signed, like.block)
+        )
     if isinstance(values, Quantised):
         values = ops.dequantise(values)
     return values.to(dtype=like.dtype, device=like.device)
@@ -154,12 +163,14 @@ def _codes_read(like, entry, name, k, p, where) -> Quantised:
     codes, scale, qmap = entry[name], entry.get(f"absmax{k}"), entry.get(f"qmap{k}")
     for key, t in ((f"absmax{k}", scale), (f"qmap{k}", qmap)):
         if not isinstance(t, torch.Tensor):
-            raise CheckpointError(f"{where}: {key!r} must be a tensor beside the codes, got {type(t).__name__}")
+            raise CheckpointError(
+                f"{where}: {key!r} must be a tensor beside the codes, got {type(t).__name__}"
+            )
     ours = code_map(like)
     if qmap.dtype != torch.float32 or not torch.equal(qmap.cpu().view(torch.int32), ours.view(torch.int32)):
         raise CheckpointError(
             f"{where}: 'qmap{k}' is not this optimizer's map for that moment ({len(ours)} float32 values of "
-            f"the {like.bits!r}-bit {'signed' if like.signed else 'unsigned'} format): another format or class?"
+            f"the {like.bits!r}-bit {'signed' if like.signed else 'unsigned'} format): another class?"
         )
     want_codes, want_scale = tuple(like.codes.shape), tuple(like.scale.shape)
     if codes.dtype != torch.uint8 or tuple(codes.shape) != want_codes or tuple(scale.shape) != want_scale:
@@ -170,5 +181,7 @@ def _codes_read(like, entry, name, k, p, where) -> Quantised:
         )
     device = like.codes.device
     return dataclasses.replace(
-        like, codes=codes.detach().to(device, copy=True), scale=scale.detach().to(device, torch.float32, copy=True)
+        like,
+        codes=codes.detach().to(device, copy=True),
+        scale=scale.detach().to(device, torch.float32, copy=True),
     )
