@@ -272,7 +272,6 @@ def test_bf16_stochastic_round_moves_bfloat16_weights_on_average_and_keeps_the_l
         (lambda ps: ot.AdamW8bit(ps, block_wise=False), "block_wise=True"),
         (lambda ps: ot.AdamW4bit(ps, block_size=0), "block_size must be an integer >= 1"),
         (lambda ps: ot.AdamWFp8(ps, min_8bit_size=-1), "min_8bit_size must be an integer >= 0"),
-        (lambda ps: ot.Lion8bit(ps, weight_decay=0.1), "weight_decay=0 only"),
         (lambda ps: ot.AdamW8bit(ps, lr=-1.0), "Invalid lr"),
     ],
 )
@@ -313,17 +312,39 @@ def test_changing_the_layout_after_construction_is_refused():
         stepped_one(optimizer, [p])
 
 
-def test_lion8bit_is_lowbit_lion():
+def test_lion8bit_is_lowbit_lion_with_decoupled_decay():
     x0, grads = start(), gradients(4)
-    ours, optimizer = trajectory(ot.Lion8bit, x0, grads, lr=1e-3)
+    ours, optimizer = trajectory(ot.Lion8bit, x0, grads, lr=1e-3, weight_decay=0.5)
     x, m = x0.clone(), opt.quantise(torch.zeros_like(x0), 8, True)
     for g in grads:
         old = opt.dequantise(m)
-        x = x - 1e-3 * torch.sign(0.9 * old + (1 - 0.9) * g)
+        x = x * (1 - 1e-3 * 0.5) - 1e-3 * torch.sign(0.9 * old + (1 - 0.9) * g)
         m = opt.quantise(0.99 * old + (1 - 0.99) * g, 8, True)
     torch.testing.assert_close(ours, x, rtol=0, atol=1e-6)
-    entry = optimizer.state[optimizer.param_groups[0]["params"][0]]
-    assert set(entry) == {"step", "state1", "qmap1", "absmax1"}
+    p = optimizer.param_groups[0]["params"][0]
+    assert (
+        set(optimizer.state[p]) == {"step", "state1", "qmap1", "absmax1"} and optimizer.state[p]["step"] == 4
+    )
+    again = ot.Lion8bit([p], lr=1e-3, weight_decay=0.5)
+    again.load_state_dict(saved_and_read(optimizer.state_dict()))
+    assert_same_entry(again.state[p], optimizer.state[p])
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_lion8bit_checkpoint_loads_into_bitsandbytes_and_back():
+    bnb = bnb_optim()
+    params = [torch.nn.Parameter(start()), torch.nn.Parameter(torch.zeros(100))]
+    ours = ot.Lion8bit(params, lr=1e-4)
+    stepped(ours, params, 2, seed=0)
+    theirs = bnb.Lion8bit(params, lr=1e-4)
+    theirs.load_state_dict(saved_and_read(ours.state_dict()))
+    for p in params:
+        assert_same_entry(ours.state[p], theirs.state[p])
+    stepped(theirs, params, 1, seed=1)
+    back = ot.Lion8bit(params, lr=1e-4)
+    back.load_state_dict(saved_and_read(theirs.state_dict()))
+    for p in params:
+        assert_same_entry(back.state[p], theirs.state[p])
 
 
 def test_paged_adamw8bit_is_adamw8bit():

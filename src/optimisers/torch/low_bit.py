@@ -12,10 +12,14 @@ the new float32 moments, quantise), and keep bitsandbytes 0.50's state layout
 from __future__ import annotations
 
 import numbers
+from dataclasses import dataclass
 
+from optimisers.core.rule import Rule
 from optimisers.rules.adam import Adam as _Adam
 from optimisers.rules.adam import AdamW as _AdamW
 from optimisers.rules.adam import Lion as _Lion
+from optimisers.rules.combinators import OptimiserChain, _Wrapper
+from optimisers.rules.gradient import WeightDecay
 from optimisers.rules.low_bit import LowBit
 from optimisers.rules.rounding import StochasticRounding
 from optimisers.torch.dropin_base import DropIn, check_values, torch_args
@@ -232,32 +236,56 @@ class AdamFp8(AdamWFp8):
         DropIn.__init__(self, params, _group(locals()))
 
 
+@dataclass(frozen=True, repr=False)
+class _StepCounted(_Wrapper):
+    """`rule`, with a count of its steps beside its state `(inner, t)`: bitsandbytes keeps a
+    `step` for Lion, which needs none."""
+
+    rule: Rule
+    elementwise = False  # (its count is per parameter, as bitsandbytes' is)
+
+    def init(self, x):
+        return self.rule.init(x), 0
+
+    def apply(self, state, x, dx):
+        inner, step = self.rule.apply(state[0], x, dx)
+        return (inner, state[1] + 1), step
+
+
 class Lion8bit(_LowBitDropIn):
-    """`bnb.optim.Lion8bit`, trained by `LowBit(Lion(...), bits=8)` (momentum in the signed dynamic
-    map). bitsandbytes' keys `state1`, `qmap1`, `absmax1`; the step count is not kept (Lion needs
-    none), and shows as 0. `weight_decay` (decoupled, as bitsandbytes') is not done yet: 0 only."""
+    """`bnb.optim.Lion8bit`, trained by `LowBit(OptimiserChain(Lion(lr, betas), WeightDecay(lr·wd)))`
+    (momentum in the signed dynamic map; the decay decoupled, `p ← p·(1 − lr·wd)`, as
+    bitsandbytes'), with a step count. Its keys: `step`, `state1`, `qmap1`, `absmax1`."""
 
     def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0, args=None, min_8bit_size=4096,
                  is_paged=False, *, percentile_clipping=100, block_wise=True, block_size=256,
                  bf16_stochastic_round=False):  # fmt: skip
+        eps = 0.0  # (a group key of bitsandbytes' Lion, which it reads and does not use)
         super().__init__(params, _group(locals()))
 
     def _check(self, h, where):
         super()._check(h, where)
-        if float(h["weight_decay"]) != 0:
-            raise ValueError(
-                f"{where}: Lion8bit takes weight_decay=0 only here (got {h['weight_decay']!r}); "
-                "decoupled weight decay for Lion is not done yet"
-            )
+        if h.get("eps") != 0:
+            raise ValueError(f"{where}: Lion8bit takes eps=0.0 only (Lion has no epsilon), got {h['eps']!r}")
+
+    def _rule(self, h):
+        return _StepCounted(super()._rule(h))
 
     def _inner(self, h):
-        return _Lion(float(h["lr"]), tuple(float(b) for b in h["betas"]))
+        lr = float(h["lr"])
+        lion = _Lion(lr, tuple(float(b) for b in h["betas"]))
+        return OptimiserChain(lion, WeightDecay(lr * float(h["weight_decay"])))
 
-    # the rule's state: LowBit(Lion)'s `m`, inside StochasticRounding's `(m, t, dtype)`
+    # the rule's state: `(inner, step)`, inner the chain's `(m, None)` or StochasticRounding's
+    # `(chain, t, dtype)`
     def _moments_and_step(self, state):
-        return [state[0] if isinstance(state, tuple) else state], 0
+        inner, step = state
+        chain = inner[0] if len(inner) == 3 else inner
+        return [chain[0]], step
 
     def _with_moments_and_step(self, template, moments, step):
-        if isinstance(template, tuple):
-            return (moments[0], *template[1:])
-        return moments[0]
+        inner, _ = template
+        if len(inner) == 3:
+            chain, _, dtype = inner
+            return ((moments[0], *chain[1:]), (step if dtype is not None else 0), dtype), step
+        return (moments[0], *inner[1:]), step
