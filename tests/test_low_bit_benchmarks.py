@@ -36,3 +36,18 @@ def test_small_run_prints_the_layouts_bytes_per_parameter():
         assert "same bytes" in cells[3]
     assert float(rows["AdamW, float32"][0]) == 8.0
     assert float(rows["LowBit(AdamW), 8-bit"][0]) <= 2.04 and float(rows["LowBit(AdamW), 4-bit"][0]) <= 1.07
+
+
+def test_accuracy_smoke_run_prints_every_run_against_the_reference():
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "low_bit_accuracy.py"), "--steps", "3", "--seeds", "1"],
+        capture_output=True, text=True, timeout=600, check=True,
+    ).stdout  # fmt: skip
+    rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| ") and "---" not in line]
+    names = [cells[0].strip() for cells in rows[1:]]
+    assert names[0] == "AdamW, float32 (torch.optim)" and rows[1][3].strip() == "+0.00%"
+    assert {"AdamW8bit", "AdamWFp8", "AdamW4bit", "bf16, StochasticRounding", "bf16, KahanSummation"} <= set(
+        names
+    )
+    for cells in rows[1:]:
+        assert 0 < float(cells[1]) < 10  # finite losses, below a wild guess's (ln 256 ≈ 5.5, plus)
