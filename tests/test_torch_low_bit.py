@@ -196,12 +196,19 @@ def test_torch_adamw_checkpoint_is_quantised_on_load():
     assert torch.equal(ours.state[params[1]]["state2"], small["exp_avg_sq"])
 
 
-def test_adam_checkpoint_refused_by_the_adamw_class():
+def test_torch_adam_checkpoints_load_into_the_class_that_decays_as_they_do():
     params = [torch.nn.Parameter(start())]
-    theirs = torch.optim.Adam(params, lr=1e-3, maximize=True)
-    stepped_one(theirs, params)
-    with pytest.raises(ValueError, match="maximize=True"):
-        ot.AdamW8bit(params).load_state_dict(theirs.state_dict())
+    adam = torch.optim.Adam(params, lr=1e-3, weight_decay=0.1)
+    stepped_one(adam, params)
+    with pytest.raises(CheckpointError, match="matching class"):
+        ot.AdamW8bit(params).load_state_dict(adam.state_dict())
+    ours = ot.Adam8bit(params)
+    ours.load_state_dict(adam.state_dict())
+    assert ours.param_groups[0]["weight_decay"] == 0.1 and ours.state[params[0]]["step"] == 1
+    maximising = torch.optim.AdamW(params, lr=1e-3, maximize=True)
+    stepped_one(maximising, params)
+    with pytest.raises(CheckpointError, match="maximize=True"):
+        ot.AdamW8bit(params).load_state_dict(maximising.state_dict())
 
 
 def stepped_one(optimizer, params):

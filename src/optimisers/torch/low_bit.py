@@ -14,6 +14,7 @@ from __future__ import annotations
 import numbers
 from dataclasses import dataclass
 
+from optimisers.checkpoints.state_dict import CheckpointError
 from optimisers.core.rule import Rule
 from optimisers.rules.adam import Adam as _Adam
 from optimisers.rules.adam import AdamW as _AdamW
@@ -127,7 +128,7 @@ class _LowBitDropIn(DropIn):
         for key, value in [*BNB_GROUP_KEYS.items(), *((k, False) for k in TORCH_SWITCHES)]:
             if key in out and key not in self._hyper:
                 if out[key] not in (value, None):
-                    raise ValueError(
+                    raise CheckpointError(
                         f"group {i} of the checkpoint has {key}={out[key]!r}, which {type(self).__name__} "
                         "does not do; it loads checkpoints of bitsandbytes' and torch.optim's Adam/AdamW "
                         "with their defaults"
@@ -135,7 +136,7 @@ class _LowBitDropIn(DropIn):
                 del out[key]
         if "decoupled_weight_decay" in out and "decoupled_weight_decay" not in self._hyper:
             if bool(out.pop("decoupled_weight_decay")) != self._decoupled:
-                raise ValueError(
+                raise CheckpointError(
                     f"group {i} of the checkpoint decays weights "
                     f"{'as AdamW' if not self._decoupled else 'as Adam (L2)'}, {type(self).__name__} "
                     f"{'as AdamW' if self._decoupled else 'as Adam'}: load it into the matching class"
