@@ -359,3 +359,37 @@ def test_paged_adamw8bit_is_adamw8bit():
     a, _ = trajectory(ot.PagedAdamW8bit, x0, grads)
     b, _ = trajectory(ot.AdamW8bit, x0, grads)
     assert torch.equal(a, b)
+
+
+def test_an_lr_scheduler_reaches_the_rule():
+    """StepLR halving lr each step: the trajectory is the written-out LowBit(AdamW) with those lrs."""
+    x0, grads = start(), gradients(4)
+    p = torch.nn.Parameter(x0.clone())
+    optimizer = ot.AdamW8bit([p], lr=1e-2, weight_decay=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    for g in grads:
+        p.grad = g.clone()
+        optimizer.step()
+        scheduler.step()
+    x = x0.clone()
+    m, v = opt.quantise(torch.zeros_like(x), 8, True), opt.quantise(torch.zeros_like(x), 8, False)
+    for t, g in enumerate(grads, start=1):
+        lr = 1e-2 * 0.5 ** (t - 1)
+        m_new = 0.9 * opt.dequantise(m) + (1 - 0.9) * g
+        v_new = 0.999 * opt.dequantise(v) + (1 - 0.999) * g * g
+        direction = (m_new / (1 - 0.9**t)) / ((v_new / (1 - 0.999**t)).sqrt() + 1e-8)
+        x = x - lr * (direction + 0.1 * x)
+        m, v = opt.quantise(m_new, 8, True), opt.quantise(v_new, 8, False)
+    torch.testing.assert_close(p.detach(), x, rtol=0, atol=float(1e-4 * (x - x0).abs().max()))
+
+
+def test_state_of_one_parameter_can_be_set_from_another_optimizer():
+    p = torch.nn.Parameter(start())
+    source = ot.AdamW4bit([p])
+    stepped_one(source, [p])
+    target = ot.AdamW4bit([p])
+    target.state[p] = source.state[p]
+    assert_same_entry(target.state[p], source.state[p])
+    with pytest.raises(CheckpointError, match="qmap1"):
+        target.state[p] = {**source.state[p], "qmap1": source.state[p]["qmap2"]}
+    assert_same_entry(target.state[p], source.state[p])
