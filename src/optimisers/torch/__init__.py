@@ -23,10 +23,21 @@ from optimisers.torch.dropins import (
     Rprop,
 )
 from optimisers.torch.flat import FlatBuffers, flatten_
+from optimisers.torch.low_bit import (
+    Adam4bit,
+    Adam8bit,
+    AdamFp8,
+    AdamW4bit,
+    AdamW8bit,
+    AdamWFp8,
+    Lion8bit,
+    PagedAdamW8bit,
+)
 from optimisers.torch.optimizer import Optimizer
 from optimisers.torch.schedule_free import AdamWScheduleFree, SGDScheduleFree
 
 __all__ = [
     "Optimizer", "flatten_", "FlatBuffers", "SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadelta",
     "Adamax", "NAdam", "RAdam", "Rprop", "Adafactor", "AdamWScheduleFree", "SGDScheduleFree", "Muon",
+    "AdamW8bit", "Adam8bit", "PagedAdamW8bit", "Lion8bit", "AdamW4bit", "Adam4bit", "AdamWFp8", "AdamFp8",
 ]  # fmt: skip
