@@ -273,3 +273,24 @@ def test_torch_compile_kernels_equal_numbas_and_adjusting_does_not_recompile(dty
     tol = {"rtol": 1e-5, "atol": 1e-6} if dtype == "float32" else {}
     torch.testing.assert_close(weight, weight_, **tol)
     torch.testing.assert_close(bias, bias_, **tol)
+
+
+@dataclasses.dataclass(frozen=True)
+class PowerStep(opt.Rule):
+    """Steps by `eta · 2^dx`: a number raised to an array (`__rpow__`)."""
+
+    eta: float = 0.01
+    elementwise = True
+    never_raises = True
+
+    def apply(self, state, x, dx):
+        return state, ops.scalar(self.eta, x) * (ops.scalar(2.0, x) ** dx)
+
+
+def test_a_number_raised_to_an_array_is_compiled(runs):
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal(20000).astype(np.float32)
+    g = rng.standard_normal(20000).astype(np.float32)
+    _, model = opt.update_(opt.setup(PowerStep(), {"w": x.copy()}), {"w": x.copy()}, {"w": g})
+    assert runs() == 1
+    np.testing.assert_allclose(model["w"], x - np.float32(0.01) * np.float32(2.0) ** g, rtol=1e-6, atol=1e-7)

@@ -131,6 +131,13 @@ class Traced:
         return self.rec.node(f"pow {value!r}", (self.at,), sample)
 
 
+def _rpow(self, base):
+    return _op("pow", operator.pow, base, self)
+
+
+Traced.__rpow__ = _rpow
+
+
 def _binary(name, fn):
     def forward(self, other):
         return _op(name, fn, self, other)

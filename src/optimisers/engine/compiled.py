@@ -139,6 +139,8 @@ def _kernel(b, rule, spec, array_at, scalars, samples, device, mode="in place", 
     except traced.Untraceable:
         _UNTRACEABLE.add(_kind(rule))  # (asked once: eager from now on)
         return None
+    except Exception:  # (anything else the stand-ins meet: the eager step runs, and says it)
+        return None
     if mode == "in place":
         position = {k: 2 + n for n, k in enumerate(k for k, a in enumerate(array_at) if a)}
         aliases = tuple(0 if w == "x" else position[w] for w in step.writes)
