@@ -22,6 +22,7 @@ import sys
 import tempfile
 
 from optimisers.backends import numpy_kernels
+from optimisers.backends.traced import compared_in
 
 _NUMBERS = {"float32", "float64", "bool"}  # dtypes the loop computes in
 _HALVES = {"float16", "bfloat16"}  # dtypes stored as 16 bits, computed in float32
@@ -159,9 +160,7 @@ def _line(op, args, t, computes, consts, stored):
             return f"np.uint32(_from_float16(a{args[0]}[i])).view(np.float32)"
         return f"a{args[0]}[i]"
     if op in _SYMBOLS:
-        # a comparison computes in its operands' dtype: a node's, or the wider of two nodes'
-        nodes = [computes[a] for a in args if a >= 0]
-        common = t if t != "bool" else ("float64" if "float64" in nodes else nodes[0] if nodes else "float64")
+        common = compared_in(args, t, computes)
         a, b = (_operand(a, common, computes, consts) for a in args)
         return f"({a} {_SYMBOLS[op]} {b})"
     if op in _CALLS:

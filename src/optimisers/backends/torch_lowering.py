@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from optimisers.backends.traced import compared_in
+
 _KERNELS: dict = {}  # program -> its compiled function
 _SYMBOLS = {"add": "+", "sub": "-", "mul": "*", "truediv": "/", "lt": "<", "le": "<=", "gt": ">",
             "ge": ">=", "eq": "==", "ne": "!=", "and": "&", "or": "|"}
@@ -66,8 +68,7 @@ def _line(op, args, t, dtypes):
     if op == "in":
         return f"a{args[0]}"
     if op in _SYMBOLS:
-        nodes = [dtypes[a] for a in args if a >= 0]
-        common = t if t != "bool" else ("float64" if "float64" in nodes else nodes[0] if nodes else "float64")
+        common = compared_in(args, t, dtypes)
         a, b = (_operand(a, common, dtypes) for a in args)
         return f"({a} {_SYMBOLS[op]} {b})"
     if op in _CALLS:

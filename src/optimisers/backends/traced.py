@@ -45,6 +45,16 @@ class Program(NamedTuple):
         return [found[k] for k in range(len(found))]
 
 
+def compared_in(args, dtype: str, names: list) -> str:
+    """The dtype (by name) a node of dtype `dtype` computes in, given its operands `args` and
+    each node's computing dtype `names`: its own, but a comparison (a bool) computes in its
+    operands' dtype (the wider of two nodes'; a constant takes the node's)."""
+    if dtype != "bool":
+        return dtype
+    nodes = [names[a] for a in args if a >= 0]
+    return "float64" if "float64" in nodes or not nodes else nodes[0]
+
+
 class Recorder:
     """The program being traced: its nodes, and the values of its constant slots."""
 
