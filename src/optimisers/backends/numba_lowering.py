@@ -23,6 +23,8 @@ import tempfile
 
 from optimisers.backends import numpy_kernels
 from optimisers.backends.traced import compared_in
+from optimisers.core.quant_lookup import codebook
+from optimisers.core.quantised import SMALLEST_SCALE
 
 _NUMBERS = {"float32", "float64", "bool"}  # dtypes the loop computes in
 _HALVES = {"float16", "bfloat16"}  # dtypes stored as 16 bits, computed in float32
@@ -120,27 +122,154 @@ def source_of(program, aliases=()) -> str | None:
     into (a step in place), or -1 for an array of its own; the loop then takes only the others,
     so that LLVM, finding no two arguments overlap, runs its vectorised loop."""
     aliases = aliases or (-1,) * len(program.outputs)
-    names = [_name(dtype) for _, _, dtype in program.nodes]
-    if not set(names) | {_name(d) for _, d in program.outputs} <= _NUMBERS | _HALVES:
+    computes, consts, body = _body(program, {})
+    if body is None:
         return None
-    inputs = [_name(d) for d in program.inputs]
-    computes = ["float32" if n in _HALVES else n for n in names]
-    consts, body = {}, []
-    for n, (op, args, _) in enumerate(program.nodes):
-        line = _line(op, args, computes[n], computes, consts, names[n])
-        if line is None:
-            return None
-        body.append(f"        v{n} = {line}")
-    arrays = [f"a{k}" for k in range(len(inputs))] + [f"o{m}" for m, k in enumerate(aliases) if k < 0]
+    arrays = [f"a{k}" for k in range(len(program.inputs))]
+    arrays += [f"o{m}" for m, k in enumerate(aliases) if k < 0]
     lines = [f"def kernel({', '.join(arrays)}, c):"]
     lines += [f"    k{k}_{t} = np.{t}(c[{k}])" for k, t in consts]
     lines.append(f"    for i in range({arrays[0]}.shape[0]):")
-    lines += body
+    lines += ["        " + line for line in body]
     for m, (n, dtype) in enumerate(program.outputs):  # (every element read before any is written)
         target = f"o{m}" if aliases[m] < 0 else f"a{aliases[m]}"
         lines.append(f"        {target}[i] = {_store(f'v{n}', computes[n], _name(dtype))}")
+    return _module(lines)
+
+
+def _module(lines) -> str:
     decorator = "@numba.njit(cache=True, nogil=True, error_model='numpy')"
     return _PRELUDE + "\n\n" + decorator + "\n" + "\n".join(lines) + "\n"
+
+
+def _body(program, reads, arrays="a"):
+    """`(computes, consts, lines)`: each node's computing dtype, the constant slots used, and
+    one line a node (None where one cannot be lowered). `reads[k]`: how input k is read, where
+    not from `{arrays}{k}[i]`."""
+    names = [_name(dtype) for _, _, dtype in program.nodes]
+    if not set(names) | {_name(d) for _, d in program.outputs} <= _NUMBERS | _HALVES:
+        return None, None, None
+    computes = ["float32" if n in _HALVES else n for n in names]
+    consts, body = {}, []
+    for n, (op, args, _) in enumerate(program.nodes):
+        line = reads[args[0]] if op == "in" and args[0] in reads else (
+            _line(op, args, computes[n], computes, consts, names[n], arrays))
+        if line is None:
+            return None, None, None
+        body.append(f"v{n} = {line}")
+    return computes, consts, body
+
+
+def quantised_kernel(program, ins, outs, block: int):
+    """The loop of `program` where some state is kept blockwise quantised (`core.quantised`):
+    `ins[k]`, `outs[m]` is None for a plain array, or the format `(bits, signed)` of a quantised
+    one, read as its codes and scales and written as new ones. Called `kernel(*inputs,
+    *outputs, consts, *tables)` with a quantised input or output as two arrays (codes, scales)
+    and the tables `quantised_tables` gives; or None where it cannot compute the program."""
+    key = (program, ins, outs, block)
+    if key not in _KERNELS:
+        source = quantised_source_of(program, ins, outs, block)
+        _KERNELS[key] = None if source is None or not available() else _load(source)
+    return _KERNELS[key]
+
+
+def quantised_tables(ins, outs) -> list:
+    """The arrays a `quantised_kernel` takes after its constants: each quantised input's map
+    values, then each quantised output's lookup tables (`core.quant_lookup`)."""
+    tables = [codebook(*f).values for f in ins if f is not None]
+    for f in outs:
+        if f is not None:
+            book = codebook(*f)
+            tables += [book.threshold, book.below, book.above]
+    return tables
+
+
+def quantised_source_of(program, ins, outs, block: int) -> str | None:
+    """Blocks of `block` elements, each in loops simple enough for LLVM to vectorise most: the
+    quantised inputs dequantised into block-long buffers, each element's step (its new quantised
+    values into buffers too), then each buffer's scale (the block's absmax) and codes.
+    Dequantising and quantising do what `numpy_quant` does, operation for operation, so the
+    result equals the eager step's bit for bit."""
+    if any(f is not None and f[0] == 4 for f in (*ins, *outs)) and block % 2:
+        return None  # (4-bit codes pair up within a block)
+    reads = {k: f"d{k}[i]" for k, f in enumerate(ins) if f is not None}
+    computes, consts, body = _body(program, reads, "A")
+    if body is None:
+        return None
+    arrays = [f"a{k}" if f is None else f"q{k}, s{k}" for k, f in enumerate(ins)]
+    arrays += [f"o{m}" if f is None else f"oq{m}, os{m}" for m, f in enumerate(outs)]
+    tables = [f"V{k}" for k, f in enumerate(ins) if f is not None]
+    tables += [f"T{m}, L{m}, U{m}" for m, f in enumerate(outs) if f is not None]
+    lines = [f"def kernel({', '.join(arrays)}, c, {', '.join(tables)}):"]
+    lines += [f"    k{k}_{t} = np.{t}(c[{k}])" for k, t in consts]
+    lines.append("    n = " + (f"a{ins.index(None)}" if None in ins else "q0") + ".shape[0]")
+    lines += [f"    d{k} = np.empty({block}, np.float32)" for k, f in enumerate(ins) if f is not None]
+    for m, f in enumerate(outs):
+        if f is not None:
+            lines += [f"    w{m} = np.empty({block}, np.float32)", f"    b{m} = w{m}.view(np.int32)"]
+    lines += [f"    for blk in range((n + {block - 1}) // {block}):",
+              f"        start = blk * {block}", f"        count = min(n, start + {block}) - start"]
+    lines += [f"        A{k} = a{k}[start:start + count]" for k, f in enumerate(ins) if f is None]
+    lines += [f"        O{m} = o{m}[start:start + count]" for m, f in enumerate(outs) if f is None]
+    for k, f in enumerate(ins):
+        if f is not None:
+            code = f"q{k}[start + j]" if f[0] != 4 else (
+                f"(q{k}[(start + j) >> 1] >> (4 - 4 * (j & 1))) & 15")  # (`start` is even)
+            lines += [f"        sc{k} = s{k}[blk]", "        for j in range(count):",
+                      f"            d{k}[j] = V{k}[{code}] * sc{k}"]
+    lines.append("        for i in range(count):")
+    lines += ["            " + line for line in body]
+    for m, (n, dtype) in enumerate(program.outputs):
+        target = f"O{m}[i]" if outs[m] is None else f"w{m}[i]"
+        stored = _name(dtype) if outs[m] is None else "float32"
+        lines.append(f"            {target} = {_store(f'v{n}', computes[n], stored)}")
+    for m, f in enumerate(outs):
+        if f is not None:
+            lines += ["        " + line for line in _requantised(m, codebook(*f))]
+    return _module(_code_functions(outs) + lines)
+
+
+def _requantised(m, book) -> list:
+    """Lines that store the block's scale and codes of quantised output `m` (as
+    `numpy_quant_numba.quantise_flat` computes them). The absmax is taken of the bits: those of
+    non-negative floats order as the floats do, a NaN's above infinity's."""
+    smallest = f"np.float32({SMALLEST_SCALE!r})"
+    lines = ["top = 0", "for j in range(count):", f"    top = max(top, b{m}[j] & 0x7FFFFFFF)",
+             "t = np.int32(top).view(np.float32) if top <= 0x7F800000 else np.float32(np.nan)",
+             f"s = t if not t < {smallest} else {smallest}"]
+    if book.divisor != 1:
+        lines.append(f"s = s / np.float32({book.divisor!r})")
+    lines += [f"os{m}[blk] = s", "for j in range(count):", f"    w{m}[j] = w{m}[j] / s"]
+    code = f"_code{m}(b{m}[{{}}], T{m}, L{m}, U{m})"
+    if not book.nibbles:
+        return lines + ["for j in range(count):", f"    oq{m}[start + j] = {code.format('j')}"]
+    return lines + [
+        "for j in range(0, count, 2):",  # (an odd count ends with a zero code)
+        f"    low = {code.format('j + 1')} if j + 1 < count else 0",
+        f"    oq{m}[(start + j) >> 1] = np.uint8(({code.format('j')} << 4) | low)",
+    ]
+
+
+def _code_functions(outs) -> list:
+    """A function per quantised output: the code of a scaled value's float32 bits."""
+    lines = []
+    for m, f in enumerate(outs):
+        if f is None:
+            continue
+        book = codebook(*f)
+        lines += [
+            f"def _code{m}(word, threshold, below, above):",
+            "    magnitude = word & 0x7FFFFFFF",
+            f"    j = (magnitude >> {book.shift}) - {book.first - 1}",
+            f"    j = min(max(j, 0), {book.buckets - 1})",
+            f"    j += (word >> 31) & {book.buckets}",  # (a negative value's half of the tables)
+            "    low = np.int32(below[j])",  # (without branches: a value's sign and bucket are random)
+            "    return low + np.int32(magnitude >= threshold[j]) * (np.int32(above[j]) - low)",
+            "",
+            "",
+            "@numba.njit(cache=True, nogil=True, error_model='numpy')",
+        ]
+    return lines
 
 
 def _operand(arg, to, computes, consts) -> str:
@@ -151,14 +280,14 @@ def _operand(arg, to, computes, consts) -> str:
     return f"v{arg}" if computes[arg] == to else f"np.{to}(v{arg})"
 
 
-def _line(op, args, t, computes, consts, stored):
-    """The expression of one node of dtype `t` (`stored`: how its inputs are kept)."""
+def _line(op, args, t, computes, consts, stored, arrays="a"):
+    """The expression of one node of dtype `t` (`stored`: how its inputs are kept, in arrays
+    named `arrays` and the input's number)."""
     if op == "in":
-        if stored == "bfloat16":
-            return f"np.uint32(_from_bfloat16(a{args[0]}[i])).view(np.float32)"
-        if stored == "float16":
-            return f"np.uint32(_from_float16(a{args[0]}[i])).view(np.float32)"
-        return f"a{args[0]}[i]"
+        read = f"{arrays}{args[0]}[i]"
+        if stored in _HALVES:
+            return f"np.uint32(_from_{stored}({read})).view(np.float32)"
+        return read
     if op in _SYMBOLS:
         common = compared_in(args, t, computes)
         a, b = (_operand(a, common, computes, consts) for a in args)

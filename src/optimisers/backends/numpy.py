@@ -381,6 +381,22 @@ def elementwise_kernel(program, device, aliases=()):
     return run
 
 
+def quantised_kernel(program, device, ins, outs, block):
+    """`run(arrays, consts)`: a traced step whose state is partly blockwise quantised
+    (`numba_lowering.quantised_kernel`; a quantised input or output is two arrays, its codes
+    and its scales), or None."""
+    loop = numba_lowering.quantised_kernel(program, ins, outs, block)
+    if loop is None:
+        return None
+    tables = numba_lowering.quantised_tables(ins, outs)
+    return lambda arrays, consts: loop(*map(_as_bits, arrays), consts, *tables)
+
+
+def _as_bits(a):
+    """float16 and bfloat16 arrays as their bits (the loops convert them)."""
+    return a.view(np.uint16) if a.dtype.itemsize == 2 else a
+
+
 # --- what the rules ask -----------------------------------------------------------------------
 
 

@@ -560,6 +560,18 @@ def elementwise_kernel(program, device, aliases=()):
     return run
 
 
+def quantised_kernel(program, device, ins, outs, block):
+    """`run(tensors, consts)`: a traced step whose state is partly blockwise quantised, on the
+    CPU (numba's loop, `backends.numpy.quantised_kernel`, over NumPy views of the tensors'
+    memory), or None."""
+    if device is None or device.type != "cpu":
+        return None
+    run = _numpy.quantised_kernel(program, None, ins, outs, block)
+    # (float16 and bfloat16 as their bits: NumPy has no bfloat16)
+    halves = lambda t: t.detach().view(torch.int16) if t.element_size() == 2 else t.detach()  # noqa: E731
+    return None if run is None else lambda tensors, consts: run([halves(t).numpy() for t in tensors], consts)
+
+
 def scalar(value, like):
     if isinstance(value, torch.Tensor):
         return value.to(dtype=like.dtype, device=like.device)

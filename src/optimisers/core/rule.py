@@ -161,6 +161,12 @@ class Rule:
         """The positions, as in `nonnegative_parts`, of the arrays that must keep their precision."""
         return _positions(self.exact_state, state)
 
+    def dequantised_rule(self):
+        """The rule whose step this one's is on a state whose `Quantised` arrays are dequantised
+        to float32, the new ones stored quantised in the same formats (`LowBit`'s rule), else
+        None. The compiled way then quantises inside its pass (`engine.compiled`)."""
+        return None
+
     def hyperparameters(self) -> tuple[str, ...]:
         """The names `adjust` accepts for this rule (an explicit state dtype is not one)."""
         return tuple(f.name for f in dataclasses.fields(self) if not f.metadata.get("state_dtype"))

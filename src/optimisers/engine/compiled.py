@@ -27,6 +27,7 @@ import numpy as np
 
 from optimisers import ops
 from optimisers.backends import traced
+from optimisers.core.quantised import Quantised
 from optimisers.core.rule import NewValue
 from optimisers.core.state import flatten_state, unflatten_state
 from optimisers.engine import chunks, precision
@@ -34,6 +35,7 @@ from optimisers.engine import chunks, precision
 ENABLED = os.environ.get("OPTIMISERS_COMPILE", "1") != "0"  # tests compare with the eager maths
 _SHARE = 1 << 16  # elements: pieces at least twice this long are split among the threads
 _WORKERS = os.cpu_count() or 1  # (asked once: it reads the system each time)
+_FLOAT32_EPS = float(np.finfo(np.float32).eps)
 _SAMPLES: dict = {}  # (backend, dtype, device) -> a one-element array of ones
 _UNTRACEABLE: set = set()  # the kinds of rule (`_kind`) whose step could not be traced
 # within one update (`one_update`): a trace per rule and scalars
@@ -132,14 +134,8 @@ def _wanted(b, rule, n) -> bool:
 def _kernel(b, rule, spec, array_at, scalars, samples, device, mode="in place", scaled=False):
     """`(step, kernel)` for this step of `rule`, or None (it runs eagerly). In place, each
     output is written into the input it replaces (the kernel takes no array twice)."""
-    if any(map(ops.is_complex, samples)):
-        return None  # (complex numbers: the loops compute real ones)
-    try:
-        step = trace(rule, spec, array_at, scalars, samples, mode, scaled)
-    except traced.Untraceable:
-        _UNTRACEABLE.add(_kind(rule))  # (asked once: eager from now on)
-        return None
-    except Exception:  # (anything else the stand-ins meet: the eager step runs, and says it)
+    step = _traced(rule, spec, array_at, scalars, samples, mode, scaled)
+    if step is None:
         return None
     if mode == "in place":
         position = {k: 2 + n for n, k in enumerate(k for k, a in enumerate(array_at) if a)}
@@ -148,6 +144,19 @@ def _kernel(b, rule, spec, array_at, scalars, samples, device, mode="in place", 
         aliases = (-1,) * len(step.writes)
     kernel = b.elementwise_kernel(step.program, device, aliases)
     return None if kernel is None else (step, kernel)
+
+
+def _traced(rule, spec, array_at, scalars, samples, mode, scaled=False) -> Step | None:
+    """`trace`'s step, or None where it runs eagerly."""
+    if any(map(ops.is_complex, samples)):
+        return None  # (complex numbers: the loops compute real ones)
+    try:
+        return trace(rule, spec, array_at, scalars, samples, mode, scaled)
+    except traced.Untraceable:
+        _UNTRACEABLE.add(_kind(rule))  # (asked once: eager from now on)
+    except Exception:  # (anything else the stand-ins meet: the eager step runs, and says it)
+        pass
+    return None
 
 
 def _kind(rule):
@@ -231,6 +240,9 @@ def _sample(b, array, device):
 def step_leaf(rule, state, x, dx, pure: bool):
     """One parameter's step with the compiled kernel, into new arrays: `(new_state, new_x)`
     with `pure`, else `(new_state, step)`; None where it runs eagerly."""
+    inner = rule.dequantised_rule()
+    if inner is not None:
+        return _step_quantised(rule, inner, state, x, dx, pure)
     b = ops.backend(x)
     is_scaled = chunks.scaled(rule)
     # (a DTensor runs eagerly, shard by shard; a strided view is read through a copy)
@@ -270,3 +282,99 @@ def step_leaf(rule, state, x, dx, pure: bool):
     if pure:
         return new_state, b.adopt(value, x)
     return new_state, NewValue(value) if step.new_value else value
+
+
+# --- one parameter whose state is kept quantised (LowBit) ----------------------------------------
+
+
+def _step_quantised(rule, inner, state, x, dx, pure):
+    """`step_leaf` for a rule that steps as `inner` on its state dequantised (`LowBit`): one
+    pass that reads the codes and scales, steps, and writes new codes and scales, a block at a
+    time, in row-major order as the quantiser takes the array; None where it runs eagerly."""
+    parts: list = []
+    spec = flatten_state(state, parts)
+    quantised = [p if isinstance(p, Quantised) else None for p in parts]
+    if not any(quantised):
+        return step_leaf(inner, state, x, dx, pure)  # (LowBit's step is then its rule's)
+    b = ops.backend(x)
+    if not (b.IN_PLACE_ENGINE and hasattr(b, "quantised_kernel") and b.kernel_ok(x)):
+        return None
+    n = b.numel(x)
+    if not _wanted(b, inner, n):
+        return None
+    if ops.dtype_epsilon(x) < _FLOAT32_EPS:
+        return None  # (a float64 parameter's state is dequantised to float64)
+    array_at = [q is not None or b.is_buffer(p) for q, p in zip(quantised, parts)]
+    plain = [dx, *[p for q, p, a in zip(quantised, parts, array_at) if a and q is None]]
+    blocks = {q.block for q in quantised if q is not None}
+    if len(blocks) > 1 or not all(b.is_buffer(a) and a.shape == x.shape and b.kernel_ok(a) for a in plain):
+        return None
+    if not all(q.shape == tuple(x.shape) and b.kernel_ok(q.codes) and b.kernel_ok(q.scale)
+               for q in quantised if q is not None):
+        return None
+    device = getattr(x, "device", None)
+    ins = [b.flat_in(x, None), b.flat_in(dx, None)]  # (row-major: the blocks' order)
+    samples = [_sample(b, a, device) for a in ins]
+    formats = [None, None]
+    for q, p, a in zip(quantised, parts, array_at):
+        if a:
+            ins.append(b.flat_in(p, None) if q is None else _codes_and_scale(b, q))
+            samples.append(_sample(b, p if q is None else q.scale, device))  # (float32 values)
+            formats.append(None if q is None else (q.bits, q.signed))
+    scalars = [None if a else p for a, p in zip(array_at, parts)]
+    step = _traced(inner, spec, array_at, scalars, samples, "new" if pure else "step")
+    if step is None or not all(k in step.writes for k, q in enumerate(quantised) if q is not None):
+        return None  # (a quantised array the step leaves alone is quantised again, eagerly)
+    outs = [None if w == "x" or quantised[w] is None else quantised[w] for w in step.writes]
+    block = blocks.pop()
+    kernel = b.quantised_kernel(step.program, device, tuple(formats),
+                                tuple(None if q is None else (q.bits, q.signed) for q in outs), block)
+    if kernel is None:
+        return None
+    new = [b.empty_flat(n, like) if q is None else _codes_and_scale(b, q, b.empty_flat)
+           for q, like in zip(outs, step.samples)]
+    _run_blocks(kernel, [*ins, *new], step.consts, n, block, device)
+    new_parts = list(step.scalars)
+    for k, (a, p) in enumerate(zip(array_at, parts)):
+        if a:
+            out = new[step.writes.index(k)] if k in step.writes else p
+            if quantised[k] is not None:
+                codes = out[0] if quantised[k].bits == 4 else b.shaped_in(out[0], x.shape, None)
+                out = dataclasses.replace(quantised[k], codes=codes, scale=out[1])
+            elif k in step.writes:
+                out = b.shaped_in(out, x.shape, None)
+            new_parts[k] = out
+    new_state = unflatten_state(spec, iter(new_parts))
+    value = b.shaped_in(new[-1], x.shape, None)
+    if pure:
+        return new_state, b.adopt(value, x)
+    return new_state, NewValue(value) if step.new_value else value
+
+
+def _codes_and_scale(b, q, made=None) -> tuple:
+    """`(codes, scales, elements a byte)` of Quantised `q` as 1-D arrays (`made`: new ones)."""
+    codes = b.flat_in(q.codes, None)
+    if made is not None:
+        codes, scale = made(len(codes), codes), made(len(q.scale), q.scale)
+    return codes, q.scale if made is None else scale, 2 if q.bits == 4 else 1
+
+
+def _run_blocks(kernel, arrays, consts, n, block, device) -> None:
+    """The kernel over whole blocks, on the CPU a share of them per worker: `arrays` holds
+    arrays of `n` elements and `_codes_and_scale`'s triples."""
+    blocks = -(-n // block)
+    threads = n >= 2 * _SHARE and _WORKERS > 1 and getattr(device, "type", "cpu") == "cpu"
+    parts = min(_WORKERS, blocks) if threads else 1
+    bounds = [blocks * k // parts for k in range(parts + 1)]
+    shares = []
+    for first, last in zip(bounds, bounds[1:]):
+        lo, hi = first * block, min(n, last * block)
+        share = []
+        for a in arrays:
+            if type(a) is not tuple:
+                share.append(a[lo:hi])
+                continue
+            codes, scale, per_byte = a  # (4-bit codes: two a byte, from an even `lo`)
+            share += [codes[lo // per_byte : -(-hi // per_byte)], scale[first:last]]
+        shares.append(share)
+    chunks._map(lambda share: kernel(share, consts), shares, threads)

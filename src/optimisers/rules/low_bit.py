@@ -67,6 +67,9 @@ class LowBit(_Wrapper):
         kept = [p if i in exact else self._stored(p, x, i not in nonnegative) for i, p in enumerate(parts)]
         return unflatten_state(spec, iter(kept))
 
+    def dequantised_rule(self):
+        return self.rule
+
     def with_counters(self, state):
         return self.rule.with_counters(state)
 
