@@ -162,11 +162,11 @@ def states_report(r: StatesResult, stream) -> None:
     if low_bit:
         notes.append(
             f"{', '.join(low_bit)}: LowBit(rule, bits={' or '.join(bits[n] for n in low_bit)}, "
-            f"min_size={r.min_size}) keeps the state of the arrays\nof at least {r.min_size} elements "
-            "as codes (a byte a number; 4 bits: half a byte) and a float32 scale a block;\n"
-            "the smaller arrays keep float32."
+            f"min_size={r.min_size}) keeps the state of the arrays of at least {r.min_size} elements "
+            "as codes (a byte a number; 4 bits: half a byte) and a float32 scale a block; the "
+            "smaller arrays keep float32."
         )
     if "bf16-sr" in r.runs:
         notes.append("bf16-sr: bfloat16 parameters, StochasticRounding(rule); the state is bfloat16 too.")
-    print("\n" + "\n".join(notes), file=stream)
+    print("\n" + "\n".join(textwrap.fill(note, 96) for note in notes), file=stream)
     print(f"plot of the loss curves: {r.plot}  ({r.seconds:.0f} s)", file=stream)
