@@ -6,6 +6,9 @@ the output layer holding its own copy of the embedding, which is what an optimis
 ties (optax, or a per-array loop) effectively trains. It then reports the loss of both, how far the
 naive run's two copies drifted apart, and the optimiser-state memory of both, and draws a plot
 (matplotlib; the progress bar is rich's: `pip install 'optimisers[demo]'`).
+
+`--state 8bit` (4bit, fp8, bf16-sr, all) trains the tied model instead with its optimiser state in
+low precision beside float32 state, and compares memory and loss (`_states`).
 """
 
 from __future__ import annotations

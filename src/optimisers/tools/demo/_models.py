@@ -215,7 +215,7 @@ class TorchTrainer:
     def step(self, ctx: np.ndarray, targets: np.ndarray) -> float:
         torch = self.torch
         self.module.zero_grad(set_to_none=True)
-        logits = self.module(torch.from_numpy(ctx)).float()  # the loss in float32 (a no-op there)
+        logits = self.module(torch.from_numpy(ctx)).float()  # the loss in float32 (bf16-sr)
         loss = torch.nn.functional.cross_entropy(logits, torch.from_numpy(targets))
         loss.backward()
         self.state, self.module = opt.update_(self.state, self.module, opt.grads(self.module))
