@@ -1,7 +1,7 @@
 """The `optimisers` command line (also `python -m optimisers`).
 
     optimisers demo [--backend numpy|torch|jax] [--steps N] [--rule RULE] [--lr LR] [--seed S]
-                    [--out DIR]
+                    [--out DIR] [--state fp32|8bit|4bit|fp8|bf16-sr|all]
     optimisers bench [--quick] [--json PATH] [--backends ...] [--shapes ...] [--rules ...] ...
     optimisers --version
 
@@ -62,7 +62,7 @@ def installed_version() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .demo import BACKENDS, DEFAULT_RULE, Config
+    from .demo import BACKENDS, DEFAULT_RULE, STATE_CHOICES, Config
 
     parser = _Parser(
         prog="optimisers",
@@ -111,6 +111,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="seed of the initial weights, the batches and the sample (default 0)",
     )
     demo.add_argument("--out", default=defaults.out, help="folder for the plot (default ./%(default)s)")
+    demo.add_argument(
+        "--state",
+        choices=STATE_CHOICES,
+        default=defaults.state,
+        help="other than fp32 (the default): train the tied model with the rule's state in 8 bits, "
+        "4 bits or FP8 (LowBit), or with bfloat16 parameters (StochasticRounding), beside the "
+        "fp32 run, and compare memory and loss; 'all' compares every one",
+    )
     sub.add_parser(
         "bench",
         add_help=False,  # its own parser (optimisers.tools.bench) reads the rest of the command line
@@ -131,7 +139,13 @@ def main(argv: list[str] | None = None) -> int:
         from .demo import Config, DemoError, run
 
         config = Config(
-            backend=args.backend, steps=args.steps, rule=args.rule, lr=args.lr, seed=args.seed, out=args.out
+            backend=args.backend,
+            steps=args.steps,
+            rule=args.rule,
+            lr=args.lr,
+            seed=args.seed,
+            out=args.out,
+            state=args.state,
         )
         try:
             run(config)

@@ -6,6 +6,9 @@ the output layer holding its own copy of the embedding, which is what an optimis
 ties (optax, or a per-array loop) effectively trains. It then reports the loss of both, how far the
 naive run's two copies drifted apart, and the optimiser-state memory of both, and draws a plot
 (matplotlib; the progress bar is rich's: `pip install 'optimisers[demo]'`).
+
+`--state 8bit` (4bit, fp8, bf16-sr, all) trains the tied model instead with its optimiser state in
+low precision beside float32 state, and compares memory and loss (`_states`).
 """
 
 from __future__ import annotations
@@ -18,10 +21,11 @@ import numpy as np
 
 import optimisers as opt
 
-from . import _models, _plot, _training
+from . import _models, _plot, _states, _training
 from ._config import (
     BACKENDS,
     DEFAULT_RULE,
+    STATE_CHOICES,
     Config,
     DemoError,
     check_extras,
@@ -30,14 +34,16 @@ from ._config import (
     parse_rule,
     rule_names,
 )
-from ._report import Result, intro, report
+from ._report import Result, StatesResult, intro, report
 
 __all__ = [
     "BACKENDS",
     "DEFAULT_RULE",
+    "STATE_CHOICES",
     "Config",
     "DemoError",
     "Result",
+    "StatesResult",
     "parse_rule",
     "report",
     "rule_names",
@@ -58,13 +64,17 @@ def _draw(config: Config, rule, curves: _training.Curves) -> str:
     return path
 
 
-def run(config: Config, stdout=None, stderr=None) -> Result:
-    """Train the tied and the naive model side by side and report; raises DemoError on bad input."""
+def run(config: Config, stdout=None, stderr=None) -> Result | StatesResult:
+    """Train the tied and the naive model side by side and report; raises DemoError on bad input.
+    With `config.state` other than fp32, train the tied model with float32 and low-precision
+    state side by side instead (`_states`)."""
     stdout = stdout if stdout is not None else sys.stdout
     stderr = stderr if stderr is not None else sys.stderr
     rule = checked_rule(config)
     check_extras()
     make_out_folder(config.out)
+    if config.state != "fp32":
+        return _states.run(config, rule, stdout, stderr)
 
     started = time.perf_counter()
     corpus = _training.load_corpus()

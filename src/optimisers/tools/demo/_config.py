@@ -14,6 +14,9 @@ import optimisers as opt
 
 BACKENDS = ("numpy", "torch", "jax")
 DEFAULT_RULE = "Adam(0.003)"
+# `--state`: how the optimiser state (or, for bf16-sr, the parameters) is kept; "all" compares them
+STATES = ("fp32", "8bit", "4bit", "fp8", "bf16-sr")
+STATE_CHOICES = (*STATES, "all")
 
 
 class DemoError(Exception):
@@ -33,6 +36,7 @@ class Config:
     hidden: int = 128
     batch: int = 128
     sample_chars: int = 240
+    state: str = "fp32"
 
 
 def rule_names() -> list[str]:
@@ -107,6 +111,8 @@ def checked_rule(config: Config):
     """The rule `config` asks for, after checking every option; raises DemoError."""
     if config.backend not in BACKENDS:
         raise DemoError(f"unknown backend {config.backend!r}; choose one of: {', '.join(BACKENDS)}")
+    if config.state not in STATE_CHOICES:
+        raise DemoError(f"unknown --state {config.state!r}; choose one of: {', '.join(STATE_CHOICES)}")
     if config.steps < 1:
         raise DemoError(f"--steps must be at least 1, got {config.steps}")
     if config.lr is not None and not (config.lr > 0 and np.isfinite(config.lr)):

@@ -36,14 +36,22 @@ def init_params(vocab: int, width: int, context: int, hidden: int, seed: int) ->
     }
 
 
-def numpy_model(init: dict, tied: bool) -> dict:
-    """A fresh model from `init`: the output weight *is* the embedding (tied) or a copy of it."""
-    E = init["embed"].copy()
+def numpy_model(init: dict, tied: bool, dtype=np.float32) -> dict:
+    """A fresh model from `init` in `dtype`: the output weight *is* the embedding (tied) or a copy."""
+    E = init["embed"].astype(dtype)  # astype copies
     return {
         "embed": E,
-        "hidden": {k: v.copy() for k, v in init["hidden"].items()},
-        "proj": {k: v.copy() for k, v in init["proj"].items()},
-        "unembed": {"weight": E if tied else E.copy(), "bias": init["unembed"]["bias"].copy()},
+        "hidden": {k: v.astype(dtype) for k, v in init["hidden"].items()},
+        "proj": {k: v.astype(dtype) for k, v in init["proj"].items()},
+        "unembed": {"weight": E if tied else E.copy(), "bias": init["unembed"]["bias"].astype(dtype)},
+    }
+
+
+def float32_params(params: dict) -> dict:
+    """`params` (a nested dict of NumPy arrays) in float32: NumPy multiplies bfloat16 slowly."""
+    return {
+        k: float32_params(v) if isinstance(v, dict) else v.astype(np.float32, copy=False)
+        for k, v in params.items()
     }
 
 
@@ -61,34 +69,59 @@ def cross_entropy(logits: np.ndarray, targets: np.ndarray) -> float:
     return float(-logp[np.arange(len(targets)), targets].mean())
 
 
+def _bytes(value) -> int:
+    """Bytes of the arrays in one Leaf's state (a low-bit state: its codes and scales); step
+    counters and other scalars count nothing."""
+    if isinstance(value, (tuple, list)):
+        return sum(_bytes(v) for v in value)
+    if isinstance(value, dict):
+        return sum(_bytes(v) for v in value.values())
+    if isinstance(value, opt.Quantised):
+        return _bytes(value.codes) + _bytes(value.scale)
+    nbytes = getattr(value, "nbytes", None)
+    if nbytes is not None and getattr(value, "ndim", 0) > 0:
+        return int(nbytes)
+    if hasattr(value, "element_size") and value.dim() > 0:  # torch.Tensor
+        return value.element_size() * value.nelement()
+    return 0
+
+
 def state_bytes(state) -> int:
     """Bytes of every array in the optimiser state, each shared Leaf counted once."""
+    return sum(_bytes(leaf.state) for leaf in state.leaves())
 
-    def size(value) -> int:
-        if isinstance(value, (tuple, list)):
-            return sum(size(v) for v in value)
-        if isinstance(value, dict):
-            return sum(size(v) for v in value.values())
-        nbytes = getattr(value, "nbytes", None)
-        if nbytes is not None and getattr(value, "ndim", 0) > 0:
-            return int(nbytes)
-        if hasattr(value, "element_size") and value.dim() > 0:  # torch.Tensor
-            return value.element_size() * value.nelement()
-        return 0
 
-    return sum(size(leaf.state) for leaf in state.leaves())
+def memory_per_array(state, model) -> list[tuple[int, int, int]]:
+    """`(elements, parameter bytes, state bytes)` of each distinct parameter of `model`: one
+    entry per Leaf of `state`, so a tied array counts once (also under JAX, where the tied
+    places may hold equal copies)."""
+    seen, out = set(), []
+    for path, x in opt.trainables(model, path=True):
+        leaf = state
+        for key in path:
+            leaf = leaf[key]
+        if id(leaf) not in seen:
+            seen.add(id(leaf))
+            out.append((int(np.prod(x.shape)), _bytes(x), _bytes(leaf.state)))
+    return out
 
 
 class NumpyTrainer:
     """Hand-written gradients. Each place of `E` gets its own contribution (the lookup's gradient
     at `embed`, the output layer's at `unembed.weight`); `optimisers` adds them up."""
 
-    def __init__(self, init: dict, tied: bool, rule):
-        self.model = numpy_model(init, tied)
+    def __init__(self, init: dict, tied: bool, rule, bfloat16: bool = False):
+        dtype = np.float32
+        if bfloat16:
+            import ml_dtypes  # NumPy's bfloat16 (JAX installs it)
+
+            dtype = ml_dtypes.bfloat16
+        self.model = numpy_model(init, tied, dtype)
         self.state = opt.setup(rule, self.model)
 
     def step(self, ctx: np.ndarray, targets: np.ndarray) -> float:
-        m = self.model
+        # computed in float32 whatever the parameters' dtype; the rule stores bfloat16 steps itself
+        m = float32_params(self.model)
         E_in, E_out = m["embed"], m["unembed"]["weight"]
         W1, b1 = m["hidden"]["weight"], m["hidden"]["bias"]
         W2, b2 = m["proj"]["weight"], m["proj"]["bias"]
@@ -133,12 +166,15 @@ class NumpyTrainer:
     def state_bytes(self) -> int:
         return state_bytes(self.state)
 
+    def memory_per_array(self) -> list[tuple[int, int, int]]:
+        return memory_per_array(self.state, self.model)
+
 
 class TorchTrainer:
     """An `nn.Module` whose LM head's weight is the embedding's Parameter (`unembed.weight =
     embed.weight`); autograd fills `.grad`, `opt.grads(module)` reads it, `update_` writes in place."""
 
-    def __init__(self, init: dict, tied: bool, rule):
+    def __init__(self, init: dict, tied: bool, rule, bfloat16: bool = False):
         import torch
         from torch import nn
 
@@ -172,12 +208,14 @@ class TorchTrainer:
                 layer.weight.copy_(torch.from_numpy(init[name]["weight"]))
                 layer.bias.copy_(torch.from_numpy(init[name]["bias"]))
             self.module.unembed.bias.copy_(torch.from_numpy(init["unembed"]["bias"]))
+        if bfloat16:  # the forward and backward then run in bfloat16 too, as a torch user's would
+            self.module.to(torch.bfloat16)
         self.state = opt.setup(rule, self.module)
 
     def step(self, ctx: np.ndarray, targets: np.ndarray) -> float:
         torch = self.torch
         self.module.zero_grad(set_to_none=True)
-        logits = self.module(torch.from_numpy(ctx))
+        logits = self.module(torch.from_numpy(ctx)).float()  # the loss in float32 (bf16-sr)
         loss = torch.nn.functional.cross_entropy(logits, torch.from_numpy(targets))
         loss.backward()
         self.state, self.module = opt.update_(self.state, self.module, opt.grads(self.module))
@@ -185,13 +223,13 @@ class TorchTrainer:
 
     def embeddings(self):
         m = self.module
-        return m.embed.weight.detach().numpy(), m.unembed.weight.detach().numpy()
+        return m.embed.weight.detach().float().numpy(), m.unembed.weight.detach().float().numpy()
 
     def params(self) -> dict:
         m = self.module
 
         def np_(t):
-            return t.detach().cpu().numpy()
+            return t.detach().float().cpu().numpy()
 
         return {
             "embed": np_(m.embed.weight),
@@ -203,28 +241,34 @@ class TorchTrainer:
     def state_bytes(self) -> int:
         return state_bytes(self.state)
 
+    def memory_per_array(self) -> list[tuple[int, int, int]]:
+        return memory_per_array(self.state, self.module)
+
 
 class JaxTrainer:
     """A dict of JAX arrays with `E` at two places; `jax.grad` gives each place its own
     contribution, and the whole step (loss, gradient, `opt.update`) runs under one `jax.jit`."""
 
-    def __init__(self, init: dict, tied: bool, rule):
+    def __init__(self, init: dict, tied: bool, rule, bfloat16: bool = False):
         import jax
         import jax.numpy as jnp
 
-        E = jnp.asarray(init["embed"])
+        dtype = jnp.bfloat16 if bfloat16 else jnp.float32
+        E = jnp.asarray(init["embed"], dtype)
         self.model = {
             "embed": E,
-            "hidden": {k: jnp.asarray(v) for k, v in init["hidden"].items()},
-            "proj": {k: jnp.asarray(v) for k, v in init["proj"].items()},
+            "hidden": {k: jnp.asarray(v, dtype) for k, v in init["hidden"].items()},
+            "proj": {k: jnp.asarray(v, dtype) for k, v in init["proj"].items()},
             "unembed": {
-                "weight": E if tied else jnp.array(init["embed"]),
-                "bias": jnp.asarray(init["unembed"]["bias"]),
+                "weight": E if tied else jnp.array(init["embed"], dtype),
+                "bias": jnp.asarray(init["unembed"]["bias"], dtype),
             },
         }
         self.state = opt.setup(rule, self.model)
 
         def loss_fn(m, ctx, targets):
+            if bfloat16:  # computed in float32, as the NumPy trainer does
+                m = jax.tree.map(lambda a: a.astype(jnp.float32), m)
             x = m["embed"][ctx].reshape(ctx.shape[0], -1)
             h = jnp.tanh(x @ m["hidden"]["weight"].T + m["hidden"]["bias"])
             z = h @ m["proj"]["weight"].T + m["proj"]["bias"]
@@ -255,6 +299,9 @@ class JaxTrainer:
 
     def state_bytes(self) -> int:
         return state_bytes(self.state)
+
+    def memory_per_array(self) -> list[tuple[int, int, int]]:
+        return memory_per_array(self.state, self.model)
 
 
 TRAINERS = {"numpy": NumpyTrainer, "torch": TorchTrainer, "jax": JaxTrainer}

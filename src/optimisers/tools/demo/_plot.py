@@ -60,3 +60,36 @@ def training_plot(path, tied_loss, naive_loss, tied_drift, naive_drift, title: s
     fig.legend(handles[::-1], labels[::-1], loc="outside lower center", ncols=2, frameon=False)
     fig.suptitle(title)
     fig.savefig(path, format="png")
+
+
+# `--state`: one colour per way of keeping the state, the same in every plot
+STATE_COLOURS = {"fp32": BLUE, "8bit": ORANGE, "4bit": "#2ca02c", "fp8": "#d62728", "bf16-sr": "#9467bd"}
+
+
+def states_plot(path, losses: dict, title: str) -> None:
+    """Write two panels to `path` (PNG): each run's training loss (`losses`: name -> per-step
+    losses, fp32's first), and each low-precision run's loss minus fp32's, which the first panel's
+    overlapping curves hide."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=SIZE, dpi=DPI, layout="constrained")
+    FigureCanvasAgg(fig)
+    loss_ax, diff_ax = fig.subplots(1, 2)
+    reference = losses["fp32"]
+    window = max(1, len(reference) // 40)
+    steps = np.arange(1, len(reference) + 1)
+    for name, loss in losses.items():
+        colour = STATE_COLOURS[name]
+        loss_ax.plot(steps, _finite(smooth(loss, window)), color=colour, linewidth=1.5, label=name)
+        diff = smooth(np.asarray(loss, float) - np.asarray(reference, float), window)
+        diff_ax.plot(steps, _finite(diff), color=colour, linewidth=1.5)
+    for ax, panel in ((loss_ax, "training loss"), (diff_ax, "training loss minus fp32's")):
+        ax.set_title(panel)
+        ax.set_xlim(0, len(reference))
+        ax.set_xlabel("step")
+        ax.grid(True, color="0.9")
+    handles, labels = loss_ax.get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside lower center", ncols=len(labels), frameon=False)
+    fig.suptitle(title)
+    fig.savefig(path, format="png")

@@ -33,14 +33,14 @@ def load_corpus(size: int = 200_000) -> Corpus:
     return Corpus(text, chars, data[:split], data[split:])
 
 
-def make_trainer(backend: str, init, tied: bool, rule):
+def make_trainer(backend: str, init, tied: bool, rule, bfloat16: bool = False):
     if backend == "numpy":
-        return _models.NumpyTrainer(init, tied, rule)
+        return _models.NumpyTrainer(init, tied, rule, bfloat16)
     try:
         __import__(backend)
     except ImportError:
         raise DemoError(f"--backend {backend} needs {backend}: pip install 'optimisers[{backend}]'") from None
-    return _models.TRAINERS[backend](init, tied, rule)
+    return _models.TRAINERS[backend](init, tied, rule, bfloat16)
 
 
 def _openblas_threads():
@@ -103,15 +103,20 @@ class Curves:
     naive_drift: list = dataclasses.field(default_factory=list)
 
 
+def _batches(config: Config, train_ids: np.ndarray):
+    """`(step, contexts, targets)` for steps 1 to `config.steps`: random windows, seeded."""
+    rng = np.random.default_rng(config.seed)
+    for step in range(1, config.steps + 1):
+        starts = rng.integers(0, len(train_ids) - config.context, config.batch)
+        yield (step, *_windows(train_ids, starts, config.context))
+
+
 def train(config: Config, tied, naive, train_ids: np.ndarray, stderr) -> Curves:
     """Step both trainers `config.steps` times on the same random batches."""
-    rng = np.random.default_rng(config.seed)
     curves = Curves()
     running = None
     with training_progress(config.steps, stderr) as progress:
-        for step in range(1, config.steps + 1):
-            starts = rng.integers(0, len(train_ids) - config.context, config.batch)
-            ctx, targets = _windows(train_ids, starts, config.context)
+        for step, ctx, targets in _batches(config, train_ids):
             curves.tied_loss.append(tied.step(ctx, targets))
             curves.naive_loss.append(naive.step(ctx, targets))
             for trainer, drift in ((tied, curves.tied_drift), (naive, curves.naive_drift)):
@@ -121,6 +126,21 @@ def train(config: Config, tied, naive, train_ids: np.ndarray, stderr) -> Curves:
             running = loss if running is None else 0.98 * running + 0.02 * loss
             progress(step, running)
     return curves
+
+
+def train_side_by_side(config: Config, trainers: dict, train_ids: np.ndarray, stderr) -> dict:
+    """Step every trainer on the same random batches (those `train` uses); each one's losses by
+    name. The progress bar shows the first one's."""
+    losses = {name: [] for name in trainers}
+    first = losses[next(iter(trainers))]
+    running = None
+    with training_progress(config.steps, stderr) as progress:
+        for step, ctx, targets in _batches(config, train_ids):
+            for name, trainer in trainers.items():
+                losses[name].append(trainer.step(ctx, targets))
+            running = first[-1] if running is None else 0.98 * running + 0.02 * first[-1]
+            progress(step, running)
+    return losses
 
 
 def _sample(params, chars, prompt: str, n: int, context: int, rng, temperature: float = 0.7) -> str:
@@ -154,11 +174,23 @@ class Outcome:
     sample: str
 
 
-def evaluate(config: Config, tied, naive, corpus: Corpus) -> Outcome:
-    """Held-out loss of both runs (the same 8192 windows), their drift, and a sample of the tied one."""
+def _held_out_windows(config: Config, corpus: Corpus):
+    """The same 8192 held-out windows for every run."""
     val_rng = np.random.default_rng(12345)
     starts = val_rng.integers(0, len(corpus.val) - config.context, 8192)
-    vctx, vtargets = _windows(corpus.val, starts, config.context)
+    return _windows(corpus.val, starts, config.context)
+
+
+def held_out_loss(config: Config, trainer, corpus: Corpus) -> float:
+    """The trainer's loss on the held-out windows, computed in float32."""
+    vctx, vtargets = _held_out_windows(config, corpus)
+    params = _models.float32_params(trainer.params())
+    return _models.cross_entropy(_models.logits_numpy(params, vctx), vtargets)
+
+
+def evaluate(config: Config, tied, naive, corpus: Corpus) -> Outcome:
+    """Held-out loss of both runs (the same 8192 windows), their drift, and a sample of the tied one."""
+    vctx, vtargets = _held_out_windows(config, corpus)
     pt, pn = tied.params(), naive.params()
     sample_rng = np.random.default_rng(config.seed)
     return Outcome(
