@@ -100,7 +100,16 @@ class LowBit(_Wrapper):
         b = ops.backend(part)
         if not (b.is_array(part) and b.is_param(part)):
             return part
-        return ops.quantise(part, self.bits, signed, self.block)
+        return _zero_scales_for_zeros(ops.quantise(part, self.bits, signed, self.block), part)
+
+
+def _zero_scales_for_zeros(q, part):
+    """`q` with zero scales where `part` is all zeros (as torchao and bitsandbytes start a
+    state), so that it dequantises to exactly zero: the unsigned 4-bit map has no zero, and
+    1e-12 of its smallest value would enter the first step."""
+    if ops.backend(part).is_traced(part) or float(ops.norm(part, np.inf)) != 0:
+        return q
+    return dataclasses.replace(q, scale=ops.zeros_like(q.scale))
 
 
 def _size(x) -> int:
