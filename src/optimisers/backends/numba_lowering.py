@@ -206,17 +206,16 @@ def quantised_source_of(program, ins, outs, block: int) -> str | None:
     lines += [f"    d{k} = np.empty({block}, np.float32)" for k, f in enumerate(ins) if f is not None]
     for m, f in enumerate(outs):
         if f is not None:
-            lines += [f"    w{m} = np.empty({block}, np.float32)", f"    b{m} = w{m}.view(np.int32)"]
+            lines += [f"    w{m} = np.empty({block}, np.float32)", f"    b{m} = w{m}.view(np.int32)",
+                      f"    e{m} = np.empty({block}, np.uint8)"]
     lines += [f"    for blk in range((n + {block - 1}) // {block}):",
               f"        start = blk * {block}", f"        count = min(n, start + {block}) - start"]
     lines += [f"        A{k} = a{k}[start:start + count]" for k, f in enumerate(ins) if f is None]
     lines += [f"        O{m} = o{m}[start:start + count]" for m, f in enumerate(outs) if f is None]
     for k, f in enumerate(ins):
         if f is not None:
-            code = f"q{k}[start + j]" if f[0] != 4 else (
-                f"(q{k}[(start + j) >> 1] >> (4 - 4 * (j & 1))) & 15")  # (`start` is even)
-            lines += [f"        sc{k} = s{k}[blk]", "        for j in range(count):",
-                      f"            d{k}[j] = V{k}[{code}] * sc{k}"]
+            lines += [f"        sc{k} = s{k}[blk]"]
+            lines += ["        " + line for line in _dequantised(k, f[0] == 4)]
     lines.append("        for i in range(count):")
     lines += ["            " + line for line in body]
     for m, (n, dtype) in enumerate(program.outputs):
@@ -226,7 +225,21 @@ def quantised_source_of(program, ins, outs, block: int) -> str | None:
     for m, f in enumerate(outs):
         if f is not None:
             lines += ["        " + line for line in _requantised(m, codebook(*f))]
-    return _module(_code_functions(outs) + lines)
+    return _module(lines)
+
+
+def _dequantised(k, nibbles: bool) -> list:
+    """Lines that dequantise the block of quantised input `k` into its buffer."""
+    if not nibbles:
+        return ["for j in range(count):", f"    d{k}[j] = V{k}[q{k}[start + j]] * sc{k}"]
+    return [  # (two codes a byte from an even `start`, the first in the high nibble)
+        "for j in range(count >> 1):",
+        f"    byte = q{k}[(start >> 1) + j]",
+        f"    d{k}[2 * j] = V{k}[byte >> 4] * sc{k}",
+        f"    d{k}[2 * j + 1] = V{k}[byte & 15] * sc{k}",
+        "if count & 1:",
+        f"    d{k}[count - 1] = V{k}[q{k}[(start + count) >> 1] >> 4] * sc{k}",
+    ]
 
 
 def _requantised(m, book) -> list:
@@ -240,36 +253,22 @@ def _requantised(m, book) -> list:
     if book.divisor != 1:
         lines.append(f"s = s / np.float32({book.divisor!r})")
     lines += [f"os{m}[blk] = s", "for j in range(count):", f"    w{m}[j] = w{m}[j] / s"]
-    code = f"_code{m}(b{m}[{{}}], T{m}, L{m}, U{m})"
+    # each code without branches (a value's sign and bucket are random) or calls, as
+    # `core.quant_lookup.Codebook` says: a bucket from the bits, then one comparison
+    code = [f"word = b{m}[j]", "magnitude = word & 0x7FFFFFFF",
+            f"k = min(max((magnitude >> {book.shift}) - {book.first - 1}, 0), {book.buckets - 1})",
+            f"k += (word >> 31) & {book.buckets}",  # (a negative value's half of the tables)
+            f"low = np.int32(L{m}[k])",
+            f"e{m}[j] = np.uint8(low + np.int32(magnitude >= T{m}[k]) * (np.int32(U{m}[k]) - low))"]
+    lines += ["for j in range(count):", *["    " + line for line in code]]
     if not book.nibbles:
-        return lines + ["for j in range(count):", f"    oq{m}[start + j] = {code.format('j')}"]
-    return lines + [
-        "for j in range(0, count, 2):",  # (an odd count ends with a zero code)
-        f"    low = {code.format('j + 1')} if j + 1 < count else 0",
-        f"    oq{m}[(start + j) >> 1] = np.uint8(({code.format('j')} << 4) | low)",
+        return lines + ["for j in range(count):", f"    oq{m}[start + j] = e{m}[j]"]
+    return lines + [  # (two a byte, the first high; an odd count ends with a zero code)
+        "for j in range(count >> 1):",
+        f"    oq{m}[(start >> 1) + j] = (e{m}[2 * j] << 4) | e{m}[2 * j + 1]",
+        "if count & 1:",
+        f"    oq{m}[(start + count) >> 1] = e{m}[count - 1] << 4",
     ]
-
-
-def _code_functions(outs) -> list:
-    """A function per quantised output: the code of a scaled value's float32 bits."""
-    lines = []
-    for m, f in enumerate(outs):
-        if f is None:
-            continue
-        book = codebook(*f)
-        lines += [
-            f"def _code{m}(word, threshold, below, above):",
-            "    magnitude = word & 0x7FFFFFFF",
-            f"    j = (magnitude >> {book.shift}) - {book.first - 1}",
-            f"    j = min(max(j, 0), {book.buckets - 1})",
-            f"    j += (word >> 31) & {book.buckets}",  # (a negative value's half of the tables)
-            "    low = np.int32(below[j])",  # (without branches: a value's sign and bucket are random)
-            "    return low + np.int32(magnitude >= threshold[j]) * (np.int32(above[j]) - low)",
-            "",
-            "",
-            "@numba.njit(cache=True, nogil=True, error_model='numpy')",
-        ]
-    return lines
 
 
 def _operand(arg, to, computes, consts) -> str:
