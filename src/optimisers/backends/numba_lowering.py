@@ -180,7 +180,7 @@ def quantised_tables(ins, outs) -> list:
     for f in outs:
         if f is not None:
             book = codebook(*f)
-            tables += [book.threshold, book.below, book.above]
+            tables += [book.threshold, book.pairs]
     return tables
 
 
@@ -199,7 +199,7 @@ def quantised_source_of(program, ins, outs, block: int) -> str | None:
     arrays = [f"a{k}" if f is None else f"q{k}, s{k}" for k, f in enumerate(ins)]
     arrays += [f"o{m}" if f is None else f"oq{m}, os{m}" for m, f in enumerate(outs)]
     tables = [f"V{k}" for k, f in enumerate(ins) if f is not None]
-    tables += [f"T{m}, L{m}, U{m}" for m, f in enumerate(outs) if f is not None]
+    tables += [f"T{m}, P{m}" for m, f in enumerate(outs) if f is not None]
     lines = [f"def kernel({', '.join(arrays)}, c, {', '.join(tables)}):"]
     lines += [f"    k{k}_{t} = np.{t}(c[{k}])" for k, t in consts]
     lines.append("    n = " + (f"a{ins.index(None)}" if None in ins else "q0") + ".shape[0]")
@@ -254,12 +254,11 @@ def _requantised(m, book) -> list:
         lines.append(f"s = s / np.float32({book.divisor!r})")
     lines += [f"os{m}[blk] = s", "for j in range(count):", f"    w{m}[j] = w{m}[j] / s"]
     # each code without branches (a value's sign and bucket are random) or calls, as
-    # `core.quant_lookup.Codebook` says: a bucket from the bits, then one comparison
+    # `core.quant_lookup.Codebook` says: a bucket from the bits, then one comparison (`pairs`)
     code = [f"word = b{m}[j]", "magnitude = word & 0x7FFFFFFF",
             f"k = min(max((magnitude >> {book.shift}) - {book.first - 1}, 0), {book.buckets - 1})",
             f"k += (word >> 31) & {book.buckets}",  # (a negative value's half of the tables)
-            f"low = np.int32(L{m}[k])",
-            f"e{m}[j] = np.uint8(low + np.int32(magnitude >= T{m}[k]) * (np.int32(U{m}[k]) - low))"]
+            f"e{m}[j] = np.uint8(P{m}[k] >> (np.int32(magnitude >= T{m}[k]) << 3))"]
     lines += ["for j in range(count):", *["    " + line for line in code]]
     if not book.nibbles:
         return lines + ["for j in range(count):", f"    oq{m}[start + j] = e{m}[j]"]

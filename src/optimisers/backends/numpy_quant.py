@@ -36,7 +36,7 @@ def _compiled(flat, book, block):
     scale = np.empty(-(-flat.size // block), _F32)
     numpy_quant_numba.quantise_flat(
         np.ascontiguousarray(flat), block, _F32(book.divisor), _F32(SMALLEST_SCALE), book.shift,
-        book.first, book.buckets, book.threshold, book.below, book.above, codes, scale,
+        book.first, book.buckets, book.threshold, book.pairs, codes, scale,
     )
     return codes, scale
 

@@ -11,7 +11,7 @@ import numpy as np
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")
 def quantise_flat(
-    flat, block, divisor, smallest, shift, first, buckets, threshold, below, above, codes, scale
+    flat, block, divisor, smallest, shift, first, buckets, threshold, pairs, codes, scale
 ):  # pragma: no cover - compiled
     """Codes (into `codes`) and float32 scales (into `scale`) of the 1-D float32 array `flat`."""
     n = flat.shape[0]
@@ -38,7 +38,5 @@ def quantise_flat(
             word = bits[i]
             magnitude = word & 0x7FFFFFFF
             j = (magnitude >> shift) - (first - 1)
-            j = 0 if j < 0 else (buckets - 1 if j > buckets - 1 else j)
-            if word < 0:
-                j += buckets
-            codes[lo + i] = above[j] if magnitude >= threshold[j] else below[j]
+            j = min(max(j, 0), buckets - 1) + ((word >> 31) & buckets)  # (no branches: see `pairs`)
+            codes[lo + i] = np.uint8(pairs[j] >> (np.int32(magnitude >= threshold[j]) << 3))

@@ -43,6 +43,16 @@ class Codebook:
     below: np.ndarray  # uint8
     above: np.ndarray  # uint8
 
+    @functools.cached_property
+    def pairs(self) -> np.ndarray:
+        """int32 `below | above << 8`: a code is `pairs[i] >> (8 if a >= threshold[i] else 0)`
+        (its low byte), one load and a shift where a compiled loop would otherwise branch
+        between two loads (LLVM turns such a select into a branch, mispredicted half the time
+        where a bucket holds a decision point)."""
+        pairs = self.below.astype(np.int32) | (self.above.astype(np.int32) << 8)
+        pairs.setflags(write=False)
+        return pairs
+
 
 def _nearest_ties_up(values: np.ndarray):
     """The exact code of magnitudes `a` (float64 holding float32 values) of sign `negative`, for an
