@@ -102,13 +102,14 @@ def available() -> bool:
     return numpy_kernels.AVAILABLE
 
 
-def kernel(program, aliases=()):
+def kernel(program, aliases=(), uniform=()):
     """The loop `kernel(*inputs, *outputs, consts)` of `program` over 1-D NumPy arrays of one
     length (float16 and bfloat16 as views of their bits as uint16), without the outputs that
-    `aliases` writes into inputs (`source_of`), or None where it cannot compute the program."""
-    key = (program, aliases)
+    `aliases` writes into inputs, and with the inputs `uniform` as one element (`source_of`),
+    or None where it cannot compute the program."""
+    key = (program, aliases, uniform)
     if key not in _KERNELS:
-        source = source_of(program, aliases)
+        source = source_of(program, aliases, uniform)
         _KERNELS[key] = None if source is None or not available() else _load(source)
     return _KERNELS[key]
 
@@ -117,18 +118,23 @@ def _name(dtype) -> str:
     return str(dtype).rpartition(".")[2]
 
 
-def source_of(program, aliases=()) -> str | None:
+def source_of(program, aliases=(), uniform=()) -> str | None:
     """The loop's Python source, or None. `aliases[m]`: the input that output `m` is written
     into (a step in place), or -1 for an array of its own; the loop then takes only the others,
-    so that LLVM, finding no two arguments overlap, runs its vectorised loop."""
+    so that LLVM, finding no two arguments overlap, runs its vectorised loop. Each input of
+    `uniform` is one element that every element shares (a gradient's clipping factor), read once
+    before the loop: a view repeating it (stride 0) kept LLVM from vectorising."""
     aliases = aliases or (-1,) * len(program.outputs)
-    computes, consts, body = _body(program, {})
+    computes, consts, body = _body(program, {k: f"u{k}" for k in uniform})
     if body is None:
         return None
     arrays = [f"a{k}" for k in range(len(program.inputs))]
     arrays += [f"o{m}" for m, k in enumerate(aliases) if k < 0]
     lines = [f"def kernel({', '.join(arrays)}, c):"]
     lines += [f"    k{k}_{t} = np.{t}(c[{k}])" for k, t in consts]
+    stored = {args[0]: _name(dtype) for op, args, dtype in program.nodes if op == "in"}
+    lines += [f"    u{k} = " + _line("in", (k,), "float32", [], {}, stored[k]).replace("[i]", "[0]")
+              for k in uniform]
     lines.append(f"    for i in range({arrays[0]}.shape[0]):")
     lines += ["        " + line for line in body]
     for m, (n, dtype) in enumerate(program.outputs):  # (every element read before any is written)

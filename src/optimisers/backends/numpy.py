@@ -360,11 +360,11 @@ def is_buffer(value) -> bool:
 COMPILE_FROM = 1 << 14
 
 
-def elementwise_kernel(program, device, aliases=()):
+def elementwise_kernel(program, device, aliases=(), uniform=()):
     """`run(arrays, consts)`: a traced elementwise step (`backends.traced`) compiled for 1-D
-    arrays (its inputs, then its outputs but those written into inputs, `aliases`), or None
-    (`optimisers.engine.compiled`)."""
-    loop = numba_lowering.kernel(program, aliases)
+    arrays (its inputs, then its outputs but those written into inputs, `aliases`; the inputs
+    `uniform` one element long, shared by all), or None (`optimisers.engine.compiled`)."""
+    loop = numba_lowering.kernel(program, aliases, uniform)
     if loop is None:
         return None
     own = [d for (_, d), k in zip(program.outputs, aliases or [-1] * len(program.outputs)) if k < 0]

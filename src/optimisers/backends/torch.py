@@ -535,7 +535,7 @@ CPU_KERNELS = "numba"  # or "inductor": torch.compile's, as on other devices (te
 COMPILE_FROM = 1  # (an empty tensor has nothing to step)
 
 
-def elementwise_kernel(program, device, aliases=()):
+def elementwise_kernel(program, device, aliases=(), uniform=()):
     """`run(tensors, consts)`: a traced elementwise step (`backends.traced`) compiled for 1-D
     tensors (its inputs, then its outputs but those written into inputs, `aliases`), or None
     (`optimisers.engine.compiled`). On the CPU, numba's loop over the tensors' memory (NumPy
@@ -547,7 +547,7 @@ def elementwise_kernel(program, device, aliases=()):
         from optimisers.backends import torch_lowering
 
         return torch_lowering.kernel(program, device, aliases)
-    loop = _numpy.numba_lowering.kernel(program, aliases)
+    loop = _numpy.numba_lowering.kernel(program, aliases, uniform)
     if loop is None:
         return None
     own = [d for (_, d), k in zip(program.outputs, aliases or [-1] * len(program.outputs)) if k < 0]

@@ -131,9 +131,10 @@ def _wanted(b, rule, n) -> bool:
     return ENABLED and n >= getattr(b, "COMPILE_FROM", n + 1) and _kind(rule) not in _UNTRACEABLE
 
 
-def _kernel(b, rule, spec, array_at, scalars, samples, device, mode="in place", scaled=False):
+def _kernel(b, rule, spec, array_at, scalars, samples, device, mode="in place", scaled=False, uniform=False):
     """`(step, kernel)` for this step of `rule`, or None (it runs eagerly). In place, each
-    output is written into the input it replaces (the kernel takes no array twice)."""
+    output is written into the input it replaces (the kernel takes no array twice). With
+    `uniform`, a scaled step's factor is one element for the whole array."""
     step = _traced(rule, spec, array_at, scalars, samples, mode, scaled)
     if step is None:
         return None
@@ -142,7 +143,7 @@ def _kernel(b, rule, spec, array_at, scalars, samples, device, mode="in place", 
         aliases = tuple(0 if w == "x" else position[w] for w in step.writes)
     else:
         aliases = (-1,) * len(step.writes)
-    kernel = b.elementwise_kernel(step.program, device, aliases)
+    kernel = b.elementwise_kernel(step.program, device, aliases, (len(samples) - 1,) if uniform else ())
     return None if kernel is None else (step, kernel)
 
 
@@ -179,12 +180,15 @@ def step_group(group, xs, dxs, factors=None) -> bool:
         chunks.stage(group, xs, dxs)
         pieces = _pieces(group, xs, dxs, factors)
         samples = [_sample(b, a, group.device) for a in pieces[0]]
-        found = _kernel(b, rule, group.spec, group.array_at, group.scalars, samples, group.device,
-                        scaled=factors is not None)
-        if found is None:
+        kernels = {}  # (a scaled group: each big member's factor is one element, uniform)
+        for uniform in {_uniform(p, factors) for p in pieces}:
+            kernels[uniform] = _kernel(b, rule, group.spec, group.array_at, group.scalars, samples,
+                                       group.device, scaled=factors is not None, uniform=uniform)
+        if None in kernels.values():
             return False
-        step, kernel = found
-        _run(kernel, pieces, step.consts, group.device)  # (each output written into its input)
+        step = next(iter(kernels.values()))[0]
+        runs = [(kernels[_uniform(p, factors)][1], p) for p in pieces]
+        _run(runs, step.consts, group.device)  # (each output written into its input)
         if group.has_runs:
             chunks.unpack(group, xs)
     chunks.unstage(group)
@@ -203,7 +207,7 @@ def _pieces(group, xs, dxs, factors) -> list:
         state = [group.buffers[k][i] for k in arrays]
         pieces.append([b.flat_in(xs[i], order), b.flat_in(dxs[i], order), *state])
         if factors is not None:
-            pieces[-1].append(b.repeat_each(factors[i : i + 1], [group.sizes[i]]))
+            pieces[-1].append(factors[i : i + 1])  # (one element: `_uniform`)
     if group.staging_now is not None:
         pieces.append([*group.staging_now, *[group.packed[k] for k in arrays]])
         if factors is not None:
@@ -212,18 +216,25 @@ def _pieces(group, xs, dxs, factors) -> list:
     return pieces
 
 
-def _run(kernel, pieces, consts, device) -> None:
-    """The kernel over each piece (its inputs, then its outputs: 1-D arrays of one length),
-    on the CPU large ones in a share per worker on our threads (the kernels release the GIL)."""
-    n, workers = sum(len(p[0]) for p in pieces), _WORKERS
+def _uniform(piece, factors) -> bool:
+    """Is `piece`'s factor (a scaled group's last input) one element for all of it?"""
+    return factors is not None and len(piece[-1]) == 1
+
+
+def _run(runs, consts, device) -> None:
+    """Each `(kernel, piece)` of `runs`: the kernel over the piece (its inputs, then its
+    outputs: 1-D arrays of one length, but a uniform input's one element), on the CPU large
+    ones in a share per worker on our threads (the kernels release the GIL)."""
+    n, workers = sum(len(p[0]) for _, p in runs), _WORKERS
     threads = n >= 2 * _SHARE and workers > 1 and getattr(device, "type", "cpu") == "cpu"
     shares = []
-    for piece in pieces:
+    for kernel, piece in runs:
         m = len(piece[0])
         parts = workers if threads and m >= 2 * _SHARE else 1
         bounds = [m * k // parts for k in range(parts + 1)]
-        shares += [[a[lo:hi] for a in piece] for lo, hi in zip(bounds, bounds[1:])]
-    chunks._map(lambda share: kernel(share, consts), shares, threads)
+        for lo, hi in zip(bounds, bounds[1:]):
+            shares.append((kernel, [a[lo:hi] if len(a) == m else a for a in piece]))
+    chunks._map(lambda share: share[0](share[1], consts), shares, threads)
 
 
 def _sample(b, array, device):
@@ -259,17 +270,18 @@ def step_leaf(rule, state, x, dx, pure: bool):
         return None
     order = b.memory_order(x)
     ins = [b.flat_in(a, order) for a in (x, dx, *[p for p, a in zip(parts, array_at) if a])]
-    if is_scaled:  # the factor of the whole gradient, for each element
-        ins.append(b.repeat_each([rule.gradient_factors([precision.widened(dx)])[0]], [n]))
+    if is_scaled:  # the factor of the whole gradient, one element for all
+        ins.append(b.repeat_each([rule.gradient_factors([precision.widened(dx)])[0]], [1]))
     device = getattr(x, "device", None)
     samples = [_sample(b, a, device) for a in ins]
     scalars = [None if a else p for a, p in zip(array_at, parts)]
-    found = _kernel(b, rule, spec, array_at, scalars, samples, device, "new" if pure else "step", is_scaled)
+    found = _kernel(b, rule, spec, array_at, scalars, samples, device, "new" if pure else "step",
+                    is_scaled, is_scaled)
     if found is None:
         return None
     step, kernel = found
     outs = [b.empty_flat(n, like) for like in step.samples]
-    _run(kernel, [[*ins, *outs]], step.consts, device)
+    _run([(kernel, [*ins, *outs])], step.consts, device)
     new_parts = [
         step.scalars[k] if not a else b.shaped_in(outs[step.writes.index(k)], x.shape, order)
         if k in step.writes else p
