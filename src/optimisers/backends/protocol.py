@@ -152,7 +152,11 @@ class InPlaceEngine(Parameters, Protocol):
 
     def kernel_ok(self, x: Array) -> bool: ...  # a compiled kernel can read its memory (maybe strided)
     def adopt(self, value: Array, like: Array) -> Array: ...  # a new array made a parameter like `like`
-    def elementwise_kernel(self, program: Any, device: Any, aliases: tuple = ()) -> Callable | None: ...
+    def elementwise_kernel(
+        self, program: Any, device: Any, aliases: tuple = (), uniform: tuple = ()
+    ) -> Callable | None: ...
+    # optional: a traced step whose state is partly blockwise quantised (LowBit), or None
+    # def quantised_kernel(self, program, device, ins, outs, block) -> Callable | None
     def fit_as_they_are(self, gs: list, xs: list, dtype: Any, device: Any) -> list | None: ...
     # the one check of a later step: what the kernels rely on for parameters xs and gradients gs,
     # kept (None: cannot), and whether new lists still hold all of it (docs/architecture.md)
