@@ -62,7 +62,8 @@ def blocks(n=12, width=128):
 def gradients_like(params):
     leaves, treedef = jax.tree_util.tree_flatten(params)
     keys = jax.random.split(jax.random.key(2), len(leaves))
-    return jax.tree_util.tree_unflatten(treedef, [jax.random.normal(k, x.shape) * 1e-2 for k, x in zip(keys, leaves)])
+    grads = [jax.random.normal(k, x.shape) * 1e-2 for k, x in zip(keys, leaves)]
+    return jax.tree_util.tree_unflatten(treedef, grads)
 
 
 def optax_step():

@@ -51,8 +51,8 @@ def _placed_like(x, out):
         return jax.device_put(out, sharding)
     rows = sharding.spec[0] if x.ndim and len(sharding.spec) else None
     split = math.prod(sharding.mesh.shape[a] for a in _axes(rows))
-    spec = jax.sharding.PartitionSpec(rows) if rows is not None and out.shape[0] % split == 0 else jax.sharding.PartitionSpec()
-    return jax.device_put(out, jax.sharding.NamedSharding(sharding.mesh, spec))
+    spec = (rows,) if rows is not None and out.shape[0] % split == 0 else ()
+    return jax.device_put(out, jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec)))
 
 
 def _axes(entry) -> tuple:
