@@ -12,7 +12,8 @@ state and parameters donated to both, outputs fed back in, on the same parameter
   (below `min_size`).
 
 The time of a row is the median over `--repeats` runs of the mean of `--steps` steps, after a
-warm-up step (which compiles); ratio = the row's time / optax.adamw's, measured in the same run.
+warm-up step (which compiles), the rows of a model run in turn; ratio = the row's time /
+optax.adamw's, measured in the same run.
 """
 
 from __future__ import annotations
@@ -83,20 +84,22 @@ def ours_step(bits):
     return (lambda params: opt.setup(rule, params)), opt.update
 
 
-def seconds_per_step(init, step, make_params, grads, steps: int, repeats: int) -> float:
+def runner(init, step, make_params, grads, steps: int):
+    """A function that runs `steps` jitted steps and returns the mean seconds a step; compiled."""
     jitted = jax.jit(step, donate_argnums=(0, 1))
     params = make_params()
-    state = init(params)
-    state, params = jitted(state, params, grads)  # compiles
-    jax.block_until_ready(params)
-    runs = []
-    for _ in range(repeats):
+    carry = [init(params), params]
+    carry[:] = jitted(*carry, grads)  # compiles
+    jax.block_until_ready(carry)
+
+    def run() -> float:
         start = time.perf_counter()
         for _ in range(steps):
-            state, params = jitted(state, params, grads)
-        jax.block_until_ready((state, params))
-        runs.append((time.perf_counter() - start) / steps)
-    return statistics.median(runs)
+            carry[:] = jitted(*carry, grads)
+        jax.block_until_ready(carry)
+        return (time.perf_counter() - start) / steps
+
+    return run
 
 
 ROWS = [
@@ -111,7 +114,7 @@ ROWS = [
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--only", choices=["one array", "blocks"], default=None)
     args = parser.parse_args(argv)
     models = [("one array", one_array), ("blocks", blocks)]
@@ -122,12 +125,15 @@ def main(argv=None):
         if args.only and model_name != args.only:
             continue
         grads = gradients_like(make_params())
-        base = None
-        for row_name, make in ROWS:
-            init, step = make()
-            t = seconds_per_step(init, step, make_params, grads, args.steps, args.repeats)
-            base = base or t
-            print(f"| {model_name} | {row_name} | {t * 1e3:.2f} | {t / base:.2f}× |", flush=True)
+        runs = {name: runner(*make(), make_params, grads, args.steps) for name, make in ROWS}
+        times: dict = {name: [] for name in runs}
+        for _ in range(args.repeats):  # rows in turn: a change in the machine's load hits them all
+            for name, run in runs.items():
+                times[name].append(run())
+        base = statistics.median(times[ROWS[0][0]])
+        for name, ts in times.items():
+            t = statistics.median(ts)
+            print(f"| {model_name} | {name} | {t * 1e3:.2f} | {t / base:.2f}× |", flush=True)
 
 
 if __name__ == "__main__":
