@@ -232,3 +232,22 @@ def test_sharded_codes_follow_the_parameter_and_equal_the_unsharded_run_compilin
     from _host_devices import run_on_host_devices
 
     assert run_on_host_devices(SHARDED, 8).stdout.strip() == "ok"
+
+
+@pytest.mark.slow
+def test_the_benchmark_prints_a_row_for_each_step_against_optax():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "low_bit_jax.py"
+    out = subprocess.run(
+        [sys.executable, str(script), "--steps", "1", "--repeats", "1", "--only", "blocks"],
+        capture_output=True, text=True, timeout=600, check=True,
+    ).stdout  # fmt: skip
+    rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| blocks")]
+    assert [cells[1].strip() for cells in rows] == [
+        "optax.adamw", "AdamW (float32 state)", "LowBit(AdamW), 8-bit", "LowBit(AdamW), 4-bit",
+        'LowBit(AdamW), "fp8"',
+    ]  # fmt: skip
+    assert rows[0][3].strip() == "1.00×" and all(float(cells[2]) > 0 for cells in rows)
