@@ -182,11 +182,12 @@ SHARDED = textwrap.dedent(
     assert len(jax.devices()) == 8
     mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("a", "b"))
     rng = np.random.default_rng(0)
-    scales = np.exp(rng.uniform(-8, 1, (256, 1)))
-    w0 = (rng.standard_normal((256, 512)) * scales).astype(np.float32)
-    grads = [(rng.standard_normal((256, 512)) * scales).astype(np.float32) for _ in range(3)]
 
-    def train(bits, sharding):
+    def arrays(shape):
+        scales = np.exp(rng.uniform(-8, 1, (shape[0], 1)))
+        return [(rng.standard_normal(shape) * scales).astype(np.float32) for _ in range(4)]
+
+    def train(bits, sharding, w0, grads):
         place = (lambda a: jax.device_put(jnp.asarray(a), sharding)) if sharding else jnp.asarray
         model = {"w": place(w0)}  # every array quantised: the step count is placed by the codes
         state = opt.setup(opt.LowBit(opt.AdamW(1e-2, lambd=0.01), bits=bits), model)
@@ -204,24 +205,33 @@ SHARDED = textwrap.dedent(
         assert len(traces) == 1 and (jitted._cache_size() == 1 or not sharding), (bits, sharding)
         m = state["w"].state[0]
         assert [m.codes.sharding, m.scale.sharding] == placements or not sharding, (bits, sharding)
-        return model, state, m
+        return model, state
 
-    for bits in (8, 4, "fp8"):
-        model, state, _ = train(bits, None)
-        expected = [*jax.tree.leaves(model), *jax.tree.leaves(state)]
-        for spec, rows in ((P("a"), P("a")), (P(("a", "b")), P(("a", "b"))), (P("a", "b"), P("a")),
-                           (P(None, "b"), P())):
-            sharding = NamedSharding(mesh, spec)
-            model, state, m = train(bits, sharding)
-            assert model["w"].sharding.is_equivalent_to(sharding, 2)
-            for moment in state["w"].state[:2]:
-                if bits == 4:  # two codes a byte, 1-D: split along the rows' axes, as the scales
-                    assert moment.codes.sharding.is_equivalent_to(NamedSharding(mesh, rows), 1)
-                else:  # codes shaped as the parameter: its sharding
-                    assert moment.codes.sharding.is_equivalent_to(sharding, 2), (bits, spec)
-                assert moment.scale.sharding.is_equivalent_to(NamedSharding(mesh, rows), 1)
-            for a, b in zip([*jax.tree.leaves(model), *jax.tree.leaves(state)], expected):
-                np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"{bits} {spec}")
+    # (shape, the parameter's spec, the 1-D arrays' specs: 4-bit codes, scales)
+    CASES = [
+        ((256, 512), P("a"), P("a"), P("a")),
+        ((256, 512), P(("a", "b")), P(("a", "b")), P(("a", "b"))),
+        ((256, 512), P("a", "b"), P("a"), P("a")),
+        ((256, 512), P(None, "b"), P(), P()),
+        ((64, 300), P("a"), P("a"), P()),  # rows of part blocks: 75 or 150 scales, not split in 4
+    ]
+    for shape in {case[0] for case in CASES}:
+        w0, *grads = arrays(shape)
+        for bits in (8, 4, "fp8"):
+            model, state = train(bits, None, w0, grads)
+            expected = [*jax.tree.leaves(model), *jax.tree.leaves(state)]
+            for _, spec, codes_1d, scales in (case for case in CASES if case[0] == shape):
+                sharding = NamedSharding(mesh, spec)
+                model, state = train(bits, sharding, w0, grads)
+                assert model["w"].sharding.is_equivalent_to(sharding, 2)
+                for moment in state["w"].state[:2]:
+                    if bits == 4:  # two codes a byte, 1-D
+                        assert moment.codes.sharding.is_equivalent_to(NamedSharding(mesh, codes_1d), 1)
+                    else:  # codes shaped as the parameter: its sharding
+                        assert moment.codes.sharding.is_equivalent_to(sharding, 2), (bits, spec)
+                    assert moment.scale.sharding.is_equivalent_to(NamedSharding(mesh, scales), 1)
+                for a, b in zip([*jax.tree.leaves(model), *jax.tree.leaves(state)], expected):
+                    np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"{bits} {spec}")
     print("ok")
     """
 )

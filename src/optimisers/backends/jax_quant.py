@@ -18,8 +18,7 @@ def quantise_blocks(x, book, block: int):
     scale = jnp.maximum(jnp.max(jnp.abs(blocks), axis=-1, initial=0.0), jnp.float32(SMALLEST_SCALE))
     if book.divisor != 1:
         scale = _divided(scale, jnp.float32(book.divisor))
-    scaled = _divided(blocks, scale[..., None])
-    codes = codes_of(_unblocked(scaled, x.shape), book)
+    codes = codes_of(_divided(x, _each_element(scale, block, x.shape)), book)
     codes = pack_nibbles(codes.reshape(-1)) if book.nibbles else codes
     return _placed_like(x, codes), _placed_like(x, scale.reshape(-1))
 
@@ -29,13 +28,23 @@ def _blocks(x, block: int):
     blocks only the last axis is split, `(..., n/block, block)`: XLA then keeps the sharding of
     every axis through the reshape, so the codes come out placed as `x` is. Otherwise the
     flattened array, zeros padding its last block."""
-    if x.ndim and x.shape[-1] % block == 0:
+    if _whole_rows(x.shape, block):
         return x.reshape(x.shape[:-1] + (x.shape[-1] // block, block))
     return _padded(x.reshape(-1), block).reshape(-1, block)
 
 
-def _unblocked(blocks, shape: tuple):
-    return blocks.reshape(-1)[: math.prod(shape)].reshape(shape)
+def _each_element(scale, block: int, shape: tuple):
+    """The scale of each element of an array of `shape`: the scales of its blocks (as `_blocks`
+    shapes them), each repeated over its block. Codes and values are then computed in the
+    array's own shape, where XLA keeps its sharding, whether or not its rows hold whole blocks."""
+    each = jnp.broadcast_to(scale[..., None], scale.shape + (block,))
+    if _whole_rows(shape, block):  # (..., n/block, block)
+        return each.reshape(shape)
+    return each.reshape(-1)[: math.prod(shape)].reshape(shape)
+
+
+def _whole_rows(shape: tuple, block: int) -> bool:
+    return len(shape) > 0 and shape[-1] % block == 0
 
 
 def _placed_like(x, out):
@@ -110,8 +119,7 @@ def dequantise_blocks(codes, scale, book, block: int, shape: tuple):
         values = jnp.asarray(_pair_values(book))[codes].reshape(-1)[:n].reshape(shape)
     else:
         values = _values_of(codes.reshape(shape), book)
-    blocks = _blocks(values, block)
-    return _unblocked(blocks * scale.reshape(blocks.shape[:-1])[..., None], shape)
+    return values * _each_element(scale.reshape(_blocks(values, block).shape[:-1]), block, shape)
 
 
 def pack_nibbles(codes):
