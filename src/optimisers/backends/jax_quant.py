@@ -25,9 +25,8 @@ def quantise_blocks(x, book, block: int):
 
 def _blocks(x, block: int):
     """`x` cut into blocks along a new last axis, in row-major order. Where its rows hold whole
-    blocks only the last axis is split, `(..., n/block, block)`: XLA then keeps the sharding of
-    every axis through the reshape, so the codes come out placed as `x` is. Otherwise the
-    flattened array, zeros padding its last block."""
+    blocks only the last axis is split, `(..., n/block, block)`, which keeps the other axes (and
+    their sharding) as they are; otherwise the flattened array, zeros padding its last block."""
     if _whole_rows(x.shape, block):
         return x.reshape(x.shape[:-1] + (x.shape[-1] // block, block))
     return _padded(x.reshape(-1), block).reshape(-1, block)
@@ -51,8 +50,9 @@ def _placed_like(x, out):
     """`out` on the devices of `x`, a sharded array (a state that `setup` quantises): codes of the
     parameter's shape take its sharding; 1-D arrays (scales, 4-bit codes), which hold the blocks
     in row-major order, are split along the mesh axes that split its rows (each device keeps
-    the blocks of its own rows when those hold whole blocks), and replicated if its rows are
-    whole on every device. Under `jit` (a tracer) XLA propagates the input's placement."""
+    the blocks of its own rows when those hold whole blocks), and replicated where its rows are
+    whole on every device or the length does not divide evenly over those devices. Under `jit`
+    (a tracer) XLA propagates the inputs' placement, which gives the same."""
     sharding = getattr(x, "sharding", None) if isinstance(x, jax.Array) else None
     if not isinstance(sharding, jax.sharding.NamedSharding) or isinstance(x, jax.core.Tracer):
         return out
