@@ -128,10 +128,6 @@ def pack_nibbles(codes):
     return (codes[0::2] << 4) | codes[1::2]
 
 
-def unpack_nibbles(packed, n: int):
-    return jnp.stack([packed >> 4, packed & np.uint8(15)], axis=-1).reshape(-1)[:n]
-
-
 def _padded(flat, block: int):
     extra = -flat.size % block
     return flat if extra == 0 else jnp.concatenate([flat, jnp.zeros(extra, flat.dtype)])
