@@ -306,7 +306,9 @@ def _host_scalar_placement(leaf_children):
     """For a State whose arrays are sharded over a mesh: a function that puts a host number (fresh
     from setup or adjust) on that mesh, replicated, where a jitted step returns them, so that the
     next step does not compile again. None for anything else."""
-    arrays = (p for _, own in leaf_children for p in own if isinstance(p, jax.Array))
+    # a quantised part (LowBit) is placed as its codes are
+    parts = (getattr(p, "codes", p) for _, own in leaf_children for p in own)
+    arrays = (p for p in parts if isinstance(p, jax.Array))
     first = next((p for p in arrays if p.ndim and not isinstance(p, _Tracer)), None)
     if first is None or not isinstance(first.sharding, jax.sharding.NamedSharding):
         return None
