@@ -270,3 +270,14 @@ def step_leaf(rule, state, x, dx, pure: bool):
     if pure:
         return new_state, b.adopt(value, x)
     return new_state, NewValue(value) if step.new_value else value
+
+
+def traceable(rule) -> bool:
+    """Whether `rule`'s steps can take the compiled way (on a backend with a compiler, for steps of
+    `COMPILE_FROM` elements or more): False for a rule that is neither elementwise nor a chain
+    that scales the gradient first (its blocks, norms or matrices look across elements), for one
+    whose step was found untraceable (known after its first step), and with compiling turned off;
+    such a rule's steps run eagerly."""
+    if not ENABLED or _kind(rule) in _UNTRACEABLE:
+        return False
+    return bool(rule.elementwise or chunks.scaled(rule))
