@@ -328,6 +328,8 @@ def test_every_entry_names_itself_and_builds_its_rule():
         assert (rule.bytes_per_param is None) == rule.bytes_model.startswith("not streaming")
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+@pytest.mark.filterwarnings("ignore:.*_stable_hash_for_caching:UserWarning")  # (torchao's rows)
 @pytest.mark.parametrize("backend", ["numpy", "torch", "jax"])
 def test_every_rule_runs_on_each_backend_it_supports(tmp_path, capsys, backend):
     """A --quick run of every table entry on one backend: each row the table says a library has
@@ -621,10 +623,10 @@ def test_the_quantising_round_trip_keeps_the_nearest_map_value_of_each_block():
     signed, _, block, divisor = naive._low_bit_format("fp8")
     a = np.array([1.0, 0.5, -0.26, 0.0])
     naive._round_trip(a, signed, block, divisor)
-    assert a.tolist() == [1.0, 0.5, -120 / 448, 0.0]
+    assert a.tolist() == pytest.approx([1.0, 0.5, -120 / 448, 0.0], rel=1e-7)  # (a float32 scale)
     signed, unsigned, block, divisor = naive._low_bit_format(8)
-    b = np.zeros(300)
-    b[0], b[1], b[256] = 2.0, 0.3, 0.0  # (the second block: all zeros)
+    b = np.zeros(10)
+    b[0], b[1] = 2.0, 0.3  # (blocks of 4 here: the second and third are all zeros)
     naive._round_trip(b, unsigned, 4, divisor)
     near = unsigned[np.argmin(np.abs(unsigned - 0.15))]  # 0.3 / 2.0 on the map
     assert b[0] == 2.0 and b[1] == pytest.approx(2.0 * near, rel=1e-7) and not b[2:].any()
@@ -685,7 +687,7 @@ def test_the_low_bit_check_fails_for_float32_adamw_and_a_perturbed_row():
     many[0].reshape(-1)[: int(3 * LOW_BIT_FLIPS * n) + 1] += 1e-6  # (each well within one step)
     assert not entry.agreement(many, ref)[0]
     few = [ours[0].copy(), ours[1]]
-    few[0].reshape(-1)[:1] += 1e-6  # (one element: within the fraction)
+    few[0].reshape(-1)[:1] += 1e-6  # (one element: the fraction, rounded up)
     assert entry.agreement(few, ref)[0]
     line = report.agreement_line("lowbit", "adamw8bit", [
         {"backend": "numpy", "impl": "optimisers update_", "agree": True, "max_abs_err": 1e-9},
@@ -694,6 +696,9 @@ def test_the_low_bit_check_fails_for_float32_adamw_and_a_perturbed_row():
     assert f"but for <= {LOW_BIT_FLIPS:g} of the elements" in line and "float32 rows against adamw's" in line
 
 
+# (what importing torch's inductor and tracing torchao's classes warn: pytest makes warnings errors)
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+@pytest.mark.filterwarnings("ignore:.*_stable_hash_for_caching:UserWarning")
 def test_the_low_bit_peers_from_other_packages_run_and_say_when_missing(monkeypatch):
     """bitsandbytes' and torchao's classes are rows of their own, checked against the quantised
     reference (bitsandbytes' CPU quantiser does not always take the nearest code, so its row may
@@ -710,7 +715,7 @@ def test_the_low_bit_peers_from_other_packages_run_and_say_when_missing(monkeypa
         assert row["state_bytes_per_param"] == pytest.approx((2 * 8192 * (1 + 4 / 256) + 2 * 300 * 4) / 8492)
     if importlib.util.find_spec("torchao") is not None:
         row = _reference_row(by_name["torchao"], data, "adamw8bit")  # (torch.compile: seconds)
-        assert "error" not in row and row["agree"], row
+        assert "error" not in row and row["agree"], row.get("traceback", row)
         assert row["note"] == "torchao.optim.AdamW8bit" and row["compile_s"] > 0
         assert row["state_bytes_per_param"] == pytest.approx((2 * 8192 * (1 + 4 / 256) + 2 * 300 * 4) / 8492)
     real = importlib.util.find_spec
