@@ -747,3 +747,19 @@ def test_a_rule_the_compiled_way_cannot_trace_says_eager():
 def test_rules_all_runs_the_low_bit_entries():
     assert set(LOW_BIT) <= set(_rules_action().type("all"))
     assert not set(LOW_BIT) & set(default_rules())
+
+
+def test_a_long_compile_skips_the_same_rules_rows_only():
+    """`--compile-limit`: after optax's long compile for one rule on a shape, its other optax row
+    of that rule is skipped, and the next rule's optax rows still run (`--rules all` shows every
+    rule's rows)."""
+    pytest.importorskip("optax")
+    data = make_data(_TINY)
+    opts = argparse.Namespace(**{**vars(_OPTS), "compile_limit": 0.0})
+    donate, plain = [i for i in IMPLS if i.jit_key == "optax"]
+    seen: dict = {}
+    first = run_row(donate, data, "adam", None, opts, seen)
+    assert "median_ms" in first and first["compile_s"] > 0
+    skipped = run_row(plain, data, "adam", None, opts, seen)["skipped"]
+    assert skipped.startswith("optax jit+donate adam compile")
+    assert "median_ms" in run_row(donate, data, "momentum", None, opts, seen)

@@ -63,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="timed steps per row (default 7, --quick 5; fast rows take more)")
     p.add_argument("--compile-limit", type=float, default=None, metavar="S",
                    help="after a JAX compile longer than S seconds, skip the other rows of the same "
-                   "library on that shape (default 20, --quick 5)")
+                   "library on that shape and rule (default 20, --quick 5)")
     p.add_argument("--bandwidth-mb", type=int, default=None, metavar="MIB",
                    help="size of each bandwidth-test array (default 128, --quick 64; keep it well "
                    "above the last-level cache)")

@@ -82,11 +82,13 @@ def _profile(runner: Runner, n: int, top: int) -> str:
     return text[start:] if start >= 0 else text
 
 
-def _skip_reason(impl: Impl, shape: Shape, opts, compile_seen: dict) -> str | None:
-    """Why a JAX row is skipped: a compile of the same library on this shape took too long."""
+def _skip_reason(impl: Impl, shape: Shape, rule: str, opts, compile_seen: dict) -> str | None:
+    """Why a JAX row is skipped: a compile of the same library on this shape and rule took too
+    long. (Per rule: with `--rules all`, one rule's long compile must not hide the rows of every
+    rule after it.)"""
     if impl.jit_key is None:
         return None
-    prior = compile_seen.get((impl.jit_key, shape.name))
+    prior = compile_seen.get((impl.jit_key, shape.name, rule))
     if prior is None or prior[1] <= opts.compile_limit:
         return None
     return (f"{prior[0]} compile on {shape.name} took {prior[1]:.0f} s > --compile-limit "
@@ -140,7 +142,7 @@ def _measure(impl: Impl, data: Data, rule: str, ref: list | None, opts, compile_
         row["note"] = runner.note
     if runner.compile_s is not None:
         row["compile_s"] = runner.compile_s
-        compile_seen[(impl.jit_key, data.shape.name)] = (f"{impl.name} {rule}", runner.compile_s)
+        compile_seen[(impl.jit_key, data.shape.name, rule)] = (f"{impl.name} {rule}", runner.compile_s)
     if runner.setup_s is not None:
         row["setup_ms"] = runner.setup_s * 1e3
     checked = checked_as(rule, impl)
@@ -185,7 +187,7 @@ def run_row(impl: Impl, data: Data, rule: str, ref: list | None, opts, compile_s
     if absent is not None:
         row["absent"] = absent
         return row
-    skipped = _skip_reason(impl, shape, opts, compile_seen)
+    skipped = _skip_reason(impl, shape, rule, opts, compile_seen)
     if skipped is not None:
         row["skipped"] = skipped
         return row
