@@ -464,6 +464,10 @@ RULES: dict[str, BenchRule] = {r.name: r for r in [
            opt.OptimiserChain(opt.SignDecay(L1_DECAY), opt.Momentum(eta=LR_MOMENTUM, rho=RHO)),
            naive.sign_decay_momentum, 20, "as Momentum (the decay reads x, which Momentum reads): 20"),
     # --- low-precision state (issue 40): LowBit(AdamW) against bitsandbytes and torchao --------
+    # (bitsandbytes' CPU quantiser does not always take the nearest code, ~3% of a second moment's
+    # codes: its row disagrees. LowBit(bits=4)'s v starts at 1/16 x the smallest scale 1e-12, not
+    # 0 as torchao's: on the bench's gradients ~4% of the elements step differently at first, and
+    # our 4-bit rows disagree; tests/test_bench.py marks that xfail, strict)
     _low_bit_entry("adamw8bit", 8, _LOW_BIT_BYTES.format("2 + 8/256 = 2.03"),
                    {"bitsandbytes": _bitsandbytes("AdamW8bit"), "torchao": _torchao("AdamW8bit")}),
     _low_bit_entry("adamw4bit", 4, _LOW_BIT_BYTES.format("1 + 8/128 = 1.06"),
