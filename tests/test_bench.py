@@ -7,6 +7,7 @@ the cold cache, and benchmarks/overhead.py's smallest run."""
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 import os
 import re
@@ -19,16 +20,18 @@ import pytest
 
 import optimisers as opt
 from optimisers.tools import bench
-from optimisers.tools.bench import report
+from optimisers.tools.bench import naive, report
 from optimisers.tools.bench.cache import Evictor, evict_mib, is_cold
 from optimisers.tools.bench.implementations import IMPLS
 from optimisers.tools.bench.models import CHECK_STEPS, Shape, agrees, as_module, get, make_data, make_shapes
 from optimisers.tools.bench.rules import (
+    LOW_BIT_FLIPS,
     LR_MOMENTUM,
     RHO,
     RULES,
     BenchRule,
     TorchPeer,
+    checked_as,
     default_rules,
     only_matrices,
     reference,
@@ -325,6 +328,8 @@ def test_every_entry_names_itself_and_builds_its_rule():
         assert (rule.bytes_per_param is None) == rule.bytes_model.startswith("not streaming")
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+@pytest.mark.filterwarnings("ignore:.*_stable_hash_for_caching:UserWarning")  # (torchao's rows)
 @pytest.mark.parametrize("backend", ["numpy", "torch", "jax"])
 def test_every_rule_runs_on_each_backend_it_supports(tmp_path, capsys, backend):
     """A --quick run of every table entry on one backend: each row the table says a library has
@@ -589,3 +594,164 @@ def test_the_agreement_line_names_rows_that_failed():
     assert "1/1 implementations agree" in line
     assert "FAILED (error, see the table): torch optimisers update_" in line
     assert "FAILED" not in report.agreement_line("S1", "lion", group[:1])
+
+
+# --- low-precision state (issue 40) and the eager label (issue 39) ---------------------------------
+
+LOW_BIT = ["adamw8bit", "adamw4bit", "adamwfp8"]
+# a matrix of 8192 elements (quantised: LowBit's, bitsandbytes' and torchao's threshold is 4096) and
+# a vector of 300 (kept in float32)
+_QUANTISED = Shape("lowbit", [("w",), ("b",)], [(64, 128), (300,)], layout="a quantised matrix, a vector")
+_OPTS = argparse.Namespace(compile_limit=1e9, warmup=0, repeats=1, quick=True, rss_ok=False, profile=0)
+def _reference_row(impl, data, name):
+    ref = reference(checked_as(name, impl), data, CHECK_STEPS)
+    return run_row(impl, data, name, ref, _OPTS, {})
+
+
+def test_the_quantising_round_trip_keeps_the_nearest_map_value_of_each_block():
+    """The reference's quantisation, by hand: FP8 scales a block so that its largest magnitude is
+    448, and keeps the nearest float8_e4m3fn value (between 112 and 120 the spacing is 8); 8 bits
+    keeps the dynamic map's nearest value times the block's largest magnitude; a block of zeros
+    stays zero."""
+    signed, _, block, divisor = naive._low_bit_format("fp8")
+    a = np.array([1.0, 0.5, -0.26, 0.0])
+    naive._round_trip(a, signed, block, divisor)
+    assert a.tolist() == pytest.approx([1.0, 0.5, -120 / 448, 0.0], rel=1e-7)  # (a float32 scale)
+    signed, unsigned, block, divisor = naive._low_bit_format(8)
+    b = np.zeros(10)
+    b[0], b[1] = 2.0, 0.3  # (blocks of 4 here: the second and third are all zeros)
+    naive._round_trip(b, unsigned, 4, divisor)
+    near = unsigned[np.argmin(np.abs(unsigned - 0.15))]  # 0.3 / 2.0 on the map
+    assert b[0] == 2.0 and b[1] == pytest.approx(2.0 * near, rel=1e-7) and not b[2:].any()
+    assert abs(b[1] - 0.3) < 0.3 * 0.02  # (the dynamic map is fine near 0.15: steps of ~1%)
+
+
+@pytest.mark.parametrize("name", LOW_BIT)
+def test_our_low_bit_rows_agree_with_the_quantised_reference(name):
+    """Every row of ours (NumPy, PyTorch, the drop-in, JAX under jit) and the naive loop in float32
+    agree with AdamW whose moments are quantised after each step, in float64; the float32 anchors
+    (torch.optim's fused AdamW, optax.adamw) agree with AdamW's own reference."""
+    pytest.importorskip("torch")
+    pytest.importorskip("optax")
+    data = make_data(_QUANTISED)
+    rows = {}
+    for impl in IMPLS:
+        if impl.absent(RULES[name]) is None and impl.name not in ("bitsandbytes", "torchao"):
+            rows[impl.backend, impl.name] = _reference_row(impl, data, name)
+    for key, row in rows.items():
+        assert "error" not in row and row["agree"], (key, row)
+    assert {("numpy", "optimisers update_"), ("torch", "optimisers drop-in, flatten_"),
+            ("jax", "optimisers jit+donate"), ("numpy", "naive NumPy loop")} <= set(rows)
+    for key in (("torch", "torch.optim fused"), ("jax", "optax jit+donate")):
+        assert rows[key]["checked_as"] == "adamw" and rows[key]["note"].startswith("float32 ")
+    # state per parameter: codes of 1 byte (8-bit, FP8) or half a byte (4-bit) and a float32 scale
+    # a block for the matrix, two float32 moments for the vector
+    codes, block = {"adamw8bit": (1, 256), "adamw4bit": (0.5, 128), "adamwfp8": (1, 256)}[name]
+    expected = (2 * 8192 * (codes + 4 / block) + 2 * 300 * 4) / data.shape.n_params
+    assert rows["numpy", "optimisers update_"]["state_bytes_per_param"] == pytest.approx(expected)
+    assert rows["torch", "torch.optim fused"]["state_bytes_per_param"] == 8.0
+    # LowBit(AdamW) takes the compiled way (its quantised pass), so no row says "eager"
+    assert not any(rows[b, "optimisers update_"]["eager"] for b in ("numpy", "torch"))
+
+
+def test_the_low_bit_check_fails_for_float32_adamw_and_a_perturbed_row():
+    """The check can fail: float32 AdamW (no quantisation) differs almost everywhere; our row with
+    one element moved by more than a step, or with more than LOW_BIT_FLIPS of its elements moved
+    beyond float32 rounding, disagrees; our row as it is agrees."""
+    data = make_data(_QUANTISED)
+    entry = RULES["adamw8bit"]
+    ref = reference("adamw8bit", data, CHECK_STEPS)
+    ours = [p.copy() for p in data.params]
+    state = opt.setup(entry.ours(), ours)
+    float32 = [p.copy() for p in data.params]
+    plain = opt.setup(opt.AdamW(1e-3, lambd=0.01), float32)
+    for _ in range(CHECK_STEPS):
+        state, ours = opt.update_(state, ours, list(data.grads_sum))
+        plain, float32 = opt.update_(plain, float32, list(data.grads_sum))
+    assert entry.agreement(ours, ref)[0]
+    assert not entry.agreement(float32, ref)[0]
+    one_far = [ours[0].copy(), ours[1]]
+    one_far[0][3, 5] += 2e-3
+    ok, worst = entry.agreement(one_far, ref)
+    assert not ok and worst >= 2e-3 - 1e-4
+    n = data.shape.n_params
+    many = [ours[0].copy(), ours[1]]
+    many[0].reshape(-1)[: int(3 * LOW_BIT_FLIPS * n) + 1] += 1e-6  # (each well within one step)
+    assert not entry.agreement(many, ref)[0]
+    few = [ours[0].copy(), ours[1]]
+    few[0].reshape(-1)[:1] += 1e-6  # (one element: the fraction, rounded up)
+    assert entry.agreement(few, ref)[0]
+    line = report.agreement_line("lowbit", "adamw8bit", [
+        {"backend": "numpy", "impl": "optimisers update_", "agree": True, "max_abs_err": 1e-9},
+        {"backend": "torch", "impl": "torch.optim fused", "agree": True, "max_abs_err": 1e-9,
+         "checked_as": "adamw"}])
+    assert f"but for <= {LOW_BIT_FLIPS:g} of the elements" in line and "float32 rows against adamw's" in line
+
+
+# (what importing torch's inductor and tracing torchao's classes warn: pytest makes warnings errors)
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+@pytest.mark.filterwarnings("ignore:.*_stable_hash_for_caching:UserWarning")
+def test_the_low_bit_peers_from_other_packages_run_and_say_when_missing(monkeypatch):
+    """bitsandbytes' and torchao's classes are rows of their own, checked against the quantised
+    reference (bitsandbytes' CPU quantiser does not always take the nearest code, so its row may
+    disagree: the check says so, the row still runs); a package that is not installed makes its
+    rows absent, saying so, and the others still run."""
+    pytest.importorskip("torch")
+    data = make_data(_QUANTISED)
+    by_name = {impl.name: impl for impl in IMPLS if impl.backend == "torch"}
+    assert by_name["bitsandbytes"].absent(RULES["adamw4bit"]) == "bitsandbytes has no LowBit(AdamW, 4)"
+    if importlib.util.find_spec("bitsandbytes") is not None:
+        row = _reference_row(by_name["bitsandbytes"], data, "adamw8bit")
+        assert "error" not in row and "agree" in row, row
+        assert row["note"] == "bitsandbytes.optim.AdamW8bit" and row["ns_per_param"] > 0
+        assert row["state_bytes_per_param"] == pytest.approx((2 * 8192 * (1 + 4 / 256) + 2 * 300 * 4) / 8492)
+    if importlib.util.find_spec("torchao") is not None:
+        row = _reference_row(by_name["torchao"], data, "adamw8bit")  # (torch.compile: seconds)
+        assert "error" not in row and row["agree"], row.get("traceback", row)
+        assert row["note"] == "torchao.optim.AdamW8bit" and row["compile_s"] > 0
+        assert row["state_bytes_per_param"] == pytest.approx((2 * 8192 * (1 + 4 / 256) + 2 * 300 * 4) / 8492)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name in ("bitsandbytes", "torchao") else real(name, *a))
+    for name in ("bitsandbytes", "torchao"):
+        row = run_row(by_name[name], data, "adamw8bit", None, _OPTS, {})
+        assert row["absent"] == f"{name} is not installed" and "median_ms" not in row
+        assert f"— ({name} is not installed)" in report.format_table([row])
+    assert "median_ms" in run_row(by_name["optimisers update_"], data, "adamw8bit", None, _OPTS, {})
+
+
+def test_a_rule_the_compiled_way_cannot_trace_says_eager():
+    """Our NumPy and PyTorch rows of a rule whose step runs eagerly (LAMB's norms) say "eager" in
+    the compile column; an elementwise rule's rows show the compile time."""
+    pytest.importorskip("torch")
+    data = make_data(_TINY)
+    for impl in [i for i in IMPLS if i.ours and i.backend in ("numpy", "torch") and not i.flat]:
+        lamb = run_row(impl, data, "lamb", reference("lamb", data, CHECK_STEPS), _OPTS, {})
+        adam = run_row(impl, data, "adam", reference("adam", data, CHECK_STEPS), _OPTS, {})
+        assert lamb["eager"] and lamb["agree"] and not adam["eager"] and adam["agree"], impl.name
+        table = report.format_table([lamb, adam])
+        lamb_line, adam_line = (line for line in table.splitlines() if line.startswith(impl.backend))
+        assert " eager " in lamb_line and " eager " not in adam_line
+    jax_row = run_row(next(i for i in IMPLS if i.backend == "jax" and i.ours), data, "lamb", None, _OPTS, {})
+    assert "eager" not in jax_row  # (jitted: the label is for the NumPy and PyTorch rows)
+
+
+def test_rules_all_runs_the_low_bit_entries():
+    assert set(LOW_BIT) <= set(_rules_action().type("all"))
+    assert not set(LOW_BIT) & set(default_rules())
+
+
+def test_a_long_compile_skips_the_same_rules_rows_only():
+    """`--compile-limit`: after optax's long compile for one rule on a shape, its other optax row
+    of that rule is skipped, and the next rule's optax rows still run (`--rules all` shows every
+    rule's rows)."""
+    pytest.importorskip("optax")
+    data = make_data(_TINY)
+    opts = argparse.Namespace(**{**vars(_OPTS), "compile_limit": 0.0})
+    donate, plain = [i for i in IMPLS if i.jit_key == "optax"]
+    seen: dict = {}
+    first = run_row(donate, data, "adam", None, opts, seen)
+    assert "median_ms" in first and first["compile_s"] > 0
+    skipped = run_row(plain, data, "adam", None, opts, seen)["skipped"]
+    assert skipped.startswith("optax jit+donate adam compile")
+    assert "median_ms" in run_row(donate, data, "momentum", None, opts, seen)

@@ -390,3 +390,18 @@ def _run_blocks(kernel, arrays, consts, n, block, device) -> None:
             share += [codes[lo // per_byte : -(-hi // per_byte)], scale[first:last]]
         shares.append(share)
     chunks._map(lambda share: kernel(share, consts), shares, threads)
+
+
+def traceable(rule) -> bool:
+    """Whether `rule`'s steps can take the compiled way (on a backend with a compiler, for steps of
+    `COMPILE_FROM` elements or more): False for a rule that is neither elementwise nor a chain
+    that scales the gradient first (its blocks, norms or matrices look across elements), for one
+    whose step was found untraceable (known after its first step), and with compiling turned off;
+    such a rule's steps run eagerly. A rule that steps as another on its state dequantised
+    (`LowBit`) can where that one can."""
+    inner = rule.dequantised_rule()
+    if inner is not None:
+        return traceable(inner)
+    if not ENABLED or _kind(rule) in _UNTRACEABLE:
+        return False
+    return bool(rule.elementwise or chunks.scaled(rule))

@@ -22,7 +22,7 @@ from .hyperparameters import HYPERPARAMETERS
 from .implementations import BEST_PEER, IMPLS
 from .memory import can_reset_hwm
 from .models import ALL_BACKENDS, ALL_SHAPES, CHECK_STEPS, EXTRA_SHAPES, make_data, make_shapes
-from .rules import RULES, default_rules, reference
+from .rules import RULES, checked_as, default_rules, reference
 from .timing import paired_nested_ratio, paired_peer_ratio, paired_tie_ratio, run_row
 
 
@@ -63,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="timed steps per row (default 7, --quick 5; fast rows take more)")
     p.add_argument("--compile-limit", type=float, default=None, metavar="S",
                    help="after a JAX compile longer than S seconds, skip the other rows of the same "
-                   "library on that shape (default 20, --quick 5)")
+                   "library on that shape and rule (default 20, --quick 5)")
     p.add_argument("--bandwidth-mb", type=int, default=None, metavar="MIB",
                    help="size of each bandwidth-test array (default 128, --quick 64; keep it well "
                    "above the last-level cache)")
@@ -171,11 +171,14 @@ def _time_every_row(run: _Run, impls: list, progress) -> None:
         data = make_data(run.shapes[name])
         for rule in opts.rules:
             runs = RULES[rule].shapes(data.shape) is None
-            ref = reference(rule, data, CHECK_STEPS) if runs else None
+            refs = {}  # by the entry a row is checked as (a low-bit entry's float32 rows: its anchor's)
             group = []
             for impl in impls:
                 progress(f"{name} {rule}: {impl.backend} {impl.name}")
-                group.append(run_row(impl, data, rule, ref, opts, compile_seen))
+                checked = checked_as(rule, impl)
+                if checked not in refs:
+                    refs[checked] = reference(checked, data, CHECK_STEPS) if runs else None
+                group.append(run_row(impl, data, rule, refs[checked], opts, compile_seen))
                 if "error" in group[-1]:
                     progress(f"  n/a: {group[-1]['error']}")
             run.rows += group

@@ -17,6 +17,7 @@ same tensors as they step any other shape.
 
 from __future__ import annotations
 
+import importlib.util
 import statistics
 import time
 from collections.abc import Callable
@@ -41,6 +42,7 @@ class Runner:
     # untimed work before each step that belongs to the training loop, not to the optimiser (new
     # `.grad` tensors, as `zero_grad()` then `backward()` make them)
     prepare: Callable[[], None] | None = None
+    state_bytes: Callable[[], int] | None = None  # bytes of the optimiser's state arrays now
 
 
 @dataclass
@@ -59,6 +61,10 @@ class Impl:
     # False: what the step gets does not depend on the tree (a drop-in takes a list of parameters,
     # JAX's flat vector is one array)
     sees_nesting: bool = True
+    # torch.optim's and optax's rows: for a low-precision entry they run its float32 anchor
+    runs_anchor: bool = False
+    # its first step compiles (torchao's torch.compile): that step's extra time is its compile time
+    first_step_compiles: bool = False
 
 
 def optimisers_rule(rule: str) -> opt.Rule:
@@ -72,6 +78,31 @@ def _tie_status(model, shape: Shape, same) -> str | None:
         if not same(get(model, path), get(model, shape.paths[i])):
             return "TIES BROKEN"
     return "tied"
+
+
+def nbytes(value) -> int:
+    """Bytes of an array of any backend, 0 for a number or a 0-d array (a step counter); a
+    torchao low-bit tensor (a tensor subclass that reports float32) counts its codes and scales."""
+    if hasattr(value, "codes") and hasattr(value, "scale"):
+        return nbytes(value.codes) + nbytes(value.scale)
+    if getattr(value, "ndim", 0) == 0:
+        return 0
+    if hasattr(value, "element_size"):
+        return value.numel() * value.element_size()
+    return int(value.nbytes)
+
+
+def _ours_state_bytes(state) -> int:
+    """Bytes of the arrays of an `optimisers` State (a Quantised counts its codes and scales)."""
+    return sum(nbytes(v) for v in opt.state_dict(state).values())
+
+
+def _torch_state_bytes(optimizer) -> int:
+    """Bytes of a torch optimiser's `state[p]` tensors, less bitsandbytes' maps (`qmapK`: one
+    table shared by every parameter)."""
+    held = getattr(optimizer, "optimizer", optimizer)  # (the bench's wrappers hold the optimiser)
+    return sum(nbytes(v) for per_param in held.state.values() for k, v in per_param.items()
+               if not str(k).startswith("qmap"))
 
 
 # --- optimisers ----------------------------------------------------------------------------------
@@ -101,7 +132,7 @@ def _optimisers_in_place(model, grads, rule: str, to_numpy, shape) -> Runner:
         m = box[1]
         return [to_numpy(get(m, p)) for p in shape.paths], _tie_status(m, shape, lambda a, b: a is b)
 
-    return Runner(step, fetch, setup_s=setup_s)
+    return Runner(step, fetch, setup_s=setup_s, state_bytes=lambda: _ours_state_bytes(box[0]))
 
 
 def _optimisers_numpy(data: Data, rule: str) -> Runner:
@@ -161,7 +192,8 @@ def _optimisers_torch_module_grads(data: Data, rule: str) -> Runner:
         m = box[1]
         return [p.detach().numpy() for p in params], _tie_status(m, data.shape, lambda a, b: a is b)
 
-    return Runner(step, fetch, setup_s=setup_s, prepare=prepare)
+    return Runner(step, fetch, setup_s=setup_s, prepare=prepare,
+                  state_bytes=lambda: _ours_state_bytes(box[0]))
 
 
 def views_of_one_buffer(values, make):
@@ -222,18 +254,22 @@ def _optimisers_torch_drop_in(data: Data, rule: str) -> Runner:
     flatten_(params)
     for p, g in zip(params, data.grads_sum):
         p.grad.copy_(torch.from_numpy(g))
-    ours = optimisers_rule(rule)
-    o = peers.TORCH[type(ours)].drop_in(ours, params)
+    ours, entry = optimisers_rule(rule), RULES[rule]
+    if entry.drop_in is not None:
+        o = entry.drop_in(torch, params)
+    else:
+        o = peers.TORCH[type(ours)].drop_in(ours, params)
 
     def fetch():
         return [p.detach().numpy() for p in params], _tie_status(model, data.shape, lambda a, b: a is b)
 
-    return Runner(o.step, fetch)
+    return Runner(o.step, fetch, state_bytes=lambda: _torch_state_bytes(o))
 
 
 def _no_drop_in(rule: BenchRule) -> str | None:
-    # (optimisers.torch has a drop-in class for each torch.optim class of `peers.TORCH`)
-    if peers.TORCH.get(type(rule.ours())) is None:
+    # (optimisers.torch has a drop-in class for each torch.optim class of `peers.TORCH`, and the
+    # low-bit entries name theirs)
+    if rule.drop_in is None and peers.TORCH.get(type(rule.ours())) is None:
         return f"torch.optim has no class for {rule.title}, so optimisers.torch no drop-in"
     return None
 
@@ -268,7 +304,8 @@ def _jitted(data: Data, rule: str, model, grads, setup_model, as_model) -> Runne
         xs = [np.asarray(get(m, p)) for p in data.shape.paths]
         return xs, _tie_status(m, data.shape, lambda a, b: bool(np.array_equal(a, b)))
 
-    return Runner(step, fetch, setup_s=setup_s, compile_s=compile_s)
+    return Runner(step, fetch, setup_s=setup_s, compile_s=compile_s,
+                  state_bytes=lambda: _ours_state_bytes(box[0]))
 
 
 def _optimisers_jax(data: Data, rule: str) -> Runner:
@@ -331,7 +368,7 @@ def _torch_optim(kind: str):
         note = None if peer.name.startswith("torch.optim.") else peer.name
         # an optimiser that writes into `.grad` gets it back before each step, untimed
         return Runner(o.step, lambda: ([p.detach().numpy() for p in params], None), note=note,
-                      prepare=getattr(o, "prepare", None))
+                      prepare=getattr(o, "prepare", None), state_bytes=lambda: _torch_state_bytes(o))
 
     return make
 
@@ -367,13 +404,48 @@ def _optax(donate: bool):
             model = peer.unwrap(box[0])
             return [np.asarray(get(model, p)) for p in data.shape.paths], None
 
-        return Runner(step, fetch, compile_s=compile_s)
+        def state_bytes():
+            import jax
+
+            return sum(nbytes(leaf) for leaf in jax.tree.leaves(box[1]))
+
+        note = "float32 optax.adamw" if RULES[rule].anchor else None  # (the anchor of a low-bit rule)
+        return Runner(step, fetch, compile_s=compile_s, note=note, state_bytes=state_bytes)
 
     return make
 
 
 def _no_optax(rule: BenchRule) -> str | None:
     return None if rule.optax is not None else f"optax has no {rule.title}"
+
+
+def _other_package(package: str):
+    """The row of an entry's torch peer from `package` (bitsandbytes, torchao), stepped as the
+    torch.optim rows are."""
+
+    def make(data: Data, rule: str) -> Runner:
+        import torch
+
+        peer = RULES[rule].others[package]
+        params = [torch.nn.Parameter(torch.tensor(a)) for a in data.params]
+        for p, g in zip(params, data.grads_sum):
+            p.grad = torch.tensor(g)
+        o = peer.make(torch, params)
+        return Runner(o.step, lambda: ([p.detach().numpy() for p in params], None), note=peer.name,
+                      state_bytes=lambda: _torch_state_bytes(o))
+
+    return make
+
+
+def _no_other_package(package: str):
+    def absent(rule: BenchRule) -> str | None:
+        if package not in rule.others:
+            return f"{package} has no {rule.title}"
+        if importlib.util.find_spec(package) is None:
+            return f"{package} is not installed"
+        return None
+
+    return absent
 
 
 IMPLS = [
@@ -387,14 +459,20 @@ IMPLS = [
     Impl("torch", "optimisers update_, flatten_", _optimisers_torch_flat, ours=True, flat=True),
     Impl("torch", "optimisers drop-in, flatten_", _optimisers_torch_drop_in, ours=True, flat=True,
          absent=_no_drop_in, sees_nesting=False),
-    Impl("torch", "torch.optim foreach=False", _torch_optim("loop"), absent=_no_torch("loop")),
-    Impl("torch", "torch.optim foreach=True", _torch_optim("foreach"), absent=_no_torch("foreach")),
-    Impl("torch", "torch.optim fused", _torch_optim("fused"), absent=_no_torch("fused")),
+    Impl("torch", "torch.optim foreach=False", _torch_optim("loop"), absent=_no_torch("loop"),
+         runs_anchor=True),
+    Impl("torch", "torch.optim foreach=True", _torch_optim("foreach"), absent=_no_torch("foreach"),
+         runs_anchor=True),
+    Impl("torch", "torch.optim fused", _torch_optim("fused"), absent=_no_torch("fused"), runs_anchor=True),
+    Impl("torch", "bitsandbytes", _other_package("bitsandbytes"), absent=_no_other_package("bitsandbytes")),
+    # torchao's step is torch.compile'd: its first step compiles (the `compile` column)
+    Impl("torch", "torchao", _other_package("torchao"), absent=_no_other_package("torchao"),
+         first_step_compiles=True),
     Impl("jax", "optimisers jit+donate", _optimisers_jax, ours=True, jit_key="optimisers"),
     Impl("jax", "optimisers jit+donate, flat vector", _optimisers_jax_flat, ours=True,
          jit_key="optimisers-flat", flat=True, absent=_not_elementwise, sees_nesting=False),
-    Impl("jax", "optax jit+donate", _optax(True), jit_key="optax", absent=_no_optax),
-    Impl("jax", "optax jit", _optax(False), jit_key="optax", absent=_no_optax),
+    Impl("jax", "optax jit+donate", _optax(True), jit_key="optax", absent=_no_optax, runs_anchor=True),
+    Impl("jax", "optax jit", _optax(False), jit_key="optax", absent=_no_optax, runs_anchor=True),
 ]
 
 #: The peer each backend's rows are compared with: the fastest of the established libraries.

@@ -104,26 +104,31 @@ def momentum(f, t):
     return each
 
 
+def _adam_each(f, t, decay: float, epsilon: float):
+    """Adam's (AdamW's when `decay`) step of one array at step `t`, in place: `each(x, g, m, v)`."""
+    b1, b2, eps, lr = f(BETAS[0]), f(BETAS[1]), f(epsilon), f(LR_ADAM)
+    c1, c2 = f(1 - BETAS[0] ** t), f(1 - BETAS[1] ** t)
+    keep = f(1 - LR_ADAM * decay)
+
+    def each(x, g, m, v):
+        m *= b1
+        m += (1 - b1) * g
+        v *= b2
+        v += (1 - b2) * (g * g)
+        s = (lr / c1) * m / (np.sqrt(v / c2) + eps)
+        if decay:
+            x *= keep
+        x -= s
+
+    return each
+
+
 def adam(decay: float = 0.0, epsilon: float = EPS) -> Naive:
     """Adam; AdamW (torch's and optax's: the decay scaled by the rate) when `decay`."""
 
     @_per_array(0.0, 0.0)
     def formula(f, t):
-        b1, b2, eps, lr = f(BETAS[0]), f(BETAS[1]), f(epsilon), f(LR_ADAM)
-        c1, c2 = f(1 - BETAS[0] ** t), f(1 - BETAS[1] ** t)
-        keep = f(1 - LR_ADAM * decay)
-
-        def each(x, g, m, v):
-            m *= b1
-            m += (1 - b1) * g
-            v *= b2
-            v += (1 - b2) * (g * g)
-            s = (lr / c1) * m / (np.sqrt(v / c2) + eps)
-            if decay:
-                x *= keep
-            x -= s
-
-        return each
+        return _adam_each(f, t, decay, epsilon)
 
     return formula
 
@@ -550,3 +555,71 @@ def sign_decay_momentum(xs):
         momentum_step([g + decay * np.sign(x) for x, g in zip(xs, gs)], t)
 
     return step
+
+
+# --- low-precision state ------------------------------------------------------------------------
+
+#: Arrays of fewer elements keep float moments (bitsandbytes', torchao's and LowBit's threshold).
+LOW_BIT_MIN_SIZE = 4096
+
+
+def _low_bit_format(bits) -> tuple:
+    """`(signed map, unsigned map, block, divisor)` of a format: the map values (float64,
+    ascending, no NaN), the block's elements, and what the block's largest magnitude is divided
+    by to give its scale (FP8: its largest value, 448, so that the block's largest element is
+    448). The maps are `optimisers.core.quant_maps`' (tests/test_quantise.py checks them bit for
+    bit against bitsandbytes' and torchao's); everything else is written here from the format's
+    definition."""
+    from optimisers.core import quant_maps
+
+    if bits == 8:
+        return quant_maps.dynamic_map(True), quant_maps.dynamic_map(False), 256, 1.0
+    if bits == 4:
+        return quant_maps.dynamic_map(True, 3, 4), quant_maps.linear_map_without_zero(4), 128, 1.0
+    fp8 = quant_maps.float8_e4m3fn_values()
+    fp8 = np.unique(fp8[~np.isnan(fp8)])  # (one 0 for +0 and -0)
+    return fp8, fp8, 256, 448.0
+
+
+def _nearest(values, table):
+    """Each of `values` replaced by the nearest entry of the ascending `table` (a tie: the
+    larger entry; a value beyond the ends: the end)."""
+    i = np.clip(np.searchsorted(table, values), 1, len(table) - 1)
+    below, above = table[i - 1], table[i]
+    return np.where(values - below < above - values, below, above)
+
+
+def _round_trip(a, table, block: int, divisor: float) -> None:
+    """`a` replaced, in place, by the values its blockwise quantised form keeps: row-major blocks
+    of `block` elements, each with the scale max(|largest|, 1e-12) / `divisor` (stored as
+    float32), each element scale x the map value nearest to element / scale."""
+    flat = a.reshape(-1)
+    blocks = np.concatenate([flat, np.zeros((-flat.size) % block, a.dtype)]).reshape(-1, block)
+    scale = np.maximum(np.abs(blocks).max(axis=1), 1e-12) / divisor
+    scale = scale.astype(np.float32).astype(a.dtype)[:, None]
+    kept = _nearest(blocks / scale, table.astype(a.dtype)) * scale
+    a[...] = kept.reshape(-1)[: flat.size].reshape(a.shape)
+
+
+def low_bit_adamw(bits) -> Naive:
+    """AdamW (as `adam(decay=WEIGHT_DECAY)`) whose moments are kept blockwise quantised between
+    steps in the format `bits` (8, 4 or "fp8"), for arrays of LOW_BIT_MIN_SIZE elements or more:
+    each step computes the new moments from the kept ones, steps the parameter with them
+    unrounded, then keeps their quantised values (bitsandbytes' and torchao's order); `m` takes
+    the signed map, `v` (never negative) the unsigned one. In float64 it is the reference of the
+    low-bit rows: the quantisation is part of the rule, so a row that skips it disagrees."""
+    signed, unsigned, block, divisor = _low_bit_format(bits)
+
+    @_per_array(0.0, 0.0)
+    def formula(f, t):
+        adamw = _adam_each(f, t, WEIGHT_DECAY, EPS)
+
+        def each(x, g, m, v):
+            adamw(x, g, m, v)
+            if m.size >= LOW_BIT_MIN_SIZE:
+                _round_trip(m, signed, block, divisor)
+                _round_trip(v, unsigned, block, divisor)
+
+        return each
+
+    return formula

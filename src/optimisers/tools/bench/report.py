@@ -87,12 +87,14 @@ def agreement_line(shape: str, rule: str, group: list) -> str:
     checked = [r for r in group if "agree" in r]
     bad = [r for r in checked if not r["agree"]]
     worst = max(checked, key=lambda r: r["max_abs_err"], default=None)
-    atol, rtol = RULES[rule].tolerance
     line = (
         f"check {shape} {rule}: {len(checked) - len(bad)}/{len(checked)} implementations "
-        f"agree with the float64 reference after {CHECK_STEPS} steps "
-        f"(|err| <= {atol:g} + {rtol:g}|x|)"
+        f"agree with the float64 reference after {CHECK_STEPS} steps ({RULES[rule].describe_check()})"
     )
+    anchors = sorted({r["checked_as"] for r in checked if "checked_as" in r})
+    if anchors:  # a low-bit entry's float32 rows
+        line += "; the float32 rows against " + ", ".join(
+            f"{a}'s ({RULES[a].describe_check()})" for a in anchors)
     if worst is not None:
         line += f"; largest |err| {worst['max_abs_err']:.1e} ({worst['backend']} {worst['impl']})"
     if bad:
@@ -166,10 +168,12 @@ def _table_line(r: dict, rule_width: int = 8) -> str:
         + _fmt(r.get("x_floor"), ".2f", 7) + " "
         + _fmt(r.get("x_peer"), ".2f", 6) + " "
         + f"{_SHORT_PEER.get(r.get('peer'), r.get('peer') or '-'):11} "
-        + _fmt(r.get("compile_s"), ".2f", 8) + " "
+        + ("eager".rjust(8) if r.get("eager") else _fmt(r.get("compile_s"), ".2f", 8)) + " "
         + _fmt(r.get("setup_ms"), ".1f", 7) + " "
         + (_fmt(extra / 2**20, ".1f", 7) + method if extra is not None else _fmt(None, "", 8)) + " "
         + _fmt(r.get("extra_x_params"), ".2f", 6) + " "
+        + _fmt(r.get("state_bytes_per_param"), ".2f", 6) + " "
+        + _fmt(r.get("ns_per_param"), ".2f", 7) + " "
         + agree
     )
 
@@ -180,11 +184,11 @@ def format_table(rows: list) -> str:
     head = (
         f"{'backend':7} {'impl':{iw}} {'shape':{sw}} {'rule':{w}} {'median':>8} {'min':>8} {'max':>8} "
         f"{'n':>3} {'xfloor':>7} {'xpeer':>6} {'peer':11} {'compile':>8} {'setup':>7} "
-        f"{'extraMB':>8} {'xparam':>6} agree"
+        f"{'extraMB':>8} {'xparam':>6} {'state':>6} {'ns':>7} agree"
     )
     units = (
         f"{'':7} {'':{iw}} {'':{sw}} {'':{w}} {'ms':>8} {'ms':>8} {'ms':>8} {'':>3} {'':>7} {'':>6} {'':11} "
-        f"{'s':>8} {'ms':>7} {'':>8} {'':>6}"
+        f"{'s':>8} {'ms':>7} {'':>8} {'':>6} {'B/par':>6} {'/param':>7}"
     )
     lines = [head, units.rstrip(), "-" * len(head)]
     last = None
@@ -202,7 +206,11 @@ COLUMNS_NOTE = (
     "median (same shape and rule). extraMB: peak memory above the step's start, t = tracemalloc "
     "(NumPy allocations), r = RSS high-water mark; xparam: extraMB / parameter bytes. setup: "
     "median of 3 calls of setup on the model. cold: the caches evicted before each timed step "
-    "(see the cache line above)."
+    "(see the cache line above). compile: a JAX row's jit, torchao's torch.compile, or what our "
+    "first step took more than the last (numba's kernels); eager: a NumPy or PyTorch row of ours "
+    "whose rule the compiled way cannot trace (`optimisers.engine.compiled.traceable`), so it runs "
+    "the eager step. state: bytes of the optimiser's state arrays per parameter (step counters "
+    "left out). ns/param: median / parameters."
 )
 
 

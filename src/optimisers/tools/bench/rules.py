@@ -65,7 +65,7 @@ from .hyperparameters import (  # the same for every implementation of a rule
     TRUST_LARS,
     WEIGHT_DECAY,
 )
-from .models import ATOL, RTOL
+from .models import ATOL, RTOL, agrees, agrees_but_a_few
 from .naive import Naive
 
 #: torch.optim's three ways of running one rule: the bench's torch rows, by kind.
@@ -118,7 +118,12 @@ class BenchRule:
     distinct parameters over the measured bandwidth), with `bytes_model` saying how (None: not a
     streaming rule, e.g. one whose per-array norms need a pass before the step: no floor);
     `shapes(shape)` why a shape cannot be run, or None; `in_default_run`: run without `--rules`;
-    `tolerance` (atol, rtol) against the float64 reference."""
+    `tolerance` (atol, rtol) against the float64 reference, or `check(got, ref) -> (ok, largest
+    |err|)` with `check_text` saying what it allows. A low-precision entry names its float32 rule
+    (`anchor`): its torch.optim and optax rows run that rule, as the anchor its rows are timed
+    against, and are checked against that rule's reference; `others` are its torch peers from
+    other packages (package -> peer, each a row of its own) and `drop_in(torch, params)` our
+    drop-in class (else the table of peers gives it)."""
 
     name: str  # the --rules name
     title: str  # how the rows name it ("torch.optim has no LAMB")
@@ -131,6 +136,18 @@ class BenchRule:
     shapes: Callable[[Any], str | None] = every_shape
     in_default_run: bool = False
     tolerance: tuple = (ATOL, RTOL)
+    check: Callable[[list, list], tuple] | None = None
+    check_text: str | None = None
+    anchor: str | None = None
+    others: dict = field(default_factory=dict)
+    drop_in: Callable[..., Any] | None = None
+
+    def agreement(self, got: list, ref: list) -> tuple[bool, float]:
+        """`(got agrees with ref, the largest absolute error)`, as this entry checks its rows."""
+        return self.check(got, ref) if self.check is not None else agrees(got, ref, *self.tolerance)
+
+    def describe_check(self) -> str:
+        return self.check_text or f"|err| <= {self.tolerance[0]:g} + {self.tolerance[1]:g}|x|"
 
 
 # --- torch peers written by hand (a training loop's gradient surgery, another package) ---------
@@ -245,6 +262,72 @@ def _lookahead_params(params):
 
     return optax.LookaheadParams(fast=params, slow=jax.tree.map(lambda a: a.copy(), params))
 
+
+# --- low-precision state (LowBit) ---------------------------------------------------------------
+
+# Quantised moments make the trajectory differ from float32 AdamW's by the quantisation error, so
+# these rows are checked against AdamW whose moments are quantised after each step, in float64
+# (`naive.low_bit_adamw`): the same trajectory up to float32 rounding, except where a float32
+# moment and the float64 one fall on either side of a rounding midpoint of the map and take
+# different codes (about 1 element in 10^6 on S2). The check allows that: at most a fraction
+# LOW_BIT_FLIPS of the elements beyond the float32 tolerance, none further than one step (a flipped
+# code changes the later steps by a fraction of a step each). It fails for a row that does not
+# quantise (float32 AdamW: ~99% of the elements beyond), uses another map, block or order, or
+# starts from other moments.
+LOW_BIT_FLIPS = 1e-4
+_LOW_BIT_CHECK = (f"|err| <= {ATOL:g} + {RTOL:g}|x| but for <= {LOW_BIT_FLIPS:g} of the elements "
+                  f"(a code flipped at a rounding midpoint), those <= {LR_ADAM:g}")
+
+
+def _low_bit_check(got: list, ref: list) -> tuple[bool, float]:
+    return agrees_but_a_few(got, ref, ATOL, RTOL, LOW_BIT_FLIPS, LR_ADAM)
+
+
+_ADAMW = opt.AdamW(eta=LR_ADAM, beta=BETAS, lambd=WEIGHT_DECAY, epsilon=EPS)
+_ADAMW_KW = dict(lr=LR_ADAM, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
+# torch.optim's fused AdamW in float32: the anchor the low-bit rows are timed against
+_FLOAT32_ADAMW = TorchPeer("float32 torch.optim.AdamW",
+                           lambda torch, ps, **kw: torch.optim.AdamW(ps, **_ADAMW_KW, **kw),
+                           variants={"fused": {"fused": True}})
+
+
+def _bitsandbytes(name: str) -> TorchPeer:
+    def make(torch, params):
+        import bitsandbytes
+
+        return getattr(bitsandbytes.optim, name)(params, **_ADAMW_KW)  # (min_8bit_size 4096, as ours)
+
+    return TorchPeer(f"bitsandbytes.optim.{name}", make, variants={"loop": {}})
+
+
+def _torchao(name: str) -> TorchPeer:
+    def make(torch, params):
+        import torchao.optim
+
+        return getattr(torchao.optim, name)(params, **_ADAMW_KW)
+
+    return TorchPeer(f"torchao.optim.{name}", make, variants={"loop": {}})
+
+
+def _low_bit_entry(name: str, bits, bytes_model: str, others: dict) -> BenchRule:
+    """`LowBit(AdamW, bits)`: ours, its drop-in (`optimisers.torch.<drop_in>`), the packages'
+    classes, and float32 AdamW (torch.optim fused, optax.adamw) as the anchor."""
+    drop_in = {8: "AdamW8bit", 4: "AdamW4bit", "fp8": "AdamWFp8"}[bits]
+
+    def make_drop_in(torch, params):
+        import optimisers.torch
+
+        return getattr(optimisers.torch, drop_in)(params, **_ADAMW_KW)
+
+    title = f"LowBit(AdamW, {bits!r})"
+    optax_adamw = OptaxPeer(lambda optax: peers.OPTAX[opt.AdamW](optax, _ADAMW))
+    return BenchRule(name, title, lambda: opt.LowBit(_ADAMW, bits=bits), _FLOAT32_ADAMW, optax_adamw,
+                     naive.low_bit_adamw(bits), None, bytes_model, check=_low_bit_check,
+                     check_text=_LOW_BIT_CHECK, anchor="adamw", others=others, drop_in=make_drop_in)
+
+
+_LOW_BIT_BYTES = ("not streaming (each block's scale needs a pass over the block before its codes are "
+                  "written): no floor; state {} bytes per parameter of the quantised arrays")
 
 # --- the table ----------------------------------------------------------------------------------
 
@@ -380,12 +463,30 @@ RULES: dict[str, BenchRule] = {r.name: r for r in [
     _entry("sign-decay-momentum", "SignDecay+Momentum",
            opt.OptimiserChain(opt.SignDecay(L1_DECAY), opt.Momentum(eta=LR_MOMENTUM, rho=RHO)),
            naive.sign_decay_momentum, 20, "as Momentum (the decay reads x, which Momentum reads): 20"),
+    # --- low-precision state (issue 40): LowBit(AdamW) against bitsandbytes and torchao --------
+    # (bitsandbytes' CPU quantiser does not always take the nearest code, ~3% of a second moment's
+    # codes: its row disagrees. LowBit(bits=4)'s v starts at 1/16 x the smallest scale 1e-12, not
+    # 0 as torchao's: on the bench's gradients ~4% of the elements step differently at first, and
+    # our 4-bit rows disagree; tests/test_bench.py marks that xfail, strict)
+    _low_bit_entry("adamw8bit", 8, _LOW_BIT_BYTES.format("2 + 8/256 = 2.03"),
+                   {"bitsandbytes": _bitsandbytes("AdamW8bit"), "torchao": _torchao("AdamW8bit")}),
+    _low_bit_entry("adamw4bit", 4, _LOW_BIT_BYTES.format("1 + 8/128 = 1.06"),
+                   {"torchao": _torchao("AdamW4bit")}),
+    _low_bit_entry("adamwfp8", "fp8", _LOW_BIT_BYTES.format("2 + 8/256 = 2.03"),
+                   {"torchao": _torchao("AdamWFp8")}),
 ]}
 
 
 def default_rules() -> list[str]:
     """What runs without `--rules`."""
     return [name for name, r in RULES.items() if r.in_default_run]
+
+
+def checked_as(rule: str, impl) -> str:
+    """The entry whose reference and check a row of `impl` on `rule` answers to: the anchor's for
+    the float32 rows (torch.optim, optax) of a low-precision entry, else the entry's own."""
+    anchor = RULES[rule].anchor
+    return anchor if anchor is not None and impl.runs_anchor else rule
 
 
 def reference(rule: str, data, steps: int) -> list | None:

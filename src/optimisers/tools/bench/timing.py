@@ -15,11 +15,13 @@ import time
 import traceback
 from typing import Any
 
+from optimisers.engine import compiled
+
 from .cache import is_cold
 from .implementations import Impl, Runner
 from .memory import rss_extra, tracemalloc_extra
-from .models import CHECK_STEPS, Data, Shape, agrees, make_data
-from .rules import RULES
+from .models import CHECK_STEPS, Data, Shape, make_data
+from .rules import RULES, checked_as
 
 
 def evictor_for(opts, shape: str):
@@ -80,11 +82,13 @@ def _profile(runner: Runner, n: int, top: int) -> str:
     return text[start:] if start >= 0 else text
 
 
-def _skip_reason(impl: Impl, shape: Shape, opts, compile_seen: dict) -> str | None:
-    """Why a JAX row is skipped: a compile of the same library on this shape took too long."""
+def _skip_reason(impl: Impl, shape: Shape, rule: str, opts, compile_seen: dict) -> str | None:
+    """Why a JAX row is skipped: a compile of the same library on this shape and rule took too
+    long. (Per rule: with `--rules all`, one rule's long compile must not hide the rows of every
+    rule after it.)"""
     if impl.jit_key is None:
         return None
-    prior = compile_seen.get((impl.jit_key, shape.name))
+    prior = compile_seen.get((impl.jit_key, shape.name, rule))
     if prior is None or prior[1] <= opts.compile_limit:
         return None
     return (f"{prior[0]} compile on {shape.name} took {prior[1]:.0f} s > --compile-limit "
@@ -97,9 +101,10 @@ def _absent_reason(impl: Impl, shape: Shape, rule: str) -> str | None:
 
 
 def _check(runner: Runner, ref: list | None, rule: str, row: dict) -> float:
-    """Run the check steps, record agreement with the reference (when the rule has one); returns
-    the last step's seconds. `row["first_extra_s"]`: what the first step took more than the last
-    (our rows: compiling the rule's kernel, where it was not on disk yet)."""
+    """Run the check steps, record agreement with the reference (when the rule has one) by the
+    check of entry `rule` (`rules.checked_as`); returns the last step's seconds.
+    `row["first_extra_s"]`: what the first step took more than the last (our rows: compiling the
+    rule's kernel, where it was not on disk yet; torchao's: torch.compile)."""
     est = first = 0.0
     for k in range(CHECK_STEPS):
         est = _timed(runner)
@@ -110,7 +115,7 @@ def _check(runner: Runner, ref: list | None, rule: str, row: dict) -> float:
         if ties is not None:
             row["ties"] = ties
         return est
-    ok, worst = agrees(got, ref, *RULES[rule].tolerance)
+    ok, worst = RULES[rule].agreement(got, ref)
     row["agree"] = ok and ties != "TIES BROKEN"
     row["max_abs_err"] = worst
     if ties is not None:
@@ -127,6 +132,7 @@ def _time_row(runner: Runner, est: float, opts, row: dict, evict=None) -> None:
     row["median_ms"] = statistics.median(times) * 1e3
     row["min_ms"] = min(times) * 1e3
     row["max_ms"] = max(times) * 1e3
+    row["ns_per_param"] = row["median_ms"] * 1e6 / row["params"]
 
 
 def _measure(impl: Impl, data: Data, rule: str, ref: list | None, opts, compile_seen: dict,
@@ -136,12 +142,19 @@ def _measure(impl: Impl, data: Data, rule: str, ref: list | None, opts, compile_
         row["note"] = runner.note
     if runner.compile_s is not None:
         row["compile_s"] = runner.compile_s
-        compile_seen[(impl.jit_key, data.shape.name)] = (f"{impl.name} {rule}", runner.compile_s)
+        compile_seen[(impl.jit_key, data.shape.name, rule)] = (f"{impl.name} {rule}", runner.compile_s)
     if runner.setup_s is not None:
         row["setup_ms"] = runner.setup_s * 1e3
-    est = _check(runner, ref, rule, row)
-    if impl.ours and "compile_s" not in row:  # numba's kernels: compiled at the first step
-        row["compile_s"] = row["first_extra_s"]
+    checked = checked_as(rule, impl)
+    if checked != rule:
+        row["checked_as"] = checked
+    est = _check(runner, ref, checked, row)
+    if (impl.ours or impl.first_step_compiles) and "compile_s" not in row:
+        row["compile_s"] = row["first_extra_s"]  # numba's kernels, torch.compile: at the first step
+    if impl.ours and impl.backend != "jax":  # (JAX's rows are all jitted)
+        row["eager"] = not compiled.traceable(RULES[rule].ours())
+    if runner.state_bytes is not None:
+        row["state_bytes_per_param"] = runner.state_bytes() / data.shape.n_params
     evict = evictor_for(opts, data.shape.name)
     row["cache"] = "warm" if evict is None else "cold"
     _time_row(runner, est, opts, row, evict)
@@ -174,7 +187,7 @@ def run_row(impl: Impl, data: Data, rule: str, ref: list | None, opts, compile_s
     if absent is not None:
         row["absent"] = absent
         return row
-    skipped = _skip_reason(impl, shape, opts, compile_seen)
+    skipped = _skip_reason(impl, shape, rule, opts, compile_seen)
     if skipped is not None:
         row["skipped"] = skipped
         return row
