@@ -40,11 +40,11 @@ def stacked_results(found, skip) -> dict:
         parts: list = []
         spec = flatten_state(c.leaf.state, parts)
         array_at = tuple(map(b.is_buffer, parts))
-        shape = c.x.shape
-        if not all(p.shape == shape for p, a in zip(parts, array_at) if a):
-            continue
+        # state arrays of any shape (Adafactor's row and column factors), one shape per place
+        shapes = tuple(tuple(p.shape) for p, a in zip(parts, array_at) if a)
         scalars = tuple(scalar_key(p) for p, a in zip(parts, array_at) if not a)
-        kind = (id(rule), b, tuple(shape), c.x.dtype, getattr(c.x, "device", None), spec, array_at, scalars)
+        where = (b, tuple(c.x.shape), c.x.dtype, getattr(c.x, "device", None))
+        kind = (id(rule), *where, spec, array_at, shapes, scalars)
         stacks.setdefault(kind, (b.numel(c.x), spec, array_at, []))[3].append((c, parts))
     results: dict = {}
     for size, spec, array_at, members in stacks.values():
