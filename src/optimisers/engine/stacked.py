@@ -22,7 +22,10 @@ from optimisers.core.state import flatten_state, scalar_key, unflatten_state
 from optimisers.engine import precision
 
 STACK_BELOW = 1 << 16  # elements: larger parameters step alone
-STACK_ELEMENTS = 1 << 20  # elements in one stack at most: its Newton–Schulz temporaries are ~10 stacks
+# elements in one stack at most: a stack is a copy and its temporaries (~10 stacks for Newton–Schulz)
+# live at once, so small stacks keep a step near the memory of parameters stepped one by one (and
+# in cache): on 4000 vectors of 256, NumPy LAMB held 9.7x the parameters' bytes at 1M, 4.2x here
+STACK_ELEMENTS = 1 << 16
 
 
 def stacked_results(found, skip) -> dict:
