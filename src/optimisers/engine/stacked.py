@@ -1,13 +1,13 @@
 """Many small parameters of one rule that stacks and of one shape, stepped as one stack.
 
-A rule that looks across a whole array (Muon's matrix products, LAMB's and LARS's norms) cannot
-be cut into chunks as an elementwise one can, so each parameter is its own call, and for a model
-of thousands of small arrays (per-head or per-expert weights) the calls cost far more than the
-arithmetic. A rule that sets `stacks = True` also has `apply_stacked(state, x, dx)`: `apply` for
-arrays with a leading axis of parameters, giving each parameter the numbers its own `apply`
-gives it (on NumPy bit for bit; torch's batched matrix product may round otherwise than its
-single one). Here such parameters are stacked, stepped in one call, and each Leaf gets views of
-the stacked new state and step.
+A rule that looks across a whole array (Muon's matrix products, LAMB's and LARS's norms,
+Adafactor's RMS) cannot be cut into chunks as an elementwise one can, so each parameter is its
+own call, and for a model of thousands of small arrays (per-head or per-expert weights) the
+calls cost far more than the arithmetic. A rule that sets `stacks = True` also has
+`apply_stacked(state, x, dx)`: `apply` for arrays with a leading axis of parameters, giving each
+parameter the numbers its own `apply` gives it (on NumPy bit for bit; torch's batched matrix
+product may round otherwise than its single one). Here such parameters are stacked, stepped in
+one call, and each Leaf gets views of the stacked new state and step.
 
 Only on eager backends: under `jit` (JAX) XLA compiles each slice taken out of a stack about as
 slowly as a whole step of that parameter. Only small parameters, in stacks of bounded size: a

@@ -66,6 +66,7 @@ class Adafactor(Rule):
     """
 
     never_raises = True
+    stacks = True  # small vectors (or matrices) of one shape step as one stack
 
     eta: float = 1e-2
     beta2_decay: float = -0.8
@@ -89,8 +90,6 @@ class Adafactor(Rule):
             return real_zeros(x[..., :1]), real_zeros(x[..., :1, :]), 0
         return real_zeros(x), 0
 
-    stacks = True
-
     def apply(self, state, x, dx):
         return self._step(state, x, dx, stacked=False)
 
@@ -108,7 +107,7 @@ class Adafactor(Rule):
         g2 = ops.abs2(dx)
         eps1 = ops.dtype_epsilon(x) if self.epsilon[0] is None else self.epsilon[0]
         keep, new = cast(g2, 1 - new, new)
-        factored = len(x.shape) - stacked >= 2
+        factored = len(x.shape) >= (3 if stacked else 2)  # (a stack's first axis lists parameters)
         root, moments = _second_moment(factored, moments, g2, keep, new, eps1)
         u = dx / ops.maximum(root, ops.epsilon(eps1, g2))
         rms_x = _rms(x, stacked)
