@@ -130,6 +130,82 @@ def test_torch_in_place_and_pure_paths_agree_bit_for_bit(path):
     assert all(np.array_equal(a[k], b[k]) for a, b in zip(got, pure) for k in a)
 
 
+# --- stacks: small parameters of one shape stepped together ---------------------------------------
+
+# several vectors (a full second moment) and matrices (factors) of one shape each: they stack
+STACKED = {**{f"v{i}": (16,) for i in range(4)}, **{f"m{i}": (3, 5) for i in range(3)}, "k": (2, 3, 4)}
+HALF = {"float16": (np.float16, torch.float16), "bfloat16": (None, torch.bfloat16)}
+
+
+@pytest.fixture
+def stack_sizes(monkeypatch):
+    """The sizes of the stacks stepped during the test."""
+    from optimisers.engine import stacked
+
+    seen: list = []
+    step_stack = stacked._step_stack
+
+    def spy(members, **layout):
+        results = step_stack(members, **layout)
+        seen.extend([len(members)] if results else [])
+        return results
+
+    monkeypatch.setattr(stacked, "_step_stack", spy)
+    return seen
+
+
+def bits(a):
+    """The values of an array of any backend and dtype, exactly (float64 holds each)."""
+    return to_numpy({"a": a})["a"].tobytes()
+
+
+def cast_to(tree, backend, dtype):
+    if backend == "torch":
+        return {k: torch.tensor(np.asarray(v, np.float32)).to(HALF[dtype][1]) for k, v in tree.items()}
+    return {k: np.asarray(v).astype(HALF[dtype][0]) for k, v in tree.items()}
+
+
+@pytest.mark.parametrize("path", ["update", "update_"])
+@pytest.mark.parametrize(
+    "backend, dtype", [("numpy", "float16"), ("torch", "float16"), ("torch", "bfloat16")]
+)
+def test_stacked_vectors_and_matrices_step_as_each_alone_bit_for_bit(backend, dtype, path, stack_sizes):
+    """Stacked (float32 maths for half-precision parameters), each parameter gets the numbers and
+    the state it gets stepped by a State of its own, with a tied vector (its gradients summed)
+    and a frozen matrix in the model."""
+    x0, grads = initial_model(STACKED), gradients(STACKED, steps=6)
+    rule = opt.Adafactor(**CUSTOM)
+    model = cast_to(x0, backend, dtype)
+    model["tied"] = model["v1"]
+    alone = cast_to(x0, backend, dtype)
+    state = opt.setup(rule, model)
+    own = {k: opt.setup(rule, x) for k, x in alone.items()}
+    opt.freeze_(state["m2"])
+    for t, g in enumerate(grads):
+        g = cast_to({**g, "tied": g["v2"]}, backend, dtype)
+        state, model = getattr(opt, path)(state, model, g)
+        assert model["tied"] is model["v1"]
+        for k in alone:
+            if k != "m2":
+                dx = g["v1"] + g["tied"] if k == "v1" else g[k]
+                own[k], alone[k] = opt.update(own[k], alone[k], dx)
+        for k in alone:
+            assert bits(model[k]) == bits(alone[k]), (t, k)
+            mine, theirs = state[k].state[:-1], own[k].leaves()[0].state[:-1]
+            assert list(map(bits, mine)) == list(map(bits, theirs)), (t, k)
+    assert bits(model["m2"]) == bits(cast_to(x0, backend, dtype)["m2"])
+    assert sorted(stack_sizes[-2:]) == [2, 4]  # the vectors (one tied), the matrices but the frozen one
+
+
+@pytest.mark.parametrize("backend", ["numpy", "torch"])
+def test_stacked_vectors_and_matrices_match_torch_optim(backend, stack_sizes):
+    x0, grads = initial_model(STACKED), gradients(STACKED)
+    theirs = torch_trajectory(x0, grads, **CUSTOM)
+    ours = our_trajectory(opt.Adafactor(**CUSTOM), x0, grads, backend)
+    assert worst(ours, theirs) < TOL[np.float64]
+    assert sorted(stack_sizes[-2:]) == [3, 4]
+
+
 # --- the state: factors of the last two dimensions, a full moment for vectors and scalars ------
 
 

@@ -81,6 +81,7 @@ def _alone(model, grads, rule, states):
 
 
 RULES = {  # every built-in rule that stacks
+    "adafactor": lambda: opt.Adafactor(0.02, lambd=0.1),
     "muon": lambda: opt.Muon(0.02, lambd=0.1),
     "lamb": lambda: opt.LAMB(0.01, lambd=0.01),
     "lars": lambda: opt.LARS(0.1, lambd=0.01, trust=0.02, nesterov=True),

@@ -22,10 +22,14 @@ def is_factored(x) -> bool:
     return len(x.shape) >= 2
 
 
-def _rms(a):
+def _rms(a, stacked):
     """The root mean square of all entries of `a`, a 0-d array of its real dtype (0 for an empty
-    array)."""
-    return ops.norm(a, 2) / math.sqrt(max(math.prod(a.shape), 1))
+    array); `stacked`: of each slice along the first axis, shaped to multiply the stack
+    (`ops.norms` gives each slice its own norm's bits)."""
+    if not stacked:
+        return ops.norm(a, 2) / math.sqrt(max(math.prod(a.shape), 1))
+    norms = ops.reshape(ops.norms(list(a), 2), (-1,) + (1,) * (len(a.shape) - 1))
+    return norms / math.sqrt(max(math.prod(a.shape[1:]), 1))
 
 
 @dataclass(frozen=True)
@@ -62,6 +66,7 @@ class Adafactor(Rule):
     """
 
     never_raises = True
+    stacks = True  # small vectors (or matrices) of one shape step as one stack
 
     eta: float = 1e-2
     beta2_decay: float = -0.8
@@ -86,6 +91,14 @@ class Adafactor(Rule):
         return real_zeros(x), 0
 
     def apply(self, state, x, dx):
+        return self._step(state, x, dx, stacked=False)
+
+    def apply_stacked(self, state, x, dx):
+        """`apply` of parameters of one shape stacked along a new first axis: each slice with its
+        own factors and RMS, the same numbers."""
+        return self._step(state, x, dx, stacked=True)
+
+    def _step(self, state, x, dx, stacked):
         *moments, t = state
         t = t + 1
         if math.prod(x.shape) == 0:  # no entries: the means over an empty axis would be NaN
@@ -94,24 +107,25 @@ class Adafactor(Rule):
         g2 = ops.abs2(dx)
         eps1 = ops.dtype_epsilon(x) if self.epsilon[0] is None else self.epsilon[0]
         keep, new = cast(g2, 1 - new, new)
-        root, moments = _second_moment(x, moments, g2, keep, new, eps1)
+        factored = len(x.shape) >= (3 if stacked else 2)  # (a stack's first axis lists parameters)
+        root, moments = _second_moment(factored, moments, g2, keep, new, eps1)
         u = dx / ops.maximum(root, ops.epsilon(eps1, g2))
-        rms_x = _rms(x)
+        rms_x = _rms(x, stacked)
         # min(η, 1/√t), η a number or a traced value (ops picks a backend by its first argument)
         eta, root = self.eta, t**-0.5
         rho = ops.minimum(root, eta) if isinstance(eta, numbers.Number) else ops.minimum(eta, root)
         eps2, rho, d, one = cast(rms_x, self.epsilon[1], rho, self.d, 1)
         alpha = ops.maximum(rms_x, eps2) * rho
-        scale = ops.scalar(alpha / ops.maximum(_rms(u) / d, one), x)
-        step = scale * u
+        scale = alpha / ops.maximum(_rms(u, stacked) / d, one)
+        step = (ops.astype(scale, x) if stacked else ops.scalar(scale, x)) * u
         if ops.concrete(self.lambd) != 0:  # (traced: always added)
             step = step + ops.scalar(self.eta * self.lambd, x) * x
         return (*moments, t), step
 
 
-def _second_moment(x, moments, g2, keep, new, eps1):
+def _second_moment(factored, moments, g2, keep, new, eps1):
     """`(√V̂, new moments)`: the factors `(R, C)` of a matrix, or the full `V` of a vector."""
-    if not is_factored(x):
+    if not factored:
         v = keep * moments[0] + new * g2
         return ops.sqrt(v), (v,)
     row, col = moments
