@@ -1,0 +1,153 @@
+"""Run by tests/test_low_bit_dtensor.py, and imported by it for the unsharded reference: step a
+small tied model whose parameters are DTensors sharded over 2 CPU processes (gloo, Shard(0), as
+FSDP2's `fully_shard` makes them) with `LowBit(AdamW)` and with the torch drop-ins, in every
+format, and save what each run ends with, gathered. Usage: python _torch_low_bit_dtensor_worker.py
+RANK PORT OUTDIR STEPS."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import optimisers as opt  # noqa: E402
+import optimisers.torch as ot  # noqa: E402
+from optimisers.core.state import flatten_state  # noqa: E402
+
+WORLD = 2
+FORMATS = (8, 4, "fp8")
+DROP_INS = {8: ot.AdamW8bit, 4: ot.AdamW4bit, "fp8": ot.AdamWFp8}
+LR, DECAY = 1e-2, 0.1
+SHAPES = {
+    # 6144 elements, 3072 a shard: quantised, as the threshold counts the whole array's elements
+    "embed": (96, 64),
+    # rows cut 5 and 4: a shard's blocks are not torch's even cut of the 1-D scales
+    "wide": (9, 512),
+    "square": (64, 64),  # min_size exactly
+    "bias": (64,),  # below min_size: float32 moments
+}
+NAMES = ("embed", "head", "wide", "square", "bias")  # "head" is "embed": one array, tied
+
+
+def model_of(place):
+    """The model, its arrays made by `place` from the same seeded values on every process."""
+    g = torch.Generator().manual_seed(0)
+    arrays = {k: torch.nn.Parameter(place(torch.randn(s, generator=g))) for k, s in SHAPES.items()}
+    return {k: arrays["embed" if k == "head" else k] for k in NAMES}
+
+
+def grads_of(step, place):
+    """Each place's gradient at `step`: the same seeded values on every process."""
+    g = torch.Generator().manual_seed(100 + step)
+    return {k: place(torch.randn(SHAPES["embed" if k == "head" else k], generator=g)) for k in NAMES}
+
+
+def full(x):
+    return x.full_tensor() if hasattr(x, "full_tensor") else x
+
+
+def train_low_bit(bits, steps, place):
+    """`LowBit(AdamW)` by `update_`: the final parameters and each part of each state, gathered
+    (a Quantised as its codes and flat scales)."""
+    model = model_of(place)
+    state = opt.setup(opt.LowBit(opt.AdamW(LR, lambd=DECAY), bits=bits), model)
+    for step in range(steps):
+        state, model = opt.update_(state, model, grads_of(step, place))
+    assert model["head"] is model["embed"]
+    out = {"params": {k: full(p).detach().clone() for k, p in model.items()}, "state": {}}
+    for k in SHAPES:
+        parts: list = []
+        flatten_state(state[k].state, parts)
+        out["state"][k] = [_gathered(p, model[k]) for p in parts]
+    return out
+
+
+def _gathered(part, x):
+    if isinstance(part, opt.Quantised):
+        return {
+            "codes": full(part.codes),
+            "scale": full(part.scale).reshape(-1),
+            "sharded_like_x": _sharded_like(part.codes, x) and _sharded_like(part.scale, x),
+        }
+    return full(part) if torch.is_tensor(part) else part
+
+
+def _sharded_like(y, x) -> bool:
+    """`y` is a DTensor placed as `x` whose shard holds part of it only (no process has it all)."""
+    if not hasattr(x, "placements"):
+        return True  # the unsharded reference
+    return (
+        hasattr(y, "placements")
+        and y.placements == x.placements
+        and y.device_mesh == x.device_mesh
+        and y.to_local().numel() < y.numel()
+    )
+
+
+def train_drop_in(bits, steps, place):
+    """The drop-in class of `bits` (`AdamW8bit`, ...) over the distinct parameters, the tied
+    one's gradient the sum of its places': the final parameters, and `state[p]` gathered."""
+    model = model_of(place)
+    params = [model[k] for k in SHAPES]
+    optimizer = DROP_INS[bits](params, lr=LR, weight_decay=DECAY)
+    for step in range(steps):
+        g = grads_of(step, place)
+        g["embed"] = g["embed"] + g.pop("head")
+        for k, p in zip(SHAPES, params):
+            p.grad = g[k]
+        optimizer.step()
+    state = {
+        k: {name: full(v).clone() if torch.is_tensor(v) else v for name, v in optimizer.state[p].items()}
+        for k, p in zip(SHAPES, params)
+    }
+    quantised = ("state1", "state2", "absmax1", "absmax2")
+    sharded = {
+        k: all(_sharded_like(v, p) for name, v in optimizer.state[p].items() if name in quantised)
+        for k, p in zip(SHAPES, params)
+    }
+    params = {k: full(p).detach().clone() for k, p in zip(SHAPES, params)}
+    return {"params": params, "state": state, "sharded_like_x": sharded}
+
+
+def straddling_block_refused(place):
+    """`setup` on a parameter whose shards would cut a block of 256: its message, and whether the
+    parameters are unchanged."""
+    model = {"layers": [{"w": torch.nn.Parameter(place(torch.ones(75, 64)))}]}  # 38 and 37 rows
+    try:
+        opt.setup(opt.LowBit(opt.AdamW(LR)), model)
+    except ValueError as e:
+        message = str(e)
+    else:
+        message = "no error"
+    return {"message": message, "unchanged": bool((full(model["layers"][0]["w"]) == 1).all())}
+
+
+def run(rank, port, outdir, steps):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    try:
+        mesh = init_device_mesh("cpu", (WORLD,))
+
+        def place(t):
+            return distribute_tensor(t, mesh, [Shard(0)])
+
+        out = {
+            bits: {"low_bit": train_low_bit(bits, steps, place), "drop_in": train_drop_in(bits, steps, place)}
+            for bits in FORMATS
+        }
+        out["refused"] = straddling_block_refused(place)
+        torch.save(out, os.path.join(outdir, f"rank{rank}.pt"))
+        dist.barrier()  # both ranks done before either tears gloo down
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    run(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4]))
