@@ -54,11 +54,18 @@ def train_low_bit(bits, steps, place):
     """`LowBit(AdamW)` by `update_`: the final parameters and each part of each state, gathered
     (a Quantised as its codes and flat scales)."""
     model = model_of(place)
-    state = opt.setup(opt.LowBit(opt.AdamW(LR, lambd=DECAY), bits=bits), model)
+    rule = opt.LowBit(opt.AdamW(LR, lambd=DECAY), bits=bits)
+    state = opt.setup(rule, model)
     for step in range(steps):
         state, model = opt.update_(state, model, grads_of(step, place))
     assert model["head"] is model["embed"]
     out = {"params": {k: full(p).detach().clone() for k, p in model.items()}, "state": {}}
+    # a checkpoint of the state, loaded into a fresh setup, steps on as the state does
+    twin = _copied(model, place)
+    resumed = opt.load_state_dict(opt.setup(rule, twin), _cloned(opt.state_dict(state)))
+    more = grads_of(steps, place)
+    (state, model), (resumed, twin) = opt.update_(state, model, more), opt.update_(resumed, twin, more)
+    out["resumes_bit_for_bit"] = _same_trees((model, opt.state_dict(state)), (twin, opt.state_dict(resumed)))
     for k in SHAPES:
         parts: list = []
         flatten_state(state[k].state, parts)
@@ -109,8 +116,51 @@ def train_drop_in(bits, steps, place):
         k: all(_sharded_like(v, p) for name, v in optimizer.state[p].items() if name in quantised)
         for k, p in zip(SHAPES, params)
     }
-    params = {k: full(p).detach().clone() for k, p in zip(SHAPES, params)}
-    return {"params": params, "state": state, "sharded_like_x": sharded}
+    out = {"params": {k: full(p).detach().clone() for k, p in zip(SHAPES, params)}}
+    out.update(state=state, sharded_like_x=sharded)
+    # its state_dict, loaded into a fresh drop-in over copies of the parameters, steps on alike
+    twin = _copied(dict(zip(SHAPES, params)), place)
+    twins = [twin[k] for k in SHAPES]
+    resumed = DROP_INS[bits](twins, lr=LR, weight_decay=DECAY)
+    resumed.load_state_dict(_cloned(optimizer.state_dict()))
+    g = grads_of(steps, place)
+    g["embed"] = g["embed"] + g.pop("head")
+    for k, p, q in zip(SHAPES, params, twins):
+        p.grad, q.grad = g[k], g[k].clone()
+    optimizer.step()
+    resumed.step()
+    out["resumes_bit_for_bit"] = _same_trees((params, optimizer.state_dict()), (twins, resumed.state_dict()))
+    return out
+
+
+def _copied(model, place):
+    """New parameters with `model`'s values (a tie kept)."""
+    twin = model_of(place)
+    with torch.no_grad():
+        for k in model:
+            twin[k].copy_(model[k])
+    return twin
+
+
+def _cloned(tree):
+    """A checkpoint's copy, its tensors sharing nothing with the state it came from."""
+    if isinstance(tree, dict):
+        return {k: _cloned(v) for k, v in tree.items()}
+    if isinstance(tree, list | tuple):
+        return type(tree)(_cloned(v) for v in tree)
+    return tree.detach().clone() if torch.is_tensor(tree) else tree
+
+
+def _same_trees(a, b) -> bool:
+    """Equal bit for bit (NaN where NaN: FP8's `qmap`), every tensor gathered."""
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same_trees(a[k], b[k]) for k in a)
+    if isinstance(a, list | tuple):
+        return len(a) == len(b) and all(_same_trees(x, y) for x, y in zip(a, b))
+    if torch.is_tensor(a):
+        a, b = full(a), full(b)
+        return torch.equal(a.nan_to_num(), b.nan_to_num()) and torch.equal(a.isnan(), b.isnan())
+    return a == b
 
 
 def straddling_block_refused(place):

@@ -44,6 +44,7 @@ def same(a, b) -> bool:
 @pytest.mark.parametrize("bits", worker.FORMATS)
 def test_low_bit_adamw_on_shards_equals_one_process(ranks, bits, monkeypatch):
     got, other = ranks[0][bits]["low_bit"], ranks[1][bits]["low_bit"]
+    assert got["resumes_bit_for_bit"] and other["resumes_bit_for_bit"]
     expected = unsharded(worker.train_low_bit, bits, monkeypatch)
     start = worker.model_of(lambda t: t)
     for name, p in expected["params"].items():
@@ -70,6 +71,7 @@ def test_low_bit_adamw_on_shards_equals_one_process(ranks, bits, monkeypatch):
 @pytest.mark.parametrize("bits", worker.FORMATS)
 def test_drop_in_on_shards_equals_one_process(ranks, bits, monkeypatch):
     got = ranks[0][bits]["drop_in"]
+    assert got["resumes_bit_for_bit"] and ranks[1][bits]["drop_in"]["resumes_bit_for_bit"]
     expected = unsharded(worker.train_drop_in, bits, monkeypatch)
     for name, p in expected["params"].items():
         assert torch.equal(got["params"][name], p), (bits, name)
