@@ -178,7 +178,7 @@ def straddling_block_refused(place):
 
 def run(rank, port, outdir, steps):
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
@@ -193,6 +193,13 @@ def run(rank, port, outdir, steps):
             for bits in FORMATS
         }
         out["refused"] = straddling_block_refused(place)
+        # HSDP's placements: replicated over the mesh's first dimension, sharded over its second
+        hybrid = init_device_mesh("cpu", (1, WORLD))
+
+        def place_hybrid(t):
+            return distribute_tensor(t, hybrid, [Replicate(), Shard(0)])
+
+        out["hybrid"] = train_low_bit(4, steps, place_hybrid)
         torch.save(out, os.path.join(outdir, f"rank{rank}.pt"))
         dist.barrier()  # both ranks done before either tears gloo down
     finally:

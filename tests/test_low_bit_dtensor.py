@@ -88,3 +88,15 @@ def test_a_block_that_would_straddle_two_shards_is_refused(ranks):
     assert "the parameter at layers.0.w" in refused["message"], refused["message"]
     assert "straddle" in refused["message"] and "multiples of 256" in refused["message"]
     assert refused["unchanged"]
+
+
+def test_replicated_and_sharded_mesh_dimensions_as_hsdp_give_the_same_state(ranks):
+    hybrid, flat = ranks[0]["hybrid"], ranks[0][4]["low_bit"]
+    assert hybrid["resumes_bit_for_bit"]
+    for name, p in flat["params"].items():
+        assert torch.equal(hybrid["params"][name], p), name
+    for name, parts in flat["state"].items():
+        for want, have in zip(parts, hybrid["state"][name]):
+            if isinstance(want, dict):
+                assert have["sharded_like_x"], name
+                assert torch.equal(have["codes"], want["codes"]) and torch.equal(have["scale"], want["scale"])
