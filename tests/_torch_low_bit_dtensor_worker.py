@@ -163,17 +163,31 @@ def _same_trees(a, b) -> bool:
     return a == b
 
 
-def straddling_block_refused(place):
-    """`setup` on a parameter whose shards would cut a block of 256: its message, and whether the
-    parameters are unchanged."""
-    model = {"layers": [{"w": torch.nn.Parameter(place(torch.ones(75, 64)))}]}  # 38 and 37 rows
-    try:
-        opt.setup(opt.LowBit(opt.AdamW(LR)), model)
-    except ValueError as e:
-        message = str(e)
-    else:
-        message = "no error"
-    return {"message": message, "unchanged": bool((full(model["layers"][0]["w"]) == 1).all())}
+def refusals(place, mesh):
+    """The messages of `setup` on a parameter whose shards would cut a block of 256, of the
+    drop-in's first step on it, and of `setup` on a parameter sharded along its columns; and
+    whether the parameters and the drop-in's state are unchanged."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    w = torch.nn.Parameter(place(torch.ones(75, 64)))  # shards of 38 and 37 rows: 2432 elements
+    columns = torch.nn.Parameter(distribute_tensor(torch.ones(64, 128), mesh, [Shard(1)]))
+    drop_in = ot.AdamW8bit([w])
+    w.grad = place(torch.ones(75, 64))
+    attempts = {
+        "straddle": lambda: opt.setup(opt.LowBit(opt.AdamW(LR)), {"layers": [{"w": w}]}),
+        "drop_in": drop_in.step,
+        "columns": lambda: opt.setup(opt.LowBit(opt.AdamW(LR)), {"columns": columns}),
+    }
+    out = {}
+    for kind, attempt in attempts.items():
+        try:
+            attempt()
+        except ValueError as e:
+            out[kind] = str(e)
+        else:
+            out[kind] = "no error"
+    out["unchanged"] = bool((full(w) == 1).all() and (full(columns) == 1).all()) and not drop_in.state
+    return out
 
 
 def run(rank, port, outdir, steps):
@@ -192,7 +206,7 @@ def run(rank, port, outdir, steps):
             bits: {"low_bit": train_low_bit(bits, steps, place), "drop_in": train_drop_in(bits, steps, place)}
             for bits in FORMATS
         }
-        out["refused"] = straddling_block_refused(place)
+        out["refused"] = refusals(place, mesh)
         # HSDP's placements: replicated over the mesh's first dimension, sharded over its second
         hybrid = init_device_mesh("cpu", (1, WORLD))
 

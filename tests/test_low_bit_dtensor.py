@@ -83,10 +83,14 @@ def test_drop_in_on_shards_equals_one_process(ranks, bits, monkeypatch):
             assert same(have, want) if torch.is_tensor(want) else have == want, (bits, name, key)
 
 
-def test_a_block_that_would_straddle_two_shards_is_refused(ranks):
+def test_a_block_that_would_straddle_two_shards_or_columns_sharded_are_refused(ranks):
     refused = ranks[0]["refused"]
-    assert "the parameter at layers.0.w" in refused["message"], refused["message"]
-    assert "straddle" in refused["message"] and "multiples of 256" in refused["message"]
+    for kind, where in (("straddle", "the parameter at layers.0.w"), ("drop_in", "parameter 0")):
+        message = refused[kind]
+        assert message.startswith(where + ": a DTensor of shape (75, 64)"), message
+        assert "straddle" in message and "multiples of 256" in message and "min_size above 4800" in message
+    columns = refused["columns"]
+    assert columns.startswith("the parameter at columns:") and "Shard(dim=1)" in columns, columns
     assert refused["unchanged"]
 
 
