@@ -94,8 +94,8 @@ def _is_dtensor(x) -> bool:
 
 def _quantise_sharded(x, book, block: int):
     split = _row_split(x)
-    codes_shape = _grid(x, 2, split) if book.nibbles else tuple(x.shape)
-    scale_shape = _grid(x, block, split)
+    scale_shape = _grid(x, block, split, f"a block of {block} elements")
+    codes_shape = _grid(x, 2, split, "a byte of two 4-bit codes") if book.nibbles else tuple(x.shape)
     codes, scale = quantise_blocks(x.to_local(), book, block)
     return _sharded_like(codes, x, codes_shape), _sharded_like(scale, x, scale_shape)
 
@@ -135,7 +135,7 @@ def _chunk_sizes(n: int, parts: int) -> list:
     return [max(0, min(n, (i + 1) * chunk) - i * chunk) for i in range(parts)]
 
 
-def _grid(x, unit: int, split: int) -> tuple:
+def _grid(x, unit: int, split: int, what: str) -> tuple:
     """The global shape of an array holding one entry per `unit` consecutive elements of `x`
     (a block's scale, a byte of two 4-bit codes), sharded along its first dimension exactly as
     `x` is: 1-D, as for an unsharded array, where every shard starts at a unit's boundary and
@@ -154,10 +154,10 @@ def _grid(x, unit: int, split: int) -> tuple:
         return (rows, row // unit)
     raise ValueError(
         f"a DTensor of shape {tuple(x.shape)} sharded {tuple(x.placements)} over {split} "
-        f"processes cannot keep its quantised state sharded alike: a block of {unit} elements "
-        f"would straddle two shards. Expected shards that start at multiples of {unit} elements "
-        "(choose a block that divides the elements of a row, or of each shard) or a min_size "
-        f"above {rows * row} to keep this parameter's state in float32"
+        f"processes cannot keep its quantised state sharded alike: {what} would straddle two "
+        f"shards. Expected shards that start at multiples of {unit} elements (choose a block "
+        "that divides the elements of a row, or of each shard) or a min_size above "
+        f"{rows * row} to keep this parameter's state in float32"
     )
 
 
