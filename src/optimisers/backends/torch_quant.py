@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import math
+import sys
 
 import torch
 
@@ -26,6 +27,8 @@ def _tables(book, device):
 
 @torch.no_grad()
 def quantise_blocks(x, book, block: int):
+    if _is_dtensor(x):
+        return _quantise_sharded(x, book, block)
     flat = x.detach().reshape(-1).to(torch.float32)
     n = flat.numel()
     blocks = _padded(flat, block).reshape(-1, block)
@@ -50,6 +53,8 @@ def codes_of(y, book):
 
 @torch.no_grad()
 def dequantise_blocks(codes, scale, book, block: int, shape: tuple):
+    if _is_dtensor(codes):
+        return _dequantise_sharded(codes, scale, book, block, shape)
     values_table = _tables(book, codes.device)[3]
     n = math.prod(shape)
     flat = unpack_nibbles(codes, n) if book.nibbles else codes.reshape(-1)
@@ -71,6 +76,100 @@ def unpack_nibbles(packed, n: int):
 def _padded(flat, block: int):
     extra = -flat.numel() % block
     return flat if extra == 0 else torch.cat([flat, flat.new_zeros(extra)])
+
+
+# --- DTensors (FSDP2's parameters): each process quantises its own shard ---------------------------
+# A shard of Shard(0) is a run of whole rows, so its elements are consecutive in the array's
+# row-major order: where every shard starts at a multiple of the block, its local blocks are
+# blocks of the whole array, and the codes and scales computed on it equal those of the unsharded
+# array. The codes and scales are DTensors sharded as the parameter: codes of formats 8 and "fp8"
+# have its shape; scales (and 4-bit codes, two a byte) are laid out as `_grid` says.
+
+
+def _is_dtensor(x) -> bool:
+    # (torch.distributed.tensor is imported by whoever made a DTensor: never import it here)
+    cls = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    return cls is not None and isinstance(x, cls)
+
+
+def _quantise_sharded(x, book, block: int):
+    split = _row_split(x)
+    scale_shape = _grid(x, block, split, f"a block of {block} elements")
+    codes_shape = _grid(x, 2, split, "a byte of two 4-bit codes") if book.nibbles else tuple(x.shape)
+    codes, scale = quantise_blocks(x.to_local(), book, block)
+    return _sharded_like(codes, x, codes_shape), _sharded_like(scale, x, scale_shape)
+
+
+def _dequantise_sharded(codes, scale, book, block: int, shape: tuple):
+    split = _row_split(codes)
+    rows = _chunk_sizes(shape[0], split)[_coordinate(codes)]
+    local_shape = (rows, *shape[1:])
+    local = dequantise_blocks(codes.to_local(), scale.to_local().reshape(-1), book, block, local_shape)
+    return _sharded_like(local, codes, tuple(shape))
+
+
+def _row_split(x) -> int:
+    """Into how many runs of rows `x`'s placements cut it: Replicate, and Shard(0) on at most one
+    mesh dimension (FSDP2's and HSDP's), keep each shard a run of whole rows; others do not."""
+    sharded = [d for d, p in enumerate(x.placements) if not p.is_replicate()]
+    if x.dim() == 0 or len(sharded) > 1 or any(not x.placements[d].is_shard(0) for d in sharded):
+        raise ValueError(
+            f"quantised state of a DTensor of shape {tuple(x.shape)} needs placements that keep "
+            "each shard a run of whole rows (Replicate, and Shard(0) on at most one mesh "
+            f"dimension, as FSDP2's), got {tuple(x.placements)}"
+        )
+    return x.device_mesh.size(sharded[0]) if sharded else 1
+
+
+def _coordinate(x) -> int:
+    """This process's position along the mesh dimension that shards `x` (0 if none does)."""
+    for d, p in enumerate(x.placements):
+        if p.is_shard(0):
+            return x.device_mesh.get_local_rank(d)
+    return 0
+
+
+def _chunk_sizes(n: int, parts: int) -> list:
+    """How DTensor's Shard cuts `n` rows into `parts` (torch.chunk's sizes, empty ones last)."""
+    chunk = -(-n // parts)
+    return [max(0, min(n, (i + 1) * chunk) - i * chunk) for i in range(parts)]
+
+
+def _grid(x, unit: int, split: int, what: str) -> tuple:
+    """The global shape of an array holding one entry per `unit` consecutive elements of `x`
+    (a block's scale, a byte of two 4-bit codes), sharded along its first dimension exactly as
+    `x` is: 1-D, as for an unsharded array, where every shard starts at a unit's boundary and
+    torch cuts the 1-D array as `x`'s shards need; else `(rows, row // unit)` where a row holds
+    whole units (uneven rows: torch then cuts both alike). A unit that would straddle two shards
+    is refused: its scale would need both processes' elements."""
+    rows, row = int(x.shape[0]), math.prod(int(n) for n in x.shape[1:])
+    count = -(-(rows * row) // unit)
+    starts, fits = 0, True
+    for have, want in zip(_chunk_sizes(rows, split), _chunk_sizes(count, split)):
+        fits &= not (starts * row % unit and have) and -(-(have * row) // unit) == want
+        starts += have
+    if fits:
+        return (count,)
+    if row % unit == 0:
+        return (rows, row // unit)
+    raise ValueError(
+        f"a DTensor of shape {tuple(x.shape)} sharded {tuple(x.placements)} over {split} "
+        f"processes cannot keep its quantised state sharded alike: {what} would straddle two "
+        f"shards. Expected shards that start at multiples of {unit} elements (choose a block "
+        "that divides the elements of a row, or of each shard) or a min_size above "
+        f"{rows * row} to keep this parameter's state in float32"
+    )
+
+
+def _sharded_like(local, x, shape: tuple):
+    """`local` (this process's part, any shape) as a DTensor of global `shape`, placed as `x`."""
+    from torch.distributed.tensor import DTensor
+
+    local = local.reshape(-1, *shape[1:])
+    stride = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
+    return DTensor.from_local(
+        local, x.device_mesh, x.placements, run_check=False, shape=torch.Size(shape), stride=stride
+    )
 
 
 # --- rounding float32 values to bfloat16's grid (numpy_quant.bfloat16_rounded says how) ------------
