@@ -83,8 +83,8 @@ def codes_of(y, book):
     magnitude = bits & np.int32(0x7FFFFFFF)
     i = jnp.clip((magnitude >> book.shift) - (book.first - 1), 0, book.buckets - 1)
     i = i + ((bits >> 31) & book.buckets)  # the negative half of the tables
-    threshold, below, above = (jnp.asarray(a) for a in (book.threshold, book.below, book.above))
-    return jnp.where(magnitude >= threshold[i], above[i], below[i])
+    up = (magnitude >= jnp.asarray(book.threshold)[i]).astype(jnp.int32) << 3
+    return (jnp.asarray(book.pairs)[i] >> up).astype(jnp.uint8)  # (two lookups, not three)
 
 
 _FP8_LARGEST = 448.0
