@@ -212,6 +212,21 @@ def test_a_users_own_rule_is_compiled_and_an_untraceable_one_runs_eagerly(monkey
     state, model = opt.update_(opt.setup(Normalised(), {"w": x.copy()}), {"w": x.copy()}, {"w": g})
     assert runs() == 1 and (Normalised,) in compiled._UNTRACEABLE
     np.testing.assert_allclose(model["w"], x - np.float32(0.1) * g / np.linalg.norm(g), rtol=1e-6, atol=1e-7)
+    assert opt.compiles(Signum()) and not opt.compiles(Normalised())  # (known now, after its step)
+
+
+def test_compiles_says_which_rules_take_the_compiled_way(monkeypatch):
+    clipped = opt.OptimiserChain(opt.ClipNorm(1.0), opt.Adam())
+    for rule in (opt.Adam(), opt.Momentum(), clipped, opt.LowBit(opt.AdamW())):
+        assert opt.compiles(rule), rule
+    # (LowBit's quantised pass takes elementwise rules; a ClipNorm chain in it runs eagerly)
+    for rule in (opt.LAMB(), opt.Adafactor(), opt.LowBit(opt.LAMB()), opt.LowBit(clipped)):
+        assert not opt.compiles(rule), rule
+    x = np.ones(20000, np.float32)
+    opt.update_(opt.setup(opt.LowBit(clipped), x), x, x)  # (eager: says nothing of the chain itself)
+    assert opt.compiles(clipped)
+    monkeypatch.setattr(compiled, "ENABLED", False)
+    assert not opt.compiles(opt.Adam())
 
 
 def test_without_numba_the_eager_maths_runs(monkeypatch, runs):

@@ -25,6 +25,7 @@ from optimisers.core.tree import register
 from optimisers.ops import dequantise, quantise
 from optimisers.rules import *  # noqa: F403  (every built-in rule, by name)
 from optimisers.verbs.adjust import adjust, adjust_, freeze_, thaw_
+from optimisers.verbs.compiles import compiles
 from optimisers.verbs.destructure import destructure, trainables
 from optimisers.verbs.distinct_buffers import distinct_buffers
 from optimisers.verbs.eval_params import eval_params
@@ -47,6 +48,7 @@ __all__ = [
     "Rule",
     "check_range",
     "has_schedules",
+    "compiles",
     "ops",
     "Quantised",
     "quantise",

@@ -308,6 +308,8 @@ def _step_quantised(rule, inner, state, x, dx, pure):
     quantised = [p if isinstance(p, Quantised) else None for p in parts]
     if not any(quantised):
         return step_leaf(inner, state, x, dx, pure)  # (LowBit's step is then its rule's)
+    if not inner.elementwise:
+        return None  # (a chain that scales the gradient first needs its norm: eager)
     b = ops.backend(x)
     if not (b.IN_PLACE_ENGINE and hasattr(b, "quantised_kernel") and b.kernel_ok(x)):
         return None
@@ -401,7 +403,7 @@ def traceable(rule) -> bool:
     (`LowBit`) can where that one can."""
     inner = rule.dequantised_rule()
     if inner is not None:
-        return traceable(inner)
+        return bool(inner.elementwise) and traceable(inner)
     if not ENABLED or _kind(rule) in _UNTRACEABLE:
         return False
     return bool(rule.elementwise or chunks.scaled(rule))

@@ -10,9 +10,12 @@ A formula is a `Naive`: given the parameter arrays (stepped in place), it return
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import numpy as np
+
+import optimisers as opt
 
 from .hyperparameters import (
     ALPHA_ADEMAMIX,
@@ -567,18 +570,27 @@ def _low_bit_format(bits) -> tuple:
     """`(signed map, unsigned map, block, divisor)` of a format: the map values (float64,
     ascending, no NaN), the block's elements, and what the block's largest magnitude is divided
     by to give its scale (FP8: its largest value, 448, so that the block's largest element is
-    448). The maps are `optimisers.core.quant_maps`' (tests/test_quantise.py checks them bit for
-    bit against bitsandbytes' and torchao's); everything else is written here from the format's
+    448). The maps are the library's (`_map`; tests/test_quantise.py checks them bit for bit
+    against bitsandbytes' and torchao's); everything else is written here from the format's
     definition."""
-    from optimisers.core import quant_maps
-
     if bits == 8:
-        return quant_maps.dynamic_map(True), quant_maps.dynamic_map(False), 256, 1.0
+        return _map(8, True), _map(8, False), 256, 1.0
     if bits == 4:
-        return quant_maps.dynamic_map(True, 3, 4), quant_maps.linear_map_without_zero(4), 128, 1.0
-    fp8 = quant_maps.float8_e4m3fn_values()
-    fp8 = np.unique(fp8[~np.isnan(fp8)])  # (one 0 for +0 and -0)
-    return fp8, fp8, 256, 448.0
+        return _map(4, True), _map(4, False), 128, 1.0
+    return _map("fp8", True), _map("fp8", True), 256, 448.0
+
+
+def _map(bits, signed: bool):
+    """Every value of a format's map, ascending, once each, without NaN: `optimisers.dequantise`
+    of one block holding each code once, at scale 1."""
+    n = 16 if bits == 4 else 256
+    codes = np.arange(n, dtype=np.uint8)
+    if bits == 4:  # (two codes a byte, the first in the high nibble)
+        codes = (codes[0::2] << 4) | codes[1::2]
+    each = opt.quantise(np.zeros(n, np.float32), bits, signed, block=n)
+    values = opt.dequantise(dataclasses.replace(each, codes=codes, scale=np.ones(1, np.float32)))
+    values = np.asarray(values, np.float64)
+    return np.unique(values[~np.isnan(values)])  # (FP8: one 0 for +0 and -0)
 
 
 def _nearest(values, table):

@@ -208,7 +208,7 @@ COLUMNS_NOTE = (
     "median of 3 calls of setup on the model. cold: the caches evicted before each timed step "
     "(see the cache line above). compile: a JAX row's jit, torchao's torch.compile, or what our "
     "first step took more than the last (numba's kernels); eager: a NumPy or PyTorch row of ours "
-    "whose rule the compiled way cannot trace (`optimisers.engine.compiled.traceable`), so it runs "
+    "whose rule the compiled way cannot trace (`optimisers.compiles`), so it runs "
     "the eager step. state: bytes of the optimiser's state arrays per parameter (step counters "
     "left out). ns/param: median / parameters."
 )

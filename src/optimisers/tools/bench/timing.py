@@ -15,7 +15,7 @@ import time
 import traceback
 from typing import Any
 
-from optimisers.engine import compiled
+import optimisers as opt
 
 from .cache import is_cold
 from .implementations import Impl, Runner
@@ -152,7 +152,7 @@ def _measure(impl: Impl, data: Data, rule: str, ref: list | None, opts, compile_
     if (impl.ours or impl.first_step_compiles) and "compile_s" not in row:
         row["compile_s"] = row["first_extra_s"]  # numba's kernels, torch.compile: at the first step
     if impl.ours and impl.backend != "jax":  # (JAX's rows are all jitted)
-        row["eager"] = not compiled.traceable(RULES[rule].ours())
+        row["eager"] = not opt.compiles(RULES[rule].ours())
     if runner.state_bytes is not None:
         row["state_bytes_per_param"] = runner.state_bytes() / data.shape.n_params
     evict = evictor_for(opts, data.shape.name)
