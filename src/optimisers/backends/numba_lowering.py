@@ -212,8 +212,8 @@ def quantised_source_of(program, ins, outs, block: int) -> str | None:
     lines += [f"    d{k} = np.empty({block}, np.float32)" for k, f in enumerate(ins) if f is not None]
     for m, f in enumerate(outs):
         if f is not None:
-            lines += [f"    w{m} = np.empty({block}, np.float32)", f"    b{m} = w{m}.view(np.int32)",
-                      f"    e{m} = np.empty({block}, np.uint8)"]
+            lines += [f"    w{m} = np.empty({block}, np.float32)", f"    b{m} = w{m}.view(np.int32)"]
+            lines += [f"    e{m} = np.empty({block}, np.uint8)"] * (f[0] == 4)  # (4-bit codes, then packed)
     lines += [f"    for blk in range((n + {block - 1}) // {block}):",
               f"        start = blk * {block}", f"        count = min(n, start + {block}) - start"]
     lines += [f"        A{k} = a{k}[start:start + count]" for k, f in enumerate(ins) if f is None]
@@ -264,10 +264,11 @@ def _requantised(m, book) -> list:
     code = [f"word = b{m}[j]", "magnitude = word & 0x7FFFFFFF",
             f"k = min(max((magnitude >> {book.shift}) - {book.first - 1}, 0), {book.buckets - 1})",
             f"k += (word >> 31) & {book.buckets}",  # (a negative value's half of the tables)
-            f"e{m}[j] = np.uint8(P{m}[k] >> (np.int32(magnitude >= T{m}[k]) << 3))"]
+            f"{f'e{m}[j]' if book.nibbles else f'oq{m}[start + j]'} = "
+            f"np.uint8(P{m}[k] >> (np.int32(magnitude >= T{m}[k]) << 3))"]
     lines += ["for j in range(count):", *["    " + line for line in code]]
     if not book.nibbles:
-        return lines + ["for j in range(count):", f"    oq{m}[start + j] = e{m}[j]"]
+        return lines
     return lines + [  # (two a byte, the first high; an odd count ends with a zero code)
         "for j in range(count >> 1):",
         f"    oq{m}[(start >> 1) + j] = (e{m}[2 * j] << 4) | e{m}[2 * j + 1]",

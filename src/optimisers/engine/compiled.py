@@ -253,7 +253,7 @@ def step_leaf(rule, state, x, dx, pure: bool):
     with `pure`, else `(new_state, step)`; None where it runs eagerly."""
     inner = rule.dequantised_rule()
     if inner is not None:
-        return _step_quantised(rule, inner, state, x, dx, pure)
+        return _step_quantised(inner, state, x, dx, pure)
     b = ops.backend(x)
     is_scaled = chunks.scaled(rule)
     # (a DTensor runs eagerly, shard by shard; a strided view is read through a copy)
@@ -299,7 +299,7 @@ def step_leaf(rule, state, x, dx, pure: bool):
 # --- one parameter whose state is kept quantised (LowBit) ----------------------------------------
 
 
-def _step_quantised(rule, inner, state, x, dx, pure):
+def _step_quantised(inner, state, x, dx, pure):
     """`step_leaf` for a rule that steps as `inner` on its state dequantised (`LowBit`): one
     pass that reads the codes and scales, steps, and writes new codes and scales, a block at a
     time, in row-major order as the quantiser takes the array; None where it runs eagerly."""
@@ -359,6 +359,8 @@ def _step_quantised(rule, inner, state, x, dx, pure):
                 out = b.shaped_in(out, x.shape, None)
             new_parts[k] = out
     new_state = unflatten_state(spec, iter(new_parts))
+    if "x" not in step.writes:
+        return new_state, None
     value = b.shaped_in(new[-1], x.shape, None)
     if pure:
         return new_state, b.adopt(value, x)
