@@ -24,6 +24,7 @@ MIN_CHUNK = 1 << 14  # elements: below this, the Python cost per chunk outweighs
 # in flight (one per worker, a handful of chunk-sized arrays each) stay under a quarter of the
 # group's parameter bytes (benchmarks/memory.py --first: 0.3x at 16, 0.15-0.2x at 32)
 CHUNKS_PER_WORKER = 32
+WORKERS = os.cpu_count() or 1  # (asked once: each call reads the system, ~20 µs)
 # Groups smaller than this (elements) step on one thread: two threads taking turns at the GIL for
 # the Python of small chunks were no faster, and one worker has half the temporaries in flight
 THREADS_FROM = 1 << 21
@@ -43,7 +44,7 @@ def chunk_size(b, total: int, threads: bool) -> int:
     """The backend's chunk, smaller for a small group: the chunks in flight (a handful of
     temporaries each) must stay a small fraction of the group's own size (`benchmarks/memory.py`
     measures the peak; smaller chunks cost more Python per step)."""
-    workers = (os.cpu_count() or 1) if threads else 1
+    workers = WORKERS if threads else 1
     largest = max(4, b.ENGINE_CHUNK // CHUNK_SCALE)
     smallest = max(4, MIN_CHUNK // CHUNK_SCALE)
     return max(smallest, min(largest, total // (CHUNKS_PER_WORKER * workers)))
@@ -124,7 +125,7 @@ if hasattr(os, "register_at_fork"):  # (not on Windows, which has no fork)
 def _pool() -> ThreadPoolExecutor:
     global _POOL
     if _POOL is None:
-        _POOL = ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="optimisers")
+        _POOL = ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="optimisers")
     return _POOL
 
 
@@ -132,7 +133,7 @@ def _map(fn, chunks, threads: bool) -> list:
     """`[fn(c) for c in chunks]`, on the pool if `threads`: each worker takes one contiguous
     share of the chunks as one task, so that a step pays one hand-over per worker rather than
     one per chunk (chunks can then be small, and their temporaries few, at little cost)."""
-    workers = os.cpu_count() or 1
+    workers = WORKERS
     if not threads or len(chunks) < 2 or workers < 2:
         return [fn(c) for c in chunks]
     n = len(chunks)

@@ -34,7 +34,7 @@ from optimisers.engine import chunks, precision
 
 ENABLED = os.environ.get("OPTIMISERS_COMPILE", "1") != "0"  # tests compare with the eager maths
 _SHARE = 1 << 16  # elements: pieces at least twice this long are split among the threads
-_WORKERS = os.cpu_count() or 1  # (asked once: it reads the system each time)
+_WORKERS = chunks.WORKERS
 _FLOAT32_EPS = float(np.finfo(np.float32).eps)
 _SAMPLES: dict = {}  # (backend, dtype, device) -> a one-element array of ones
 _UNTRACEABLE: set = set()  # the kinds of rule (`_kind`) whose step could not be traced
