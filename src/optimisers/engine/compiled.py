@@ -287,10 +287,14 @@ def step_leaf(rule, state, x, dx, pure: bool):
         if k in step.writes else p
         for k, (a, p) in enumerate(zip(array_at, parts))
     ]
-    new_state = unflatten_state(spec, iter(new_parts))
+    return _result(b, step, unflatten_state(spec, iter(new_parts)), outs[-1], x, order, pure)
+
+
+def _result(b, step, new_state, last, x, order, pure):
+    """`step_leaf`'s `(new_state, new_x or step)` from the kernel's last output `last` (1-D)."""
     if "x" not in step.writes:
         return new_state, None
-    value = b.shaped_in(outs[-1], x.shape, order)
+    value = b.shaped_in(last, x.shape, order)
     if pure:
         return new_state, b.adopt(value, x)
     return new_state, NewValue(value) if step.new_value else value
@@ -358,13 +362,7 @@ def _step_quantised(inner, state, x, dx, pure):
             elif k in step.writes:
                 out = b.shaped_in(out, x.shape, None)
             new_parts[k] = out
-    new_state = unflatten_state(spec, iter(new_parts))
-    if "x" not in step.writes:
-        return new_state, None
-    value = b.shaped_in(new[-1], x.shape, None)
-    if pure:
-        return new_state, b.adopt(value, x)
-    return new_state, NewValue(value) if step.new_value else value
+    return _result(b, step, unflatten_state(spec, iter(new_parts)), new[-1], x, None, pure)
 
 
 def _codes_and_scale(b, q, made=None) -> tuple:
