@@ -51,3 +51,25 @@ def test_accuracy_smoke_run_prints_every_run_against_the_reference():
     )
     for cells in rows[1:]:
         assert 0 < float(cells[1]) < 10  # finite losses, below a wild guess's (ln 256 ≈ 5.5, plus)
+
+
+def test_the_speed_benchmark_times_every_row():
+    """benchmarks/low_bit_speed.py, on a small parameter: a row for each format on NumPy and
+    torch, the three drop-ins, bitsandbytes and torch's fused AdamW, each with a positive time,
+    and the ratio to bitsandbytes' row (1.00x on its own)."""
+    pytest.importorskip("torch")
+    pytest.importorskip("bitsandbytes")
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "low_bit_speed.py"), "--elements", "40000",
+         "--repeats", "2"],
+        capture_output=True, text=True, timeout=600, check=True,
+    ).stdout  # fmt: skip
+    rows = {cells[1].strip(): cells[2:5] for cells in (line.split("|") for line in out.splitlines())
+            if len(cells) > 4 and cells[2].strip()[:1].isdigit()}
+    formats = ("8", "4", "'fp8'")
+    expected = {f"LowBit(AdamW, {f}), {where}" for f in formats for where in ("NumPy", "torch CPU")}
+    expected |= {f"optimisers.torch.{c}" for c in ("AdamW8bit", "AdamW4bit", "AdamWFp8")}
+    expected |= {"bitsandbytes AdamW8bit", "torch.optim.AdamW fused, float32 state"}
+    assert set(rows) == expected
+    assert all(float(ms) > 0 for ms, _, _ in rows.values())
+    assert rows["bitsandbytes AdamW8bit"][2].strip() == "1.00x"
