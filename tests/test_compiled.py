@@ -27,6 +27,11 @@ ml_dtypes = pytest.importorskip("ml_dtypes")
 CASES = {
     info.case_id(h): (lambda i=info, h=h: i.make(h)) for info in RULES if info.elementwise for h in info.toy
 }
+# (and the rules that step elementwise given one factor per array: LAMB, LARS)
+CASES |= {
+    info.case_id(h): (lambda i=info, h=h: i.make(h))
+    for info in RULES if not info.elementwise for h in info.toy if info.make(h).scaled_elementwise
+}
 # (and the chains that scale the whole gradient by one factor first: ClipNorm>...)
 CASES |= {
     c.name: c.make
@@ -217,10 +222,12 @@ def test_a_users_own_rule_is_compiled_and_an_untraceable_one_runs_eagerly(monkey
 
 def test_compiles_says_which_rules_take_the_compiled_way(monkeypatch):
     clipped = opt.OptimiserChain(opt.ClipNorm(1.0), opt.Adam())
-    for rule in (opt.Adam(), opt.Momentum(), clipped, opt.LowBit(opt.AdamW())):
+    for rule in (opt.Adam(), opt.Momentum(), clipped, opt.LAMB(), opt.LARS(), opt.LowBit(opt.AdamW())):
         assert opt.compiles(rule), rule
-    # (LowBit's quantised pass takes elementwise rules; a ClipNorm chain in it runs eagerly)
-    for rule in (opt.LAMB(), opt.Adafactor(), opt.LowBit(opt.LAMB()), opt.LowBit(clipped)):
+    # (LowBit's quantised pass takes elementwise rules; a ClipNorm chain in it runs eagerly; a
+    # scheduled LAMB's factors would need the schedule's value outside its `apply`)
+    scheduled = opt.LAMB(eta=lambda t: 1e-3 / (1 + t))
+    for rule in (scheduled, opt.Adafactor(), opt.LowBit(opt.LAMB()), opt.LowBit(clipped)):
         assert not opt.compiles(rule), rule
     x = np.ones(20000, np.float32)
     opt.update_(opt.setup(opt.LowBit(clipped), x), x, x)  # (eager: says nothing of the chain itself)

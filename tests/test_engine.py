@@ -25,6 +25,8 @@ ELEMENTWISE = [
 SCALED = [
     opt.OptimiserChain(opt.ClipNorm(1.0), opt.Adam(0.01)),
     opt.OptimiserChain(opt.ClipNorm(0.5, 1), opt.WeightDecay(0.01), opt.Momentum(0.01)),
+    opt.LAMB(0.01, lambd=0.01),  # (a factor per array from a direction of its own: a trust ratio)
+    opt.LARS(0.1, lambd=0.01, trust=0.02, nesterov=True),
 ]
 
 

@@ -112,7 +112,10 @@ def test_stacked_rule_equals_each_parameter_alone(rule_name, backend, in_place, 
         for x, y in zip(model["ps"], reference["ps"], strict=True):
             _same(x, y, backend)
         assert model["tied"] is model["ps"][1]
-    assert sorted(stacks[-4:]) == [2, 3, 3, 5]  # each shape of more than one parameter, once
+    if rule.scaled_elementwise and (in_place or backend.startswith("torch")):
+        assert not stacks  # (LAMB, LARS: the engine steps them in place; on torch, a kernel each)
+    else:
+        assert sorted(stacks[-4:]) == [2, 3, 3, 5]  # each shape of more than one parameter, once
     for i, ref in enumerate(ref_states):  # the state, read per parameter, is each one's own
         (own,) = ref.leaves()
         mine, theirs = [], []
@@ -194,7 +197,7 @@ def test_a_bad_gradient_in_a_stack_is_reported_where_it_is():
         np.testing.assert_array_equal(x, y)
 
 
-@pytest.mark.parametrize("rule_name", sorted(RULES))
+@pytest.mark.parametrize("rule_name", sorted(n for n in RULES if not RULES[n]().scaled_elementwise))
 def test_torch_stacks_take_any_layout(rule_name, stacks):
     """Parameters in channels_last or transposed (not contiguous) still stack, and each is
     written in its own layout with what it gets alone (to the batched product's rounding)."""

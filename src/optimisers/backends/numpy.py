@@ -439,6 +439,12 @@ def _magnitudes(x):
     return a.astype(np.float32) if a.dtype.itemsize < 4 else a
 
 
+def _for_norm(a, p):
+    """`_magnitudes(a)`, but a float32 or float64 array as it is for p = 2: its squares are
+    |a|'s, and a pass over memory fewer."""
+    return a if p == 2 and a.dtype.kind == "f" and a.dtype.itemsize >= 4 else _magnitudes(a)
+
+
 def norm(x, p):
     """The p-norm of all entries, over chunks of `_NORM_CHUNK` elements so that its temporaries
     stay small: one reduction over the chunks' partial results (one chunk: NumPy's own bits)."""
@@ -448,7 +454,7 @@ def norm(x, p):
         return a.dtype.type(0) if p != -np.inf else a.dtype.type(np.inf)
     parts = []
     for lo in range(0, flat.size, _NORM_CHUNK):
-        a = _magnitudes(flat[lo : lo + _NORM_CHUNK])
+        a = _for_norm(flat[lo : lo + _NORM_CHUNK], p)
         dtype = a.dtype.type
         if p == 2:
             parts.append(np.sum(np.square(a)))
@@ -500,7 +506,7 @@ def norms(xs, p):
     for (size, _), idx in by_kind.items():
         if not 0 < size <= _NORM_CHUNK:
             continue
-        found = rows(_magnitudes(np.concatenate([xs[i] for i in idx], axis=None).reshape(len(idx), size)))
+        found = rows(_for_norm(np.concatenate([xs[i] for i in idx], axis=None).reshape(len(idx), size), p))
         if len(idx) == len(xs):  # one kind, the usual case: the rows are in order
             return found
         for i, n in zip(idx, found):

@@ -651,18 +651,24 @@ def norm(x, p):
         flat = flat_in(x, memory_order(x)) if engine_ok(x) else x.reshape(-1)
         parts = [torch.linalg.vector_norm(c, ord=p) for c in flat.split(_NORM_CHUNK)]
         return torch.linalg.vector_norm(torch.stack(parts), ord=p)
+    if type(x) in _PLAIN_TYPES and not engine_ok(x):
+        # a view with gaps (`W[:, ::2]`) is summed in another order than its contiguous copy,
+        # which is what `update` makes of it: the copy's bits, so that both verbs agree
+        x = x.contiguous()
     return torch.linalg.vector_norm(x, ord=p)
 
 
 def norms(xs, p):
     """Each tensor's `norm`, as a 1-D tensor: on the CPU one `torch._foreach_norm` call (the very
-    kernel `norm` calls, so the same bits) for tensors `norm` takes whole; elsewhere (CUDA's
-    foreach kernel sums in another order) a `norm` per tensor."""
+    kernel `norm` calls, so the same bits) for contiguous tensors `norm` takes whole (it sums a
+    strided one in another order than `norm`); elsewhere (CUDA's foreach kernel sums in another
+    order) a `norm` per tensor."""
     if (
         p in _FOREACH_NORM_P
         and set(map(type, xs)) <= _PLAIN_TYPES
         and {(x.device.type, x.dtype) for x in xs} in ({("cpu", torch.float32)}, {("cpu", torch.float64)})
         and all(0 < n <= _NORM_CHUNK for n in map(torch.Tensor.numel, xs))
+        and all(map(torch.Tensor.is_contiguous, xs))
     ):
         return torch.stack(torch._foreach_norm(xs, p))
     return torch.stack([norm(x, p) for x in xs])

@@ -114,7 +114,9 @@ class Rule:
     elementwise: ClassVar[bool] = False  #: each element stepped alone, given scalar state
     never_raises: ClassVar[bool] = False  #: `apply` cannot raise on inputs the update checked
     scales_gradient: ClassVar[bool] = False  #: the step is `gradient_factor(dx) · dx` (ClipNorm)
-    scaled_elementwise: ClassVar[bool] = False  #: scales_gradient, then elementwise (a chain)
+    #: elementwise given one factor per array that `step_factors` finds first over whole arrays
+    #: (a chain that clips the gradient's norm first; LAMB and LARS): `apply_scaled`
+    scaled_elementwise: ClassVar[bool] = False
     stacks: ClassVar[bool] = False  #: `apply_stacked` steps parameters stacked on a first axis
     infinite_ok: ClassVar[tuple[str, ...]] = ()  #: fields that may be infinite (ClipNorm's `p`)
     real_only: ClassVar[bool] = False  #: `init` refuses complex parameters (the maths needs order)
@@ -188,8 +190,19 @@ class Rule:
     def gradient_factors(self, dxs):
         return [self.gradient_factor(dx) for dx in dxs]
 
+    def direction(self, state, x, dx):
+        """For a `scaled_elementwise` rule: the array whose norm `step_factors` reads (the
+        gradient, unless the rule says otherwise), elementwise in its arguments."""
+        return dx
+
+    def step_factors(self, xs, us):
+        """For a `scaled_elementwise` rule: each array's factor as a 1-D array of `xs[0]`'s dtype,
+        from the parameters `xs` and their `direction`s `us` (whole arrays)."""
+        raise NotImplementedError(f"{type(self).__name__} is not scaled_elementwise")
+
     def apply_scaled(self, state, x, dx, factor):
-        """`apply` given the factor of the whole gradient, of which `dx` may be a chunk."""
+        """`apply` given the array's factor from `step_factors`; `x`, `dx` and the state may be
+        a chunk of the whole array, `factor` one number (or one per element of the chunk)."""
         raise NotImplementedError(f"{type(self).__name__} is not scaled_elementwise")
 
     def apply_stacked(self, state, x, dx):
@@ -455,24 +468,25 @@ def _scheduled_apply(apply):
     starts counting then; a rule adjusted back to numbers keeps counting."""
 
     @functools.wraps(apply)
-    def wrapped(self, state, x, dx):
+    def wrapped(self, state, x, dx, *extra):
         names = scheduled_fields(self)
         if not names and type(state) is not Scheduled:
-            return apply(self, state, x, dx)
+            return apply(self, state, x, dx, *extra)
         count, inner = state if type(state) is Scheduled else (0, state)
-        inner, step = apply(at_step(self, names, count) if names else self, inner, x, dx)
+        inner, step = apply(at_step(self, names, count) if names else self, inner, x, dx, *extra)
         return Scheduled(count + 1, inner), step
 
     wrapped._wrapped = True
     return wrapped
 
 
-def _own_state_eval(eval_value):
-    """`eval_value` given the state that `apply` sees: without a schedule's step count."""
+def _own_state(method):
+    """`eval_value` or `direction` given the state that `apply` sees: without a schedule's step
+    count."""
 
-    @functools.wraps(eval_value)
-    def wrapped(self, state, x):
-        return eval_value(self, state.state if type(state) is Scheduled else state, x)
+    @functools.wraps(method)
+    def wrapped(self, state, x, *rest):
+        return method(self, state.state if type(state) is Scheduled else state, x, *rest)
 
     wrapped._wrapped = True
     return wrapped
@@ -484,7 +498,9 @@ _WRAPPERS = (
     ("init", _checked_init),
     ("apply", _scheduled_apply),
     ("apply_stacked", _scheduled_apply),
-    ("eval_value", _own_state_eval),
+    ("apply_scaled", _scheduled_apply),
+    ("eval_value", _own_state),
+    ("direction", _own_state),
 )
 
 

@@ -244,7 +244,7 @@ def _check_chunk(rule, x, parts, new_parts, step) -> None:
 # --- the pure step of one large parameter ------------------------------------------------------
 
 
-def pure_step(rule, state, x, dx):
+def pure_step(rule, state, x, dx, factor=None):
     """The pure update of one parameter, chunk by chunk: `(new_state, new_x)`, or None where
     that does not apply (a rule that is not elementwise, a backend without the engine, a
     parameter of at most one chunk, state arrays not shaped like it). The new state and parameter
@@ -260,7 +260,7 @@ def pure_step(rule, state, x, dx):
     array_at = [b.is_buffer(p) for p in parts]
     if n <= chunk or not all(p.shape == x.shape and b.engine_ok(p) for p, a in zip(parts, array_at) if a):
         return None
-    factor = rule.gradient_factors([precision.widened(dx)])[0] if is_scaled else None
+    factor = factor() if is_scaled else None  # (`engine.scaled`)
     order = b.memory_order(x)  # every array is read in the parameter's memory order
     flat_x, flat_dx = b.flat_in(x, order), b.flat_in(dx, order)
     flat_parts = [b.flat_in(p, order) if a else p for p, a in zip(parts, array_at)]

@@ -65,16 +65,17 @@ def one_update():
         _TRACES.reset(token)
 
 
-def trace(rule, spec, array_at, scalars, samples, mode: str, scaled: bool = False) -> Step:
+def trace(rule, spec, array_at, scalars, samples, mode: str, method: str = "apply") -> Step:
     """Trace one step of `rule` on a state of structure `spec` (`array_at`: which parts are
     arrays; `scalars`: the others' values) for inputs of the dtypes of `samples` (the parameter,
-    its gradient, the state arrays; with `scaled`, then each element's factor of its whole
-    gradient for `rule.apply_scaled`: a chain with ClipNorm first). `mode` "in place": each new
-    state array is stored in the dtype the old one had, and the last output is the new
-    parameter; "new": the state in the dtypes the rule gives it, as for "step", whose last
-    output is the step itself (which the caller subtracts). Raises `traced.Untraceable`."""
+    its gradient, the state arrays; for `method` "apply_scaled", then each element's factor from
+    `rule.step_factors`). `mode` "in place": each new state array is stored in the dtype the old
+    one had, and the last output is the new parameter; "new": the state in the dtypes the rule
+    gives it, as for "step", whose last output is the step itself (which the caller subtracts).
+    `method` "direction": the one output is `rule.direction`'s array. Raises
+    `traced.Untraceable`."""
     dtypes = tuple(s.dtype for s in samples)
-    key = (id(rule), tuple(map(_number_or_id, scalars)), dtypes, mode, scaled)
+    key = (id(rule), tuple(map(_number_or_id, scalars)), dtypes, mode, method)
     traces = _TRACES.get()
     kept = None if traces is None else traces.get(key)
     if kept is not None and kept[0] is rule:
@@ -84,8 +85,10 @@ def trace(rule, spec, array_at, scalars, samples, mode: str, scaled: bool = Fals
     x, dx = next(inputs), next(inputs)
     parts = [next(inputs) if a else s for a, s in zip(array_at, scalars)]
     state = unflatten_state(spec, iter(parts))
-    if scaled:
+    if method == "apply_scaled":
         new_state, step = precision.run(rule.apply_scaled, state, x, dx, next(inputs))
+    elif method == "direction":
+        new_state, step = state, precision.direction(rule, state, x, dx)
     else:
         new_state, step = precision.run(rule.apply, state, x, dx)
     new_parts: list = []
@@ -131,11 +134,12 @@ def _wanted(b, rule, n) -> bool:
     return ENABLED and n >= getattr(b, "COMPILE_FROM", n + 1) and _kind(rule) not in _UNTRACEABLE
 
 
-def _kernel(b, rule, spec, array_at, scalars, samples, device, mode="in place", scaled=False, uniform=False):
-    """`(step, kernel)` for this step of `rule`, or None (it runs eagerly). In place, each
-    output is written into the input it replaces (the kernel takes no array twice). With
-    `uniform`, a scaled step's factor is one element for the whole array."""
-    step = _traced(rule, spec, array_at, scalars, samples, mode, scaled)
+def _kernel(b, rule, spec, array_at, scalars, samples, device, mode="in place", method="apply",
+            uniform=False):
+    """`(step, kernel)` for this step of `rule` (`trace`'s `mode` and `method`), or None (it runs
+    eagerly). In place, each output is written into the input it replaces (the kernel takes no
+    array twice). With `uniform`, a scaled step's factor is one element for the whole array."""
+    step = _traced(rule, spec, array_at, scalars, samples, mode, method)
     if step is None:
         return None
     if mode == "in place":
@@ -147,17 +151,23 @@ def _kernel(b, rule, spec, array_at, scalars, samples, device, mode="in place", 
     return None if kernel is None else (step, kernel)
 
 
-def _traced(rule, spec, array_at, scalars, samples, mode, scaled=False) -> Step | None:
+def _traced(rule, spec, array_at, scalars, samples, mode, method="apply") -> Step | None:
     """`trace`'s step, or None where it runs eagerly."""
     if any(map(ops.is_complex, samples)):
         return None  # (complex numbers: the loops compute real ones)
     try:
-        return trace(rule, spec, array_at, scalars, samples, mode, scaled)
+        return trace(rule, spec, array_at, scalars, samples, mode, method)
     except traced.Untraceable:
         _UNTRACEABLE.add(_kind(rule))  # (asked once: eager from now on)
     except Exception:  # (anything else the stand-ins meet: the eager step runs, and says it)
         pass
     return None
+
+
+def takes(b, rule, n) -> bool:
+    """Would a step of `rule` on `n` elements of backend `b` take the compiled way (as far as
+    is known before it is traced)?"""
+    return b.IN_PLACE_ENGINE and (rule.elementwise or chunks.scaled(rule)) and _wanted(b, rule, n)
 
 
 def _kind(rule):
@@ -178,12 +188,13 @@ def step_group(group, xs, dxs, factors=None) -> bool:
         return False
     with b.no_grad():
         chunks.stage(group, xs, dxs)
-        pieces = _pieces(group, xs, dxs, factors)
+        pieces = group_pieces(group, xs, dxs, factors)
         samples = [_sample(b, a, group.device) for a in pieces[0]]
         kernels = {}  # (a scaled group: each big member's factor is one element, uniform)
+        method = "apply" if factors is None else "apply_scaled"
         for uniform in {_uniform(p, factors) for p in pieces}:
             kernels[uniform] = _kernel(b, rule, group.spec, group.array_at, group.scalars, samples,
-                                       group.device, scaled=factors is not None, uniform=uniform)
+                                       group.device, method=method, uniform=uniform)
         if None in kernels.values():
             return False
         step = next(iter(kernels.values()))[0]
@@ -196,10 +207,10 @@ def step_group(group, xs, dxs, factors=None) -> bool:
     return True
 
 
-def _pieces(group, xs, dxs, factors) -> list:
+def group_pieces(group, xs, dxs, factors=None) -> list:
     """`[x, dx, *state arrays]` as 1-D arrays (and each element's factor, for a scaled group):
     each big member's, then the staging buffers of the packed members (or of a span) with the
-    packed state buffers."""
+    packed state buffers (staged: `chunks.stage`)."""
     b, arrays = group.b, [k for k, a in enumerate(group.array_at) if a]
     pieces = []
     for i in range(group.packed_from):
@@ -216,17 +227,34 @@ def _pieces(group, xs, dxs, factors) -> list:
     return pieces
 
 
+def direction(b, rule, spec, array_at, scalars, piece, device, threads=True):
+    """`rule.direction` over `piece` (`[x, dx, *state arrays]`, 1-D) into a new 1-D array, in
+    one pass (`_run`'s `threads`); None where it runs eagerly."""
+    n = len(piece[0])
+    if not _wanted(b, rule, n):
+        return None
+    samples = [_sample(b, a, device) for a in piece]
+    found = _kernel(b, rule, spec, array_at, scalars, samples, device, "step", "direction")
+    if found is None:
+        return None
+    step, kernel = found
+    out = b.empty_flat(n, step.samples[-1])
+    _run([(kernel, [*piece, out])], step.consts, device, threads)
+    return out
+
+
 def _uniform(piece, factors) -> bool:
     """Is `piece`'s factor (a scaled group's last input) one element for all of it?"""
     return factors is not None and len(piece[-1]) == 1
 
 
-def _run(runs, consts, device) -> None:
+def _run(runs, consts, device, threads=True) -> None:
     """Each `(kernel, piece)` of `runs`: the kernel over the piece (its inputs, then its
     outputs: 1-D arrays of one length, but a uniform input's one element), on the CPU large
-    ones in a share per worker on our threads (the kernels release the GIL)."""
+    ones in a share per worker on our threads (the kernels release the GIL), unless `threads`
+    is False (a caller on those threads already)."""
     n, workers = sum(len(p[0]) for _, p in runs), _WORKERS
-    threads = n >= 2 * _SHARE and workers > 1 and getattr(device, "type", "cpu") == "cpu"
+    threads = threads and n >= 2 * _SHARE and workers > 1 and getattr(device, "type", "cpu") == "cpu"
     shares = []
     for kernel, piece in runs:
         m = len(piece[0])
@@ -248,16 +276,18 @@ def _sample(b, array, device):
 # --- one parameter, into new arrays -------------------------------------------------------------
 
 
-def step_leaf(rule, state, x, dx, pure: bool):
+def step_leaf(rule, state, x, dx, pure: bool, factor=None):
     """One parameter's step with the compiled kernel, into new arrays: `(new_state, new_x)`
-    with `pure`, else `(new_state, step)`; None where it runs eagerly."""
+    with `pure`, else `(new_state, step)`; None where it runs eagerly. A scaled step's `factor()`
+    gives its factor (`engine.scaled`)."""
     inner = rule.dequantised_rule()
     if inner is not None:
         return _step_quantised(inner, state, x, dx, pure)
     b = ops.backend(x)
     is_scaled = chunks.scaled(rule)
     # (a DTensor runs eagerly, shard by shard; a strided view is read through a copy)
-    if not ((rule.elementwise or is_scaled) and b.IN_PLACE_ENGINE and b.kernel_ok(x)):
+    takes = rule.elementwise or (is_scaled and factor is not None)  # (LowBit's inner one: no factor)
+    if not (takes and b.IN_PLACE_ENGINE and b.kernel_ok(x)):
         return None
     n = b.numel(x)
     if not _wanted(b, rule, n):
@@ -270,13 +300,13 @@ def step_leaf(rule, state, x, dx, pure: bool):
         return None
     order = b.memory_order(x)
     ins = [b.flat_in(a, order) for a in (x, dx, *[p for p, a in zip(parts, array_at) if a])]
-    if is_scaled:  # the factor of the whole gradient, one element for all
-        ins.append(b.repeat_each([rule.gradient_factors([precision.widened(dx)])[0]], [1]))
     device = getattr(x, "device", None)
-    samples = [_sample(b, a, device) for a in ins]
     scalars = [None if a else p for a, p in zip(array_at, parts)]
+    if is_scaled:  # the array's factor, one element for all
+        ins.append(b.repeat_each([factor()], [1]))
+    samples = [_sample(b, a, device) for a in ins]
     found = _kernel(b, rule, spec, array_at, scalars, samples, device, "new" if pure else "step",
-                    is_scaled, is_scaled)
+                    "apply_scaled" if is_scaled else "apply", is_scaled)
     if found is None:
         return None
     step, kernel = found

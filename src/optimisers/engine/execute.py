@@ -7,11 +7,13 @@ written until every result has been computed and checked.
 
 from __future__ import annotations
 
+import functools
+
 from optimisers import ops
 from optimisers.backends.ranges import ByteRanges
 from optimisers.core.state import path_of
 from optimisers.core.tree import format_path
-from optimisers.engine import checks, chunks, compiled, fused, plan, precision, replay, ties
+from optimisers.engine import checks, chunks, compiled, fused, plan, precision, replay, scaled, ties
 from optimisers.engine import stacked as stacks
 from optimisers.engine.gather import gather
 from optimisers.rules.common import sharing_step_scalars
@@ -45,11 +47,15 @@ def step(c=None, group=None, *, xs=None, dxs=None, factors=None, stacked=None, p
         result = None if kernel is None else fused.step_leaf(kernel, state, x, dx)
         if result is not None:
             return result  # fused
-        result = compiled.step_leaf(rule, state, x, dx, pure)
+        # (a scaled step's factor, computed once if a way below takes it)
+        factor = None
+        if chunks.scaled(rule):
+            factor = functools.cache(functools.partial(scaled.of_one, rule, state, x, dx))
+        result = compiled.step_leaf(rule, state, x, dx, pure, factor)
         if result is not None:  # compiled: the rule's own maths, traced, in one pass
             return _Applied(result) if pure and result[1] is not None else result
         if pure:
-            result = chunks.pure_step(rule, state, x, dx)
+            result = chunks.pure_step(rule, state, x, dx, factor)
             if result is not None:
                 return _Applied(result)  # flat chunks, into a new array (no step at full size)
         return precision.run(rule.apply, state, x, dx)  # per-Leaf
@@ -121,7 +127,7 @@ def step_groups(ready, checked=False) -> None:
     `checked`: their snapshots found no gradient in a parameter's memory). Every scaled group's
     factors are computed first, and a group whose rule may raise is rehearsed, all of them before
     any is stepped, so that an error changes nothing."""
-    prepared = [(group, xs, dxs, _factors(group, given)) for group, xs, dxs, given in ready]
+    prepared = [(group, xs, dxs, _factors(group, xs, dxs, given)) for group, xs, dxs, given in ready]
     if not checked:
         _unalias(prepared)
     try:
@@ -151,13 +157,13 @@ def _unalias(prepared) -> None:
             dxs[i] = b.copy(dxs[i])
 
 
-def _factors(group, dxs):
-    """For a scaled group, each member's factor over its whole gradient, indexed by member (a
+def _factors(group, xs, dxs, given):
+    """For a scaled group, each member's factor over its whole arrays, indexed by member (a
     list, or a 1-D array); else None. This may raise: ClipNorm of a non-finite gradient."""
     if not group.scaled:
         return None
     with group.b.no_grad():
-        return group.leaves[0].rule.gradient_factors([precision.widened(dx) for dx in dxs])
+        return scaled.of_group(group, xs, dxs, given)
 
 
 def _trusted(group) -> bool:

@@ -40,6 +40,20 @@ def widened(x):
     return ops.cast(x, np.float32) if narrow(x) else x
 
 
+def direction(rule, state, x, dx):
+    """`rule.direction(state, x, dx)` (a scaled step's, `Rule.step_factors`), in float32 for a
+    float16/bfloat16 `x`, as `run` computes the step."""
+    if not narrow(x):
+        return rule.direction(state, x, dx)
+    return rule.direction(_widened_state(state), widened(x), widened(dx))
+
+
+def _widened_state(state):
+    parts: list = []
+    spec = flatten_state(state, parts)
+    return unflatten_state(spec, iter([widened(p) for p in parts]))
+
+
 def run(method, state, x, dx, *extra):
     """`method(state, x, dx, *extra)`, a rule's `apply` (or `apply_scaled`), in float32 for a
     float16/bfloat16 `x`: the new state's arrays go back to the dtypes the old ones had."""

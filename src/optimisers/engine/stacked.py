@@ -19,7 +19,7 @@ from __future__ import annotations
 from optimisers import ops
 from optimisers.core.rule import NewValue
 from optimisers.core.state import flatten_state, scalar_key, unflatten_state
-from optimisers.engine import precision
+from optimisers.engine import compiled, precision
 
 STACK_BELOW = 1 << 16  # elements: larger parameters step alone
 # elements in one stack at most: a stack is a copy and its temporaries (~10 stacks for Newton–Schulz)
@@ -40,6 +40,8 @@ def stacked_results(found, skip) -> dict:
         b = ops.backend(c.x)
         if not (b.IN_PLACE_ENGINE and b.engine_ok(c.x) and b.numel(c.x) < STACK_BELOW):
             continue
+        if compiled.takes(b, rule, b.numel(c.x)):
+            continue  # (its kernel: the numbers of the engine's, which the eager stack may miss)
         parts: list = []
         spec = flatten_state(c.leaf.state, parts)
         array_at = tuple(map(b.is_buffer, parts))

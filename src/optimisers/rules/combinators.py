@@ -43,7 +43,7 @@ class OptimiserChain(Rule):
 
     @property
     def never_raises(self):
-        # a scaled chain's first member has run already, in `gradient_factors`
+        # a scaled chain's first member has run already, in `step_factors`
         return all(rule.never_raises for rule in self.rules[1 if self.scaled_elementwise else 0 :])
 
     @property
@@ -79,8 +79,8 @@ class OptimiserChain(Rule):
     def apply(self, state, x, dx):
         return self.apply_scaled(state, x, dx, None)
 
-    def gradient_factors(self, dxs):
-        return self.rules[0].gradient_factors(dxs)
+    def step_factors(self, xs, us):
+        return self.rules[0].gradient_factors(us)  # (`us`: the gradients, the default `direction`)
 
     def eval_value(self, state, x):
         for rule, s in zip(self.rules, state):  # each member's evaluation point of the last's

@@ -6,49 +6,46 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from optimisers import ops
-from optimisers.core.rule import Rule, check_range
+from optimisers.core.rule import Rule, check_range, scheduled_fields
 from optimisers.rules.common import Moments, adam_direction, adam_moments, cast, nonnegative
 
 __all__ = ["LAMB", "LARS"]
 
 
-def trust_ratio(x, u, trust, epsilon):
-    """`trust·‖x‖/(‖u‖ + ε)` with Euclidean norms over the whole arrays, or 1 when either norm
-    is 0 (a zero parameter would never move, a zero direction needs no scaling), as optax's
-    `scale_by_trust_ratio`; a scalar of `x`'s dtype. Chosen with `ops.where`, so it is traceable."""
-    ratio = _ratio(ops.norm(x, 2), ops.norm(u, 2), trust, epsilon)
-    return ops.scalar(ratio, x)  # a norm may be wider than x (float16 sums in float32)
-
-
-def stacked_trust_ratio(x, u, trust, epsilon):
-    """`trust_ratio` of each parameter stacked along the first axis of `x` and `u`, the same
-    numbers (`ops.norms` gives each row its own norm's bits), shaped to multiply the stack."""
-    ratio = _ratio(ops.norms(list(x), 2), ops.norms(list(u), 2), trust, epsilon)
-    return ops.reshape(ops.astype(ratio, x), (-1,) + (1,) * (len(x.shape) - 1))
-
-
-def _ratio(norm_x, norm_u, trust, epsilon):
+def trust_ratios(xs, us, trust, epsilon):
+    """`trust·‖x‖/(‖u‖ + ε)` of each pair of `xs` and `us`, with Euclidean norms over the whole
+    arrays, or 1 when either norm is 0 (a zero parameter would never move, a zero direction needs
+    no scaling), as optax's `scale_by_trust_ratio`: a 1-D array of `xs[0]`'s dtype (a norm may be
+    wider: float16 sums in float32). Chosen with `ops.where`, so it is traceable."""
+    norm_x, norm_u = ops.norms(xs, 2), ops.norms(us, 2)  # (each exactly `ops.norm`'s bits)
     trust, epsilon = ops.scalar(trust, norm_x), ops.epsilon(epsilon, norm_x)
     one = ops.full_like(norm_x, 1)
     zero = (norm_x == 0) | (norm_u == 0)
     # the inner `where` keeps the division finite (no warning) in the branch that is not taken
-    return ops.where(zero, one, trust * norm_x / ops.where(zero, one, norm_u + epsilon))
+    return ops.astype(ops.where(zero, one, trust * norm_x / ops.where(zero, one, norm_u + epsilon)), xs[0])
 
 
 class _TrustRatio(Rule):
-    """What LAMB and LARS share: `_step` with the trust ratio of one parameter, or of each in a
-    stack."""
+    """What LAMB and LARS share: a direction `u` (`direction`), of which each parameter array
+    steps by `η·r` (`step_factors`, `r` its trust ratio), elementwise given that one factor
+    (`apply_scaled`). The engine steps them as it steps a chain that clips the gradient's norm
+    first: the factors of every array first, then one elementwise pass each."""
 
     elementwise = False  # the norms couple the array
     never_raises = True
     stacks = True
 
+    @property
+    def scaled_elementwise(self):
+        return not scheduled_fields(self)  # (the factors are computed outside `apply`)
+
     def apply(self, state, x, dx):
-        return self._step(state, x, dx, trust_ratio)
+        return self.apply_scaled(state, x, dx, self.step_factors([x], [self.direction(state, x, dx)])[0])
 
     def apply_stacked(self, state, x, dx):
         """`apply` of parameters of one shape stacked along a new first axis, the same numbers."""
-        return self._step(state, x, dx, stacked_trust_ratio)
+        factors = self.step_factors(list(x), list(self.direction(state, x, dx)))
+        return self.apply_scaled(state, x, dx, ops.reshape(factors, (-1,) + (1,) * (len(x.shape) - 1)))
 
 
 @dataclass(frozen=True)
@@ -74,11 +71,20 @@ class LAMB(_TrustRatio, Moments):
     epsilon: float = 1e-6
     lambd: float = 0.0
 
-    def _step(self, state, x, dx, ratio_of):
+    def direction(self, state, x, dx):
+        return self._moments_and_direction(state, x, dx)[1]
+
+    def step_factors(self, xs, us):
+        return ops.scalar(self.eta, xs[0]) * trust_ratios(xs, us, 1, 0)
+
+    def apply_scaled(self, state, x, dx, factor):
+        new_state, u = self._moments_and_direction(state, x, dx)
+        return new_state, factor * u
+
+    def _moments_and_direction(self, state, x, dx):
         m, v, t, bc1, bc2 = adam_moments(x, dx, state, self.beta)
-        eta, lambd, one = cast(x, self.eta, self.lambd, 1)
-        u = adam_direction(m, v, bc1, bc2, one, ops.epsilon(self.epsilon, x)) + lambd * x
-        return (m, v, t), (eta * ratio_of(x, u, 1, 0)) * u
+        lambd, one = cast(x, self.lambd, 1)
+        return (m, v, t), adam_direction(m, v, bc1, bc2, one, ops.epsilon(self.epsilon, x)) + lambd * x
 
 
 @dataclass(frozen=True)
@@ -117,9 +123,14 @@ class LARS(_TrustRatio):
     def init(self, x):
         return ops.zeros_like(x)
 
-    def _step(self, state, x, dx, ratio_of):
-        eta, beta, lambd = cast(x, self.eta, self.beta, self.lambd)
-        u = dx + lambd * x
-        w = (eta * ratio_of(x, u, self.trust, self.epsilon)) * u
+    def direction(self, state, x, dx):
+        return dx + ops.scalar(self.lambd, x) * x
+
+    def step_factors(self, xs, us):
+        return ops.scalar(self.eta, xs[0]) * trust_ratios(xs, us, self.trust, self.epsilon)
+
+    def apply_scaled(self, state, x, dx, factor):
+        beta = ops.scalar(self.beta, x)
+        w = factor * self.direction(state, x, dx)
         v = beta * state + w
         return v, (w + beta * v if self.nesterov else v)
