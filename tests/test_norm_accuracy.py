@@ -66,3 +66,23 @@ def test_norms_of_many_arrays_are_each_arrays_norm_bit_for_bit(to, dtype, p):
     want = np.array([np.asarray(ops.norm(x, p)) for x in xs])
     assert got.shape == (len(xs),) and got.dtype == want.dtype
     np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("size", [1, 7, 256, 4099, 32767, 32768, 300_000])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16])
+@pytest.mark.parametrize("to", [np.asarray, torch.from_numpy], ids=["numpy", "torch"])
+def test_norms_of_arrays_of_one_size_and_of_a_matrix_s_rows_are_each_norm(to, dtype, size):
+    """Arrays of one size (thousands of small parameters), and the rows of a matrix (LAMB's
+    packed parameters and directions), are reduced together: each still gets `ops.norm`'s bits,
+    below torch's grain of parallel work and above it."""
+    rng = np.random.default_rng(size)
+    m = (rng.standard_normal((5, size)) * rng.uniform(0.01, 100, (5, 1))).astype(dtype)
+    m[2] = 0
+    rows = to(m)
+    for p in (2, 1, np.inf):
+        want = np.array([np.asarray(ops.norm(to(m[i].copy()), p)) for i in range(len(m))])
+        np.testing.assert_array_equal(np.asarray(ops.norms(rows, p)), want)
+        np.testing.assert_array_equal(np.asarray(ops.norms([to(r.copy()) for r in m], p)), want)
+        if size % 7 == 0:  # (one size, shapes apart)
+            shaped = [to(r.copy().reshape((7, -1) if i % 2 else (-1, 7))) for i, r in enumerate(m)]
+            np.testing.assert_array_equal(np.asarray(ops.norms(shaped, p)), want)

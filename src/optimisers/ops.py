@@ -99,9 +99,10 @@ def norm(x, p):
 
 
 def norms(xs, p):
-    """The p-norm of each of `xs` (arrays of one backend and dtype) as a 1-D array, each exactly
-    what `norm` gives it; computed together where the backend can (a segmented reduction)."""
-    return backend(xs[0]).norms(list(xs), p)
+    """The p-norm of each of `xs` (arrays of one backend and dtype, or the rows of a 2-D array)
+    as a 1-D array, each exactly what `norm` gives it; computed together where the backend can
+    (a segmented reduction)."""
+    return backend(xs[0]).norms(xs if getattr(xs, "ndim", None) == 2 else list(xs), p)
 
 
 def isfinite(x):

@@ -197,7 +197,8 @@ class Rule:
 
     def step_factors(self, xs, us):
         """For a `scaled_elementwise` rule: each array's factor as a 1-D array of `xs[0]`'s dtype,
-        from the parameters `xs` and their `direction`s `us` (whole arrays)."""
+        from the parameters `xs` and their `direction`s `us` (whole arrays; lists, or matrices
+        whose rows are arrays of one size: read them with `ops.norms`)."""
         raise NotImplementedError(f"{type(self).__name__} is not scaled_elementwise")
 
     def apply_scaled(self, state, x, dx, factor):

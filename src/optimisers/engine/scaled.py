@@ -53,10 +53,15 @@ def of_group(group, xs, dxs, given):
     found = chunks._map(big, list(range(group.packed_from)), group.threads)
     p0 = group.packed_from
     if p0 < len(xs):
-        u, base = _direction(group, rule, pieces[-1]), group.offsets[p0]
-        bounds = [(k, group.offsets[k] - base, group.offsets[k + 1] - base) for k in range(p0, len(xs))]
-        us = [_member(b, group, k, u[lo:hi]) for k, lo, hi in bounds]
-        found.append(rule.step_factors(list(map(wide, xs[p0:])), us))
+        u, base, sizes = _direction(group, rule, pieces[-1]), group.offsets[p0], group.sizes[p0:]
+        if min(sizes) == max(sizes) and not any(group.orders[p0:]):
+            # (thousands of one size: the rows of the staged parameters and of their directions)
+            shape = (len(sizes), sizes[0])
+            found.append(rule.step_factors(wide(ops.reshape(pieces[-1][0], shape)), ops.reshape(u, shape)))
+        else:
+            bounds = [(k, group.offsets[k] - base, group.offsets[k + 1] - base) for k in range(p0, len(xs))]
+            us = [_member(b, group, k, u[lo:hi]) for k, lo, hi in bounds]
+            found.append(rule.step_factors(list(map(wide, xs[p0:])), us))
     if len(found) == 1:
         return found[0]
     joined = b.empty_flat(len(xs), found[0])
