@@ -37,36 +37,37 @@ def of_group(group, xs, dxs, given):
     """Each member's factor, a 1-D array indexed by member: from the gradients as they were
     given (`given`: a norm's rounding depends on the order it sums in) for a rule whose direction
     is the gradient; else from the members' directions, the big members' each on a worker of
-    its own, then the packed members' together (staged: `chunks.stage`), one array of directions
-    a worker at a time."""
+    its own, then the packed members' together (staged: `chunks.stage`)."""
     rule, b = group.leaves[0].rule, group.b
     if not _own_direction(rule):
         return rule.step_factors(xs, [precision.widened(g) for g in given])
     chunks.stage(group, xs, dxs)
     pieces = compiled.group_pieces(group, xs, dxs)
-    wide = precision.widened if precision.narrow(xs[0]) else _itself
-
-    def big(i):  # (on one worker: the pass itself on one thread, else shared among them)
-        u = _direction(group, rule, pieces[i], threads=not group.threads)
-        return rule.step_factors([wide(xs[i])], [_member(b, group, i, u)])
-
-    found = chunks._map(big, list(range(group.packed_from)), group.threads)
     p0 = group.packed_from
+    found = chunks._map(lambda i: _factors(group, rule, xs, pieces[i], i, i + 1), range(p0), group.threads)
     if p0 < len(xs):
-        u, base, sizes = _direction(group, rule, pieces[-1]), group.offsets[p0], group.sizes[p0:]
-        if min(sizes) == max(sizes) and not any(group.orders[p0:]):
-            # (thousands of one size: the rows of the staged parameters and of their directions)
-            shape = (len(sizes), sizes[0])
-            found.append(rule.step_factors(wide(ops.reshape(pieces[-1][0], shape)), ops.reshape(u, shape)))
-        else:
-            bounds = [(k, group.offsets[k] - base, group.offsets[k + 1] - base) for k in range(p0, len(xs))]
-            us = [_member(b, group, k, u[lo:hi]) for k, lo, hi in bounds]
-            found.append(rule.step_factors(list(map(wide, xs[p0:])), us))
+        found.append(_factors(group, rule, xs, pieces[-1], p0, len(xs)))
     if len(found) == 1:
         return found[0]
     joined = b.empty_flat(len(xs), found[0])
     b.join_into(joined, found, [None] * len(found))
     return joined
+
+
+def _factors(group, rule, xs, piece, first, last):
+    """The factors of members `first:last`, whose elements `piece` holds back to back, from
+    their directions written out (one array of them a worker at a time)."""
+    b, base = group.b, group.offsets[first]
+    bounds = [group.offsets[k] - base for k in range(first, last + 1)]
+    wide = precision.widened if precision.narrow(xs[0]) else _itself
+    u = _direction(group, rule, piece, threads=not (group.threads and last - first == 1))
+    sizes = group.sizes[first:last]
+    if last - first > 1 and min(sizes) == max(sizes) and not any(group.orders[first:last]):
+        # (thousands of one size: the rows of the staged parameters and of their directions)
+        shape = (last - first, sizes[0])
+        return rule.step_factors(wide(ops.reshape(piece[0], shape)), ops.reshape(u, shape))
+    us = [_member(b, group, k, u[lo:hi]) for k, lo, hi in zip(range(first, last), bounds, bounds[1:])]
+    return rule.step_factors(list(map(wide, xs[first:last])), us)
 
 
 def _member(b, group, k, flat):

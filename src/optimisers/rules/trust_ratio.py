@@ -12,17 +12,15 @@ from optimisers.rules.common import Moments, adam_direction, adam_moments, cast,
 __all__ = ["LAMB", "LARS"]
 
 
-def trust_ratios(xs, us, trust, epsilon):
-    """`trust·‖x‖/(‖u‖ + ε)` of each pair of `xs` and `us`, with Euclidean norms over the whole
-    arrays, or 1 when either norm is 0 (a zero parameter would never move, a zero direction needs
-    no scaling), as optax's `scale_by_trust_ratio`: a 1-D array of `xs[0]`'s dtype (a norm may be
-    wider: float16 sums in float32). Chosen with `ops.where`, so it is traceable."""
-    norm_x, norm_u = ops.norms(xs, 2), ops.norms(us, 2)  # (each exactly `ops.norm`'s bits)
+def trust_ratios(norm_x, norm_u, trust, epsilon):
+    """`trust·‖x‖/(‖u‖ + ε)` of each pair of Euclidean norms of whole arrays (1-D arrays), or 1
+    where either norm is 0 (a zero parameter would never move, a zero direction needs no
+    scaling), as optax's `scale_by_trust_ratio`. Chosen with `ops.where`, so it is traceable."""
     trust, epsilon = ops.scalar(trust, norm_x), ops.epsilon(epsilon, norm_x)
     one = ops.full_like(norm_x, 1)
     zero = (norm_x == 0) | (norm_u == 0)
     # the inner `where` keeps the division finite (no warning) in the branch that is not taken
-    return ops.astype(ops.where(zero, one, trust * norm_x / ops.where(zero, one, norm_u + epsilon)), xs[0])
+    return ops.where(zero, one, trust * norm_x / ops.where(zero, one, norm_u + epsilon))
 
 
 class _TrustRatio(Rule):
@@ -38,6 +36,10 @@ class _TrustRatio(Rule):
     @property
     def scaled_elementwise(self):
         return not scheduled_fields(self)  # (the factors are computed outside `apply`)
+
+    def step_factors(self, xs, us):
+        # (a norm may be wider than x: float16 sums in float32)
+        return ops.astype(self._norm_factors(ops.norms(xs, 2), ops.norms(us, 2)), xs[0])
 
     def apply(self, state, x, dx):
         return self.apply_scaled(state, x, dx, self.step_factors([x], [self.direction(state, x, dx)])[0])
@@ -74,8 +76,8 @@ class LAMB(_TrustRatio, Moments):
     def direction(self, state, x, dx):
         return self._moments_and_direction(state, x, dx)[1]
 
-    def step_factors(self, xs, us):
-        return ops.scalar(self.eta, xs[0]) * trust_ratios(xs, us, 1, 0)
+    def _norm_factors(self, norm_xs, norm_us):
+        return ops.scalar(self.eta, norm_xs) * trust_ratios(norm_xs, norm_us, 1, 0)
 
     def apply_scaled(self, state, x, dx, factor):
         new_state, u = self._moments_and_direction(state, x, dx)
@@ -126,8 +128,8 @@ class LARS(_TrustRatio):
     def direction(self, state, x, dx):
         return dx + ops.scalar(self.lambd, x) * x
 
-    def step_factors(self, xs, us):
-        return ops.scalar(self.eta, xs[0]) * trust_ratios(xs, us, self.trust, self.epsilon)
+    def _norm_factors(self, norm_xs, norm_us):
+        return ops.scalar(self.eta, norm_xs) * trust_ratios(norm_xs, norm_us, self.trust, self.epsilon)
 
     def apply_scaled(self, state, x, dx, factor):
         beta = ops.scalar(self.beta, x)
