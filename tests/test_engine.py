@@ -431,3 +431,26 @@ def test_a_leaf_outliving_its_group_keeps_its_state_whole():
     np.testing.assert_allclose(m, 1 - 0.9**3, rtol=1e-6)
     state, model = opt.update_(state, model, grads)
     assert state["part"]["a"].state[2] == 4
+
+
+@pytest.mark.parametrize("rule", [opt.LAMB(0.01, lambd=0.01), opt.LARS(0.1, lambd=0.01, trust=0.02)],
+                         ids=repr)
+def test_a_trust_ratio_rule_given_a_schedule_and_then_a_number_again(rule):
+    """A schedule keeps LAMB out of the engine (its factors would need the schedule's value
+    outside `apply`); `update_` and `update` agree through it, and after it, when the state still
+    counts steps (the counter and the rule's own state, unwrapped for `direction`)."""
+    model, reference = make_model(), make_model()
+    state, ref_state = opt.setup(rule, model), opt.setup(rule, reference)
+    rng = np.random.default_rng(4)
+    for step in range(6):
+        grads = random_grads(model, rng)
+        if step == 2:
+            opt.adjust_(state, eta=lambda t: 0.01 / (1 + t))
+            ref_state = opt.adjust(ref_state, eta=lambda t: 0.01 / (1 + t))
+        if step == 4:
+            opt.adjust_(state, eta=0.002)
+            ref_state = opt.adjust(ref_state, eta=0.002)
+        state, model = opt.update_(state, model, grads)
+        ref_state, reference = opt.update(ref_state, reference, grads)
+        assert_same(model, reference, state, ref_state)
+    assert state["big"].state.count == 4  # (counted since the schedule)
