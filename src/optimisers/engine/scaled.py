@@ -34,19 +34,27 @@ def of_one(rule, state, x, dx):
 
 
 def of_group(group, xs, dxs, given):
-    """Each member's factor, a 1-D array indexed by member: from the gradients as they were
-    given (`given`: a norm's rounding depends on the order it sums in) for a rule whose direction
-    is the gradient; else from the members' directions, the big members' each on a worker of
-    its own, then the packed members' together (staged: `chunks.stage`)."""
-    rule, b = group.leaves[0].rule, group.b
-    if not _own_direction(rule):
-        return rule.step_factors(xs, [precision.widened(g) for g in given])
-    chunks.stage(group, xs, dxs)
-    pieces = compiled.group_pieces(group, xs, dxs)
-    p0 = group.packed_from
-    found = chunks._map(lambda i: _factors(group, rule, xs, pieces[i], i, i + 1), range(p0), group.threads)
+    """Each member's factor, a 1-D array indexed by member: each big member's on a worker of
+    its own, then the packed members' together. The rule's factors are read from the gradients
+    as they were given (`given`: a norm's rounding depends on the order it sums in) where its
+    direction is the gradient, else from its directions (staged: `chunks.stage`)."""
+    rule, b, p0 = group.leaves[0].rule, group.b, group.packed_from
+    own = _own_direction(rule)
+    pieces = None
+    if own:
+        chunks.stage(group, xs, dxs)
+        pieces = compiled.group_pieces(group, xs, dxs)
+    # (the norms of a big member on a worker: NumPy's loop, on torch's CPU tensors too)
+    spread = p0 > 1 and chunks.WORKERS > 1 and getattr(group.device, "type", "cpu") == "cpu"
+
+    def factors(first, last, threads):
+        if not own:
+            return rule.step_factors(xs[first:last], [precision.widened(g) for g in given[first:last]])
+        return _factors(group, rule, xs, pieces[first if last - first == 1 else -1], first, last, threads)
+
+    found = chunks._map(lambda i: factors(i, i + 1, not spread), range(p0), spread)
     if p0 < len(xs):
-        found.append(_factors(group, rule, xs, pieces[-1], p0, len(xs)))
+        found.append(factors(p0, len(xs), True))
     if len(found) == 1:
         return found[0]
     joined = b.empty_flat(len(xs), found[0])
@@ -54,13 +62,13 @@ def of_group(group, xs, dxs, given):
     return joined
 
 
-def _factors(group, rule, xs, piece, first, last):
+def _factors(group, rule, xs, piece, first, last, threads):
     """The factors of members `first:last`, whose elements `piece` holds back to back, from
-    their directions written out (one array of them a worker at a time)."""
+    their directions written out (`threads`: the pass shared among the workers)."""
     b, base = group.b, group.offsets[first]
     bounds = [group.offsets[k] - base for k in range(first, last + 1)]
     wide = precision.widened if precision.narrow(xs[0]) else _itself
-    u = _direction(group, rule, piece, threads=not (group.threads and last - first == 1))
+    u = _direction(group, rule, piece, threads)
     sizes = group.sizes[first:last]
     if last - first > 1 and min(sizes) == max(sizes) and not any(group.orders[first:last]):
         # (thousands of one size: the rows of the staged parameters and of their directions)
