@@ -644,9 +644,7 @@ def norm(x, p):
         fill = float("inf") if p == -float("inf") else 0.0
         return torch.full((), fill, dtype=_real_dtype(x.dtype), device=x.device)
     if p == 2 and _summed_as_numpy(x):
-        found = _row_norms_2(x.detach().reshape(1, -1))  # (row-major: a strided view's copy)
-        if found is not None:
-            return found[0]
+        return _row_norms_2(x.detach().reshape(1, -1))[0]  # (row-major: a strided view's copy)
     if x.numel() > _NORM_CHUNK and type(x) in _PLAIN_TYPES and p not in (0, float("inf"), -float("inf")):
         # One vector_norm over millions of float32 elements accumulates in a few long running
         # sums (relative error 1e-4 on 4M elements, NumPy's pairwise sum 1e-6): the p-norm of
@@ -668,18 +666,15 @@ def norms(xs, p):
     strided one in another order than `norm`); elsewhere (CUDA's foreach kernel sums in another
     order) a `norm` per tensor. `xs` may be a matrix, whose rows are the tensors."""
     if isinstance(xs, torch.Tensor):
-        found = _row_norms_2(xs.detach()) if p == 2 and _summed_as_numpy(xs) and xs.shape[1] else None
-        if found is not None:
-            return found
+        if p == 2 and _summed_as_numpy(xs) and xs.shape[1]:
+            return _row_norms_2(xs.detach())
         if _row_by_row(xs, xs.shape[1]):
             return torch.linalg.vector_norm(xs, ord=p, dim=1)
         xs = list(xs)
     if p == 2 and all(map(_summed_as_numpy, xs)):
         shape = xs[0].shape
         if len(xs) > 1 and all(x.shape == shape for x in xs) and xs[0].numel():
-            found = _row_norms_2(torch.stack([x.detach() for x in xs]).reshape(len(xs), -1))  # (row-major)
-            if found is not None:
-                return found
+            return _row_norms_2(torch.stack([x.detach() for x in xs]).reshape(len(xs), -1))  # (row-major)
         return torch.stack([norm(x, p) for x in xs])
     if (
         p in _FOREACH_NORM_P
@@ -697,16 +692,15 @@ def norms(xs, p):
 
 
 def _summed_as_numpy(x) -> bool:
-    """Is `x` a CPU float32 tensor, whose 2-norm NumPy's loop sums (`numpy._row_norms_2`)?"""
-    return type(x) in _PLAIN_TYPES and x.dtype == torch.float32 and x.device.type == "cpu"
+    """Is `x` a CPU float32 tensor, whose 2-norm NumPy's numba loop sums (where installed)?"""
+    return (_numpy.numpy_kernels.AVAILABLE and type(x) in _PLAIN_TYPES and x.dtype == torch.float32
+            and x.device.type == "cpu")
 
 
 def _row_norms_2(m):
     """The 2-norm of each row of the CPU float32 matrix `m` as NumPy's backend sums it (in
-    float64, by numba: at memory speed without torch's threads, and as accurate as float32
-    allows), as a tensor; None without numba."""
-    found = _numpy._row_norms_2(m.resolve_neg().numpy())
-    return None if found is None else torch.from_numpy(found)
+    float64: at memory speed without torch's threads, and as accurate as float32 allows)."""
+    return torch.from_numpy(_numpy._row_norms_2(m.resolve_neg().numpy()))
 
 
 # elements: a tensor below torch's grain of parallel work (`at::internal::GRAIN_SIZE`) is reduced
