@@ -877,12 +877,13 @@ def layout_reductions() -> set[str]:
 
 def engine_layout_rules() -> dict[str, Callable[[], opt.Rule]]:
     """The part of `layout_rules()` that the update engine steps over flat buffers: elementwise
-    rules, and chains that scale the whole gradient by one factor before elementwise rules. Other
-    rules (Adafactor, LAMB) are stepped one parameter at a time."""
+    rules, and rules that step elementwise given one factor per array (ClipNorm chains, LAMB,
+    LARS). Adafactor takes the engine only for vectors (a matrix keeps row and column factors),
+    and other rules are stepped one parameter at a time."""
     return {
         name: make
         for name, make in layout_rules().items()
-        if make().elementwise or getattr(make(), "scaled_elementwise", False)
+        if make().elementwise or (getattr(make(), "scaled_elementwise", False) and not isinstance(make(), opt.Adafactor))
     }
 
 

@@ -68,11 +68,12 @@ def runs(monkeypatch):
 
 def _model(dtype, rng):
     """A big parameter (its own kernel call, split among the threads), small packed ones, a
-    tie and a transposed (Fortran-order) one."""
+    tie, a transposed (Fortran-order) one and a long vector (Adafactor's compiled arrays)."""
     big = rng.standard_normal((520, 300)).astype(dtype)
     w = rng.standard_normal((3, 4)).astype(dtype)
     return {"big": big, "w": w, "tied": w, "b": rng.standard_normal(5).astype(dtype),
-            "t": np.asfortranarray(rng.standard_normal((6, 7))).astype(dtype)}
+            "t": np.asfortranarray(rng.standard_normal((6, 7))).astype(dtype),
+            "v": rng.standard_normal(17000).astype(dtype)}
 
 
 def _grads(model, rng):
@@ -103,7 +104,7 @@ def test_numpy_steps_equal_the_eager_maths_bit_for_bit(name, dtype, monkeypatch,
     state, fast = _train(CASES[name], dt, "update_", True, monkeypatch)
     assert runs() > before, "no kernel took the step"
     _, pure = _train(CASES[name], dt, "update", True, monkeypatch)
-    for k in ("big", "w", "b", "t"):
+    for k in ("big", "w", "b", "t", "v"):
         assert fast[k].dtype == eager[k].dtype == dt
         np.testing.assert_array_equal(fast[k], eager[k], err_msg=k)
         np.testing.assert_array_equal(pure[k], eager[k], err_msg=k)
@@ -222,12 +223,13 @@ def test_a_users_own_rule_is_compiled_and_an_untraceable_one_runs_eagerly(monkey
 
 def test_compiles_says_which_rules_take_the_compiled_way(monkeypatch):
     clipped = opt.OptimiserChain(opt.ClipNorm(1.0), opt.Adam())
-    for rule in (opt.Adam(), opt.Momentum(), clipped, opt.LAMB(), opt.LARS(), opt.LowBit(opt.AdamW())):
+    scaled = (opt.LAMB(), opt.LARS(), opt.Adafactor())  # (Adafactor: its vectors and scalars)
+    for rule in (opt.Adam(), opt.Momentum(), clipped, *scaled, opt.LowBit(opt.AdamW())):
         assert opt.compiles(rule), rule
     # (LowBit's quantised pass takes elementwise rules; a ClipNorm chain in it runs eagerly; a
     # scheduled LAMB's factors would need the schedule's value outside its `apply`)
     scheduled = opt.LAMB(eta=lambda t: 1e-3 / (1 + t))
-    for rule in (scheduled, opt.Adafactor(), opt.LowBit(opt.LAMB()), opt.LowBit(clipped)):
+    for rule in (scheduled, opt.Muon(), opt.LowBit(opt.LAMB()), opt.LowBit(clipped)):
         assert not opt.compiles(rule), rule
     x = np.ones(20000, np.float32)
     opt.update_(opt.setup(opt.LowBit(clipped), x), x, x)  # (eager: says nothing of the chain itself)
@@ -242,7 +244,7 @@ def test_without_numba_the_eager_maths_runs(monkeypatch, runs):
     _, without = _train(CASES["RMSProp"], np.float32, "update_", True, monkeypatch)
     _, eager = _train(CASES["RMSProp"], np.float32, "update_", False, monkeypatch)
     assert runs() == 0
-    for k in ("big", "w", "b", "t"):
+    for k in ("big", "w", "b", "t", "v"):
         np.testing.assert_array_equal(without[k], eager[k])
 
 

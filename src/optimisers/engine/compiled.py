@@ -426,8 +426,8 @@ def _run_blocks(kernel, arrays, consts, n, block, device) -> None:
 
 def traceable(rule) -> bool:
     """Whether `rule`'s steps can take the compiled way (on a backend with a compiler, for steps of
-    `COMPILE_FROM` elements or more): False for a rule that is neither elementwise nor a chain
-    that scales the gradient first (its blocks, norms or matrices look across elements), for one
+    `COMPILE_FROM` elements or more): False for a rule that is neither elementwise nor scaled
+    elementwise (a factor per array first: `Rule.scaled_elementwise`), for one
     whose step was found untraceable (known after its first step), and with compiling turned off;
     such a rule's steps run eagerly. A rule that steps as another on its state dequantised
     (`LowBit`) can where that one can."""

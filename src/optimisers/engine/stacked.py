@@ -40,13 +40,13 @@ def stacked_results(found, skip) -> dict:
         b = ops.backend(c.x)
         if not (b.IN_PLACE_ENGINE and b.engine_ok(c.x) and b.numel(c.x) < STACK_BELOW):
             continue
-        if compiled.takes(b, rule, b.numel(c.x)):
-            continue  # (its kernel: the numbers of the engine's, which the eager stack may miss)
         parts: list = []
         spec = flatten_state(c.leaf.state, parts)
         array_at = tuple(map(b.is_buffer, parts))
         # state arrays of any shape (Adafactor's row and column factors), one shape per place
         shapes = tuple(tuple(p.shape) for p, a in zip(parts, array_at) if a)
+        if compiled.takes(b, rule, b.numel(c.x)) and all(s == tuple(c.x.shape) for s in shapes):
+            continue  # (its kernel: the numbers of the engine's, which the eager stack may miss)
         scalars = tuple(scalar_key(p) for p, a in zip(parts, array_at) if not a)
         where = (b, tuple(c.x.shape), c.x.dtype, getattr(c.x, "device", None))
         kind = (id(rule), *where, spec, array_at, shapes, scalars)

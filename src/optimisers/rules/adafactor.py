@@ -10,7 +10,7 @@ import numbers
 from dataclasses import dataclass
 
 from optimisers import ops
-from optimisers.core.rule import Rule, check_range
+from optimisers.core.rule import Rule, check_range, scheduled_fields
 from optimisers.rules.common import cast, nonnegative, real_zeros
 
 __all__ = ["Adafactor"]
@@ -20,16 +20,6 @@ def is_factored(x) -> bool:
     """Whether Adafactor keeps row and column factors for `x` (two or more dimensions) rather
     than a full second moment (a vector or a scalar)."""
     return len(x.shape) >= 2
-
-
-def _rms(a, stacked):
-    """The root mean square of all entries of `a`, a 0-d array of its real dtype (0 for an empty
-    array); `stacked`: of each slice along the first axis, shaped to multiply the stack
-    (`ops.norms` gives each slice its own norm's bits)."""
-    if not stacked:
-        return ops.norm(a, 2) / math.sqrt(max(math.prod(a.shape), 1))
-    norms = ops.reshape(ops.norms(list(a), 2), (-1,) + (1,) * (len(a.shape) - 1))
-    return norms / math.sqrt(max(math.prod(a.shape[1:]), 1))
 
 
 @dataclass(frozen=True)
@@ -85,42 +75,82 @@ class Adafactor(Rule):
         check_range(self, "d", 1.0, math.inf)
         nonnegative(self, "epsilon", "lambd")
 
+    @property
+    def scaled_elementwise(self):
+        # a vector's step is elementwise given one factor per array (the RMS of x and of U); a
+        # matrix's second moment is not, but its state is not shaped like it, so the engine and
+        # the compiled way leave it to `apply` (the factors come from outside `apply`: no schedule)
+        return not scheduled_fields(self)
+
     def init(self, x):
         if is_factored(x):
             return real_zeros(x[..., :1]), real_zeros(x[..., :1, :]), 0
         return real_zeros(x), 0
 
     def apply(self, state, x, dx):
-        return self._step(state, x, dx, stacked=False)
+        new_state, u = self._moments_and_direction(state, x, dx, stacked=False)
+        if u is None:
+            return new_state, ops.zeros_like(x)
+        return new_state, self._scaled_step(new_state, x, u, self.step_factors([x], [u])[0])
 
     def apply_stacked(self, state, x, dx):
         """`apply` of parameters of one shape stacked along a new first axis: each slice with its
         own factors and RMS, the same numbers."""
-        return self._step(state, x, dx, stacked=True)
+        new_state, u = self._moments_and_direction(state, x, dx, stacked=True)
+        if u is None:
+            return new_state, ops.zeros_like(x)
+        factors = ops.reshape(self.step_factors(list(x), list(u)), (-1,) + (1,) * (len(x.shape) - 1))
+        return new_state, self._scaled_step(new_state, x, u, factors)
 
-    def _step(self, state, x, dx, stacked):
+    def direction(self, state, x, dx):
+        """`U = g/√max(V̂, ε₁²)` with the new second moment (whole arrays for a matrix)."""
+        return self._moments_and_direction(state, x, dx, stacked=False)[1]
+
+    def step_factors(self, xs, us):
+        """`max(ε₂, RMS(x)) / max(1, RMS(U)/d)` of each array (the relative step `ρ`, which needs
+        the step count, is applied by `apply_scaled`)."""
+        sizes = [math.prod(x.shape) for x in xs] if isinstance(xs, list) else [xs.shape[-1]]
+        norm_x, norm_u = ops.norms(xs, 2), ops.norms(us, 2)
+        if min(sizes) == max(sizes):
+            root = math.sqrt(max(sizes[0], 1))
+        else:  # (each array's √n, as the division by a number rounds it)
+            roots = [ops.full_like(norm_x[:1], math.sqrt(max(n, 1))) for n in sizes]
+            root = ops.reshape(ops.stack(roots), (-1,))
+        rms_x, rms_u = norm_x / root, norm_u / root
+        eps2, d, one = cast(rms_x, self.epsilon[1], self.d, 1)
+        return ops.astype(ops.maximum(rms_x, eps2) / ops.maximum(rms_u / d, one), xs[0])
+
+    def apply_scaled(self, state, x, dx, factor):
+        new_state, u = self._moments_and_direction(state, x, dx, stacked=False)
+        if u is None:
+            return new_state, ops.zeros_like(x)
+        return new_state, self._scaled_step(new_state, x, u, factor)
+
+    def _moments_and_direction(self, state, x, dx, stacked):
+        """The new state and `U`; `U` None for an array of no entries (whose means over an empty
+        axis would be NaN)."""
         *moments, t = state
         t = t + 1
-        if math.prod(x.shape) == 0:  # no entries: the means over an empty axis would be NaN
-            return (*moments, t), ops.zeros_like(x)
+        if math.prod(x.shape) == 0:
+            return (*moments, t), None
         new = t**self.beta2_decay  # 1 − β₂ₜ, in the hyperparameters' precision
         g2 = ops.abs2(dx)
         eps1 = ops.dtype_epsilon(x) if self.epsilon[0] is None else self.epsilon[0]
         keep, new = cast(g2, 1 - new, new)
         factored = len(x.shape) >= (3 if stacked else 2)  # (a stack's first axis lists parameters)
         root, moments = _second_moment(factored, moments, g2, keep, new, eps1)
-        u = dx / ops.maximum(root, ops.epsilon(eps1, g2))
-        rms_x = _rms(x, stacked)
+        return (*moments, t), dx / ops.maximum(root, ops.epsilon(eps1, g2))
+
+    def _scaled_step(self, new_state, x, u, factor):
+        """`ρ·factor·U + η·λ·x`, `ρ = min(η, 1/√t)` with the new step count `t`."""
+        t = new_state[-1]
         # min(η, 1/√t), η a number or a traced value (ops picks a backend by its first argument)
         eta, root = self.eta, t**-0.5
         rho = ops.minimum(root, eta) if isinstance(eta, numbers.Number) else ops.minimum(eta, root)
-        eps2, rho, d, one = cast(rms_x, self.epsilon[1], rho, self.d, 1)
-        alpha = ops.maximum(rms_x, eps2) * rho
-        scale = alpha / ops.maximum(_rms(u, stacked) / d, one)
-        step = (ops.astype(scale, x) if stacked else ops.scalar(scale, x)) * u
+        step = (ops.scalar(rho, x) * factor) * u
         if ops.concrete(self.lambd) != 0:  # (traced: always added)
             step = step + ops.scalar(self.eta * self.lambd, x) * x
-        return (*moments, t), step
+        return step
 
 
 def _second_moment(factored, moments, g2, keep, new, eps1):
