@@ -33,7 +33,8 @@ from optimisers.core.state import flatten_state, unflatten_state
 from optimisers.engine import chunks, precision
 
 ENABLED = os.environ.get("OPTIMISERS_COMPILE", "1") != "0"  # tests compare with the eager maths
-_SHARE = 1 << 16  # elements: pieces at least twice this long are split among the threads
+_SHARE = 1 << 16  # elements: steps at least twice this long are split among the threads
+_LINE = 64  # elements: where the threads' shares meet (whole cache lines of every dtype)
 _WORKERS = chunks.WORKERS
 _FLOAT32_EPS = float(np.finfo(np.float32).eps)
 _SAMPLES: dict = {}  # (backend, dtype, device) -> a one-element array of ones
@@ -250,19 +251,24 @@ def _uniform(piece, factors) -> bool:
 
 def _run(runs, consts, device, threads=True) -> None:
     """Each `(kernel, piece)` of `runs`: the kernel over the piece (its inputs, then its
-    outputs: 1-D arrays of one length, but a uniform input's one element), on the CPU large
-    ones in a share per worker on our threads (the kernels release the GIL), unless `threads`
-    is False (a caller on those threads already)."""
+    outputs: 1-D arrays of one length, but a uniform input's one element), on the CPU in one
+    contiguous share of all the elements per worker on our threads (the kernels release the
+    GIL), unless `threads` is False (a caller on those threads already)."""
     n, workers = sum(len(p[0]) for _, p in runs), _WORKERS
     threads = threads and n >= 2 * _SHARE and workers > 1 and getattr(device, "type", "cpu") == "cpu"
-    shares = []
+    parts = workers if threads else 1
+    # (shares equal in elements, whatever the sizes of the pieces; cut at whole cache lines)
+    cuts = [n * k // parts // _LINE * _LINE for k in range(parts)] + [n]
+    shares: list = [[] for _ in range(parts)]
+    start = 0
     for kernel, piece in runs:
         m = len(piece[0])
-        parts = workers if threads and m >= 2 * _SHARE else 1
-        bounds = [m * k // parts for k in range(parts + 1)]
-        for lo, hi in zip(bounds, bounds[1:]):
-            shares.append((kernel, [a[lo:hi] if len(a) == m else a for a in piece]))
-    chunks._map(lambda share: share[0](share[1], consts), shares, threads)
+        for share, first, last in zip(shares, cuts, cuts[1:]):
+            lo, hi = max(first - start, 0), min(last - start, m)
+            if lo < hi:
+                share.append((kernel, [a[lo:hi] if len(a) == m else a for a in piece]))
+        start += m
+    chunks._map(lambda share: [kernel(piece, consts) for kernel, piece in share], shares, threads)
 
 
 def _sample(b, array, device):
