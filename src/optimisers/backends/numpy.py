@@ -330,7 +330,7 @@ def empty_flat(n, like):
 
 def join_into(out, arrays, orders):
     """Every element of `arrays`, each in its memory order, joined into the 1-D `out`."""
-    if any(o is not None for o in orders):
+    if orders.count(None) != len(orders):
         arrays = [a if o is None else flat_in(a, o) for a, o in zip(arrays, orders)]
     np.concatenate(arrays, axis=None, out=out)
 

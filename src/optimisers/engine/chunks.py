@@ -107,7 +107,7 @@ def unpack(group, xs) -> None:
 
 def unstage(group) -> None:
     """Let go of what `stage` made and refers to (after a step, or a failed rehearsal)."""
-    group.staged = group.staging_now = None
+    group.staged = group.staging_now = group.runs_apart = None
 
 
 # --- stepping a group --------------------------------------------------------------------------
@@ -163,6 +163,8 @@ def rehearse(group, xs, dxs, factors=None) -> None:
 
 
 def _each_chunk(group, xs, dxs, factors, write: bool) -> list:
+    if group.runs_apart is not None:
+        group.runs_apart.fill()  # (the packed members' factors, which the compiled way left)
     stage(group, xs, dxs)
     rule = group.leaves[0].rule
     one = functools.partial(_chunk, group, rule, xs=xs, dxs=dxs, factors=factors, write=write)

@@ -187,25 +187,65 @@ def step_group(group, xs, dxs, factors=None) -> bool:
     b, rule = group.b, group.leaves[0].rule
     if not _wanted(b, rule, group.offsets[-1]):
         return False
+    apart = group.runs_apart  # (a scaled group's packed members, run by run: `scaled.Runs`)
     with b.no_grad():
-        chunks.stage(group, xs, dxs)
+        if apart is None:
+            chunks.stage(group, xs, dxs)
         pieces = group_pieces(group, xs, dxs, factors)
-        samples = [_sample(b, a, group.device) for a in pieces[0]]
+        if pieces:
+            like = pieces[0]
+        else:  # (every member packed, stepped run by run: the arrays a run's kernel takes)
+            p0, held = group.packed_from, [k for k, a in enumerate(group.array_at) if a]
+            like = [xs[p0], xs[p0], *[group.packed[k] for k in held], factors]
+        samples = [_sample(b, a, group.device) for a in like]
         kernels = {}  # (a scaled group: each big member's factor is one element, uniform)
         method = "apply" if factors is None else "apply_scaled"
-        for uniform in {_uniform(p, factors) for p in pieces}:
+        for uniform in {_uniform(p, factors) for p in pieces} | ({False} if apart else set()):
             kernels[uniform] = _kernel(b, rule, group.spec, group.array_at, group.scalars, samples,
                                        group.device, method=method, uniform=uniform)
+        if apart is not None:  # (and the directions' kernel, found once for every run)
+            towards = direction_kernel(b, rule, group.spec, group.array_at, group.scalars, like[:-1],
+                                       group.device)
+            kernels["direction"] = towards
         if None in kernels.values():
             return False
-        step = next(iter(kernels.values()))[0]
+        step = kernels[False if apart else _uniform(pieces[0], factors)][0]
         runs = [(kernels[_uniform(p, factors)][1], p) for p in pieces]
         _run(runs, step.consts, group.device)  # (each output written into its input)
-        if group.has_runs:
+        if apart is not None:
+            _packed_runs(group, xs, dxs, kernels[False][1], step.consts, towards, apart.of_run)
+        elif group.has_runs:
             chunks.unpack(group, xs)
     chunks.unstage(group)
     group.scalars[:] = step.scalars
     return True
+
+
+def _packed_runs(group, xs, dxs, kernel, consts, towards, of_run) -> None:
+    """Step a scaled group's packed members run by run (`chunks.plan`'s runs): a run's
+    parameters and gradients joined into buffers of its own, its members' directions (the
+    kernel `towards`) and factors found (`of_run`), the run stepped and copied back, while its
+    arrays are in cache; the runs a share per worker on the CPU."""
+    b, p0 = group.b, group.packed_from
+    base, held = group.offsets[p0], [k for k, a in enumerate(group.array_at) if a]
+
+    def one(run):
+        _, i, j, _ = run
+        lo, hi = group.offsets[i] - base, group.offsets[j] - base
+        orders = group.orders[i:j]
+        x, dx = b.empty_flat(hi - lo, xs[p0]), b.empty_flat(hi - lo, xs[p0])  # (as `stage`'s)
+        b.join_into(x, xs[i:j], orders)
+        b.join_into(dx, dxs[i:j], orders)
+        piece = [x, dx, *[group.packed[k][lo:hi] for k in held]]
+        u = direction(b, None, None, None, None, piece, group.device, False, towards)
+        piece.append(b.repeat_each(of_run(i, j, piece, u), group.sizes[i:j]))
+        kernel(piece, consts)
+        b.split_into(x, xs[i:j], orders)
+
+    runs = [c for c in group.chunks if c[0] == "run"]
+    n = group.offsets[-1] - base
+    threads = n >= 2 * _SHARE and _WORKERS > 1 and getattr(group.device, "type", "cpu") == "cpu"
+    chunks._map(one, runs, threads)
 
 
 def group_pieces(group, xs, dxs, factors=None) -> list:
@@ -228,20 +268,27 @@ def group_pieces(group, xs, dxs, factors=None) -> list:
     return pieces
 
 
-def direction(b, rule, spec, array_at, scalars, piece, device, threads=True):
+def direction(b, rule, spec, array_at, scalars, piece, device, threads=True, found=None):
     """`rule.direction` over `piece` (`[x, dx, *state arrays]`, 1-D) into a new 1-D array, in
-    one pass (`_run`'s `threads`); None where it runs eagerly."""
+    one pass (`_run`'s `threads`; `found`: `direction_kernel`'s, found already); None where it
+    runs eagerly."""
     n = len(piece[0])
-    if not _wanted(b, rule, n):
-        return None
-    samples = [_sample(b, a, device) for a in piece]
-    found = _kernel(b, rule, spec, array_at, scalars, samples, device, "step", "direction")
     if found is None:
-        return None
+        if not _wanted(b, rule, n):
+            return None
+        found = direction_kernel(b, rule, spec, array_at, scalars, piece, device)
+        if found is None:
+            return None
     step, kernel = found
     out = b.empty_flat(n, step.samples[-1])
     _run([(kernel, [*piece, out])], step.consts, device, threads)
     return out
+
+
+def direction_kernel(b, rule, spec, array_at, scalars, piece, device):
+    """`(step, kernel)` of `rule.direction` for pieces like `piece`, or None (eagerly)."""
+    samples = [_sample(b, a, device) for a in piece]
+    return _kernel(b, rule, spec, array_at, scalars, samples, device, "step", "direction")
 
 
 def _uniform(piece, factors) -> bool:

@@ -41,6 +41,7 @@ class Group(GroupLayout):
         self.broken = False  # its parameters left the span it was laid out for: plan anew
         self.staged = None  # `(xs, dxs)` whose packed members are in `staging_now` this step
         self.staging_now = None  # this step's staging buffers `(flat_x, flat_g)` (`chunks.stage`)
+        self.runs_apart = None  # this step's packed members, stepped run by run (`scaled.Runs`)
         self._steppable_at = None  # `Leaf.edits` when `steppable` last found every member ready
 
     def snapshot(self, xs, gs, given) -> None:

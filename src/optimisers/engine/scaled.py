@@ -40,9 +40,13 @@ def of_group(group, xs, dxs, given):
     direction is the gradient, else from its directions (staged: `chunks.stage`)."""
     rule, b, p0 = group.leaves[0].rule, group.b, group.packed_from
     own = _own_direction(rule)
+    # (packed members whose factors and steps cannot raise: each run's factors are found as
+    # the compiled way steps it, in cache, with no staging buffers for all of them: `Runs`)
+    apart = own and p0 < len(xs) and rule.never_raises and not b.raises_on_values()
     pieces = None
     if own:
-        chunks.stage(group, xs, dxs)
+        if not apart:
+            chunks.stage(group, xs, dxs)
         pieces = compiled.group_pieces(group, xs, dxs)
     # (the norms of a big member on a worker: NumPy's loop, on torch's CPU tensors too)
     spread = p0 > 1 and chunks.WORKERS > 1 and getattr(group.device, "type", "cpu") == "cpu"
@@ -53,22 +57,53 @@ def of_group(group, xs, dxs, given):
         return _factors(group, rule, xs, pieces[first if last - first == 1 else -1], first, last, threads)
 
     found = chunks._map(lambda i: factors(i, i + 1, not spread), range(p0), spread)
-    if p0 < len(xs):
+    if apart:
+        like = found[0] if found else precision.widened(xs[p0])  # (the dtype the maths runs in)
+        found.append(b.zeros((len(xs) - p0,), like))  # (each run's own, or `Runs.fill`)
+    elif p0 < len(xs):
         found.append(factors(p0, len(xs), True))
     if len(found) == 1:
-        return found[0]
-    joined = b.empty_flat(len(xs), found[0])
-    b.join_into(joined, found, [None] * len(found))
+        joined = found[0]
+    else:
+        joined = b.empty_flat(len(xs), found[0])
+        b.join_into(joined, found, [None] * len(found))
+    if apart:
+        group.runs_apart = Runs(group, rule, xs, dxs, joined)
     return joined
 
 
-def _factors(group, rule, xs, piece, first, last, threads):
+class Runs:
+    """The packed members of a scaled group whose rule never raises, stepped run by run
+    (`compiled.step_group`): each run's parameters and gradients joined into buffers of its own,
+    its directions and factors found, and the run stepped and copied back while in cache. Where
+    the compiled way does not take the step, `fill` finds every packed member's factor first, as
+    for any scaled group (`chunks.step` then steps them)."""
+
+    def __init__(self, group, rule, xs, dxs, factors):
+        self.group, self.rule, self.xs, self.dxs, self.factors = group, rule, xs, dxs, factors
+
+    def of_run(self, first, last, piece, u):
+        """The factors of members `first:last`, whose elements `piece` holds back to back, and
+        their directions `u`."""
+        return _factors(self.group, self.rule, self.xs, piece, first, last, False, u)
+
+    def fill(self) -> None:
+        """Stage the packed members and write their factors into the group's factors."""
+        group, p0, n = self.group, self.group.packed_from, len(self.xs)
+        group.runs_apart = None
+        chunks.stage(group, self.xs, self.dxs)
+        piece = compiled.group_pieces(group, self.xs, self.dxs)[-1]
+        found = _factors(group, self.rule, self.xs, piece, p0, n, True)
+        group.b.copy_into(self.factors[p0:], found)
+
+
+def _factors(group, rule, xs, piece, first, last, threads, u=None):
     """The factors of members `first:last`, whose elements `piece` holds back to back, from
-    their directions written out (`threads`: the pass shared among the workers)."""
+    their directions `u` (None: written out here; `threads`: the pass shared among the workers)."""
     b, base = group.b, group.offsets[first]
     bounds = [group.offsets[k] - base for k in range(first, last + 1)]
     wide = precision.widened if precision.narrow(xs[0]) else _itself
-    u = _direction(group, rule, piece, threads)
+    u = _direction(group, rule, piece, threads) if u is None else u
     sizes = group.sizes[first:last]
     if last - first > 1 and min(sizes) == max(sizes) and not any(group.orders[first:last]):
         # (thousands of one size: the rows of the staged parameters and of their directions)

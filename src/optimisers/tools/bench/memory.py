@@ -59,8 +59,9 @@ def tracemalloc_extra(make_runner, data) -> int:
         runner = make_runner(data)
         prepare = getattr(runner, "prepare", None) or (lambda: None)  # the training loop's, untraced
         prepare()
-        runner.step()  # a first step may allocate lazily
-        prepare()
+        for _ in range(2):  # a first step may allocate lazily, a second compile its route's walk
+            runner.step()  # (`engine.replay`): once, not each step
+            prepare()
         gc.collect()
         tracemalloc.reset_peak()
         before = tracemalloc.get_traced_memory()[0]
