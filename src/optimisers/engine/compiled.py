@@ -183,37 +183,39 @@ def _kind(rule):
 
 def step_group(group, xs, dxs, factors=None) -> bool:
     """Step every member of `group` in place with its rule's compiled kernel (a scaled group:
-    with each member's `factors`); whether it did (nothing is written where it did not)."""
+    with each member's `factors`); whether it did (nothing is written where it did not). Packed
+    members step run by run (`_packed_runs`), unless a rehearsal staged them all already."""
     b, rule = group.b, group.leaves[0].rule
     if not _wanted(b, rule, group.offsets[-1]):
         return False
-    apart = group.runs_apart  # (a scaled group's packed members, run by run: `scaled.Runs`)
+    apart = group.has_runs and group.staging_now is None
+    deferred = group.runs_apart  # (a scaled group whose packed factors come run by run)
     with b.no_grad():
-        if apart is None:
-            chunks.stage(group, xs, dxs)
+        if not apart:
+            chunks.stage(group, xs, dxs)  # (a span; or packed members a rehearsal staged)
         pieces = group_pieces(group, xs, dxs, factors)
         if pieces:
             like = pieces[0]
-        else:  # (every member packed, stepped run by run: the arrays a run's kernel takes)
+        else:  # (every member packed: the arrays a run's kernel takes)
             p0, held = group.packed_from, [k for k, a in enumerate(group.array_at) if a]
-            like = [xs[p0], xs[p0], *[group.packed[k] for k in held], factors]
+            x = b.flat_in(xs[p0], group.orders[p0])
+            like = [x, x, *[group.packed[k] for k in held]] + ([] if factors is None else [factors])
         samples = [_sample(b, a, group.device) for a in like]
         kernels = {}  # (a scaled group: each big member's factor is one element, uniform)
         method = "apply" if factors is None else "apply_scaled"
         for uniform in {_uniform(p, factors) for p in pieces} | ({False} if apart else set()):
             kernels[uniform] = _kernel(b, rule, group.spec, group.array_at, group.scalars, samples,
                                        group.device, method=method, uniform=uniform)
-        if apart is not None:  # (and the directions' kernel, found once for every run)
-            towards = direction_kernel(b, rule, group.spec, group.array_at, group.scalars, like[:-1],
-                                       group.device)
-            kernels["direction"] = towards
+        if deferred is not None:  # (and the directions' kernel, found once for every run)
+            kernels["direction"] = direction_kernel(b, rule, group.spec, group.array_at, group.scalars,
+                                                    like[:-1], group.device)
         if None in kernels.values():
             return False
         step = kernels[False if apart else _uniform(pieces[0], factors)][0]
-        runs = [(kernels[_uniform(p, factors)][1], p) for p in pieces]
-        _run(runs, step.consts, group.device)  # (each output written into its input)
-        if apart is not None:
-            _packed_runs(group, xs, dxs, kernels[False][1], step.consts, towards, apart.of_run)
+        _run([(kernels[_uniform(p, factors)][1], p) for p in pieces], step.consts, group.device)
+        if apart:
+            of_run = None if deferred is None else (kernels["direction"], deferred.of_run)
+            _packed_runs(group, xs, dxs, kernels[False][1], step.consts, factors, of_run)
         elif group.has_runs:
             chunks.unpack(group, xs)
     chunks.unstage(group)
@@ -221,11 +223,12 @@ def step_group(group, xs, dxs, factors=None) -> bool:
     return True
 
 
-def _packed_runs(group, xs, dxs, kernel, consts, towards, of_run) -> None:
-    """Step a scaled group's packed members run by run (`chunks.plan`'s runs): a run's
-    parameters and gradients joined into buffers of its own, its members' directions (the
-    kernel `towards`) and factors found (`of_run`), the run stepped and copied back, while its
-    arrays are in cache; the runs a share per worker on the CPU."""
+def _packed_runs(group, xs, dxs, kernel, consts, factors, of_run=None) -> None:
+    """Step a group's packed members run by run (`chunks.plan`'s runs): a run's parameters and
+    gradients joined into buffers of its own, stepped (a scaled group's with each member's
+    factor) and copied back while in cache, so no buffer holds every packed member at once; the
+    runs a share per worker on the CPU. `of_run`: `(direction's kernel, factors of a run's
+    members from their directions)` where a scaled group's packed factors were left to the runs."""
     b, p0 = group.b, group.packed_from
     base, held = group.offsets[p0], [k for k, a in enumerate(group.array_at) if a]
 
@@ -237,8 +240,11 @@ def _packed_runs(group, xs, dxs, kernel, consts, towards, of_run) -> None:
         b.join_into(x, xs[i:j], orders)
         b.join_into(dx, dxs[i:j], orders)
         piece = [x, dx, *[group.packed[k][lo:hi] for k in held]]
-        u = direction(b, None, None, None, None, piece, group.device, False, towards)
-        piece.append(b.repeat_each(of_run(i, j, piece, u), group.sizes[i:j]))
+        if of_run is not None:
+            u = direction(b, None, None, None, None, piece, group.device, False, of_run[0])
+            piece.append(b.repeat_each(of_run[1](i, j, piece, u), group.sizes[i:j]))
+        elif factors is not None:
+            piece.append(b.repeat_each(factors[i:j], group.sizes[i:j]))
         kernel(piece, consts)
         b.split_into(x, xs[i:j], orders)
 
