@@ -515,6 +515,15 @@ def _rows(m, p):
     return _ROW_NORMS[p](_for_norm(m, p)) if found is None else found
 
 
+def _joined_rows(arrays, size, p):
+    """`_rows` of `arrays` of `size` elements each, joined a matrix of at most `_NORM_CHUNK`
+    elements at a time (so the copy stays small)."""
+    per = max(1, _NORM_CHUNK // size)
+    found = [_rows(np.concatenate(arrays[k : k + per], axis=None).reshape(-1, size), p)
+             for k in range(0, len(arrays), per)]
+    return found[0] if len(found) == 1 else np.concatenate(found)
+
+
 def norms(xs, p):
     """Each array's `norm`, as a 1-D array. Arrays of one size and dtype (and of at most one of
     `norm`'s chunks) are joined as the rows of one matrix and reduced row by row: one NumPy
@@ -531,7 +540,7 @@ def norms(xs, p):
     for (size, _), idx in by_kind.items():
         if not 0 < size <= _NORM_CHUNK:
             continue
-        found = _rows(np.concatenate([xs[i] for i in idx], axis=None).reshape(len(idx), size), p)
+        found = _joined_rows([xs[i] for i in idx], size, p)
         if len(idx) == len(xs):  # one kind, the usual case: the rows are in order
             return found
         for i, n in zip(idx, found):

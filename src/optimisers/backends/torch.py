@@ -674,7 +674,7 @@ def norms(xs, p):
     if p == 2 and all(map(_summed_as_numpy, xs)):
         shape = xs[0].shape
         if len(xs) > 1 and all(x.shape == shape for x in xs) and xs[0].numel():
-            return _row_norms_2(torch.stack([x.detach() for x in xs]).reshape(len(xs), -1))  # (row-major)
+            return _stacked_rows([x.detach() for x in xs], _row_norms_2)  # (row-major)
         return torch.stack([norm(x, p) for x in xs])
     if (
         p in _FOREACH_NORM_P
@@ -686,9 +686,18 @@ def norms(xs, p):
         shape, size = xs[0].shape, xs[0].numel()
         if len(xs) > 1 and size < _ROWS_BELOW and all(x.shape == shape for x in xs):
             # one shape (thousands of small tensors): the rows of one matrix, 20x foreach's speed
-            return torch.linalg.vector_norm(torch.stack(xs).view(len(xs), size), ord=p, dim=1)
+            return _stacked_rows(xs, lambda m: torch.linalg.vector_norm(m, ord=p, dim=1))
         return torch.stack(torch._foreach_norm(xs, p))
     return torch.stack([norm(x, p) for x in xs])
+
+
+def _stacked_rows(xs, reduce):
+    """`reduce` of the rows of tensors `xs` of one shape stacked, at most `_NORM_CHUNK` elements
+    at a time (so the copy stays small)."""
+    size = xs[0].numel()
+    per = max(1, _NORM_CHUNK // size)
+    found = [reduce(torch.stack(xs[k : k + per]).view(-1, size)) for k in range(0, len(xs), per)]
+    return found[0] if len(found) == 1 else torch.cat(found)
 
 
 def _summed_as_numpy(x) -> bool:
