@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 from optimisers import ops
@@ -122,10 +123,19 @@ if hasattr(os, "register_at_fork"):  # (not on Windows, which has no fork)
     os.register_at_fork(after_in_child=_forget_pool)
 
 
+def _on_a_worker() -> bool:
+    """Is this one of our workers (whose own `_map` runs in turn: waiting on the pool from it
+    could wait for ever)?"""
+    return threading.current_thread().name.startswith(_PREFIX)
+
+
+_PREFIX = "optimisers-worker"
+
+
 def _pool() -> ThreadPoolExecutor:
     global _POOL
     if _POOL is None:
-        _POOL = ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="optimisers")
+        _POOL = ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix=_PREFIX)
     return _POOL
 
 
@@ -134,7 +144,7 @@ def _map(fn, chunks, threads: bool) -> list:
     share of the chunks as one task, so that a step pays one hand-over per worker rather than
     one per chunk (chunks can then be small, and their temporaries few, at little cost)."""
     workers = WORKERS
-    if not threads or len(chunks) < 2 or workers < 2:
+    if not threads or len(chunks) < 2 or workers < 2 or _on_a_worker():
         return [fn(c) for c in chunks]
     n = len(chunks)
     shares = [chunks[k * n // workers : (k + 1) * n // workers] for k in range(workers)]

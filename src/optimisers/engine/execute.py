@@ -7,6 +7,7 @@ written until every result has been computed and checked.
 
 from __future__ import annotations
 
+import contextvars
 import functools
 
 from optimisers import ops
@@ -68,12 +69,14 @@ def compute(found, tree, skip=frozenset(), pure=False) -> dict[int, tuple]:
     is applied to a new array at once, so that no step outlives its Leaf's turn."""
     results = {}
     stacked = stacks.stacked_results(found, skip)  # small arrays of a rule that stacks: one call
+    moving = [(key, c) for key, c in found.items() if not (c.leaf.frozen or not c.grads or key in skip)]
     with sharing_step_scalars(), compiled.one_update():
-        for key, c in found.items():
-            if c.leaf.frozen or not c.grads or key in skip:
-                continue
+        ahead = _ahead(moving, stacked, pure)
+        for key, c in moving:
             try:
-                result = step(c, stacked=stacked, pure=pure)
+                result = ahead[key] if key in ahead else step(c, stacked=stacked, pure=pure)
+                if isinstance(result, Exception):
+                    raise result
                 if type(result) is not _Applied:
                     checks.check_step(c.leaf.rule, result, c.x)
                     result = (result[0], checks.new_value(c.x, result[1])) if pure else result
@@ -86,6 +89,36 @@ def compute(found, tree, skip=frozenset(), pure=False) -> dict[int, tuple]:
                 raise
     checks.share_scalar_state(found, results)
     return results
+
+
+# elements: NumPy parameters this large that step one by one (not in a group or a stack) step
+# on the workers, two at a time (its ufuncs release the GIL; torch's ops use every core already)
+AHEAD_FROM = 1 << 16
+
+
+def _ahead(moving, stacked, pure) -> dict:
+    """`{key: result or the exception it raised}` of the large NumPy parameters of `moving`
+    that step on their own, computed on the workers (each in a copy of this update's context:
+    its shared step scalars and traces) where there are two or more; else nothing."""
+    if chunks.WORKERS < 2:
+        return {}
+    big = [(key, c) for key, c in moving if id(c.leaf) not in stacked and _big_numpy(c.x)]
+    if len(big) < 2:
+        return {}
+
+    def one(item):
+        context = contextvars.copy_context()
+        try:
+            return context.run(step, item[1], stacked=stacked, pure=pure)
+        except Exception as e:  # noqa: BLE001 - raised in turn, as one by one would
+            return e
+
+    return dict(zip((key for key, _ in big), chunks._map(one, big, True)))
+
+
+def _big_numpy(x) -> bool:
+    b = ops.backend(x)
+    return b.IN_PLACE_ENGINE and b.ENGINE_THREADS and b.numel(x) >= AHEAD_FROM
 
 
 def out_of_place(state, model, grads, pure=False):
