@@ -880,8 +880,10 @@ def engine_layout_rules() -> dict[str, Callable[[], opt.Rule]]:
     rules, and rules that step elementwise given one factor per array (ClipNorm chains, LAMB,
     LARS). Adafactor takes the engine only for vectors (a matrix keeps row and column factors),
     and other rules are stepped one parameter at a time."""
+
     def engine_steps(rule):
-        return rule.elementwise or (getattr(rule, "scaled_elementwise", False) and not isinstance(rule, opt.Adafactor))
+        scaled = getattr(rule, "scaled_elementwise", False) and not isinstance(rule, opt.Adafactor)
+        return rule.elementwise or scaled
 
     return {name: make for name, make in layout_rules().items() if engine_steps(make())}
 
