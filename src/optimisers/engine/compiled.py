@@ -188,7 +188,8 @@ def step_group(group, xs, dxs, factors=None) -> bool:
     b, rule = group.b, group.leaves[0].rule
     if not _wanted(b, rule, group.offsets[-1]):
         return False
-    apart = group.has_runs and group.staging_now is None
+    # (on the CPU, where a run's buffers stay in cache; a GPU takes the packed members in one go)
+    apart = group.has_runs and group.staging_now is None and _on_cpu(group.device)
     deferred = group.runs_apart  # (a scaled group whose packed factors come run by run)
     with b.no_grad():
         if not apart:
@@ -223,6 +224,16 @@ def step_group(group, xs, dxs, factors=None) -> bool:
     return True
 
 
+def _on_cpu(device) -> bool:
+    return getattr(device, "type", "cpu") == "cpu"
+
+
+def runs_apart(group) -> bool:
+    """Would the compiled way step `group`'s packed members run by run (`_packed_runs`)?"""
+    rule, n = group.leaves[0].rule, group.offsets[-1]
+    return group.has_runs and _on_cpu(group.device) and _wanted(group.b, rule, n)
+
+
 def _packed_runs(group, xs, dxs, kernel, consts, factors, of_run=None) -> None:
     """Step a group's packed members run by run (`chunks.plan`'s runs): a run's parameters and
     gradients joined into buffers of its own, stepped (a scaled group's with each member's
@@ -250,8 +261,7 @@ def _packed_runs(group, xs, dxs, kernel, consts, factors, of_run=None) -> None:
 
     runs = [c for c in group.chunks if c[0] == "run"]
     n = group.offsets[-1] - base
-    threads = n >= 2 * _SHARE and _WORKERS > 1 and getattr(group.device, "type", "cpu") == "cpu"
-    chunks._map(one, runs, threads)
+    chunks._map(one, runs, n >= 2 * _SHARE and _WORKERS > 1)
 
 
 def group_pieces(group, xs, dxs, factors=None) -> list:

@@ -42,7 +42,7 @@ def of_group(group, xs, dxs, given):
     own = _own_direction(rule)
     # (packed members whose factors and steps cannot raise: each run's factors are found as
     # the compiled way steps it, in cache, with no staging buffers for all of them: `Runs`)
-    apart = own and p0 < len(xs) and rule.never_raises and not b.raises_on_values()
+    apart = own and rule.never_raises and not b.raises_on_values() and compiled.runs_apart(group)
     pieces = None
     if own:
         if not apart:
