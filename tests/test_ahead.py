@@ -79,3 +79,18 @@ def test_the_first_error_in_order_is_raised_and_nothing_changes(ahead):
     assert max(ahead) >= 2
     for k in model:
         np.testing.assert_array_equal(model[k], before[k])
+
+
+def test_the_workers_keep_numpys_error_handling(ahead):
+    """`np.errstate(all="raise")` around `update_` reaches the steps on the workers (they run in
+    copies of the caller's context): an infinite gradient raises there, and nothing changes."""
+    if chunks.WORKERS < 2:
+        pytest.skip("one core: nothing steps ahead")
+    model = {"a": np.ones((300, 400), np.float32), "b": np.ones((400, 300), np.float32)}
+    state = opt.setup(opt.Muon(0.02), model)
+    grads = {k: np.zeros(x.shape, np.float32) for k, x in model.items()}
+    grads["b"][0, 0] = np.inf  # (its normalisation divides infinity by infinity)
+    with np.errstate(all="raise"), pytest.raises(FloatingPointError):
+        opt.update_(state, model, grads)
+    assert max(ahead) >= 2
+    assert all((x == 1).all() for x in model.values())

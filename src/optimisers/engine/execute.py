@@ -106,14 +106,18 @@ def _ahead(moving, stacked, pure) -> dict:
     if len(big) < 2:
         return {}
 
-    def one(item):
-        context = contextvars.copy_context()
+    # (copies of this thread's context, one per task: a context is entered by one thread at a
+    # time; it holds NumPy's error handling too, `np.errstate`)
+    tasks = [(c, contextvars.copy_context()) for _, c in big]
+
+    def one(task):
+        c, context = task
         try:
-            return context.run(step, item[1], stacked=stacked, pure=pure)
+            return context.run(step, c, stacked=stacked, pure=pure)
         except Exception as e:  # noqa: BLE001 - raised in turn, as one by one would
             return e
 
-    return dict(zip((key for key, _ in big), chunks._map(one, big, True)))
+    return dict(zip((key for key, _ in big), chunks._map(one, tasks, True)))
 
 
 def _big_numpy(x) -> bool:
