@@ -721,17 +721,20 @@ def test_the_low_bit_peers_from_other_packages_run_and_say_when_missing(monkeypa
 
 
 def test_a_rule_the_compiled_way_cannot_trace_says_eager():
-    """Our NumPy and PyTorch rows of a rule whose step runs eagerly (Adafactor's row and column
-    means) say "eager" in the compile column; an elementwise rule's rows show the compile time."""
+    """Our NumPy and PyTorch rows of a rule whose step runs eagerly (Muon's Newton–Schulz) say
+    "eager" in the compile column; an elementwise rule's rows show the compile time, and so do
+    those of rules that find a factor per array first (LAMB; Adafactor, whose vectors compile)."""
     pytest.importorskip("torch")
     data = make_data(_TINY)
+    matrix = make_data(Shape("tiny-matrix", [("w",)], [(16, 8)], layout="a matrix"))  # (Muon's)
     for impl in [i for i in IMPLS if i.ours and i.backend in ("numpy", "torch") and not i.flat]:
-        adafactor = run_row(impl, data, "adafactor", reference("adafactor", data, CHECK_STEPS), _OPTS, {})
+        muon = run_row(impl, matrix, "muon", reference("muon", matrix, CHECK_STEPS), _OPTS, {})
         adam = run_row(impl, data, "adam", reference("adam", data, CHECK_STEPS), _OPTS, {})
-        assert adafactor["eager"] and adafactor["agree"] and not adam["eager"] and adam["agree"], impl.name
-        lamb = run_row(impl, data, "lamb", reference("lamb", data, CHECK_STEPS), _OPTS, {})
-        assert not lamb["eager"] and lamb["agree"], impl.name  # (its trust ratios first, then compiled)
-        table = report.format_table([adafactor, adam])
+        assert muon["eager"] and muon["agree"] and not adam["eager"] and adam["agree"], impl.name
+        for scaled in ("lamb", "adafactor"):  # (their factors first, then compiled)
+            row = run_row(impl, data, scaled, reference(scaled, data, CHECK_STEPS), _OPTS, {})
+            assert not row["eager"] and row["agree"], (impl.name, scaled)
+        table = report.format_table([muon, adam])
         eager_line, adam_line = (line for line in table.splitlines() if line.startswith(impl.backend))
         assert " eager " in eager_line and " eager " not in adam_line
     jax = next(i for i in IMPLS if i.backend == "jax" and i.ours)
