@@ -14,6 +14,7 @@ import numpy as np
 from optimisers import ops
 from optimisers.backends import jax_state
 from optimisers.backends import numpy as _numpy_backend
+from optimisers.backends.jax_pieces import step_in_pieces  # noqa: F401
 from optimisers.backends.jax_quant import (  # noqa: F401
     bfloat16_rounded,
     dequantise_blocks,

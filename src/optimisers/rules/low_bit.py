@@ -77,6 +77,16 @@ class LowBit(_Wrapper):
         return self.rule.eval_value(_dequantised(state, x)[0], x)
 
     def apply(self, state, x, dx):
+        # (JAX on one CPU device: piece by piece, `backends.jax_pieces` says why)
+        in_pieces = getattr(ops.backend(x), "step_in_pieces", None) if self.rule.elementwise else None
+        stepped = in_pieces(self._step, state, x, dx) if in_pieces is not None else None
+        return self._step(state, x, dx) if stepped is None else stepped
+
+    # (its state is its rule's, a schedule's step count included: passed on whole, not unwrapped
+    # as a rule's own schedules are)
+    apply._wrapped = True
+
+    def _step(self, state, x, dx):
         wide, spec, parts = _dequantised(state, x)
         new_state, step = self.rule.apply(wide, x, dx)
         new_parts: list = []

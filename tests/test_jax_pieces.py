@@ -1,0 +1,108 @@
+"""`LowBit` under `jit` on one CPU device steps a large array piece by piece
+(`optimisers.backends.jax_pieces`): the same bits as the whole-array step and as NumPy's, every
+format, with a step counter, a schedule and a shape that does not split evenly."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import optimisers as opt
+
+jax = pytest.importorskip("jax")
+jnp = jax.numpy
+from optimisers.backends import jax as jax_backend  # noqa: E402
+from optimisers.backends import jax_pieces  # noqa: E402
+
+SHAPE = (1024, 640)  # 655,360 elements: four pieces of 163,840
+
+
+def data(shape, steps, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(shape).astype(np.float32)
+    scales = np.exp(rng.uniform(-6, 1, steps))
+    grads = [(rng.standard_normal(shape) * s).astype(np.float32) for s in scales]
+    return x, grads
+
+
+def jitted_run(rule, x0, grads):
+    x = jnp.asarray(x0)
+    state = opt.setup(rule, x)
+    step = jax.jit(lambda s, x, g: opt.update(s, x, g))  # a new function: a new compile
+    for g in grads:
+        state, x = step(state, x, jnp.asarray(g))
+    return state, x
+
+
+def leaves(state, x):
+    return [np.asarray(a) for a in jax.tree_util.tree_leaves((state, x))]
+
+
+def pieces_taken(monkeypatch):
+    taken = []
+    original = jax_pieces.step_in_pieces
+
+    def spy(*args):
+        found = original(*args)
+        taken.append(found is not None)
+        return found
+
+    monkeypatch.setattr(jax_backend, "step_in_pieces", spy)
+    return taken
+
+
+RULES = [
+    opt.AdamW(1e-2, lambd=0.01),
+    opt.Lion(1e-3),
+    opt.Momentum(0.01, 0.9),
+    opt.Adam(opt.schedules.Cosine(1e-2, 10)),
+]
+
+
+@pytest.mark.parametrize("bits", [8, 4, "fp8"])
+@pytest.mark.parametrize("inner", RULES, ids=lambda r: type(r).__name__)
+def test_pieces_give_the_whole_steps_bits(monkeypatch, bits, inner):
+    rule = opt.LowBit(inner, bits=bits)
+    x0, grads = data(SHAPE, 3)
+    taken = pieces_taken(monkeypatch)
+    in_pieces = leaves(*jitted_run(rule, x0, grads))
+    assert taken and all(taken)
+    monkeypatch.setattr(jax_pieces, "PIECE", 1 << 30)  # one piece: the whole-array step
+    taken.clear()
+    whole = leaves(*jitted_run(rule, x0, grads))
+    assert taken and not any(taken)
+    assert len(in_pieces) == len(whole)
+    for a, b in zip(in_pieces, whole):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("bits", [8, "fp8"])
+def test_pieces_follow_numpys_step(monkeypatch, bits):
+    """As the whole-array JAX step does (tests/test_low_bit.py): XLA rounds some operations
+    differently from NumPy, which moves a few codes by one."""
+    rule = opt.LowBit(opt.AdamW(1e-2, lambd=0.01), bits=bits)
+    x0, grads = data(SHAPE, 3, seed=1)
+    taken = pieces_taken(monkeypatch)
+    state, x = jitted_run(rule, x0, grads)
+    assert all(taken)
+    expected = x0.copy()
+    theirs = opt.setup(rule, expected)
+    for g in grads:
+        theirs, expected = opt.update(theirs, expected, g)
+    moved = np.abs(expected - x0).max()
+    apart = np.abs(np.asarray(x) - expected)
+    assert np.mean(apart <= 1e-5 * moved) > 0.9999 and apart.max() <= 1e-2 * moved  # (a code moved)
+    for ours, numpys in zip(state.tree.state[:2], theirs.tree.state[:2]):
+        assert np.mean(np.asarray(ours.codes) == numpys.codes) > 0.9999
+        np.testing.assert_allclose(np.asarray(ours.scale), numpys.scale, rtol=1e-4)
+
+
+def test_arrays_that_do_not_split_into_whole_blocks_step_whole(monkeypatch):
+    taken = pieces_taken(monkeypatch)
+    x0, grads = data((1031, 257), 1)  # 264,967 = 1031 x 257: no whole blocks of 256
+    jitted_run(opt.LowBit(opt.AdamW(), bits=8), x0, grads)
+    assert taken == [False]
+    assert jax_pieces._pieces(1 << 20, 256) == 4
+    assert jax_pieces._pieces(1 << 18, 256) is None  # one piece
+    assert jax_pieces._pieces(1_000_003 * 256, 256) is None  # a prime count of blocks: no even split
