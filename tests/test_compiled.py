@@ -379,3 +379,27 @@ def test_a_clipping_factor_is_read_once_for_a_big_member(runs):
     # the big member's step, written out: the clipped gradient, then Adam's first step
     g = grads["big"] * np.float32(1.0 / max(np.linalg.norm(grads["big"].astype(np.float64)), 1.0))
     np.testing.assert_allclose(model["big"], before - 0.001 * g / (np.abs(g) + 1e-8), rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("rule", [opt.LARS(), opt.LAMB(), opt.Momentum()], ids=lambda r: type(r).__name__)
+def test_a_step_traces_its_rule_once_not_once_per_array(rule, monkeypatch):
+    """A group's big arrays each step on a worker; they share the update's traces (a trace costs
+    about as much as stepping 100K elements), so a step of many big arrays traces each of its
+    rule's methods once. It traced once per array (LARS: 50 traces a step on S2's layout)."""
+    from optimisers.backends import traced
+
+    rng = np.random.default_rng(0)
+    model = [rng.standard_normal(n).astype(np.float32) for n in [70000, 90000, 80000, 100000] * 3]
+    grads = [rng.standard_normal(x.shape).astype(np.float32) for x in model]
+    state = opt.setup(rule, model)
+    opt.update_(state, model, grads)
+    made = []
+    original = traced.Recorder
+
+    def counted(*args, **kwargs):
+        made.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(traced, "Recorder", counted)
+    opt.update_(state, model, grads)
+    assert 1 <= len(made) <= 2  # (a scaled rule: its direction, then its step)

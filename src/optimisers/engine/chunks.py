@@ -9,6 +9,7 @@ for `update`: one large parameter, chunk by chunk, into new arrays.
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import os
 import threading
@@ -142,14 +143,21 @@ def _pool() -> ThreadPoolExecutor:
 def _map(fn, chunks, threads: bool) -> list:
     """`[fn(c) for c in chunks]`, on the pool if `threads`: each worker takes one contiguous
     share of the chunks as one task, so that a step pays one hand-over per worker rather than
-    one per chunk (chunks can then be small, and their temporaries few, at little cost)."""
+    one per chunk (chunks can then be small, and their temporaries few, at little cost). Each
+    share runs in a copy of the caller's context, taken on the caller's thread: the update's
+    traces (a rule traced once per step, not once per array) and NumPy's error handling."""
     workers = WORKERS
     if not threads or len(chunks) < 2 or workers < 2 or _on_a_worker():
         return [fn(c) for c in chunks]
     n = len(chunks)
-    shares = [chunks[k * n // workers : (k + 1) * n // workers] for k in range(workers)]
-    done = _pool().map(lambda share: [fn(c) for c in share], [s for s in shares if s])
+    shares = [s for s in (chunks[k * n // workers : (k + 1) * n // workers] for k in range(workers)) if s]
+    contexts = [contextvars.copy_context() for _ in shares]  # (a context is entered by one thread)
+    done = _pool().map(lambda share, context: context.run(_each, fn, share), shares, contexts)
     return [result for results in done for result in results]
+
+
+def _each(fn, share) -> list:
+    return [fn(c) for c in share]
 
 
 def step(group, xs, dxs, factors=None) -> None:

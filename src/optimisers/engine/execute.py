@@ -7,7 +7,6 @@ written until every result has been computed and checked.
 
 from __future__ import annotations
 
-import contextvars
 import functools
 
 from optimisers import ops
@@ -98,26 +97,22 @@ AHEAD_FROM = 1 << 16
 
 def _ahead(moving, stacked, pure) -> dict:
     """`{key: result or the exception it raised}` of the large NumPy parameters of `moving`
-    that step on their own, computed on the workers (each in a copy of this update's context:
-    its shared step scalars and traces) where there are two or more; else nothing."""
+    that step on their own, computed on the workers (in copies of this update's context: its
+    shared step scalars and traces, NumPy's error handling) where there are two or more; else
+    nothing."""
     if chunks.WORKERS < 2:
         return {}
     big = [(key, c) for key, c in moving if id(c.leaf) not in stacked and _big_numpy(c.x)]
     if len(big) < 2:
         return {}
 
-    # (copies of this thread's context, one per task: a context is entered by one thread at a
-    # time; it holds NumPy's error handling too, `np.errstate`)
-    tasks = [(c, contextvars.copy_context()) for _, c in big]
-
-    def one(task):
-        c, context = task
+    def one(c):
         try:
-            return context.run(step, c, stacked=stacked, pure=pure)
+            return step(c, stacked=stacked, pure=pure)
         except Exception as e:  # noqa: BLE001 - raised in turn, as one by one would
             return e
 
-    return dict(zip((key for key, _ in big), chunks._map(one, tasks, True)))
+    return dict(zip((key for key, _ in big), chunks._map(one, [c for _, c in big], True)))
 
 
 def _big_numpy(x) -> bool:
@@ -163,19 +158,21 @@ def step_groups(ready, checked=False) -> None:
     parameters and summed gradients (`dxs` laid out as the parameters, `given` as they came;
     `checked`: their snapshots found no gradient in a parameter's memory). Every scaled group's
     factors are computed first, and a group whose rule may raise is rehearsed, all of them before
-    any is stepped, so that an error changes nothing."""
-    prepared = [(group, xs, dxs, _factors(group, xs, dxs, given)) for group, xs, dxs, given in ready]
-    if not checked:
-        _unalias(prepared)
-    try:
-        for group, xs, dxs, factors in prepared:
-            if not _trusted(group):
-                chunks.rehearse(group, xs, dxs, factors)
-        for group, xs, dxs, factors in prepared:
-            step(group=group, xs=xs, dxs=dxs, factors=factors)
-    finally:
-        for group, *_ in prepared:
-            chunks.unstage(group)  # (a failed rehearsal leaves the gradients it staged)
+    any is stepped, so that an error changes nothing. A rule is traced once for all its groups'
+    arrays (`compiled.one_update`), not once for each big one."""
+    with compiled.one_update():
+        prepared = [(group, xs, dxs, _factors(group, xs, dxs, given)) for group, xs, dxs, given in ready]
+        if not checked:
+            _unalias(prepared)
+        try:
+            for group, xs, dxs, factors in prepared:
+                if not _trusted(group):
+                    chunks.rehearse(group, xs, dxs, factors)
+            for group, xs, dxs, factors in prepared:
+                step(group=group, xs=xs, dxs=dxs, factors=factors)
+        finally:
+            for group, *_ in prepared:
+                chunks.unstage(group)  # (a failed rehearsal leaves the gradients it staged)
 
 
 def _unalias(prepared) -> None:
