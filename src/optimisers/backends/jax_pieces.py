@@ -90,8 +90,14 @@ def _joined(new, old, shape):
     """A new state part from its pieces (stacked along the leading axis): arrays and Quantised
     back in the parameter's layout; parts stepped whole are the same in every piece."""
     if isinstance(old, Quantised):
-        return Quantised(new.codes.reshape(old.codes.shape), new.scale.reshape(old.scale.shape),
-                         old.signed, old.bits, old.block, old.shape)
+        return Quantised(
+            new.codes.reshape(old.codes.shape),
+            new.scale.reshape(old.scale.shape),
+            old.signed,
+            old.bits,
+            old.block,
+            old.shape,
+        )
     if getattr(old, "shape", None) is not None and tuple(old.shape) == tuple(shape):
         return new.reshape(shape)
     return new[0] if isinstance(new, (jax.Array, np.ndarray)) else new
