@@ -41,6 +41,8 @@ _SAMPLES: dict = {}  # (backend, dtype, device) -> a one-element array of ones
 _UNTRACEABLE: set = set()  # the kinds of rule (`_kind`) whose step could not be traced
 # within one update (`one_update`): a trace per rule and scalars
 _TRACES: contextvars.ContextVar[dict | None] = contextvars.ContextVar("traces", default=None)
+_KEPT: dict = {}  # traces whose scalars are numbers, across updates (`trace`)
+_KEEP = 256
 
 
 class Step(NamedTuple):
@@ -77,7 +79,9 @@ def trace(rule, spec, array_at, scalars, samples, mode: str, method: str = "appl
     `traced.Untraceable`."""
     dtypes = tuple(s.dtype for s in samples)
     key = (id(rule), tuple(map(_number_or_id, scalars)), dtypes, mode, method)
-    traces = _TRACES.get()
+    # (a state whose scalars are all numbers is traced once for good, not once per update: a
+    # 0-d array scalar may change in place between updates, so it is keyed within one only)
+    traces = _KEPT if all(k[0] != "id" for k in key[1]) else _TRACES.get()
     kept = None if traces is None else traces.get(key)
     if kept is not None and kept[0] is rule:
         return kept[1]
@@ -114,6 +118,8 @@ def trace(rule, spec, array_at, scalars, samples, mode: str, method: str = "appl
     found = Step(program, np.array(rec.consts, dtype=np.float64), scalars, tuple(writes),
                  tuple(like.sample for _, like in outputs), new_value)
     if traces is not None:
+        if traces is _KEPT and len(_KEPT) >= _KEEP:
+            _KEPT.clear()  # (rules adjusted step after step: each a new rule)
         traces[key] = (rule, found, scalars)  # (holding them: the ids in the key stay theirs)
     return found
 
