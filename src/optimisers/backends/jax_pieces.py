@@ -46,8 +46,7 @@ def step_in_pieces(step, state, x, dx):
         inner = [_piece_of(parts[i], given[i]) if i in given else parts[i] for i in range(len(parts))]
         new_state, out = step(unflatten_state(spec, iter(inner)), xs, dxs)
         new_parts: list = []
-        if flatten_state(new_state, new_parts) != spec:
-            raise TypeError("a rule changed the structure of its state within a step")
+        flatten_state(new_state, new_parts)  # (of `spec`'s structure: `step` checks it)
         return new_parts, out
 
     flat = (x.reshape(k, -1), dx.reshape(k, -1), [split[i] for i in mapped])
