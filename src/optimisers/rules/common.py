@@ -79,6 +79,17 @@ def sharing_step_scalars():
         _SHARED.reset(token)
 
 
+@contextlib.contextmanager
+def own_step_scalars():
+    """Scalars computed here are neither shared with nor taken from the update's: a step traced
+    inside a JAX loop (`lax.map`), whose values must not leave it."""
+    token = _SHARED.set(None)
+    try:
+        yield
+    finally:
+        _SHARED.reset(token)
+
+
 def step_scalars(x, count, beta):
     """`(t, β₁, 1−β₁, β₂, 1−β₂, 1−β₁ᵗ, 1−β₂ᵗ)` at `t = count + 1`, the rest as scalars of `x`'s
     type, dtype and device; one computation per counter, betas and kind of array of an update."""

@@ -14,6 +14,7 @@ from optimisers.core.quantised import Quantised, checked_format
 from optimisers.core.rule import Rule
 from optimisers.core.state import flatten_state, unflatten_state
 from optimisers.rules.combinators import _Wrapper
+from optimisers.rules.common import own_step_scalars
 
 __all__ = ["LowBit"]
 
@@ -79,12 +80,16 @@ class LowBit(_Wrapper):
     def apply(self, state, x, dx):
         # (JAX on one CPU device: piece by piece, `backends.jax_pieces` says why)
         in_pieces = getattr(ops.backend(x), "step_in_pieces", None) if self.rule.elementwise else None
-        stepped = in_pieces(self._step, state, x, dx) if in_pieces is not None else None
+        stepped = in_pieces(self._step_apart, state, x, dx) if in_pieces is not None else None
         return self._step(state, x, dx) if stepped is None else stepped
 
     # (its state is its rule's, a schedule's step count included: passed on whole, not unwrapped
     # as a rule's own schedules are)
     apply._wrapped = True
+
+    def _step_apart(self, state, x, dx):
+        with own_step_scalars():  # (traced inside `lax.map`: its scalars stay there)
+            return self._step(state, x, dx)
 
     def _step(self, state, x, dx):
         wide, spec, parts = _dequantised(state, x)
