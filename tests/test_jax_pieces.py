@@ -140,3 +140,27 @@ def test_a_model_of_several_arrays_sharing_a_step_count(monkeypatch):
     for k in shapes:
         a, b = np.asarray(in_pieces[k]), np.asarray(whole[k])
         assert np.mean(np.isclose(a, b, rtol=1e-6, atol=0)) > 0.999
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_parameters_step_in_pieces_as_whole(monkeypatch, dtype):
+    rule = opt.LowBit(opt.AdamW(1e-2, lambd=0.01), bits=8)
+    x0, grads = data(SHAPE, 2, seed=4)
+
+    def run():
+        x = jnp.asarray(x0, dtype)
+        state = opt.setup(rule, x)
+        step = jax.jit(lambda s, x, g: opt.update(s, x, g))
+        for g in grads:
+            state, x = step(state, x, jnp.asarray(g, dtype))
+        return state, x
+
+    taken = pieces_taken(monkeypatch)
+    state, x = run()
+    assert all(taken) and x.dtype == jnp.dtype(dtype)
+    monkeypatch.setattr(jax_pieces, "PIECE", 1 << 30)
+    whole_state, whole = run()
+    a, b = np.asarray(x, np.float32), np.asarray(whole, np.float32)
+    assert np.mean(a == b) > 0.999  # (a code that moved can move a half-precision rounding)
+    for ours, theirs in zip(state.tree.state[:2], whole_state.tree.state[:2]):
+        assert np.mean(np.asarray(ours.codes) == np.asarray(theirs.codes)) > 0.999
