@@ -5,9 +5,10 @@ the whole new moments in temporary buffers between the two. On the CPU those are
 afresh on every call, and the first touch of their pages costs as much as the step itself (a 4M
 array's 8-bit AdamW step: about 27 ms, of which 13 are page faults; optax.adamw takes 4).
 Stepping the array in pieces of whole blocks (`lax.map`; what is left over after the last whole
-piece, in one more step) keeps the temporaries a piece long, in cache and reused. The maths is
-the same per element, so the bits are too. Elsewhere (several devices, where a piece would cut
-across shards; GPUs, where XLA fuses the whole step) the step runs whole.
+piece, in one more step) keeps the temporaries a piece long, in cache and reused. The maths per
+element is the whole step's (XLA may round a multiply-add differently in the two programs).
+Elsewhere (several devices, where a piece would cut across shards; GPUs, where XLA fuses the
+whole step) the step runs whole.
 """
 
 from __future__ import annotations

@@ -71,19 +71,11 @@ _SHARED: contextvars.ContextVar[dict | None] = contextvars.ContextVar("step_scal
 
 
 @contextlib.contextmanager
-def sharing_step_scalars():
-    token = _SHARED.set({})
-    try:
-        yield
-    finally:
-        _SHARED.reset(token)
-
-
-@contextlib.contextmanager
-def own_step_scalars():
-    """Scalars computed here are neither shared with nor taken from the update's: a step traced
-    inside a JAX loop (`lax.map`), whose values must not leave it."""
-    token = _SHARED.set(None)
+def sharing_step_scalars(share: bool = True):
+    """Within, each counter's scalars are computed once; with `share` False, neither shared with
+    nor taken from the update's (a step traced inside a JAX loop, `lax.map`, whose values must
+    not leave it)."""
+    token = _SHARED.set({} if share else None)
     try:
         yield
     finally:

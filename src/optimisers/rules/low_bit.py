@@ -14,7 +14,7 @@ from optimisers.core.quantised import Quantised, checked_format
 from optimisers.core.rule import Rule
 from optimisers.core.state import flatten_state, unflatten_state
 from optimisers.rules.combinators import _Wrapper
-from optimisers.rules.common import own_step_scalars
+from optimisers.rules.common import sharing_step_scalars
 
 __all__ = ["LowBit"]
 
@@ -88,7 +88,7 @@ class LowBit(_Wrapper):
     apply._wrapped = True
 
     def _step_apart(self, state, x, dx):
-        with own_step_scalars():  # (traced inside `lax.map`: its scalars stay there)
+        with sharing_step_scalars(share=False):  # (traced inside `lax.map`: its scalars stay there)
             return self._step(state, x, dx)
 
     def _step(self, state, x, dx):
